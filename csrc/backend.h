@@ -1,0 +1,90 @@
+// The Backend interface: the physical/virtual memory primitives the KV cache is built on.
+//
+// Why an interface: the same cache logic (slots, layouts, transactions, reclamation) runs on the
+// CUDA driver's VMM API and on Linux host memory. Both expose the same model: reserve a virtual
+// range with no memory behind it, create fixed-size physical pages, map a page at a page-aligned
+// address inside a reservation, grant access to a run of mapped pages, unmap whole runs.
+//
+// Contract shared by every implementation (the CUDA rules, which the host backend also obeys so
+// that host tests catch misuse the driver would reject):
+//  - all sizes and addresses are multiples of page_bytes(), itself a multiple of granularity();
+//  - map() puts exactly one page at va; the range must be inside a reservation and unmapped;
+//  - set_access() covers only fully mapped ranges, and may span several adjacent pages;
+//  - unmap() covers whole mappings exactly;
+//  - failures throw vattention::Error (Kind::OutOfPages from create_page when memory is exhausted,
+//    Kind::Driver otherwise) and leave the backend as it was.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace vattention {
+
+using PageHandle = uint64_t;
+
+// DLPack device codes (kDLCPU = 1, kDLCUDA = 2), so bindings can export tensors without a table.
+struct DeviceId {
+  int32_t dl_device_type = 1;
+  int32_t ordinal = 0;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  Backend() = default;
+  Backend(const Backend&) = delete;
+  Backend& operator=(const Backend&) = delete;
+
+  // Smallest legal page size in bytes (host: the OS page size; CUDA: MINIMUM granularity).
+  virtual size_t granularity() const = 0;
+  // Size of the pages create_page() makes, fixed at construction.
+  virtual size_t page_bytes() const = 0;
+  virtual DeviceId device() const = 0;
+  // "host" or "cuda".
+  virtual std::string name() const = 0;
+
+  // Reserve bytes of virtual address space with no access and no memory behind it.
+  virtual uintptr_t reserve(size_t bytes) = 0;
+  // Give back a whole reservation. Precondition: nothing in it is mapped.
+  virtual void release_va(uintptr_t va, size_t bytes) = 0;
+
+  // Create one committed physical page of page_bytes(). Slow (CUDA: ~190 us per 2 MB page).
+  virtual PageHandle create_page() = 0;
+  // Return a page to the OS/driver. Legal while mapped (memory goes when the last mapping does).
+  virtual void destroy_page(PageHandle page) = 0;
+
+  // Map one page at va (page_bytes() long). The new mapping has no access until set_access().
+  virtual void map(uintptr_t va, PageHandle page) = 0;
+  // Grant read/write access to [va, va + bytes), which must be fully mapped.
+  virtual void set_access(uintptr_t va, size_t bytes) = 0;
+  // Unmap [va, va + bytes), which must cover whole mappings; the range stays reserved.
+  virtual void unmap(uintptr_t va, size_t bytes) = 0;
+
+  // Make the calling thread able to call this backend (CUDA: make the primary context current).
+  // Called by every thread, including the prefetch thread, before its first backend call.
+  virtual void bind_thread() {}
+
+  // Stream-ordered fences for deferred unmapping (DESIGN.md section 3, "Unmapping is not
+  // stream-ordered"). record_fence() records an event on `stream` (0 = legacy default stream) and
+  // returns an id; fence_done() polls it; fence_wait() blocks; fence_release() frees it.
+  // The host backend has nothing in flight: ids are 0 and always done.
+  virtual uint64_t record_fence(uintptr_t /*stream*/) { return 0; }
+  virtual bool fence_done(uint64_t /*fence*/) { return true; }
+  virtual void fence_wait(uint64_t /*fence*/) {}
+  virtual void fence_release(uint64_t /*fence*/) {}
+
+  // Bytes the OS/driver really holds for this backend's pages (host: memfd blocks). -1 if unknown.
+  virtual int64_t committed_bytes() const { return -1; }
+};
+
+// Builds the backend for a device string ("cpu", "cuda", "cuda:N") and page size.
+// Throws Error(Kind::Unavailable) with the reason when that backend cannot run here, and
+// Error(Kind::Config) when page_bytes is not a positive multiple of the granularity.
+std::unique_ptr<Backend> make_backend(const std::string& device, size_t page_bytes);
+
+// Why a backend is (un)available, for `python -m vattention info`: "" when it is available.
+std::string backend_unavailable_reason(const std::string& kind);
+
+}  // namespace vattention
