@@ -1,0 +1,199 @@
+"""KVCacheConfig: the shape, dtype, device and paging policy of one KV cache.
+
+All derived sizes (bytes per token, tokens per page, virtual bytes, ...) are properties, so a
+config is a plain value that can be printed, compared and hashed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Union
+
+import torch
+
+from .errors import ConfigError
+
+__all__ = ["KVCacheConfig", "parse_size", "DTYPES"]
+
+Size = Union[int, str]
+
+# torch dtype -> (DLPack type code, bits). kDLInt = 0, kDLUInt = 1, kDLFloat = 2, kDLBfloat = 4.
+DTYPES = {
+    torch.float16: (2, 16),
+    torch.bfloat16: (4, 16),
+    torch.float32: (2, 32),
+    torch.float64: (2, 64),
+    torch.int8: (0, 8),
+    torch.uint8: (1, 8),
+}
+
+LAYOUTS = ("layer", "mega")
+RECLAIM_POLICIES = ("deferred", "eager")
+
+_UNITS = {"": 1, "b": 1, "kb": 1 << 10, "kib": 1 << 10, "mb": 1 << 20, "mib": 1 << 20,
+          "gb": 1 << 30, "gib": 1 << 30, "tb": 1 << 40, "tib": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(size: Size, *, name: str = "size") -> int:
+    """Convert a size in bytes (int) or a string such as ``"64KB"``, ``"2MB"``, ``"1.5GB"`` to bytes.
+
+    Units are binary (1 KB = 1024 bytes), as in the CUDA documentation's "2 MB" granularity.
+
+    >>> parse_size("2MB"), parse_size("64KiB"), parse_size(4096)
+    (2097152, 65536, 4096)
+    """
+    if isinstance(size, bool):
+        raise ConfigError(f"{name} must be an int (bytes) or a string like '2MB', got {size!r}")
+    if isinstance(size, int):
+        value = size
+    elif isinstance(size, str):
+        m = _SIZE_RE.match(size)
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise ConfigError(
+                f"{name}={size!r} is not a size; use bytes or a number with one of "
+                "B, KB, MB, GB, TB (binary units)")
+        value = int(float(m.group(1)) * _UNITS[unit])
+    else:
+        raise ConfigError(f"{name} must be an int (bytes) or a string like '2MB', got {size!r}")
+    if value < 0:
+        raise ConfigError(f"{name}={size!r} must be >= 0 bytes")
+    return value
+
+
+def _normalize_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.replace("torch.", ""), dtype)
+    if dtype not in DTYPES:
+        names = ", ".join(str(d).replace("torch.", "") for d in DTYPES)
+        raise ConfigError(f"dtype={dtype!r} is not supported; supported dtypes: {names}")
+    return dtype
+
+
+def _normalize_device(device) -> str:
+    text = str(device) if isinstance(device, torch.device) else device
+    if not isinstance(text, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", text):
+        raise ConfigError(f"device={device!r} is not supported; use 'cpu', 'cuda' or 'cuda:N'")
+    return "cuda:0" if text == "cuda" else text
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KVCacheConfig:
+    """Shape and paging policy of a KV cache.
+
+    Parameters
+    ----------
+    num_layers, num_kv_heads, head_dim : int
+        Model dimensions (per tensor-parallel shard: pass the KV heads this process holds).
+    max_batch_size : int
+        Number of slots (rows); one request occupies one slot.
+    max_seq_len : int
+        Tokens per slot (virtual); physical pages are mapped only for tokens really used.
+    dtype : torch.dtype or str
+        Element type of K and V (float16, bfloat16, float32, float64, int8, uint8).
+    device : str
+        ``"cpu"`` (host backend) or ``"cuda"`` / ``"cuda:N"`` (CUDA driver backend).
+    page_size : int or str
+        Bytes per physical page, a multiple of the backend granularity (host: the OS page size;
+        CUDA: 2 MB). Default ``"2MB"``.
+    layout : str
+        ``"layer"``: one K and one V tensor per layer, ``[B, S, H, D]``.
+        ``"mega"``: one K and one V tensor ``[B, S, L, H, D]``; per-layer views have token stride
+        ``L*H*D``, so a page covers all layers of a few tokens (less waste, fewer mappings).
+
+    Examples
+    --------
+    >>> import torch, vattention
+    >>> cfg = vattention.KVCacheConfig(num_layers=32, num_kv_heads=8, head_dim=128,
+    ...                                max_batch_size=8, max_seq_len=4096, dtype=torch.bfloat16)
+    >>> cfg.bytes_per_token, cfg.tokens_per_page
+    (131072, 1024)
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_batch_size: int
+    max_seq_len: int
+    dtype: torch.dtype
+    device: str = "cpu"
+    page_size: Size = "2MB"
+    layout: str = "layer"
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "max_batch_size", "max_seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be a positive int (>= 1)")
+        object.__setattr__(self, "dtype", _normalize_dtype(self.dtype))
+        object.__setattr__(self, "device", _normalize_device(self.device))
+        if self.layout not in LAYOUTS:
+            raise ConfigError(f"layout={self.layout!r} must be one of {LAYOUTS}")
+        page_bytes = parse_size(self.page_size, name="page_size")
+        if page_bytes < 1:
+            raise ConfigError(f"page_size={self.page_size!r} must be > 0 bytes")
+        if self.tensor_token_bytes > page_bytes:
+            raise ConfigError(
+                f"page_size={self.page_size!r} ({page_bytes} bytes) holds less than one token: "
+                f"a token row of one {self.layout!r}-layout tensor is {self.tensor_token_bytes} "
+                f"bytes, so tokens_per_page would be < 1; use a page of at least that size")
+
+    # ---- derived sizes (bytes) -------------------------------------------------------------
+    @property
+    def page_bytes(self) -> int:
+        """Bytes per physical page."""
+        return parse_size(self.page_size, name="page_size")
+
+    @property
+    def element_bytes(self) -> int:
+        """Bytes per element of ``dtype``."""
+        return DTYPES[self.dtype][1] // 8
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token occupies across all layers, K and V: ``2 * L * H * D * element``."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.element_bytes
+
+    @property
+    def num_tensors(self) -> int:
+        """Virtual tensors reserved: ``2 * num_layers`` (layer layout) or 2 (mega layout)."""
+        return 2 * self.num_layers if self.layout == "layer" else 2
+
+    @property
+    def tensor_token_bytes(self) -> int:
+        """Bytes of one token's row in one virtual tensor (the token stride, in bytes)."""
+        per_layer = self.num_kv_heads * self.head_dim * self.element_bytes
+        return per_layer if self.layout == "layer" else per_layer * self.num_layers
+
+    @property
+    def tokens_per_page(self) -> int:
+        """Whole tokens one page holds in one tensor (tokens may straddle pages when not exact)."""
+        return self.page_bytes // self.tensor_token_bytes
+
+    @property
+    def slot_bytes(self) -> int:
+        """Virtual bytes of one slot's row in one tensor, padded up to a page multiple."""
+        raw = self.max_seq_len * self.tensor_token_bytes
+        return -(-raw // self.page_bytes) * self.page_bytes
+
+    @property
+    def pages_per_slot(self) -> int:
+        """Pages that back a full ``max_seq_len`` row of one tensor."""
+        return self.slot_bytes // self.page_bytes
+
+    @property
+    def virtual_bytes(self) -> int:
+        """Virtual address space reserved by the cache (no physical memory)."""
+        return self.num_tensors * self.max_batch_size * self.slot_bytes
+
+    @property
+    def static_bytes(self) -> int:
+        """Physical bytes a static allocator would hold for ``max_batch_size * max_seq_len``."""
+        return self.max_batch_size * self.max_seq_len * self.bytes_per_token
+
+    def pages_for_tokens(self, num_tokens: int) -> int:
+        """Pages (over all tensors) needed to back ``num_tokens`` tokens of one slot."""
+        per_tensor = -(-num_tokens * self.tensor_token_bytes // self.page_bytes)
+        return per_tensor * self.num_tensors

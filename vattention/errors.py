@@ -1,0 +1,60 @@
+"""Exception hierarchy (DESIGN.md section 7).
+
+Every message names the bad value and the limit; every failed call leaves the cache exactly as it
+was. Exceptions raised by the C++ core carry their numbers as attributes too (for example
+``OutOfPagesError.pages_needed`` and ``.pages_available``), so callers never parse messages.
+
+Example
+-------
+>>> import vattention
+>>> issubclass(vattention.OutOfPagesError, MemoryError)
+True
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "VAttentionError",
+    "ConfigError",
+    "InvalidSlotError",
+    "SequenceTooLongError",
+    "OutOfPagesError",
+    "DriverError",
+    "BackendUnavailableError",
+    "CacheClosedError",
+]
+
+
+class VAttentionError(Exception):
+    """Base class of every error this library raises on purpose."""
+
+
+class ConfigError(VAttentionError, ValueError):
+    """A configuration value is out of range (dimension, page size, dtype, layout, device)."""
+
+
+class InvalidSlotError(VAttentionError, ValueError):
+    """A slot index is out of range, not allocated, freed twice, or no slot is free."""
+
+
+class SequenceTooLongError(VAttentionError, ValueError):
+    """A sequence length is negative or beyond ``max_seq_len``."""
+
+
+class OutOfPagesError(VAttentionError, MemoryError):
+    """Physical pages ran out. Recoverable: nothing was mapped; preempt a request and retry.
+
+    Attributes ``pages_needed`` and ``pages_available`` (pages of ``page_bytes``) say by how much.
+    """
+
+
+class DriverError(VAttentionError, RuntimeError):
+    """A CUDA driver or OS call failed. Attributes: ``call``, ``code``, ``error_string``."""
+
+
+class BackendUnavailableError(VAttentionError, RuntimeError):
+    """The requested backend cannot run on this machine; the message says why."""
+
+
+class CacheClosedError(VAttentionError, RuntimeError):
+    """The cache was used after ``close()``."""
