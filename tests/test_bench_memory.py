@@ -217,3 +217,34 @@ def test_cli_writes_table_json_and_files(tmp_path, capsys):
 def test_cli_rejects_bad_budget(capsys):
     with pytest.raises(SystemExit):
         cli.main(["memory", "--budget", "lots"])
+
+
+def test_plots_are_skipped_without_matplotlib(tmp_path, monkeypatch):
+    from vattention.bench import report as report_mod
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now raises ImportError
+    bench = _run(_workload(n=5), ["ideal"])
+    assert report_mod.write_plots(bench, str(tmp_path / "x")) == []
+    paths = report_mod.write_report(bench, str(tmp_path))
+    assert [os.path.basename(p) for p in paths] == ["memory_synthetic_small.md",
+                                                    "memory_synthetic_small.json"]
+
+
+def test_plots_are_written_with_matplotlib(tmp_path):
+    pytest.importorskip("matplotlib")
+    from vattention.bench.report import write_plots
+    bench = _run(_workload(n=5), ["static-max", "ideal"])
+    paths = write_plots(bench, str(tmp_path / "p"))
+    assert [os.path.basename(p) for p in paths] == ["p_efficiency.png", "p_concurrency.png"]
+    for p in paths:
+        with open(p, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_progress_fallback_without_tqdm(monkeypatch, capsys):
+    from vattention.bench.progress import Progress
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    with Progress(4, "ideal") as bar:
+        for _ in range(4):
+            bar.update(1)
+    err = capsys.readouterr().err
+    assert "ideal" in err and "100% (4/4)" in err

@@ -21,7 +21,8 @@ from typing import Callable, Dict, Optional
 from .workload import ModelShape
 
 __all__ = ["Allocator", "StaticAllocator", "BlockAllocator", "VAttentionAllocator",
-           "make_allocator", "min_bytes_for_request", "ALL_ALLOCATORS", "BASELINES", "VATTENTION_VARIANTS",
+           "make_allocator", "min_bytes_for_request", "page_geometry",
+           "ALL_ALLOCATORS", "BASELINES", "VATTENTION_VARIANTS",
            "ALLOCATOR_NOTES"]
 
 logger = logging.getLogger(__name__)
@@ -229,6 +230,8 @@ class VAttentionAllocator(Allocator):
         factory = cache_factory or _real_cache_factory
         self.cache = factory(model, layout, page_size, max_batch_size, max_seq_len, budget_bytes)
         self.layout, self.page_size, self.verify = layout, page_size, verify
+        self.max_batch_size = max_batch_size
+        self._geometry = page_geometry(model, layout, page_size)
         self._slot: Dict[int, int] = {}     # rid -> slot
         self._length: Dict[int, int] = {}   # rid -> tokens backed by the last step
         self.failed_steps = 0
@@ -289,6 +292,14 @@ class VAttentionAllocator(Allocator):
             if backed < n:
                 raise AssertionError(f"{self.name}: request {rid} needs {n} tokens, slot "
                                      f"{self._slot[rid]} backs {backed}")
+        tensors, token_bytes, page_bytes = self._geometry
+        if page_bytes % token_bytes:
+            return  # tokens straddle pages: mapped_tokens does not give the page count
+        pages = sum(tensors * -(-self.cache.mapped_tokens(s) * token_bytes // page_bytes)
+                    for s in range(self.max_batch_size))
+        if pages != stats["pages_mapped"]:
+            raise AssertionError(f"{self.name}: slots back {pages} pages of tokens, stats say "
+                                 f"{stats['pages_mapped']} pages mapped")
 
     def close(self) -> None:
         self.cache.close()
@@ -355,8 +366,20 @@ def min_bytes_for_request(name: str, model: ModelShape, num_tokens: int,
     if not name.startswith("vattention-"):
         return num_tokens * bpt
     _, layout, page = name.split("-")
-    page_bytes = int(page[:-2]) << {"KB": 10, "MB": 20, "GB": 30}[page[-2:].upper()]
-    per_layer = model.num_kv_heads * model.head_dim * model.element_bytes
-    tensors, token_bytes = ((2 * model.num_layers, per_layer) if layout == "layer"
-                            else (2, per_layer * model.num_layers))
+    tensors, token_bytes, page_bytes = page_geometry(model, layout, page)
     return tensors * -(-num_tokens * token_bytes // page_bytes) * page_bytes
+
+
+def page_geometry(model: ModelShape, layout: str, page_size: str):
+    """``(num_tensors, tensor_token_bytes, page_bytes)`` of a vattention cache, as in
+    ``KVCacheConfig``.
+
+    >>> from vattention.bench.workload import MODELS
+    >>> page_geometry(MODELS["llama3-8b"], "mega", "2MB")
+    (2, 65536, 2097152)
+    """
+    page_bytes = int(page_size[:-2]) << {"KB": 10, "MB": 20, "GB": 30}[page_size[-2:].upper()]
+    per_layer = model.num_kv_heads * model.head_dim * model.element_bytes
+    if layout == "layer":
+        return 2 * model.num_layers, per_layer, page_bytes
+    return 2, per_layer * model.num_layers, page_bytes
