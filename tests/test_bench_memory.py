@@ -92,7 +92,9 @@ def test_vattention_physical_bytes_are_whole_mapped_pages(factory, name):
     result = report.results[name]
     page_bytes = (2 * MiB) if name.endswith("2MB") else 64 * 1024
     assert np.all(result.held_bytes % page_bytes == 0)
+    assert np.all(result.mapped_bytes % page_bytes == 0)
     assert np.all(result.held_bytes >= result.live_tokens * SMALL.bytes_per_token)
+    assert np.all(result.mapped_bytes >= result.held_bytes)
     metrics = report.metrics[name]
     assert metrics["map_calls"] > 0
     assert metrics["map_calls_per_step"] == metrics["map_calls"] / metrics["steps"]

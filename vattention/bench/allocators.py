@@ -5,12 +5,16 @@
 * ``paged-16``: vLLM-style blocks of 16 tokens. **Block arithmetic**, not vLLM itself.
 * ``ideal``: the physical limit, holding exactly the live tokens (blocks of one token).
 * ``vattention-<layout>-<page>``: the real :class:`vattention.KVCache` on the host backend
-  (``device="cpu"``), with ``memory_budget`` = the KV budget; held bytes are read from
-  ``cache.stats()["bytes_mapped"]``, so pages kept by freed slots (deferred reclamation) count.
+  (``device="cpu"``), with ``memory_budget`` = the KV budget and deferred reclamation (the
+  default). Two measured figures: bytes mapped to running requests' slots (pages backing
+  ``cache.mapped_tokens(slot)``: ``held_bytes``), and all mapped bytes from
+  ``cache.stats()["bytes_mapped"]`` (``mapped_bytes``), which also counts pages that freed slots
+  keep until another request needs them.
 
 Interface (what :func:`vattention.bench.memory.simulate` calls): ``admit(rid, num_tokens,
 final_tokens) -> bool``, ``grow({rid: num_tokens}) -> bool`` (transactional: False changes
-nothing), ``release(rid)``, ``held_bytes()``, ``counters()`` and ``close()``.
+nothing), ``release(rid)``, ``held_bytes()``, ``mapped_bytes()``, ``counters()``, ``check()``
+and ``close()``.
 """
 
 from __future__ import annotations
@@ -67,8 +71,12 @@ class Allocator:
         raise NotImplementedError
 
     def held_bytes(self) -> int:
-        """Physical bytes held now."""
+        """Physical bytes held for the running requests now."""
         raise NotImplementedError
+
+    def mapped_bytes(self) -> int:
+        """Physical bytes committed now, including memory cached for reuse (default: held)."""
+        return self.held_bytes()
 
     def counters(self) -> Dict[str, int]:
         """Cumulative allocator-specific counters (e.g. map calls); empty by default."""
@@ -269,7 +277,16 @@ class VAttentionAllocator(Allocator):
         self._length.pop(rid, None)
         # Deferred reclamation: the slot keeps its pages; the next step must not list it.
 
+    def _slot_pages(self, slot: int) -> int:
+        """Pages (all tensors) mapped in ``slot``: exact inverse of ``mapped_tokens``."""
+        tensors, token_bytes, page_bytes = self._geometry
+        return tensors * -(-self.cache.mapped_tokens(slot) * token_bytes // page_bytes)
+
     def held_bytes(self) -> int:
+        pages = sum(self._slot_pages(slot) for slot in self._slot.values())
+        return pages * self._geometry[2]
+
+    def mapped_bytes(self) -> int:
         return int(self.cache.stats()["bytes_mapped"])
 
     def counters(self) -> Dict[str, int]:
@@ -292,11 +309,7 @@ class VAttentionAllocator(Allocator):
             if backed < n:
                 raise AssertionError(f"{self.name}: request {rid} needs {n} tokens, slot "
                                      f"{self._slot[rid]} backs {backed}")
-        tensors, token_bytes, page_bytes = self._geometry
-        if page_bytes % token_bytes:
-            return  # tokens straddle pages: mapped_tokens does not give the page count
-        pages = sum(tensors * -(-self.cache.mapped_tokens(s) * token_bytes // page_bytes)
-                    for s in range(self.max_batch_size))
+        pages = sum(self._slot_pages(slot) for slot in range(self.max_batch_size))
         if pages != stats["pages_mapped"]:
             raise AssertionError(f"{self.name}: slots back {pages} pages of tokens, stats say "
                                  f"{stats['pages_mapped']} pages mapped")

@@ -39,8 +39,9 @@ class SimResult:
 
     Attributes
     ----------
-    concurrency, live_tokens, held_bytes : numpy.ndarray
-        Per step: running requests, tokens in their KV, physical bytes the allocator held.
+    concurrency, live_tokens, held_bytes, mapped_bytes : numpy.ndarray
+        Per step: running requests, tokens in their KV, physical bytes held for them, and all
+        physical bytes committed (vattention: including pages freed slots keep for reuse).
     prefill_tokens, decode_tokens, recomputed_tokens : int
         Tokens prefilled at first admission, decoded, and prefilled again after preemption.
     counters_start, counters_end : dict
@@ -55,6 +56,7 @@ class SimResult:
     concurrency: np.ndarray
     live_tokens: np.ndarray
     held_bytes: np.ndarray
+    mapped_bytes: np.ndarray
     finished: int
     preemptions: int
     prefill_tokens: int
@@ -105,7 +107,7 @@ def simulate(allocator: Allocator, workload: Workload, *, max_batch_size: int,
     queue = collections.deque(range(n))
     running: List[int] = []            # admission order: youngest last
     length: Dict[int, int] = {}        # rid -> KV tokens
-    conc, live, held = [], [], []
+    conc, live, held, mapped = [], [], [], []
     finished = preemptions = prefilled = decoded = recomputed = 0
     counters_start = allocator.counters()
     started = time.perf_counter()
@@ -145,12 +147,13 @@ def simulate(allocator: Allocator, workload: Workload, *, max_batch_size: int,
         conc.append(len(running))  # 3. record this iteration
         live.append(sum(length.values()))
         held.append(allocator.held_bytes())
+        mapped.append(allocator.mapped_bytes())
         if check:
             allocator.check()
-            if not live[-1] * bpt <= held[-1] <= allocator.budget_bytes:
+            if not live[-1] * bpt <= held[-1] <= mapped[-1] <= allocator.budget_bytes:
                 raise AssertionError(f"{allocator.name} step {len(conc)}: live "
-                                     f"{live[-1] * bpt} held {held[-1]} budget "
-                                     f"{allocator.budget_bytes}")
+                                     f"{live[-1] * bpt} held {held[-1]} mapped {mapped[-1]} "
+                                     f"budget {allocator.budget_bytes}")
         done = [rid for rid in running if length[rid] >= total[rid]]  # 4. finish
         for rid in done:
             running.remove(rid)
@@ -163,7 +166,8 @@ def simulate(allocator: Allocator, workload: Workload, *, max_batch_size: int,
         allocator=allocator.name, note=allocator.note, bytes_per_token=bpt,
         budget_bytes=allocator.budget_bytes, max_batch_size=max_batch_size,
         concurrency=np.asarray(conc, dtype=np.int64), live_tokens=np.asarray(live, np.int64),
-        held_bytes=np.asarray(held, dtype=np.int64), finished=finished,
+        held_bytes=np.asarray(held, dtype=np.int64),
+        mapped_bytes=np.asarray(mapped, dtype=np.int64), finished=finished,
         preemptions=preemptions, prefill_tokens=prefilled, decode_tokens=decoded,
         recomputed_tokens=recomputed, counters_start=counters_start,
         counters_end=allocator.counters(), wall_seconds=time.perf_counter() - started)
@@ -172,9 +176,12 @@ def simulate(allocator: Allocator, workload: Workload, *, max_batch_size: int,
 def summarize(result: SimResult) -> Dict[str, object]:
     """Metrics of one run, as written to JSON.
 
-    ``efficiency_*`` = bytes of live tokens / physical bytes held; ``efficiency_mean`` averages
-    over iterations, ``efficiency_peak`` is taken at the iteration with the most live tokens
-    (peak load). vattention rows add ``map_calls_per_step`` and ``unmap_calls_per_step``.
+    ``efficiency_*`` = bytes of live tokens / physical bytes held for the running requests;
+    ``efficiency_mean`` averages over iterations, ``efficiency_peak`` is taken at the iteration
+    with the most live tokens (peak load). Where the allocator commits more than it holds for
+    requests (vattention's deferred reclamation), ``efficiency_mapped_mean`` and
+    ``efficiency_mapped_peak`` divide by all mapped bytes instead. vattention rows add
+    ``map_calls_per_step`` and ``unmap_calls_per_step``.
     """
     live_bytes = result.live_tokens * result.bytes_per_token
     efficiency = live_bytes / np.maximum(result.held_bytes, 1)
@@ -193,6 +200,11 @@ def summarize(result: SimResult) -> Dict[str, object]:
         "wall_seconds": round(result.wall_seconds, 3),
         "note": result.note,
     }
+    if "map_calls" in result.counters_end:
+        mapped = live_bytes / np.maximum(result.mapped_bytes, 1)
+        metrics["efficiency_mapped_mean"] = float(mapped.mean())
+        metrics["efficiency_mapped_peak"] = float(mapped[peak])
+        metrics["mapped_bytes_max"] = int(result.mapped_bytes.max())
     start, end = result.counters_start, result.counters_end
     for key in ("map_calls", "unmap_calls"):
         if key in end:
