@@ -250,3 +250,24 @@ def test_progress_fallback_without_tqdm(monkeypatch, capsys):
             bar.update(1)
     err = capsys.readouterr().err
     assert "ideal" in err and "100% (4/4)" in err
+
+
+def test_driver_error_becomes_a_failed_row_and_other_rows_still_run():
+    from vattention.errors import DriverError
+    from vattention.bench.report import markdown_table
+
+    class FailingCache(FakeKVCache):
+        def step(self, lengths):
+            if sum(self.pages) > 2:
+                raise DriverError("mmap(MAP_FIXED|MAP_SHARED page) failed: Cannot allocate "
+                                  "memory (errno 12)")
+            super().step(lengths)
+
+    report = run_memory_benchmark(_workload(n=10), SMALL, budget_bytes=32 * MiB,
+                                  max_seq_len=4096, max_batch_size=8,
+                                  allocators=["vattention-mega-64KB", "ideal"],
+                                  cache_factory=FailingCache, progress=False)
+    assert "max_map_count" in report.metrics["vattention-mega-64KB"]["error"]
+    assert report.metrics["ideal"]["finished"] == 10
+    assert list(report.results) == ["ideal"]
+    assert "| vattention-mega-64KB | failed: mmap" in markdown_table(report)

@@ -24,6 +24,8 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
+from vattention.errors import DriverError
+
 from .allocators import ALL_ALLOCATORS, Allocator, make_allocator, min_bytes_for_request
 from .progress import Progress
 from .workload import ModelShape, Workload
@@ -304,9 +306,35 @@ def run_memory_benchmark(workload: Workload, model: ModelShape, *, budget_bytes:
             with Progress(workload.num_requests, name, enabled=progress) as bar:
                 result = simulate(allocator, workload, max_batch_size=max_batch_size,
                                   on_finish=bar.update, check=check)
+        except DriverError as exc:  # an OS/driver limit, reported as this row's result
+            metrics[name] = {"error": _explain_driver_error(exc)}
+            logger.warning("%s failed: %s", name, metrics[name]["error"])
+            continue
         finally:
-            allocator.close()
+            _close_quietly(allocator)
         results[name] = result
         metrics[name] = summarize(result)
         logger.info("%s: %s", name, metrics[name])
     return BenchReport(meta=meta, results=results, metrics=metrics)
+
+
+def _explain_driver_error(exc: Exception) -> str:
+    """The error text, plus the likely cause when the host backend ran out of mappings."""
+    text = str(exc)
+    if "Cannot allocate memory" in text or "errno 12" in text:
+        try:
+            with open("/proc/sys/vm/max_map_count") as f:
+                limit = f.read().strip()
+        except OSError:
+            limit = "?"
+        text += (f" -- the host backend maps every page separately and Linux allows "
+                 f"vm.max_map_count={limit} mappings per process; use a larger page, a smaller "
+                 "--budget, or raise vm.max_map_count")
+    return text
+
+
+def _close_quietly(allocator: Allocator) -> None:
+    try:
+        allocator.close()
+    except Exception as exc:  # closing after a failed OS call must not hide that failure
+        logger.warning("%s: close failed: %s", allocator.name, exc)

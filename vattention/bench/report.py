@@ -61,6 +61,9 @@ def markdown_table(report: BenchReport) -> str:
                  "maps/step | unmaps/step |")
     lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, m in rows.items():
+        if "error" in m:
+            lines.append(f"| {name} | failed: {m['error']} |" + " |" * 9)
+            continue
         ratio = f"{m['concurrency_mean'] / base:.2f}x" if base else "-"
         maps = f"{m['map_calls_per_step']:.2f}" if "map_calls_per_step" in m else "-"
         unmaps = f"{m['unmap_calls_per_step']:.2f}" if "unmap_calls_per_step" in m else "-"
@@ -111,7 +114,7 @@ def write_plots(report: BenchReport, prefix: str) -> List[str]:
     except ImportError:
         logger.warning("matplotlib is not installed: no plots (pip install 'vattention[bench]')")
         return []
-    names = list(report.metrics)
+    names = [n for n in report.metrics if n in report.results]
     title = (f"{report.meta['trace']}, {report.meta['model']}, "
              f"{format_bytes(report.meta['budget_bytes'])} KV budget")
     fig, ax = plt.subplots(figsize=(7.5, 3.8), dpi=100)
