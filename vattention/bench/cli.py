@@ -107,11 +107,18 @@ def _run_memory(args: argparse.Namespace) -> int:
         print("no plots: matplotlib is not installed (pip install 'vattention[bench]')",
               file=sys.stderr)
     print("wrote " + ", ".join(paths), file=sys.stderr)
-    return 0
+    failed = [name for name, m in report.metrics.items() if "error" in m]
+    if failed:
+        print(f"{len(failed)} of {len(report.metrics)} allocators failed: {', '.join(failed)}",
+              file=sys.stderr)
+    return 1 if len(failed) == len(report.metrics) else 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Run ``bench`` with ``argv`` (without the leading ``bench``); return the exit status.
+
+    0 when at least one allocator ran (rows that failed say why in the table and JSON), 1 when
+    none did, 2 on a usage or setup error.
 
     Examples
     --------

@@ -279,12 +279,6 @@ def run_memory_benchmark(workload: Workload, model: ModelShape, *, budget_bytes:
     if int(total.max()) > max_seq_len:
         raise ValueError(f"max_seq_len={max_seq_len} is below the longest request "
                          f"({int(total.max())} tokens)")
-    for name in allocators:
-        need = min_bytes_for_request(name, model, int(total.max()), max_seq_len)
-        if need > budget_bytes:
-            raise ValueError(f"{name}: the longest request ({int(total.max())} tokens) needs "
-                             f"{need} bytes alone, over the budget of {budget_bytes} bytes; "
-                             "raise --budget or drop that allocator")
     meta: Dict[str, object] = {
         "trace": workload.name, "num_requests": workload.num_requests,
         "sampled_with_replacement": workload.sampled_with_replacement,
@@ -299,6 +293,13 @@ def run_memory_benchmark(workload: Workload, model: ModelShape, *, budget_bytes:
     results: Dict[str, SimResult] = {}
     metrics: Dict[str, Dict[str, object]] = {}
     for name in allocators:
+        need = min_bytes_for_request(name, model, int(total.max()), max_seq_len)
+        if need > budget_bytes:
+            metrics[name] = {"error": f"the longest request ({int(total.max())} tokens) needs "
+                                      f"{need} bytes alone, over the budget of {budget_bytes} "
+                                      "bytes"}
+            logger.warning("%s skipped: %s", name, metrics[name]["error"])
+            continue
         allocator = make_allocator(name, model, budget_bytes=budget_bytes,
                                    max_seq_len=max_seq_len, max_batch_size=max_batch_size,
                                    cache_factory=cache_factory, verify=check)
