@@ -300,3 +300,17 @@ def test_cli_all_rows_failed_exits_1(tmp_path, capsys):
                        "--quiet", "--no-plots"])
     assert status == 1
     assert "2 of 2 allocators failed" in capsys.readouterr().err
+
+
+def test_host_mapping_limit_is_checked_up_front():
+    from vattention.bench.allocators import host_mapping_problem
+    if not os.path.exists("/proc/sys/vm/max_map_count"):
+        pytest.skip("not Linux")
+    with open("/proc/sys/vm/max_map_count") as f:
+        limit = int(f.read())
+    model = ModelShape("m", 32, 8, 128)
+    over = (limit + 10) * 64 * 1024  # more 64 KB pages than the process may map
+    assert "vm.max_map_count" in host_mapping_problem("vattention-mega-64KB", model, over)
+    assert host_mapping_problem("vattention-mega-2MB", model, over) is None
+    assert host_mapping_problem("vattention-mega-64KB", model, 1 << 30) is None
+    assert host_mapping_problem("paged-16", model, over) is None

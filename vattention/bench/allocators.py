@@ -26,6 +26,7 @@ from .workload import ModelShape
 
 __all__ = ["Allocator", "StaticAllocator", "BlockAllocator", "VAttentionAllocator",
            "make_allocator", "min_bytes_for_request", "page_geometry",
+           "host_mapping_problem",
            "ALL_ALLOCATORS", "BASELINES", "VATTENTION_VARIANTS",
            "ALLOCATOR_NOTES"]
 
@@ -396,3 +397,37 @@ def page_geometry(model: ModelShape, layout: str, page_size: str):
     if layout == "layer":
         return 2 * model.num_layers, per_layer, page_bytes
     return 2, per_layer * model.num_layers, page_bytes
+
+
+def host_mapping_problem(name: str, model: ModelShape, budget_bytes: int) -> Optional[str]:
+    """Why the real host-backend cache for ``name`` cannot fill ``budget_bytes``, or None.
+
+    The host backend maps every page with its own ``mmap``, and Linux allows a process at
+    most ``vm.max_map_count`` mappings (65530 by default). A budget of ``N`` pages needs up to
+    ``N`` mappings plus one reservation per tensor plus what the process already has.
+    Reported up front: a run that hits the limit cannot even unmap (munmap splits mappings).
+
+    Examples
+    --------
+    >>> from vattention.bench.workload import MODELS
+    >>> host_mapping_problem("ideal", MODELS["llama3-8b"], 8 << 30) is None
+    True
+    """
+    if not name.startswith("vattention-"):
+        return None
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+        with open("/proc/self/maps") as f:
+            existing = sum(1 for _ in f)
+    except (OSError, ValueError):
+        return None  # not Linux, or unreadable: nothing to check
+    _, layout, page = name.split("-")
+    tensors, _, page_bytes = page_geometry(model, layout, page)
+    pages = budget_bytes // page_bytes
+    if pages + tensors + existing <= limit:
+        return None
+    fits = (limit - tensors - existing) * page_bytes
+    return (f"skipped: the host backend maps each {page} page separately; this budget needs up "
+            f"to {pages} page mappings + {existing} the process has, over vm.max_map_count="
+            f"{limit}. Use 2MB pages, a budget <= {fits >> 20}MB, or raise vm.max_map_count")

@@ -26,7 +26,8 @@ import numpy as np
 
 from vattention.errors import DriverError
 
-from .allocators import ALL_ALLOCATORS, Allocator, make_allocator, min_bytes_for_request
+from .allocators import (ALL_ALLOCATORS, Allocator, host_mapping_problem, make_allocator,
+                         min_bytes_for_request)
 from .progress import Progress
 from .workload import ModelShape, Workload
 
@@ -300,9 +301,19 @@ def run_memory_benchmark(workload: Workload, model: ModelShape, *, budget_bytes:
                                       "bytes"}
             logger.warning("%s skipped: %s", name, metrics[name]["error"])
             continue
-        allocator = make_allocator(name, model, budget_bytes=budget_bytes,
-                                   max_seq_len=max_seq_len, max_batch_size=max_batch_size,
-                                   cache_factory=cache_factory, verify=check)
+        problem = None if cache_factory else host_mapping_problem(name, model, budget_bytes)
+        if problem:
+            metrics[name] = {"error": problem}
+            logger.warning("%s %s", name, problem)
+            continue
+        try:
+            allocator = make_allocator(name, model, budget_bytes=budget_bytes,
+                                       max_seq_len=max_seq_len, max_batch_size=max_batch_size,
+                                       cache_factory=cache_factory, verify=check)
+        except DriverError as exc:
+            metrics[name] = {"error": _explain_driver_error(exc)}
+            logger.warning("%s failed: %s", name, metrics[name]["error"])
+            continue
         try:
             with Progress(workload.num_requests, name, enabled=progress) as bar:
                 result = simulate(allocator, workload, max_batch_size=max_batch_size,
