@@ -303,7 +303,7 @@ def test_cli_all_rows_failed_exits_1(tmp_path, capsys):
 
 
 def test_host_mapping_limit_is_checked_up_front():
-    from vattention.bench.allocators import host_mapping_problem
+    from vattention.bench.sizing import host_mapping_problem
     if not os.path.exists("/proc/sys/vm/max_map_count"):
         pytest.skip("not Linux")
     with open("/proc/sys/vm/max_map_count") as f:

@@ -26,8 +26,8 @@ import numpy as np
 
 from vattention.errors import DriverError
 
-from .allocators import (ALL_ALLOCATORS, Allocator, host_mapping_problem, make_allocator,
-                         min_bytes_for_request)
+from .allocators import ALL_ALLOCATORS, Allocator, make_allocator
+from .sizing import host_mapping_problem, min_bytes_for_request
 from .progress import Progress
 from .workload import ModelShape, Workload
 
