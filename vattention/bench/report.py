@@ -62,7 +62,8 @@ def markdown_table(report: BenchReport) -> str:
     lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, m in rows.items():
         if "error" in m:
-            lines.append(f"| {name} | failed: {m['error']} |" + " |" * 9)
+            error = m["error"] if m["error"].startswith("skipped") else f"failed: {m['error']}"
+            lines.append(f"| {name} | {error} |" + " |" * 9)
             continue
         ratio = f"{m['concurrency_mean'] / base:.2f}x" if base else "-"
         maps = f"{m['map_calls_per_step']:.2f}" if "map_calls_per_step" in m else "-"
