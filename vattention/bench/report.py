@@ -95,12 +95,14 @@ def write_json(report: BenchReport, path: str, *, with_meta: bool = False) -> No
         f.write("\n")
 
 
-def _downsample(series: np.ndarray, points: int = 2000) -> Tuple[np.ndarray, np.ndarray]:
-    steps = np.arange(1, len(series) + 1)
-    if len(series) <= points:
-        return steps, series
-    idx = np.linspace(0, len(series) - 1, points).astype(int)
-    return steps[idx], series[idx]
+def _smoothed(series: np.ndarray, points: int = 1000) -> Tuple[np.ndarray, np.ndarray, int]:
+    """Moving average over ``window`` steps, sampled at about ``points`` steps."""
+    window = max(1, len(series) // 100)
+    kernel = np.ones(window) / window
+    smooth = np.convolve(series.astype(float), kernel, mode="valid")
+    steps = np.arange(window, len(series) + 1)
+    idx = np.unique(np.linspace(0, len(smooth) - 1, min(points, len(smooth))).astype(int))
+    return steps[idx], smooth[idx], window
 
 
 def write_plots(report: BenchReport, prefix: str) -> List[str]:
@@ -122,24 +124,28 @@ def write_plots(report: BenchReport, prefix: str) -> List[str]:
     x = np.arange(len(names))
     mean = [100 * report.metrics[n]["efficiency_mean"] for n in names]
     peak = [100 * report.metrics[n]["efficiency_peak"] for n in names]
-    ax.bar(x - 0.2, mean, width=0.4, label="mean over steps")
-    ax.bar(x + 0.2, peak, width=0.4, label="at peak load")
+    cached = [100 * report.metrics[n].get("efficiency_mapped_mean", np.nan) for n in names]
+    ax.bar(x - 0.27, mean, width=0.27, label="mean over steps")
+    ax.bar(x, peak, width=0.27, label="at peak load")
+    ax.bar(x + 0.27, cached, width=0.27, label="mean, incl. pages cached by freed slots")
     ax.set_xticks(x, [n.replace("vattention-", "vA-") for n in names], rotation=30, ha="right",
                   fontsize=8)
     ax.set_ylabel("KV memory efficiency (%)")
     ax.set_ylim(0, 105)
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8, loc="lower left")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3)
     fig.tight_layout()
     paths = [f"{prefix}_efficiency.png"]
-    fig.savefig(paths[0])
+    fig.savefig(paths[0], bbox_inches="tight")
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(7.5, 3.8), dpi=100)
+    window = 1
     for name in names:
-        steps, conc = _downsample(report.results[name].concurrency)
-        ax.plot(steps, conc, label=name, linewidth=0.9)
+        steps, conc, window = _smoothed(report.results[name].concurrency)
+        ax.plot(steps, conc, label=name, linewidth=1.0)
     ax.set_xlabel("step")
-    ax.set_ylabel("concurrent requests")
+    ax.set_ylabel(f"concurrent requests ({window}-step mean)" if window > 1
+                  else "concurrent requests")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
