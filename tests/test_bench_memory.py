@@ -314,3 +314,15 @@ def test_host_mapping_limit_is_checked_up_front():
     assert host_mapping_problem("vattention-mega-2MB", model, over) is None
     assert host_mapping_problem("vattention-mega-64KB", model, 1 << 30) is None
     assert host_mapping_problem("paged-16", model, over) is None
+
+
+@pytest.mark.skipif("real" not in FACTORIES, reason="needs the built core")
+def test_eager_reclaim_maps_only_what_running_requests_hold():
+    report = run_memory_benchmark(_workload(n=20, seed=4), SMALL, budget_bytes=32 * MiB,
+                                  max_seq_len=4096, max_batch_size=16,
+                                  allocators=["vattention-mega-64KB"], check=True,
+                                  progress=False, reclaim="eager")
+    result = report.results["vattention-mega-64KB"]
+    assert report.meta["reclaim"] == "eager"
+    assert result.finished == 20
+    assert np.array_equal(result.mapped_bytes, result.held_bytes)

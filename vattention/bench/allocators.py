@@ -26,7 +26,7 @@ from .sizing import page_geometry
 from .workload import ModelShape
 
 __all__ = ["Allocator", "StaticAllocator", "BlockAllocator", "VAttentionAllocator",
-           "make_allocator",
+           "make_allocator", "real_cache_factory",
            "ALL_ALLOCATORS", "BASELINES", "VATTENTION_VARIANTS",
            "ALLOCATOR_NOTES"]
 
@@ -195,16 +195,20 @@ class BlockAllocator(Allocator):
         return self._used_blocks * self.block_tokens * self.bytes_per_token
 
 
-def _real_cache_factory(model: ModelShape, layout: str, page_size: str, max_batch_size: int,
-                        max_seq_len: int, budget_bytes: int):
-    """Create the real :class:`vattention.KVCache` on the host backend."""
+def real_cache_factory(model: ModelShape, layout: str, page_size: str, max_batch_size: int,
+                       max_seq_len: int, budget_bytes: int, *, reclaim: str = "deferred"):
+    """Create the real :class:`vattention.KVCache` on the host backend (``device="cpu"``).
+
+    ``reclaim`` is the cache's policy for pages of freed slots: ``"deferred"`` (the default:
+    kept until another request needs them) or ``"eager"`` (unmapped at ``free``).
+    """
     import vattention  # imported late: needs the built core and torch
 
     cfg = vattention.KVCacheConfig(
         num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
         max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=model.dtype,
         device="cpu", page_size=page_size, layout=layout)
-    return vattention.KVCache(cfg, memory_budget=budget_bytes)
+    return vattention.KVCache(cfg, memory_budget=budget_bytes, reclaim=reclaim)
 
 
 class VAttentionAllocator(Allocator):
@@ -236,7 +240,7 @@ class VAttentionAllocator(Allocator):
                  cache_factory: Optional[Callable] = None, verify: bool = False) -> None:
         super().__init__(f"vattention-{layout}-{page_size}", budget_bytes,
                          model.bytes_per_token)
-        factory = cache_factory or _real_cache_factory
+        factory = cache_factory or real_cache_factory
         self.cache = factory(model, layout, page_size, max_batch_size, max_seq_len, budget_bytes)
         self.layout, self.page_size, self.verify = layout, page_size, verify
         self.max_batch_size = max_batch_size

@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="most concurrent requests, for every allocator (default: 256)")
     mem.add_argument("--allocators", type=_allocator_list, default=list(ALL_ALLOCATORS),
                      help="comma-separated subset of: " + ", ".join(ALL_ALLOCATORS))
+    mem.add_argument("--reclaim", choices=("deferred", "eager"), default="deferred",
+                     help="what the vattention caches do with a freed slot's pages: keep them "
+                          "until needed elsewhere (deferred, the default) or unmap at once")
     mem.add_argument("--out", default="bench_results",
                      help="directory for the markdown, JSON and PNG files "
                           "(default: bench_results/)")
@@ -97,7 +100,7 @@ def _run_memory(args: argparse.Namespace) -> int:
     report = run_memory_benchmark(workload, model, budget_bytes=args.budget,
                                   max_seq_len=max_seq_len, max_batch_size=args.max_batch_size,
                                   allocators=args.allocators, check=args.check,
-                                  progress=not args.quiet)
+                                  progress=not args.quiet, reclaim=args.reclaim)
     print(markdown_table(report))
     paths = write_report(report, args.out, plots=not args.no_plots)
     if args.json:

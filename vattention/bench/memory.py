@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import time
 from typing import Callable, Dict, List, Optional
@@ -26,7 +27,7 @@ import numpy as np
 
 from vattention.errors import DriverError
 
-from .allocators import ALL_ALLOCATORS, Allocator, make_allocator
+from .allocators import ALL_ALLOCATORS, Allocator, make_allocator, real_cache_factory
 from .sizing import host_mapping_problem, min_bytes_for_request
 from .progress import Progress
 from .workload import ModelShape, Workload
@@ -242,7 +243,8 @@ class BenchReport:
 def run_memory_benchmark(workload: Workload, model: ModelShape, *, budget_bytes: int,
                          max_seq_len: int, max_batch_size: int,
                          allocators=ALL_ALLOCATORS, cache_factory: Optional[Callable] = None,
-                         check: bool = False, progress: bool = True) -> BenchReport:
+                         check: bool = False, progress: bool = True,
+                         reclaim: str = "deferred") -> BenchReport:
     """Simulate ``workload`` once per allocator, one allocator alive at a time.
 
     Parameters
@@ -264,6 +266,9 @@ def run_memory_benchmark(workload: Workload, model: ModelShape, *, budget_bytes:
         Check invariants every step (slower; tests).
     progress : bool
         Show a progress bar per allocator.
+    reclaim : str
+        Reclamation policy of the real vattention caches: ``"deferred"`` (default) or
+        ``"eager"``.
 
     Examples
     --------
@@ -290,7 +295,11 @@ def run_memory_benchmark(workload: Workload, model: ModelShape, *, budget_bytes:
         "num_kv_heads": model.num_kv_heads, "head_dim": model.head_dim, "dtype": model.dtype,
         "bytes_per_token": model.bytes_per_token, "budget_bytes": int(budget_bytes),
         "max_seq_len": int(max_seq_len), "max_batch_size": int(max_batch_size),
+        "reclaim": reclaim,
     }
+    factory = cache_factory
+    if factory is None and reclaim != "deferred":
+        factory = functools.partial(real_cache_factory, reclaim=reclaim)
     results: Dict[str, SimResult] = {}
     metrics: Dict[str, Dict[str, object]] = {}
     for name in allocators:
@@ -309,7 +318,7 @@ def run_memory_benchmark(workload: Workload, model: ModelShape, *, budget_bytes:
         try:
             allocator = make_allocator(name, model, budget_bytes=budget_bytes,
                                        max_seq_len=max_seq_len, max_batch_size=max_batch_size,
-                                       cache_factory=cache_factory, verify=check)
+                                       cache_factory=factory, verify=check)
         except DriverError as exc:
             metrics[name] = {"error": _explain_driver_error(exc)}
             logger.warning("%s failed: %s", name, metrics[name]["error"])

@@ -42,7 +42,8 @@ def _header(meta: Dict[str, object]) -> List[str]:
         f"D={meta['head_dim']}, {meta['dtype']}: {format_bytes(meta['bytes_per_token'])}"
         "/token);",
         f"KV budget {format_bytes(meta['budget_bytes'])}, max_seq_len {meta['max_seq_len']}, "
-        f"max_batch_size {meta['max_batch_size']}. paged-16 and the static rows are block "
+        f"max_batch_size {meta['max_batch_size']}, vattention reclaim "
+        f"{meta.get('reclaim', 'deferred')}. paged-16 and the static rows are block "
         "arithmetic; vattention rows are the real allocator (host backend), measured from "
         "`stats()`.",
         "Efficiency = live-token bytes / bytes held for running requests (mean over steps; "
