@@ -22,6 +22,8 @@ from __future__ import annotations
 import logging
 from typing import Callable, Dict, Optional
 
+from vattention.errors import InvalidSlotError, OutOfPagesError
+
 from .sizing import page_geometry
 from .workload import ModelShape
 
@@ -247,14 +249,12 @@ class VAttentionAllocator(Allocator):
         self._geometry = page_geometry(model, layout, page_size)
         self._slot: Dict[int, int] = {}     # rid -> slot
         self._length: Dict[int, int] = {}   # rid -> tokens backed by the last step
-        self.failed_steps = 0
-        from vattention.errors import InvalidSlotError, OutOfPagesError
-        self._errors = (InvalidSlotError, OutOfPagesError)
+        self.failed_steps = 0  # step() calls refused with OutOfPagesError (nothing changed)
 
     def _step(self, lengths: Dict[int, int]) -> bool:
         try:
             self.cache.step({self._slot[rid]: n for rid, n in lengths.items()})
-        except self._errors[1]:
+        except OutOfPagesError:
             self.failed_steps += 1
             return False
         self._length = dict(lengths)
@@ -265,7 +265,7 @@ class VAttentionAllocator(Allocator):
     def admit(self, rid: int, num_tokens: int, final_tokens: int) -> bool:
         try:
             slot = self.cache.alloc()
-        except self._errors[0]:
+        except InvalidSlotError:
             return False  # no free slot
         self._slot[rid] = slot
         if self._step({**self._length, rid: int(num_tokens)}):

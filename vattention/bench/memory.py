@@ -28,8 +28,8 @@ import numpy as np
 from vattention.errors import DriverError
 
 from .allocators import ALL_ALLOCATORS, Allocator, make_allocator, real_cache_factory
-from .sizing import host_mapping_problem, min_bytes_for_request
 from .progress import Progress
+from .sizing import host_mapping_problem, min_bytes_for_request
 from .workload import ModelShape, Workload
 
 __all__ = ["SimResult", "simulate", "summarize", "BenchReport", "run_memory_benchmark"]
