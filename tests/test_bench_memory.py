@@ -12,16 +12,13 @@ import sys
 
 import numpy as np
 import pytest
+from fake_kvcache import FakeKVCache  # tests/ is on sys.path (pytest rootdir-relative import)
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-from fake_kvcache import FakeKVCache  # noqa: E402
-from vattention.bench import cli  # noqa: E402
-from vattention.bench.allocators import (ALL_ALLOCATORS, BASELINES, VATTENTION_VARIANTS,  # noqa: E402
+from vattention.bench import cli
+from vattention.bench.allocators import (ALL_ALLOCATORS, BASELINES, VATTENTION_VARIANTS,
                                          BlockAllocator, StaticAllocator, make_allocator)
-from vattention.bench.memory import run_memory_benchmark, simulate  # noqa: E402
-from vattention.bench.workload import (ModelShape, Workload, default_max_seq_len,  # noqa: E402
-                                       load_workload)
+from vattention.bench.memory import run_memory_benchmark, simulate
+from vattention.bench.workload import ModelShape, Workload, default_max_seq_len, load_workload
 
 SMALL = ModelShape("small", num_layers=4, num_kv_heads=2, head_dim=64)  # 2 KB per token
 MiB = 1 << 20
