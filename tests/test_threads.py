@@ -19,6 +19,7 @@ def open_fds() -> int:
 
 
 def test_concurrent_alloc_step_prefetch_free_stats(device, layout):
+    gc.collect()   # earlier tests' garbage must not close descriptors during this one
     fds, rss = open_fds(), rss_shmem_bytes()
     cfg = vattention.KVCacheConfig(num_layers=2, num_kv_heads=4, head_dim=64, max_batch_size=16,
                                    max_seq_len=4096, dtype=torch.float16, page_size="64KB",
@@ -87,5 +88,5 @@ def test_concurrent_alloc_step_prefetch_free_stats(device, layout):
     cache.close()
     del cache
     gc.collect()
-    assert open_fds() == fds                       # memfd arenas closed
+    assert open_fds() <= fds                       # memfd arenas closed
     assert rss_shmem_bytes() - rss < (1 << 20)     # and their memory returned
