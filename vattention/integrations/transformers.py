@@ -105,9 +105,10 @@ class VAttentionLayer(CacheLayerMixin):
         self.seq_len = 0
 
     # -- transformers layer API ---------------------------------------------------------------
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def lazy_initialization(self, key_states: torch.Tensor,
+                            value_states: Optional[torch.Tensor] = None) -> None:
         """Check shapes/dtype against the ``KVCache`` and claim slots for the batch (first layer)."""
-        self._owner._claim_slots(key_states, value_states)
+        self._owner._claim_slots(key_states, key_states if value_states is None else value_states)
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
@@ -143,6 +144,8 @@ class VAttentionLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         """``-1``: like ``DynamicCache``, the mask is sized by the tokens present, not a maximum."""
         return -1
+
+    get_max_cache_shape = get_max_length  # the name transformers < 5.2x uses
 
     def reset(self) -> None:
         """Forget the cached tokens (the slot's pages stay with the ``KVCache``)."""
