@@ -99,6 +99,7 @@ def main() -> int:
                         help="host pages can be 4KB; CUDA pages are 2MB multiples")
     args = parser.parse_args()
 
+    torch.set_num_threads(1)   # tiny tensors: extra threads only add overhead
     model = tiny_llama(args.layers)
     ids = torch.randint(1, 256, (args.batch, args.prompt_len),
                         generator=torch.Generator().manual_seed(1))

@@ -121,19 +121,7 @@ def init_kvcache(num_layers: int, num_kv_heads: int, head_size: int, max_batch_s
     _state = _State(cache, megacache)
     if not megacache:
         return list(cache.k_cache) + list(cache.v_cache)
-    return [_mega_tensor(cache.k_cache), _mega_tensor(cache.v_cache)]
-
-
-def _mega_tensor(layer_views: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Rebuild the ``[B, S, L, H, D]`` tensor whose ``[:, :, l]`` slices are ``layer_views``."""
-    first = layer_views[0]
-    batch, seq, heads, dim = first.shape
-    layers = len(layer_views)
-    stride = (first.stride(0), first.stride(1), heads * dim, dim, 1)
-    mega = first.as_strided((batch, seq, layers, heads, dim), stride, first.storage_offset())
-    if layers > 1 and mega[:, :, 1].data_ptr() != layer_views[1].data_ptr():
-        raise VAttentionError("mega layout views are not evenly strided; cannot rebuild [B,S,L,H,D]")
-    return mega
+    return list(cache.mega_tensors())
 
 
 def get_cache() -> KVCache:
