@@ -204,3 +204,23 @@ def test_model_kv_shape_reads_head_dim_and_kv_heads():
     config = transformers.LlamaConfig(hidden_size=96, num_hidden_layers=3, num_attention_heads=6,
                                       num_key_value_heads=3, head_dim=8)
     assert model_kv_shape(config) == {"num_layers": 3, "num_kv_heads": 3, "head_dim": 8}
+
+
+def test_beam_search_and_num_return_sequences_match_dynamic_cache():
+    model = tiny_model("llama")
+    ids, mask = prompts(batch=2)
+    beams = {"max_new_tokens": 12, "num_beams": 3, "do_sample": False}
+    expected = model.generate(ids, attention_mask=mask, past_key_values=transformers.DynamicCache(),
+                              **beams)
+    with VAttentionCache.from_model(model, max_batch_size=6, max_seq_len=64,
+                                    page_size=PAGE) as cache:          # 2 prompts x 3 beams
+        assert torch.equal(model.generate(ids, attention_mask=mask, past_key_values=cache,
+                                          **beams), expected)
+    sampled = {"max_new_tokens": 12, "num_return_sequences": 2, "do_sample": True}
+    torch.manual_seed(5)
+    expected = model.generate(ids, attention_mask=mask, **sampled)
+    with VAttentionCache.from_model(model, max_batch_size=4, max_seq_len=64,
+                                    page_size=PAGE) as cache:
+        torch.manual_seed(5)
+        assert torch.equal(model.generate(ids, attention_mask=mask, past_key_values=cache,
+                                          **sampled), expected)
