@@ -28,9 +28,9 @@ Examples
 ...     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 >>> model = transformers.LlamaForCausalLM(cfg).eval()
 >>> cache = VAttentionCache.from_model(model, max_batch_size=1, max_seq_len=64, page_size="4KB")
->>> out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=5, do_sample=False,
-...                      past_key_values=cache)
->>> cache.get_seq_length()
+>>> out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=5, min_new_tokens=5,
+...                      do_sample=False, past_key_values=cache)
+>>> cache.get_seq_length()      # 3 prompt + 4 fed-back tokens (the 5th is never fed back)
 7
 >>> cache.close()
 """
