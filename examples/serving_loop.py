@@ -3,8 +3,9 @@
 A toy scheduler serves synthetic requests (prompt and output lengths drawn from a seeded RNG) under
 a physical memory budget small enough that the batch runs out of pages. Each iteration:
 
-1. **admit** waiting requests while a slot is free: ``alloc()`` and ``step({slot: prompt})``
-   (transactional: on ``OutOfPagesError`` nothing was mapped, the request waits);
+1. **admit** waiting requests while a slot is free: ``alloc()`` and one ``step()`` backing the
+   prompt and one more page of growth for every running request (transactional: on ``OutOfPagesError``
+   nothing was mapped, the request waits);
 2. **grow** every running request by one token with one ``step()``; on ``OutOfPagesError`` the
    newest request is **preempted** (slot freed, progress dropped, requeued first) and the step is
    retried -- the error is recoverable because the failed step changed nothing;
@@ -62,8 +63,15 @@ class Server:
         while waiting and len(self.running) < self.cfg.max_batch_size:
             req = waiting[0]
             slot = self.cache.alloc()
+            # Admit only if the prompt fits AND every running request can still grow by a page
+            # (a watermark): one transactional step, so a refusal maps nothing, and admission
+            # rarely forces the preemption of a request that was already running.
+            ahead = self.cfg.tokens_per_page
+            lengths = {s: min(r.seq_len + ahead, r.prompt_len + r.output_len)
+                       for s, r in self.running.items()}
+            lengths[slot] = req.prompt_len
             try:
-                self.cache.step({slot: req.prompt_len})
+                self.cache.step(lengths)
             except vattention.OutOfPagesError:
                 self.cache.free(slot)
                 return
@@ -158,7 +166,8 @@ def main() -> int:
         stats = cache.stats()
     print(f"iterations {iterations}, completed {len(finished)}/{len(requests)}, "
           f"preemptions {server.preemptions}, peak pages mapped {server.peak_pages}/"
-          f"{args.budget_pages}, oom events {stats['oom_events']}, map calls {stats['map_calls']}")
+          f"{args.budget_pages}, map calls {stats['map_calls']}, OutOfPagesError "
+          f"{stats['oom_events']} times (refused admissions + preemptions)")
     ok = len(finished) == len(requests) and server.peak_pages <= args.budget_pages
     print("all requests completed, K rows intact:", ok)
     return 0 if ok else 1
