@@ -224,3 +224,32 @@ def test_beam_search_and_num_return_sequences_match_dynamic_cache():
         torch.manual_seed(5)
         assert torch.equal(model.generate(ids, attention_mask=mask, past_key_values=cache,
                                           **sampled), expected)
+
+
+def test_wrapping_a_shared_kv_cache_uses_free_slots_and_leaves_it_open():
+    model = tiny_model("llama")
+    ids, mask = prompts(batch=2)
+    expected = generate(model, ids, mask, transformers.DynamicCache(), new=6)
+    cfg = vattention.KVCacheConfig(**model_kv_shape(model), max_batch_size=4, max_seq_len=64,
+                                   dtype=torch.float32, page_size=PAGE)
+    with vattention.KVCache(cfg) as kv:
+        other = kv.alloc()                                  # slot 0 belongs to someone else
+        cache = VAttentionCache(kv)
+        assert torch.equal(generate(model, ids, mask, cache, new=6), expected)
+        assert cache.slots == [1, 2] and kv.active_slots() == [0, 1, 2]
+        cache.close()
+        assert kv.active_slots() == [other] and not kv.closed
+
+
+def test_non_contiguous_free_slots_are_refused_and_released():
+    model = tiny_model("llama")
+    ids, mask = prompts(batch=2)
+    cfg = vattention.KVCacheConfig(**model_kv_shape(model), max_batch_size=4, max_seq_len=64,
+                                   dtype=torch.float32, page_size=PAGE)
+    with vattention.KVCache(cfg) as kv:
+        taken = [kv.alloc() for _ in range(4)]
+        kv.free(taken[0])
+        kv.free(taken[2])                                   # free: 0 and 2
+        with pytest.raises(vattention.InvalidSlotError, match=r"not contiguous"):
+            generate(model, ids, mask, VAttentionCache(kv), new=2)
+        assert kv.active_slots() == [1, 3]

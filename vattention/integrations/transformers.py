@@ -329,7 +329,7 @@ class VAttentionCache(Cache):
 
     def close(self) -> None:
         """Free the slots; close the ``KVCache`` too when this cache created it."""
-        if self.slots:
+        if self.slots and not self.kv_cache.closed:
             self.reset()
         if self._owns_cache:
             self.kv_cache.close()
