@@ -212,7 +212,10 @@ class KVCache:
         Transactional: on :class:`OutOfPagesError` (attributes ``pages_needed``,
         ``pages_available``) nothing was mapped or changed; preempt a request and retry.
         """
-        self._core.step(_as_lens(seq_lens), _stream_handle(stream))
+        # The decode hot path: keep the Python side to one type check for the common dict input.
+        if type(seq_lens) is not dict:
+            seq_lens = _as_lens(seq_lens)
+        self._core.step(seq_lens, 0 if stream is None else _stream_handle(stream))
 
     def prefetch(self, seq_lens: SeqLens, *, lookahead_tokens: Optional[int] = None) -> None:
         """Map pages for the next iteration in the background; returns at once.
