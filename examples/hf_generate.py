@@ -30,6 +30,7 @@ class UpdateMeter:
         self.decode_calls = 0
         self.bytes_allocated = 0          # fresh K/V storage created by update (decode steps)
         self.bytes_written = 0            # bytes stored into the cache (decode steps)
+        self.peak_bytes = 0               # KV bytes alive at once, old copies during cat included
         self._last_storage: dict[tuple[int, int], int] = {}   # (layer, K=0/V=1) -> data_ptr
         self._cache = cache
         self._wrapped_layers: set[int] = set()
@@ -39,13 +40,15 @@ class UpdateMeter:
         for index, layer in enumerate(self._cache.layers):
             if id(layer) not in self._wrapped_layers:
                 self._wrapped_layers.add(id(layer))
-                layer.update = self._spy(layer.update, index)
+                layer.update = self._spy(layer, layer.update, index)
 
-    def _spy(self, update, index: int):
+    def _spy(self, layer, update, index: int):
         def wrapped(key_states, value_states, *args, **kwargs):
+            before = [t for t in (layer.keys, layer.values) if t is not None and t.numel()]
             keys, values = update(key_states, value_states, *args, **kwargs)
             self.calls += 1
             decode = key_states.shape[-2] == 1
+            replaced = 0
             for kind, (cached, new) in enumerate(((keys, key_states), (values, value_states))):
                 ptr = cached.untyped_storage().data_ptr()
                 # fresh storage while the previous one was still alive: allocated and filled
@@ -54,6 +57,10 @@ class UpdateMeter:
                 if decode:
                     self.bytes_allocated += cached.nbytes if fresh else 0
                     self.bytes_written += cached.nbytes if fresh else new.nbytes
+                if fresh and kind < len(before):
+                    replaced += before[kind].untyped_storage().nbytes()
+            # the replaced tensors were alive until update returned
+            self.peak_bytes = max(self.peak_bytes, kv_bytes(self._cache) + replaced)
             self.decode_calls += decode
             return keys, values
         return wrapped
@@ -71,8 +78,8 @@ def tiny_llama(layers: int) -> transformers.PreTrainedModel:
 def kv_bytes(cache: transformers.Cache) -> int:
     if isinstance(cache, VAttentionCache):
         return cache.memory_bytes()
-    return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values)
-               if t is not None)
+    return sum(t.untyped_storage().nbytes() for layer in cache.layers
+               for t in (layer.keys, layer.values) if t is not None)
 
 
 def run(model, ids, new_tokens: int, cache) -> tuple[torch.Tensor, UpdateMeter]:
@@ -114,14 +121,15 @@ def main() -> int:
     print(f"tiny Llama: {args.layers} layers, 2 KV heads x 16 dims, fp32; batch {args.batch}, "
           f"{args.prompt_len} prompt + {args.new_tokens} new tokens ({tokens} cached), "
           f"capacity {args.max_seq_len} tokens")
-    print(f"{'cache':<16} {'KV bytes held':>14} {'alloc+copy/step':>16} {'written/step':>13}")
+    print(f"{'cache':<16} {'KV bytes held':>14} {'peak KV bytes':>14} {'alloc+copy/step':>16} "
+          f"{'written/step':>13}")
     outputs = {}
     for name, cache in caches.items():
         out, meter = run(model, ids, args.new_tokens, cache)
         outputs[name] = out
         steps = max(meter.decode_calls // args.layers, 1)
-        print(f"{name:<16} {kv_bytes(cache):>14,} {meter.bytes_allocated // steps:>16,} "
-              f"{meter.bytes_written // steps:>13,}")
+        print(f"{name:<16} {kv_bytes(cache):>14,} {meter.peak_bytes:>14,} "
+              f"{meter.bytes_allocated // steps:>16,} {meter.bytes_written // steps:>13,}")
     same = all(torch.equal(outputs["DynamicCache"], out) for out in outputs.values())
     print("tokens identical across caches:", same)
     caches["VAttentionCache"].close()
