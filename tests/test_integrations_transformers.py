@@ -167,7 +167,7 @@ def test_mask_sizes_and_crop_match_dynamic_cache():
                                     page_size=PAGE) as cache:
         generate(model, ids, mask, cache, new=5)
         assert cache.get_seq_length() == dynamic.get_seq_length() == 11
-        # transformers >= 5.2x passes the query length; older versions pass cache_position
+        # transformers 5.12+ passes the query length; 4.57-5.0 pass cache_position
         takes_position = "cache_position" in inspect.signature(
             transformers.cache_utils.DynamicLayer.get_mask_sizes).parameters
         query = torch.arange(11, 12) if takes_position else 1

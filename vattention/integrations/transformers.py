@@ -17,8 +17,10 @@ work per step. Returning the prefix keeps the mask sizes identical to ``DynamicC
 the generated tokens -- are the same. The alternative, backing the untouched space with a shared
 read-only zero page, would still make every step read ``max_seq_len`` keys; it is not used.
 
-Supported transformers versions: 5.0 to 5.23 (tested: see ``docs/integrations.md``), which share the
-layer-based cache API (``CacheLayerMixin``, ``Cache(layers=...)``, ``get_mask_sizes(query_length)``).
+Supported transformers versions: 4.57 to 5.23 (tested: 4.57.6, 5.0.0, 5.12.1, 5.23.0; see
+``docs/integrations.md``), which share the layer-based cache API (``CacheLayerMixin``,
+``Cache(layers=...)``; ``get_mask_sizes`` takes ``cache_position`` in 4.57-5.0 and a query length
+by 5.12; ``get_max_cache_shape`` was renamed ``get_max_length`` after 5.12: both are provided).
 
 Examples
 --------
@@ -133,7 +135,7 @@ class VAttentionLayer(CacheLayerMixin):
 
     def get_mask_sizes(self, query_length: Union[int, torch.Tensor]) -> tuple[int, int]:
         """``(kv_length, kv_offset)`` for the mask: past + query keys from offset 0 (as DynamicCache)."""
-        if isinstance(query_length, torch.Tensor):  # transformers 4.5x passed cache_position
+        if isinstance(query_length, torch.Tensor):  # transformers 4.57-5.0 pass cache_position
             query_length = query_length.shape[0]
         return self.seq_len + int(query_length), 0
 
@@ -145,7 +147,7 @@ class VAttentionLayer(CacheLayerMixin):
         """``-1``: like ``DynamicCache``, the mask is sized by the tokens present, not a maximum."""
         return -1
 
-    get_max_cache_shape = get_max_length  # the name transformers < 5.2x uses
+    get_max_cache_shape = get_max_length  # the name transformers <= 5.12 uses
 
     def reset(self) -> None:
         """Forget the cached tokens (the slot's pages stay with the ``KVCache``)."""
