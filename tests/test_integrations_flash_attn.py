@@ -132,3 +132,23 @@ def test_flash_attn_kernel_matches_reference_on_gpu():
         want = fa.decode(q, ref_k, ref_v, k, v, torch.tensor(lens), torch.tensor(slots),
                          kernel=fa.flash_attn_with_kvcache_reference)
         torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
+def test_flash_path_refuses_slot_offsets_beyond_int32():
+    calls = []
+
+    def kernel(*args, **kwargs):
+        calls.append(kwargs["cache_batch_idx"].tolist())
+        return args[0]
+
+    # meta tensors: real strides, no memory. Batch stride 2**28 elements: slot 8 is at 2**31.
+    k_cache = torch.empty(16, 2**16, 32, 128, device="meta")
+    q, k = torch.zeros(1, 1, 32, 128), torch.zeros(1, 1, 32, 128)
+    fa.decode(q, k_cache, k_cache, k, k, torch.tensor([0]), torch.tensor([7]), kernel=kernel)
+    with pytest.raises(ValueError, match=r"slot 8 starts 2147483648 elements .*#772"):
+        fa.decode(q, k_cache, k_cache, k, k, torch.tensor([0]), torch.tensor([8]), kernel=kernel)
+    with pytest.raises(ValueError, match="slot 9 starts"):
+        fa.prefill(q[0], k[0], k[0], k_cache, k_cache, slot=9, kernel=kernel)
+    fa.decode(q, k_cache, k_cache, k, k, torch.tensor([0]), torch.tensor([8]), kernel=kernel,
+              check_int32_offsets=False)
+    assert calls == [[7], [8]]

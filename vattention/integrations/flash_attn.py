@@ -126,8 +126,8 @@ def flash_kernel() -> Optional[Kernel]:
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
            v: torch.Tensor, cache_seqlens: torch.Tensor, cache_batch_idx: torch.Tensor, *,
-           softmax_scale: Optional[float] = None, kernel: Optional[Kernel] = None
-           ) -> torch.Tensor:
+           softmax_scale: Optional[float] = None, kernel: Optional[Kernel] = None,
+           check_int32_offsets: bool = True) -> torch.Tensor:
     """One decode step over many slots: append ``k``/``v`` in place, attend causally.
 
     Parameters
@@ -147,6 +147,12 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: tor
     kernel : callable, optional
         ``flash_attn_with_kvcache``-compatible function; default: flash-attn for CUDA tensors
         when installed, else :func:`flash_attn_with_kvcache_reference`.
+    check_int32_offsets : bool
+        With a kernel other than the reference, refuse slots whose element offset
+        ``slot * k_cache.stride(0)`` reaches ``2**31``: flash-attn has an open report of
+        ``cache_batch_idx`` writes landing in the wrong row once batch offsets overflow 32 bits
+        (Dao-AILab/flash-attention#772), and vattention rows are long (``max_seq_len`` tokens,
+        times ``num_layers`` in the mega layout). Pass ``False`` for a kernel known to be safe.
 
     Returns
     -------
@@ -161,6 +167,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: tor
     True
     """
     kernel = kernel or _default_kernel(q)
+    if check_int32_offsets and kernel is not flash_attn_with_kvcache_reference:
+        _check_offsets(k_cache, v_cache, cache_batch_idx)
     return kernel(q, k_cache, v_cache, k=k, v=v, cache_seqlens=_int32(cache_seqlens, q.device),
                   cache_batch_idx=_int32(cache_batch_idx, q.device),
                   softmax_scale=softmax_scale, causal=True)
@@ -168,8 +176,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: tor
 
 def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
             v_cache: torch.Tensor, slot: int, *, start: int = 0,
-            softmax_scale: Optional[float] = None, kernel: Optional[Kernel] = None
-            ) -> torch.Tensor:
+            softmax_scale: Optional[float] = None, kernel: Optional[Kernel] = None,
+            check_int32_offsets: bool = True) -> torch.Tensor:
     """Prefill one slot: write the prompt's ``k``/``v`` at ``[start, start + len)``, attend causally.
 
     Parameters
@@ -182,7 +190,7 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Te
         The slot (batch row) of the request.
     start : int
         Tokens already cached for this slot (chunked prefill); 0 for a whole prompt.
-    softmax_scale, kernel
+    softmax_scale, kernel, check_int32_offsets
         As in :func:`decode`.
 
     Returns
@@ -197,6 +205,8 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Te
     (torch.Size([3, 2, 4]), True)
     """
     kernel = kernel or _default_kernel(q)
+    if check_int32_offsets and kernel is not flash_attn_with_kvcache_reference:
+        _check_offsets(k_cache, v_cache, [slot])
     device = q.device
     out = kernel(q.unsqueeze(0), k_cache, v_cache, k=k.unsqueeze(0), v=v.unsqueeze(0),
                  cache_seqlens=_int32([start], device), cache_batch_idx=_int32([slot], device),
@@ -210,6 +220,17 @@ def _default_kernel(q: torch.Tensor) -> Kernel:
         if flash is not None:
             return flash
     return flash_attn_with_kvcache_reference
+
+
+def _check_offsets(k_cache: torch.Tensor, v_cache: torch.Tensor, slots) -> None:
+    top = int(torch.as_tensor(slots).max()) if len(slots) else 0
+    stride = max(k_cache.stride(0), v_cache.stride(0))
+    if top * stride >= 2**31:
+        raise ValueError(
+            f"slot {top} starts {top * stride} elements into the cache (batch stride {stride}), "
+            "beyond 2**31: flash-attn may compute this offset in 32 bits and write another row "
+            "(Dao-AILab/flash-attention#772). Use fewer slots or a shorter max_seq_len, the "
+            "'layer' layout, or pass check_int32_offsets=False for a kernel known to be safe.")
 
 
 def _int32(values, device: torch.device) -> torch.Tensor:
