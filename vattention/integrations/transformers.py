@@ -40,6 +40,7 @@ Examples
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Optional, Union
 
 import torch
@@ -102,7 +103,9 @@ class VAttentionLayer(CacheLayerMixin):
 
     def __init__(self, owner: "VAttentionCache", layer_idx: int) -> None:
         super().__init__()
-        self._owner = owner
+        # A proxy, not a reference: no cache <-> layer cycle, so a dropped cache (and the KV
+        # tensors it holds) is freed at once instead of at the next garbage collection.
+        self._owner = weakref.proxy(owner)
         self.layer_idx = layer_idx
         self.seq_len = 0
 
@@ -333,6 +336,8 @@ class VAttentionCache(Cache):
         """Free the slots; close the ``KVCache`` too when this cache created it."""
         if self.slots and not self.kv_cache.closed:
             self.reset()
+        for layer in self.layers:
+            layer.keys = layer.values = None
         if self._owns_cache:
             self.kv_cache.close()
 
