@@ -21,6 +21,7 @@
 // leaves below mu_.
 #pragma once
 
+#include <climits>
 #include <cstdint>
 #include <exception>
 #include <memory>
@@ -42,7 +43,7 @@ enum class ReclaimPolicy { Deferred, Eager };
 
 class KVCacheCore {
  public:
-  static constexpr int64_t kUnlisted = -1;
+  static constexpr int64_t kUnlisted = INT64_MIN;  // "leave this slot alone" in a lens vector
 
   KVCacheCore(std::unique_ptr<Backend> backend, const CacheGeometry& geometry,
               int64_t budget_bytes, ReclaimPolicy policy, int64_t lookahead_tokens);
@@ -97,6 +98,8 @@ class KVCacheCore {
   void check_open() const;
   void validate_slot(int slot) const;
   void validate_lens(const std::vector<int64_t>& lens, bool require_active) const;
+  // Records a successful step's lengths (every listed slot is backed by then).
+  void commit_step(const std::vector<int64_t>& lens);
   // Maps the growth plan (all or nothing). Throws OutOfPages/Driver with state unchanged.
   void grow(const std::vector<Growth>& plan, bool from_prefetch);
   // Gets n pages: pool free list, new pages within budget, then idle slots (LRU), then active
