@@ -209,8 +209,8 @@ def real_cache_factory(model: ModelShape, layout: str, page_size: str, max_batch
     cfg = vattention.KVCacheConfig(
         num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
         max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=model.dtype,
-        device="cpu", page_size=page_size, layout=layout)
-    return vattention.KVCache(cfg, memory_budget=budget_bytes, reclaim=reclaim)
+        device="cpu", page_size=page_size, layout=layout, reclaim=reclaim)
+    return vattention.KVCache(cfg, memory_budget=budget_bytes)
 
 
 class VAttentionAllocator(Allocator):
