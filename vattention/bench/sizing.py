@@ -60,10 +60,10 @@ def page_geometry(model: ModelShape, layout: str, page_size: str):
 def host_mapping_problem(name: str, model: ModelShape, budget_bytes: int) -> Optional[str]:
     """Why the real host-backend cache for ``name`` cannot fill ``budget_bytes``, or None.
 
-    The host backend maps every page with its own ``mmap``, and Linux allows a process at
-    most ``vm.max_map_count`` mappings (65530 by default). A budget of ``N`` pages needs up to
-    ``N`` mappings plus one reservation per tensor plus what the process already has.
-    Reported up front: a run that hits the limit cannot even unmap (munmap splits mappings).
+    The host backend maps every page with its own ``mmap``; Linux caps a process's mappings at
+    ``vm.max_map_count``, so the backend refuses page mappings beyond its share of that limit
+    (``vattention._C.host_mapping_limit()``) with ``OutOfPagesError``. A run whose budget needs
+    more page mappings would measure that limit instead of the allocator, so it is skipped.
 
     Examples
     --------
@@ -73,19 +73,14 @@ def host_mapping_problem(name: str, model: ModelShape, budget_bytes: int) -> Opt
     """
     if not name.startswith("vattention-"):
         return None
-    try:
-        with open("/proc/sys/vm/max_map_count") as f:
-            limit = int(f.read())
-        with open("/proc/self/maps") as f:
-            existing = sum(1 for _ in f)
-    except (OSError, ValueError):
-        return None  # not Linux, or unreadable: nothing to check
+    from vattention import _C
+
+    limit = _C.host_mapping_limit()
     _, layout, page = name.split("-")
-    tensors, _, page_bytes = page_geometry(model, layout, page)
+    _, _, page_bytes = page_geometry(model, layout, page)
     pages = budget_bytes // page_bytes
-    if pages + tensors + existing <= limit:
+    if pages <= limit:
         return None
-    fits = (limit - tensors - existing) * page_bytes
     return (f"skipped: the host backend maps each {page} page separately; this budget needs up "
-            f"to {pages} page mappings + {existing} the process has, over vm.max_map_count="
-            f"{limit}. Use 2MB pages, a budget <= {fits >> 20}MB, or raise vm.max_map_count")
+            f"to {pages} page mappings, over the {limit} this process may hold (vm.max_map_count). "
+            f"Use 2MB pages, a budget <= {(limit * page_bytes) >> 20}MB, or raise vm.max_map_count")
