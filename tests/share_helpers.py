@@ -53,3 +53,18 @@ def paged_cache(make_cache, pages=4, **kwargs):
     tpp = probe.config.tokens_per_page
     probe.close()
     return make_cache(max_seq_len=pages * tpp, **kwargs)
+
+
+def bits(tensor):
+    """The tensor's raw bits as integers: exact comparison, and far faster than float16 equality
+    on a CPU busy with other work (torch's float16 paths spin up its thread pool)."""
+    return tensor.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
+        tensor.element_size()])
+
+
+def check_pattern(cache, slot, start, end, written):
+    """Bit-exact version of helpers.check_pattern."""
+    for layer, (kd, vd) in enumerate(written):
+        k, v = kv_views(cache, layer)
+        assert torch.equal(bits(k[slot, start:end]), bits(kd)), f"K of layer {layer} slot {slot}"
+        assert torch.equal(bits(v[slot, start:end]), bits(vd)), f"V of layer {layer} slot {slot}"

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import vattention
-from helpers import check_pattern, kv_views, page_state
+from helpers import kv_views, page_state
+from share_helpers import check_pattern
 from share_helpers import fast_fill as fill_pattern
 from share_helpers import paged_cache, prefix
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import vattention
-from helpers import check_pattern, page_state
+from helpers import page_state
+from share_helpers import check_pattern
 from share_helpers import fast_fill, paged_cache, prefix
 
 
