@@ -124,12 +124,12 @@ def test_swap_budget_exceeded_is_typed_and_changes_nothing(make_cache):
 
 
 def test_swap_budget_constructor_argument(device, layout):
+    page = "64KB" if device == "cpu" else "2MB"
     cfg = vattention.KVCacheConfig(num_layers=1, num_kv_heads=1, head_dim=64, max_batch_size=2,
-                                   max_seq_len=1024, page_size="64KB", device=device,
-                                   dtype=torch.float16,
-                                   layout=layout)
-    with vattention.KVCache(cfg, swap_budget="64KB") as cache:
-        assert cache.stats()["swap_budget"] == 65536
+                                   max_seq_len=1024, page_size=page, device=device,
+                                   dtype=torch.float16, layout=layout)
+    with vattention.KVCache(cfg, swap_budget=page) as cache:
+        assert cache.stats()["swap_budget"] == cfg.page_bytes
         slot = cache.alloc()
         cache.step({slot: 10})
         with pytest.raises(vattention.SwapSpaceError):
