@@ -194,7 +194,7 @@ void KVCacheCore::share_locked(int src, int dst, int64_t num_tokens, uintptr_t s
   try {
     sync_stream(stream);  // kernels queued before may still read dst's old pages
     unmap_tail(d, dst, 0);  // an idle dst waits on its free() fence inside
-    map_slot(dst, 0, need, handles.data(), false);  // unmaps its own work on failure
+    if (need > 0) map_slot(dst, 0, need, handles.data(), false);  // undoes itself on failure
   } catch (...) {
     for (PageHandle p : fresh) pool_->release(p);
     throw;

@@ -157,7 +157,7 @@ int KVCacheCore::swap_in(int64_t handle, uintptr_t stream) {
   try {
     unmap_tail(d, slot, 0);  // an idle slot waits on its free() fence inside
     // The handle's device references become the mapping's references: no refcount change.
-    map_slot(slot, 0, rec.pages, handles.data(), false);
+    if (rec.pages > 0) map_slot(slot, 0, rec.pages, handles.data(), false);
   } catch (...) {
     for (PageHandle p : fresh) pool_->release(p);
     throw;
