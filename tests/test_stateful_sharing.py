@@ -19,7 +19,6 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from hypothesis.stateful import run_state_machine_as_test
 
 import vattention
-from conftest import DEVICES, LAYOUTS
 from helpers import kv_views, page_state
 from share_helpers import bits
 
@@ -205,9 +204,7 @@ class SharingMachine(RuleBasedStateMachine):
             self.cache.close()
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("device", DEVICES)
-def test_sharing_state_machine(device, layout):
+def test_sharing_state_machine(device, layout):  # fixtures: every backend and layout
     machine = type(f"SharingMachine_{layout}", (SharingMachine,),
                    {"device": device, "layout": layout})
     threads = torch.get_num_threads()
