@@ -11,7 +11,6 @@ freeing and dropping everything leaves no page mapped and no host memory held.
 
 from __future__ import annotations
 
-import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
