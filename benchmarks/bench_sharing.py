@@ -186,7 +186,7 @@ def stand_in(model: Model, layout: str, page_bytes: int, max_seq: int, max_batch
     cfg = vattention.KVCacheConfig(num_layers=1, num_kv_heads=heads, head_dim=model.head_dim,
                                    max_batch_size=max_batch, max_seq_len=max_seq,
                                    dtype=torch.bfloat16, page_size=tpp * heads * model.head_dim * 2,
-                                   layout=layout)
+                                   layout=layout, reclaim="eager")
     factor = vattention_scheme(model, layout, page_bytes).unit_bytes / (cfg.num_tensors * cfg.page_bytes)
     return cfg, factor
 
@@ -196,7 +196,7 @@ def measured(model, layout, page_bytes, trace, workload, args):
     max_seq = max(int(p) + max(sample_lengths(int(d), width)) for p, d in trace)
     cfg, factor = stand_in(model, layout, page_bytes, max_seq, 2 * width)
     pages = 0
-    with vattention.KVCache(cfg, reclaim="eager") as cache:
+    with vattention.KVCache(cfg) as cache:
         for i, (prompt, decode) in enumerate(trace):
             prompt, decode = int(prompt), int(decode)
             parent = cache.alloc()
