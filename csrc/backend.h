@@ -102,7 +102,8 @@ class Backend {
     std::memcpy(reinterpret_cast<void*>(dst), src, bytes);
   }
   // Host staging memory for swap. CUDA: page-locked (cuMemHostAlloc / cuMemFreeHost) so the
-  // copies above are true asynchronous DMA. Returns nullptr when the allocation fails.
+  // copies above are true asynchronous DMA. alloc_host returns nullptr when the allocation fails;
+  // free_host is called from destructors and should not throw.
   virtual void* alloc_host(size_t bytes) { return std::malloc(bytes); }
   virtual void free_host(void* ptr) { std::free(ptr); }
 };

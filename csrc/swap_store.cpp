@@ -14,7 +14,11 @@ HostBlock::HostBlock(Backend& backend, void* data, size_t bytes, size_t* live_by
 
 HostBlock::~HostBlock() {
   *live_bytes_ -= bytes_;
-  backend_.free_host(data_);
+  try {
+    backend_.free_host(data_);
+  } catch (...) {
+    // A destructor must not throw; at worst one host block leaks.
+  }
 }
 
 size_t SwapStore::headroom() const {
