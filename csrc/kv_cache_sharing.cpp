@@ -327,18 +327,21 @@ std::string KVCacheCore::check_sharing(std::map<PageHandle, uint32_t>& seen) con
 }
 
 void KVCacheCore::sharing_stats(std::vector<std::pair<std::string, int64_t>>& out) const {
-  std::unordered_map<PageHandle, uint32_t> mapped;
-  int64_t mappings = 0;
-  for (const Slot& s : slots_) {
-    for (PageHandle p : s.pages) ++mapped[p];
-    mappings += static_cast<int64_t>(s.pages.size());
+  // Counting distinct pages walks every mapping: only when something can be shared at all, so
+  // stats() stays O(slots) for caches that never fork.
+  int64_t shared = 0, saved_pages = 0;
+  if (any_sharing()) {
+    std::unordered_map<PageHandle, uint32_t> mapped;
+    int64_t mappings = 0;
+    for (const Slot& s : slots_) {
+      for (PageHandle p : s.pages) ++mapped[p];
+      mappings += static_cast<int64_t>(s.pages.size());
+    }
+    for (const auto& entry : mapped) shared += entry.second > 1 ? 1 : 0;
+    saved_pages = mappings - static_cast<int64_t>(mapped.size());
   }
-  int64_t shared = 0;
-  for (const auto& entry : mapped) shared += entry.second > 1 ? 1 : 0;
-  const auto P = static_cast<int64_t>(geo_.page_bytes);
-  const auto distinct = static_cast<int64_t>(mapped.size());
   out.emplace_back("shared_pages", shared);
-  out.emplace_back("bytes_saved_by_sharing", (mappings - distinct) * P);
+  out.emplace_back("bytes_saved_by_sharing", saved_pages * static_cast<int64_t>(geo_.page_bytes));
   out.emplace_back("cow_pages_copied", static_cast<int64_t>(counters_.cow_pages_copied));
   out.emplace_back("swap_handles", static_cast<int64_t>(swap_->size()));
   out.emplace_back("swap_host_bytes", static_cast<int64_t>(swap_->host_bytes()));
