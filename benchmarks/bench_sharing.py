@@ -231,8 +231,9 @@ def measured(model, layout, page_bytes, trace, workload, args):
     return round(pages * cfg.page_bytes * factor)
 
 
-def fits_host_mappings(model, layout, page_bytes, trace, workload, args, limit=50_000):
-    """The first --validate requests whose mappings stay well under vm.max_map_count (65530):
+def fits_host_mappings(model, layout, page_bytes, trace, workload, args, limit=24_000):
+    """The first --validate requests whose mappings stay under the host backend's share of
+    vm.max_map_count (about 28,000 page mappings by default):
     every slot maps each of its pages, shared or not, and the host backend needs one mmap each."""
     width = args.samples if workload == "parallel" else 2 * args.beam_width
     tpp = vattention_scheme(model, layout, page_bytes).tokens_per_unit
