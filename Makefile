@@ -13,6 +13,7 @@ CORE_SOURCES := $(wildcard csrc/*.cpp csrc/*.h) setup.py pyproject.toml
 CXX ?= g++
 SAN_DIR := build-sanitize
 SAN_SOURCES := csrc/host_backend.cpp csrc/page_pool.cpp csrc/kv_cache.cpp csrc/prefetcher.cpp \
+               csrc/kv_cache_sharing.cpp csrc/kv_cache_swap.cpp csrc/swap_store.cpp \
                csrc/tests/core_threads_test.cpp
 SAN_FLAGS := -std=c++17 -O1 -g -fno-omit-frame-pointer -Icsrc -pthread
 
@@ -51,9 +52,22 @@ $(SAN_DIR)/core_asan: $(SAN_SOURCES) $(wildcard csrc/*.h)
 	mkdir -p $(SAN_DIR)
 	$(CXX) $(SAN_FLAGS) -fsanitize=address,undefined -fno-sanitize-recover=all $(SAN_SOURCES) -o $@
 
-sanitize: $(SAN_DIR)/core_tsan $(SAN_DIR)/core_asan
+# Prefix sharing and swap (issue 7): the same core sources with their own threaded test.
+SHARE_SAN_SOURCES := $(filter-out csrc/tests/core_threads_test.cpp,$(SAN_SOURCES)) csrc/tests/sharing_test.cpp
+
+$(SAN_DIR)/sharing_tsan: $(SHARE_SAN_SOURCES) $(wildcard csrc/*.h)
+	mkdir -p $(SAN_DIR)
+	$(CXX) $(SAN_FLAGS) -fsanitize=thread $(SHARE_SAN_SOURCES) -o $@
+
+$(SAN_DIR)/sharing_asan: $(SHARE_SAN_SOURCES) $(wildcard csrc/*.h)
+	mkdir -p $(SAN_DIR)
+	$(CXX) $(SAN_FLAGS) -fsanitize=address,undefined -fno-sanitize-recover=all $(SHARE_SAN_SOURCES) -o $@
+
+sanitize: $(SAN_DIR)/core_tsan $(SAN_DIR)/core_asan $(SAN_DIR)/sharing_tsan $(SAN_DIR)/sharing_asan
 	TSAN_OPTIONS="halt_on_error=1 exitcode=66" $(SAN_DIR)/core_tsan
 	ASAN_OPTIONS="detect_leaks=1 halt_on_error=1" UBSAN_OPTIONS="halt_on_error=1" $(SAN_DIR)/core_asan
+	TSAN_OPTIONS="halt_on_error=1 exitcode=66" $(SAN_DIR)/sharing_tsan
+	ASAN_OPTIONS="detect_leaks=1 halt_on_error=1" UBSAN_OPTIONS="halt_on_error=1" $(SAN_DIR)/sharing_asan
 
 # Runs the sanitizer build too when this compiler has the runtimes (gcc on Debian does).
 test: build

@@ -17,6 +17,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <string>
 
@@ -77,6 +79,33 @@ class Backend {
 
   // Bytes the OS/driver really holds for this backend's pages (host: memfd blocks). -1 if unknown.
   virtual int64_t committed_bytes() const { return -1; }
+
+  // ---- copies (prefix sharing and swap, issue 7) ------------------------------------------------
+  // Every copy is ordered on `stream` (0 = legacy default stream) after work already queued there,
+  // and may still be running when the call returns: before unmapping either range, freeing a host
+  // buffer or reading it on the host, the caller records a fence on `stream` and waits for it.
+  // The host backend copies synchronously with memcpy, so its fences are trivially done.
+  // CUDA must implement these with the driver (cuMemcpyAsync / cuMemcpyDtoDAsync for copy(),
+  // cuMemcpyDtoHAsync / cuMemcpyHtoDAsync for the host copies) on `stream`; the defaults below are
+  // only correct where device memory is host memory.
+  //
+  // Device-to-device copy of `bytes` from src to dst; both ranges mapped with access.
+  virtual void copy(uintptr_t dst, uintptr_t src, size_t bytes, uintptr_t /*stream*/) {
+    std::memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes);
+  }
+  // Device range [src, src + bytes) into host buffer dst (from alloc_host()).
+  virtual void copy_to_host(void* dst, uintptr_t src, size_t bytes, uintptr_t /*stream*/) {
+    std::memcpy(dst, reinterpret_cast<const void*>(src), bytes);
+  }
+  // Host buffer src (from alloc_host()) into device range [dst, dst + bytes).
+  virtual void copy_from_host(uintptr_t dst, const void* src, size_t bytes, uintptr_t /*stream*/) {
+    std::memcpy(reinterpret_cast<void*>(dst), src, bytes);
+  }
+  // Host staging memory for swap. CUDA: page-locked (cuMemHostAlloc / cuMemFreeHost) so the
+  // copies above are true asynchronous DMA. alloc_host returns nullptr when the allocation fails;
+  // free_host is called from destructors and should not throw.
+  virtual void* alloc_host(size_t bytes) { return std::malloc(bytes); }
+  virtual void free_host(void* ptr) { std::free(ptr); }
 };
 
 // Builds the backend for a device string ("cpu", "cuda", "cuda:N") and page size.

@@ -36,6 +36,7 @@ const char* python_class(Error::Kind kind) {
     case Error::Kind::Driver: return "DriverError";
     case Error::Kind::Unavailable: return "BackendUnavailableError";
     case Error::Kind::Closed: return "CacheClosedError";
+    case Error::Kind::SwapSpace: return "SwapSpaceError";
   }
   return "VAttentionError";
 }
@@ -287,6 +288,21 @@ PYBIND11_MODULE(_C, m) {
         return out;
       })
       .def("check_invariants", &KVCacheCore::check_invariants)
+      // Prefix sharing, swap and eviction (issue 7): see vattention/cache.py for the contracts.
+      .def("fork", &KVCacheCore::fork, py::arg("src"), py::arg("num_tokens") = -1,
+           py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
+      .def("share_prefix", &KVCacheCore::share_prefix, py::arg("src"), py::arg("dst"),
+           py::arg("num_tokens"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
+      .def("ensure_private", &KVCacheCore::ensure_private, py::arg("slot"), py::arg("start_token"),
+           py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
+      .def("swap_out", &KVCacheCore::swap_out, py::arg("slot"), py::arg("stream") = 0,
+           py::call_guard<py::gil_scoped_release>())
+      .def("swap_in", &KVCacheCore::swap_in, py::arg("handle"), py::arg("stream") = 0,
+           py::call_guard<py::gil_scoped_release>())
+      .def("swap_drop", &KVCacheCore::swap_drop, py::arg("handle"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("set_swap_budget", &KVCacheCore::set_swap_budget, py::arg("budget_bytes"))
+      .def("pick_victims", &KVCacheCore::pick_victims, py::arg("bytes_needed"))
       .def("close", &KVCacheCore::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("closed", &KVCacheCore::closed)
       .def_property_readonly("backend_name", [](KVCacheCore& c) { return c.backend().name(); })

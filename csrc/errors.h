@@ -21,6 +21,7 @@ class Error : public std::runtime_error {
     Driver,          // backend/driver call failed         -> DriverError(RuntimeError)
     Unavailable,     // backend cannot run here            -> BackendUnavailableError
     Closed,          // use after close()                  -> CacheClosedError
+    SwapSpace,       // swap host-memory budget exceeded   -> SwapSpaceError(MemoryError)
   };
 
   Error(Kind kind, std::string message) : std::runtime_error(std::move(message)), kind_(kind) {}

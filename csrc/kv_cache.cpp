@@ -42,6 +42,7 @@ KVCacheCore::KVCacheCore(std::unique_ptr<Backend> backend, const CacheGeometry& 
   }
   pool_ = std::make_unique<PagePool>(*backend_, budget_bytes);
   slots_.resize(static_cast<size_t>(geo_.max_batch));
+  swap_ = std::make_unique<SwapStore>(*backend_, geo_.page_bytes);
   prefetcher_ = std::make_unique<Prefetcher>([this](const Prefetcher::Job& job) { run_prefetch(job); });
 }
 
@@ -143,6 +144,7 @@ int KVCacheCore::alloc() {
         .with("max_batch_size", geo_.max_batch);
   }
   Slot& s = slots_[static_cast<size_t>(best)];
+  forget_sharing(s, best);  // before the fence goes: it may unmap
   if (s.has_fence) {
     // The new owner's writes are ordered after the old owner's reads on the same stream; the
     // fence only guards unmapping, which this slot no longer faces.
@@ -290,6 +292,7 @@ void KVCacheCore::grow(const std::vector<Growth>& plan, bool from_prefetch) {
 }
 
 size_t KVCacheCore::spare_pages(const std::vector<Growth>& plan, bool allow_trim) const {
+  if (any_sharing()) return freeable_spare(plan, allow_trim);
   const size_t T = static_cast<size_t>(geo_.num_tensors());
   size_t spare = 0;
   for (size_t i = 0; i < slots_.size(); ++i) {
@@ -342,9 +345,10 @@ size_t KVCacheCore::release_spare(size_t n, const std::vector<Growth>& plan, boo
     Slot& s = slots_[static_cast<size_t>(victim)];
     const size_t want = (n - released + T - 1) / T;
     const size_t keep = std::max(keep_floor, s.mapped > want ? s.mapped - want : 0);
-    const size_t freed = (s.mapped - keep) * T;
+    // Count pages that really went back to the pool: a shared page only loses a reference.
+    const size_t free_before = pool_->free();
     unmap_tail(s, victim, keep);
-    released += freed;
+    released += pool_->free() - free_before;
   }
   counters_.reclaimed_pages += released;
   return released;
@@ -624,7 +628,7 @@ std::vector<std::pair<std::string, int64_t>> KVCacheCore::stats() const {
   const auto total = static_cast<int64_t>(pool_->total());
   const auto in_use = static_cast<int64_t>(pool_->in_use());
   auto u = [](uint64_t v) { return static_cast<int64_t>(v); };
-  return {
+  std::vector<std::pair<std::string, int64_t>> out = {
       {"page_bytes", P},
       {"tokens_per_page", static_cast<int64_t>(geo_.tokens_per_page())},
       {"pages_total", total},
@@ -654,6 +658,8 @@ std::vector<std::pair<std::string, int64_t>> KVCacheCore::stats() const {
       {"fence_waits", u(counters_.fence_waits)},
       {"prefetch_shortfall_pages", u(counters_.prefetch_shortfall_pages)},
   };
+  sharing_stats(out);
+  return out;
 }
 
 std::string KVCacheCore::check_invariants() const {
@@ -673,6 +679,8 @@ std::string KVCacheCore::check_invariants() const {
     if (s.backed != geo_.tokens_in(s.mapped)) return where + "cached backed tokens are stale";
     for (PageHandle p : s.pages) ++seen[p];
   }
+  const std::string sharing = check_sharing(seen);
+  if (!sharing.empty()) return sharing;
   for (const auto& entry : seen) {
     if (pool_->refs(entry.first) != entry.second) {
       return "page " + std::to_string(entry.first) + " is mapped " + std::to_string(entry.second) +
@@ -716,6 +724,7 @@ void KVCacheCore::close() {
     }
   }
   eager_pending_.clear();
+  swap_->clear();  // host blocks go; device references die with the pool
   pool_.reset();
   if (first) std::rethrow_exception(first);
 }

@@ -24,6 +24,7 @@
 #include <climits>
 #include <cstdint>
 #include <exception>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -36,6 +37,7 @@
 #include "prefetcher.h"
 #include "slot.h"
 #include "stats.h"
+#include "swap_store.h"
 
 namespace vattention {
 
@@ -87,6 +89,39 @@ class KVCacheCore {
   std::vector<std::pair<std::string, int64_t>> stats() const;
   // Checks internal invariants (page accounting, refcounts); returns "" or a description.
   std::string check_invariants() const;
+  // ---- prefix sharing, swap and eviction (issue 7; defined in kv_cache_sharing.cpp) -------------
+  // A slot's page indices [0, Slot::shared_pages) are READ-ONLY by contract: they may be mapped by
+  // other slots or kept by swap handles. Writing there (or appending after rewinding below them)
+  // needs ensure_private() first. `stream` orders the copies; see Backend::copy.
+  //
+  // New active slot whose tokens [0, num_tokens) (-1: src's seq_len) equal src's: full pages are
+  // shared, the partial last page is copied. Throws InvalidSlot (src not active, no slot free),
+  // SequenceTooLong (num_tokens outside [0, seq_len(src)]), OutOfPages (nothing changed).
+  int fork(int src, int64_t num_tokens, uintptr_t stream);
+  // The same into dst, which must be active and fresh (seq_len 0, as after alloc()); dst's own
+  // pages go back to the pool. Afterwards seq_len(dst) == num_tokens.
+  void share_prefix(int src, int dst, int64_t num_tokens, uintptr_t stream);
+  // Replaces every shared page of `slot` from the page holding start_token on with a private copy,
+  // so those tokens may be rewritten. Returns the number of pages copied. All-or-nothing on
+  // OutOfPages; on a driver error, pages already made private stay private (same contents).
+  size_t ensure_private(int slot, int64_t start_token, uintptr_t stream);
+  // Saves the slot's pages [0, pages_for(seq_len)) and frees the slot (its pages are unmapped at
+  // once). Pages another active slot maps are kept on the device by reference; the others are
+  // copied to host memory, each once (also pages earlier handles kept by reference that no active
+  // slot maps any more). Throws SwapSpace (nothing changed) when the swap budget is too small.
+  int64_t swap_out(int slot, uintptr_t stream);
+  // Restores a handle into a free (else least recently freed idle) slot, bit-identical, with the
+  // same seq_len and read-only prefix. Consumes the handle. OutOfPages/InvalidSlot: nothing changed.
+  int swap_in(int64_t handle, uintptr_t stream);
+  // Discards a handle: its host memory and device references go.
+  void swap_drop(int64_t handle);
+  void set_swap_budget(int64_t budget_bytes);  // -1 = none; never drops existing handles
+  // Active slots to preempt, in order, until their pages that would really return to the pool
+  // (pages nobody else maps; idle mappings count as gone) reach bytes_needed. Policy: least
+  // recently stepped first, ties by fewest tokens (cheapest to recompute), then lowest index.
+  // Returns every active slot if even all of them are not enough.
+  std::vector<int> pick_victims(size_t bytes_needed) const;
+
   // Unmaps everything, destroys pages, stops the prefetch thread. The virtual reservations live on
   // (PROT_NONE) until the object is destroyed, so a tensor outliving close() faults, never aliases.
   void close();
@@ -116,6 +151,21 @@ class KVCacheCore {
   void run_prefetch(const Prefetcher::Job& job);
   void rethrow_background_error();
   uintptr_t page_va(int tensor, int slot, size_t page) const;
+  // Sharing helpers (kv_cache_sharing.cpp).
+  void share_locked(int src, int dst, int64_t num_tokens, uintptr_t stream);
+  void check_share_args(int src, int64_t num_tokens) const;
+  // alloc() of an idle slot: unmap from its first page still shared, so the new owner never
+  // writes into a page someone else reads.
+  void forget_sharing(Slot& slot, int index);
+  bool any_sharing() const;
+  // spare_pages() when pages may be shared: only pages all of whose references are reclaimable.
+  size_t freeable_spare(const std::vector<Growth>& plan, bool allow_trim) const;
+  int pick_fresh_slot() const;
+  void sync_stream(uintptr_t stream);
+  uintptr_t staging_va();
+  void copy_page_to_host(PageHandle page, void* dst, uintptr_t stream);
+  std::string check_sharing(std::map<PageHandle, uint32_t>& seen) const;
+  void sharing_stats(std::vector<std::pair<std::string, int64_t>>& out) const;
 
   const CacheGeometry geo_;
   const ReclaimPolicy policy_;
@@ -132,6 +182,8 @@ class KVCacheCore {
   std::exception_ptr background_error_;
   bool closed_ = false;
   std::unique_ptr<Prefetcher> prefetcher_;
+  std::unique_ptr<SwapStore> swap_;   // swapped-out slots (issue 7)
+  VaRange staging_;                   // one page of address space to copy into unmapped pages
 };
 
 }  // namespace vattention

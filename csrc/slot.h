@@ -23,6 +23,11 @@ struct Slot {
   uint64_t last_step = 0;            // step() counter when last listed, for eviction policies
   uint64_t fence = 0;                // event recorded at free(): unmap only after it completed
   bool has_fence = false;
+  // Page indices [0, shared_pages) may be mapped by other slots or kept by swap handles: read-only
+  // by contract (tokens are only appended past them). Set by fork/share_prefix, lowered by
+  // ensure_private, cleared when the slot is reallocated. Every page mapped more than once lies
+  // below this boundary in each slot that maps it (KVCacheCore::check_invariants checks it).
+  size_t shared_pages = 0;
 };
 
 }  // namespace vattention

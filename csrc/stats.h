@@ -16,6 +16,9 @@ struct CacheCounters {
   uint64_t reclaimed_pages = 0;    // pages unmapped from idle slots or trimmed from active ones
   uint64_t prefetch_shortfall_pages = 0;  // pages the prefetch thread could not get
   uint64_t fence_waits = 0;        // unmaps that had to wait for a free()'s event
+  uint64_t cow_pages_copied = 0;   // pages copied by fork/share_prefix/ensure_private
+  uint64_t swap_out_pages = 0;     // pages copied to host by swap_out (each page once)
+  uint64_t swap_in_pages = 0;      // pages copied back from host by swap_in
 };
 
 }  // namespace vattention

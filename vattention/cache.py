@@ -10,6 +10,7 @@ import torch
 from . import _C
 from .config import DTYPES, KVCacheConfig, Size, parse_size
 from .errors import BackendUnavailableError, CacheClosedError, ConfigError
+from .sharing import SharingMixin
 
 __all__ = ["KVCache"]
 
@@ -35,7 +36,7 @@ def _as_lens(seq_lens: SeqLens):
     return seq_lens
 
 
-class KVCache:
+class KVCache(SharingMixin):
     """Virtual KV tensors with physical pages mapped on demand.
 
     Each layer's K and V cache is one dense tensor ``[max_batch_size, max_seq_len, num_kv_heads,
@@ -49,6 +50,9 @@ class KVCache:
     memory_budget : int or str, optional
         Cap on physical memory for pages (bytes or ``"8GB"``). ``None``: grow until the backend
         refuses. On the host backend, set one: the OS may kill a process before refusing memory.
+    swap_budget : int or str, optional
+        Cap on host memory holding swapped-out slots (:meth:`swap_out`), e.g. ``"16GB"``.
+        ``None`` (default): no cap. Exceeding it raises :class:`SwapSpaceError`.
 
     Examples
     --------
@@ -64,7 +68,8 @@ class KVCache:
     256
     """
 
-    def __init__(self, config: KVCacheConfig, *, memory_budget: Optional[Size] = None) -> None:
+    def __init__(self, config: KVCacheConfig, *, memory_budget: Optional[Size] = None,
+                 swap_budget: Optional[Size] = None) -> None:
         if not isinstance(config, KVCacheConfig):
             raise ConfigError(f"config must be a KVCacheConfig, got {type(config).__name__}")
         budget = -1 if memory_budget is None else parse_size(memory_budget, name="memory_budget")
@@ -74,6 +79,8 @@ class KVCache:
             config.device, config.num_layers, config.num_kv_heads, config.head_dim,
             config.element_bytes, config.max_batch_size, config.max_seq_len, config.page_bytes,
             config.layout == "mega", budget, config.reclaim == "eager", config.lookahead_tokens)
+        if swap_budget is not None:
+            self.set_swap_budget(swap_budget)
         self._layers: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
         logger.debug("KVCache %s: %d bytes virtual", config, config.virtual_bytes)
 

@@ -22,6 +22,7 @@ __all__ = [
     "DriverError",
     "BackendUnavailableError",
     "CacheClosedError",
+    "SwapSpaceError",
 ]
 
 
@@ -58,3 +59,11 @@ class BackendUnavailableError(VAttentionError, RuntimeError):
 
 class CacheClosedError(VAttentionError, RuntimeError):
     """The cache was used after ``close()``."""
+
+
+class SwapSpaceError(VAttentionError, MemoryError):
+    """The host memory budget for swapped-out slots would be exceeded. Nothing was swapped.
+
+    Attributes ``bytes_needed`` and ``bytes_available`` (host bytes) say by how much; raise the
+    budget with ``KVCache.set_swap_budget`` or drop handles with ``KVCache.swap_drop``.
+    """
