@@ -354,5 +354,5 @@ def test_counters_track_calls_and_return_to_zero(bound):
 def test_error_strings(emu):
     s = E.ctypes.c_char_p()
     assert emu.lib.cuGetErrorString(E.CUDA_ERROR_OUT_OF_MEMORY, E.ctypes.byref(s)) == 0
-    assert s.value == b"out of memory"
+    assert s.value == b"out of memory (CUDA emulation)"
     assert emu.lib.cuGetErrorString(123456, E.ctypes.byref(s)) == E.CUDA_ERROR_INVALID_VALUE
