@@ -1,0 +1,296 @@
+// pybind11 module vattention._C: the only file that sees Python.
+//
+// - vattention::Error is translated into the matching class of vattention.errors, with its numbers
+//   and strings set as attributes.
+// - Tensors leave through DLPack capsules. torch ignores DLPack's byte_offset, so per-layer views
+//   of the mega layout put their offset into `data` and keep byte_offset = 0. Each capsule holds a
+//   shared_ptr to the core: the virtual reservation lives until the last tensor dies.
+// - The GIL is released around anything that may call the OS/driver or wait; step() first tries a
+//   fast path with the GIL held (nothing to map), which is the common case in decode.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <climits>
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "backend.h"
+#include "dlpack.h"
+#include "errors.h"
+#include "host_backend.h"
+#include "kv_cache.h"
+
+namespace py = pybind11;
+using vattention::Error;
+using vattention::KVCacheCore;
+
+namespace {
+
+const char* python_class(Error::Kind kind) {
+  switch (kind) {
+    case Error::Kind::Config: return "ConfigError";
+    case Error::Kind::InvalidSlot: return "InvalidSlotError";
+    case Error::Kind::SequenceTooLong: return "SequenceTooLongError";
+    case Error::Kind::OutOfPages: return "OutOfPagesError";
+    case Error::Kind::Driver: return "DriverError";
+    case Error::Kind::Unavailable: return "BackendUnavailableError";
+    case Error::Kind::Closed: return "CacheClosedError";
+  }
+  return "VAttentionError";
+}
+
+void raise_python(const Error& e) {
+  py::object cls = py::module_::import("vattention.errors").attr(python_class(e.kind()));
+  py::object exc = cls(e.what());
+  for (const auto& kv : e.ints()) exc.attr(kv.first.c_str()) = kv.second;
+  for (const auto& kv : e.strs()) exc.attr(kv.first.c_str()) = kv.second;
+  PyErr_SetObject(cls.ptr(), exc.ptr());
+}
+
+int64_t as_int(PyObject* obj, const char* what) {
+  PyObject* index = PyNumber_Index(obj);
+  if (!index) {
+    PyErr_Clear();
+    throw py::type_error(std::string("seq_lens ") + what + " must be integers, got " +
+                         Py_TYPE(obj)->tp_name);
+  }
+  const long long v = PyLong_AsLongLong(index);
+  Py_DECREF(index);
+  if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+  // INT64_MIN marks "unlisted" inside the core; it is out of range anyway.
+  return v == KVCacheCore::kUnlisted ? KVCacheCore::kUnlisted + 1 : v;
+}
+
+// {slot: length} (unlisted slots untouched) or a length-B sequence (0 = idle: slot untouched).
+std::vector<int64_t> parse_lens(py::handle obj, int64_t max_batch) {
+  std::vector<int64_t> lens(static_cast<size_t>(max_batch), KVCacheCore::kUnlisted);
+  PyObject* o = obj.ptr();
+  if (PyDict_Check(o)) {
+    PyObject *key, *value;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(o, &pos, &key, &value)) {
+      const int64_t slot = as_int(key, "keys (slots)");
+      if (slot < 0 || slot >= max_batch) {
+        throw Error(Error::Kind::InvalidSlot, "slot=" + std::to_string(slot) +
+                                                  " is out of range [0, " + std::to_string(max_batch) +
+                                                  ") (max_batch_size=" + std::to_string(max_batch) + ")")
+            .with("slot", slot)
+            .with("max_batch_size", max_batch);
+      }
+      lens[static_cast<size_t>(slot)] = as_int(value, "values (lengths)");
+    }
+    return lens;
+  }
+  py::sequence seq = py::reinterpret_borrow<py::sequence>(obj);
+  const auto n = static_cast<int64_t>(py::len(seq));
+  if (n != max_batch) {
+    throw Error(Error::Kind::InvalidSlot, "seq_lens has " + std::to_string(n) +
+                                              " entries; a sequence must have max_batch_size=" +
+                                              std::to_string(max_batch) +
+                                              " (or pass a {slot: length} dict)");
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    py::object item = seq[static_cast<size_t>(i)];
+    const int64_t v = as_int(item.ptr(), "values (lengths)");
+    if (v != 0) lens[static_cast<size_t>(i)] = v;
+  }
+  return lens;
+}
+
+struct Export {
+  DLManagedTensor managed;
+  int64_t shape[5];
+  int64_t strides[5];
+  std::shared_ptr<KVCacheCore> owner;
+};
+
+void delete_export(DLManagedTensor* self) { delete static_cast<Export*>(self->manager_ctx); }
+
+void capsule_destructor(PyObject* capsule) {
+  // Consumed capsules are renamed "used_dltensor" and owned by the consumer.
+  if (std::strcmp(PyCapsule_GetName(capsule), "dltensor") != 0) return;
+  auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"));
+  if (managed && managed->deleter) managed->deleter(managed);
+}
+
+// kv: 0 = K, 1 = V. layer: -1 = the whole mega tensor [B, S, L, H, D].
+py::capsule export_tensor(const std::shared_ptr<KVCacheCore>& core, int kv, int layer, int dl_code,
+                          int bits, bool host_alias) {
+  const vattention::CacheGeometry& g = core->geometry();
+  if (kv < 0 || kv > 1) throw py::value_error("kv must be 0 (K) or 1 (V)");
+  if (layer < -1 || layer >= g.num_layers || (layer == -1 && !g.mega)) {
+    throw Error(Error::Kind::Config, "layer=" + std::to_string(layer) + " is out of range [0, " +
+                                         std::to_string(g.num_layers) + ") (num_layers=" +
+                                         std::to_string(g.num_layers) + ")");
+  }
+  if (core->closed()) throw Error(Error::Kind::Closed, "the KV cache is closed; create a new KVCache");
+  auto* ex = new Export();
+  ex->owner = core;
+  const int64_t E = g.element_bytes, H = g.num_kv_heads, D = g.head_dim, L = g.num_layers;
+  const auto slot_stride = static_cast<int64_t>(g.slot_bytes()) / E;
+  uintptr_t data;
+  int ndim = 4;
+  if (!g.mega) {
+    data = core->tensor_base(kv * static_cast<int>(L) + layer);
+    const int64_t shape[4] = {g.max_batch, g.max_seq, H, D};
+    const int64_t strides[4] = {slot_stride, H * D, D, 1};
+    std::memcpy(ex->shape, shape, sizeof shape);
+    std::memcpy(ex->strides, strides, sizeof strides);
+  } else if (layer >= 0) {
+    data = core->tensor_base(kv) + static_cast<uintptr_t>(layer * H * D * E);
+    const int64_t shape[4] = {g.max_batch, g.max_seq, H, D};
+    const int64_t strides[4] = {slot_stride, L * H * D, D, 1};
+    std::memcpy(ex->shape, shape, sizeof shape);
+    std::memcpy(ex->strides, strides, sizeof strides);
+  } else {
+    data = core->tensor_base(kv);
+    ndim = 5;
+    const int64_t shape[5] = {g.max_batch, g.max_seq, L, H, D};
+    const int64_t strides[5] = {slot_stride, L * H * D, H * D, D, 1};
+    std::memcpy(ex->shape, shape, sizeof shape);
+    std::memcpy(ex->strides, strides, sizeof strides);
+  }
+  const vattention::DeviceId dev = host_alias ? vattention::DeviceId{1, 0} : core->backend().device();
+  DLTensor& t = ex->managed.dl_tensor;
+  t.data = reinterpret_cast<void*>(data);
+  t.device = DLDevice{dev.dl_device_type, dev.ordinal};
+  t.ndim = ndim;
+  t.dtype = DLDataType{static_cast<uint8_t>(dl_code), static_cast<uint8_t>(bits), 1};
+  t.shape = ex->shape;
+  t.strides = ex->strides;
+  t.byte_offset = 0;
+  ex->managed.manager_ctx = ex;
+  ex->managed.deleter = delete_export;
+  return py::reinterpret_steal<py::capsule>(PyCapsule_New(&ex->managed, "dltensor", capsule_destructor));
+}
+
+vattention::HostBackend& host_backend(KVCacheCore& core) {
+  auto* host = dynamic_cast<vattention::HostBackend*>(&core.backend());
+  if (!host) throw py::type_error("fault injection through this hook needs the host backend");
+  return *host;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "vattention C++ core (see vattention.KVCache for the public API)";
+  py::register_exception_translator([](std::exception_ptr p) {
+    if (!p) return;
+    try {
+      std::rethrow_exception(p);
+    } catch (const Error& e) {
+      raise_python(e);
+    }
+  });
+
+  m.def("backend_unavailable_reason", &vattention::backend_unavailable_reason, py::arg("kind"),
+        "'' if the backend ('host' or 'cuda') can run here, else why not.");
+  m.def(
+      "backend_granularity",
+      [](const std::string& device) {
+        // Any legal page size works for asking: use a large multiple of every granularity.
+        auto backend = vattention::make_backend(device, size_t{2} << 20);
+        return backend->granularity();
+      },
+      py::arg("device"), "Minimum page size in bytes of the backend for `device`.");
+  m.attr("UNLISTED") = KVCacheCore::kUnlisted;
+
+  // The raw backend primitives, for backend-level tests (not part of the public API).
+  py::class_<vattention::Backend>(m, "Backend")
+      .def(py::init([](const std::string& device, size_t page_bytes) {
+             return vattention::make_backend(device, page_bytes);
+           }),
+           py::arg("device"), py::arg("page_bytes"))
+      .def_property_readonly("granularity", &vattention::Backend::granularity)
+      .def_property_readonly("page_bytes", &vattention::Backend::page_bytes)
+      .def_property_readonly("name", &vattention::Backend::name)
+      .def("bind_thread", &vattention::Backend::bind_thread)
+      .def("reserve", &vattention::Backend::reserve, py::arg("bytes"))
+      .def("release_va", &vattention::Backend::release_va, py::arg("va"), py::arg("bytes"))
+      .def("create_page", &vattention::Backend::create_page)
+      .def("destroy_page", &vattention::Backend::destroy_page, py::arg("page"))
+      .def("map", &vattention::Backend::map, py::arg("va"), py::arg("page"))
+      .def("set_access", &vattention::Backend::set_access, py::arg("va"), py::arg("bytes"))
+      .def("unmap", &vattention::Backend::unmap, py::arg("va"), py::arg("bytes"))
+      .def("committed_bytes", &vattention::Backend::committed_bytes);
+
+  py::class_<KVCacheCore, std::shared_ptr<KVCacheCore>>(m, "KVCacheCore")
+      .def(py::init([](const std::string& device, int64_t num_layers, int64_t num_kv_heads,
+                       int64_t head_dim, int64_t element_bytes, int64_t max_batch, int64_t max_seq,
+                       size_t page_bytes, bool mega, int64_t budget_bytes, bool eager,
+                       int64_t lookahead_tokens) {
+             vattention::CacheGeometry g;
+             g.num_layers = num_layers;
+             g.num_kv_heads = num_kv_heads;
+             g.head_dim = head_dim;
+             g.element_bytes = element_bytes;
+             g.max_batch = max_batch;
+             g.max_seq = max_seq;
+             g.page_bytes = page_bytes;
+             g.mega = mega;
+             g.validate();
+             auto backend = vattention::make_backend(device, page_bytes);
+             return std::make_shared<KVCacheCore>(
+                 std::move(backend), g, budget_bytes,
+                 eager ? vattention::ReclaimPolicy::Eager : vattention::ReclaimPolicy::Deferred,
+                 lookahead_tokens);
+           }),
+           py::arg("device"), py::arg("num_layers"), py::arg("num_kv_heads"), py::arg("head_dim"),
+           py::arg("element_bytes"), py::arg("max_batch"), py::arg("max_seq"), py::arg("page_bytes"),
+           py::arg("mega"), py::arg("budget_bytes"), py::arg("eager"), py::arg("lookahead_tokens"))
+      .def("alloc", &KVCacheCore::alloc)
+      .def("free", &KVCacheCore::free, py::arg("slot"), py::arg("stream") = 0,
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "step",
+          [](KVCacheCore& core, py::handle seq_lens, uintptr_t stream) {
+            std::vector<int64_t> lens = parse_lens(seq_lens, core.geometry().max_batch);
+            if (core.step(lens, stream, /*fast_only=*/true)) return;
+            py::gil_scoped_release nogil;
+            core.step(lens, stream, /*fast_only=*/false);
+          },
+          py::arg("seq_lens"), py::arg("stream") = 0)
+      .def(
+          "prefetch",
+          [](KVCacheCore& core, py::handle seq_lens, int64_t lookahead) {
+            std::vector<int64_t> lens = parse_lens(seq_lens, core.geometry().max_batch);
+            py::gil_scoped_release nogil;
+            core.prefetch(lens, lookahead);
+          },
+          py::arg("seq_lens"), py::arg("lookahead_tokens") = -1)
+      .def("wait", &KVCacheCore::wait, py::call_guard<py::gil_scoped_release>())
+      .def("reserve", &KVCacheCore::reserve, py::arg("bytes"), py::call_guard<py::gil_scoped_release>())
+      .def("reclaim", &KVCacheCore::reclaim, py::call_guard<py::gil_scoped_release>())
+      .def("shrink", &KVCacheCore::shrink, py::arg("keep_bytes"), py::call_guard<py::gil_scoped_release>())
+      .def("set_memory_budget", &KVCacheCore::set_memory_budget, py::arg("budget_bytes"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("set_lookahead", &KVCacheCore::set_lookahead, py::arg("tokens"))
+      .def("mapped_tokens", &KVCacheCore::mapped_tokens, py::arg("slot"))
+      .def("seq_len", &KVCacheCore::seq_len, py::arg("slot"))
+      .def("active_slots", &KVCacheCore::active_slots)
+      .def("stats", [](const KVCacheCore& core) {
+        py::dict out;
+        for (const auto& kv : core.stats()) out[py::str(kv.first)] = kv.second;
+        return out;
+      })
+      .def("check_invariants", &KVCacheCore::check_invariants)
+      .def("close", &KVCacheCore::close, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("closed", &KVCacheCore::closed)
+      .def_property_readonly("backend_name", [](KVCacheCore& c) { return c.backend().name(); })
+      .def_property_readonly("granularity", [](KVCacheCore& c) { return c.backend().granularity(); })
+      .def("tensor_base", &KVCacheCore::tensor_base, py::arg("tensor"))
+      .def(
+          "export_tensor",
+          [](const std::shared_ptr<KVCacheCore>& core, int kv, int layer, int dl_code, int bits,
+             bool host_alias) { return export_tensor(core, kv, layer, dl_code, bits, host_alias); },
+          py::arg("kv"), py::arg("layer"), py::arg("dl_code"), py::arg("bits"),
+          py::arg("host_alias") = false)
+      .def(
+          "inject_host_fault",
+          [](KVCacheCore& core, const std::string& op, int nth, bool out_of_memory) {
+            host_backend(core).inject_fault(op, nth, out_of_memory);
+          },
+          py::arg("op"), py::arg("nth"), py::arg("out_of_memory") = false,
+          "Test hook: make the nth next host backend call `op` fail.");
+}

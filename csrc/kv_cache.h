@@ -1,0 +1,134 @@
+// KVCacheCore: virtual KV tensors whose physical pages are mapped on demand, per slot.
+//
+// Why: attention kernels want a dense [B, S, H, D] cache; serving wants memory proportional to the
+// tokens really held. The cache reserves each tensor's full virtual range once (addresses never
+// move, so tensors and CUDA graphs stay valid) and maps physical pages at the end of a slot's row
+// as its sequence grows (DESIGN.md section 3).
+//
+// Transactions: step() validates everything before touching state, gets all the pages it needs
+// before mapping any, and undoes its own mappings if a backend call fails part-way. Running out of
+// pages raises Error(OutOfPages) with nothing changed.
+//
+// Reclamation: free() keeps a slot's pages mapped ("idle"); alloc() prefers idle slots that hold
+// pages, so a new request inherits mapped memory for free. Pages of idle slots go back to the pool
+// only when another slot needs them (least recently freed first), on reclaim(), or at once under
+// the "eager" policy. A slot freed at step N is unmapped only after the fence recorded by free()
+// has completed: unmapping is not stream-ordered on CUDA.
+//
+// Thread-safety and lock order: every public method may be called from any thread. mu_ guards all
+// state; the prefetch thread takes mu_ per slot it maps. Order: Prefetcher::mu_ is never held while
+// taking mu_, and mu_ is never held while waiting on the prefetcher. The backend's own locks are
+// leaves below mu_.
+#pragma once
+
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "backend.h"
+#include "geometry.h"
+#include "page_pool.h"
+#include "prefetcher.h"
+#include "slot.h"
+#include "stats.h"
+
+namespace vattention {
+
+enum class ReclaimPolicy { Deferred, Eager };
+
+class KVCacheCore {
+ public:
+  static constexpr int64_t kUnlisted = -1;
+
+  KVCacheCore(std::unique_ptr<Backend> backend, const CacheGeometry& geometry,
+              int64_t budget_bytes, ReclaimPolicy policy, int64_t lookahead_tokens);
+  ~KVCacheCore();
+  KVCacheCore(const KVCacheCore&) = delete;
+  KVCacheCore& operator=(const KVCacheCore&) = delete;
+
+  const CacheGeometry& geometry() const { return geo_; }
+  Backend& backend() { return *backend_; }
+  // Base address of virtual tensor t (see geometry.h for the numbering). Valid until destruction.
+  uintptr_t tensor_base(int t) const { return bases_.at(static_cast<size_t>(t)); }
+  bool closed() const;
+
+  // Returns a slot for a new request: an idle slot holding the most pages, else a free one.
+  // Throws InvalidSlot when every slot is active.
+  int alloc();
+  // Ends the request in `slot`. Records a fence on `stream` (0 = legacy default stream) so the
+  // slot's pages are unmapped only after work already queued there has finished.
+  void free(int slot, uintptr_t stream);
+  // Makes every listed slot back at least its length. lens has max_batch entries; kUnlisted leaves a
+  // slot alone. With fast_only, returns false without side effects if any page must be mapped,
+  // prefetch work is outstanding, or the lock is busy (so the caller can drop the GIL and retry).
+  bool step(const std::vector<int64_t>& lens, uintptr_t stream, bool fast_only);
+  // Queues background mapping of each listed slot up to its length + lookahead (-1 = configured).
+  void prefetch(const std::vector<int64_t>& lens, int64_t lookahead_tokens);
+  // Joins outstanding prefetch work; rethrows a background error.
+  void wait();
+  // Ensures the pool holds at least `bytes` of pages (rounded up). All-or-nothing.
+  void reserve(size_t bytes);
+  // Unmaps every idle slot's pages back to the pool. Returns pages unmapped.
+  size_t reclaim();
+  // Destroys free pages until the pool holds at most keep_bytes. Returns pages destroyed.
+  size_t shrink(size_t keep_bytes);
+  // Changes the budget (-1 = none). Lowering it shrinks free pages, reclaims idle ones and trims
+  // look-ahead until under budget; returns the bytes still over it (active tokens need preemption).
+  int64_t set_memory_budget(int64_t budget_bytes);
+  void set_lookahead(int64_t tokens);
+  int64_t mapped_tokens(int slot) const;
+  int64_t seq_len(int slot) const;
+  std::vector<int> active_slots() const;
+  std::vector<std::pair<std::string, int64_t>> stats() const;
+  // Checks internal invariants (page accounting, refcounts); returns "" or a description.
+  std::string check_invariants() const;
+  // Unmaps everything, destroys pages, stops the prefetch thread. The virtual reservations live on
+  // (PROT_NONE) until the object is destroyed, so a tensor outliving close() faults, never aliases.
+  void close();
+
+ private:
+  using Lock = std::unique_lock<std::mutex>;
+  struct Growth { int slot; size_t from; size_t to; };
+
+  void check_open() const;
+  void validate_slot(int slot) const;
+  void validate_lens(const std::vector<int64_t>& lens, bool require_active) const;
+  // Maps the growth plan (all or nothing). Throws OutOfPages/Driver with state unchanged.
+  void grow(const std::vector<Growth>& plan, bool from_prefetch);
+  // Gets n pages: pool free list, new pages within budget, then idle slots (LRU), then active
+  // slots' pages beyond their length. Throws OutOfPages (nothing changed) if impossible.
+  // allow_trim: also take look-ahead pages of active slots outside the plan (not for prefetch).
+  std::vector<PageHandle> obtain(size_t n, const std::vector<Growth>& plan, bool allow_trim);
+  size_t spare_pages(const std::vector<Growth>& plan, bool allow_trim) const;
+  size_t release_spare(size_t n, const std::vector<Growth>& plan, bool allow_trim);
+  void map_slot(int slot, size_t from, size_t to, const PageHandle* pages, bool from_prefetch);
+  // Unmaps page indices [keep, mapped) of a slot and releases its pages.
+  void unmap_tail(Slot& slot, int index, size_t keep);
+  void wait_fence(Slot& slot);
+  void drain_eager();
+  void run_prefetch(const Prefetcher::Job& job);
+  void rethrow_background_error();
+  uintptr_t page_va(int tensor, int slot, size_t page) const;
+
+  const CacheGeometry geo_;
+  const ReclaimPolicy policy_;
+  std::unique_ptr<Backend> backend_;
+  std::vector<uintptr_t> bases_;
+  std::unique_ptr<PagePool> pool_;
+  mutable std::mutex mu_;
+  std::vector<Slot> slots_;
+  int64_t lookahead_tokens_;
+  uint64_t free_counter_ = 0;
+  uint64_t step_counter_ = 0;
+  std::vector<int> eager_pending_;  // eager policy: freed slots whose fence had not completed
+  CacheCounters counters_;
+  std::exception_ptr background_error_;
+  bool closed_ = false;
+  std::unique_ptr<Prefetcher> prefetcher_;
+};
+
+}  // namespace vattention

@@ -1,0 +1,124 @@
+#include "page_pool.h"
+
+#include <limits>
+#include <string>
+
+#include "errors.h"
+
+namespace vattention {
+
+PagePool::PagePool(Backend& backend, int64_t budget_bytes)
+    : backend_(backend), page_bytes_(backend.page_bytes()), budget_bytes_(budget_bytes) {}
+
+PagePool::~PagePool() {
+  // Best effort at teardown: a destructor must not throw, and the backend frees what is left.
+  try {
+    for (PageHandle p : free_) backend_.destroy_page(p);
+    for (const auto& entry : refs_) backend_.destroy_page(entry.first);
+  } catch (...) {
+  }
+}
+
+size_t PagePool::headroom() const {
+  if (budget_bytes_ < 0) return std::numeric_limits<size_t>::max();
+  const size_t cap = static_cast<size_t>(budget_bytes_) / page_bytes_;
+  return cap > total_ ? cap - total_ : 0;
+}
+
+uint32_t PagePool::refs(PageHandle page) const {
+  auto it = refs_.find(page);
+  return it == refs_.end() ? 0 : it->second;
+}
+
+void PagePool::reserve(size_t num_pages) {
+  if (num_pages <= total_) return;
+  const size_t want = num_pages - total_;
+  if (want > headroom()) {
+    throw Error(Error::Kind::OutOfPages,
+                "reserve of " + std::to_string(num_pages) + " pages (" +
+                    std::to_string(num_pages * page_bytes_) + " bytes) exceeds the memory budget of " +
+                    std::to_string(budget_bytes_) + " bytes (" + std::to_string(total_) +
+                    " pages exist, " + std::to_string(headroom()) + " more allowed)")
+        .with("pages_needed", static_cast<int64_t>(want))
+        .with("pages_available", static_cast<int64_t>(headroom()));
+  }
+  std::vector<PageHandle> made;
+  made.reserve(want);
+  try {
+    while (made.size() < want) made.push_back(backend_.create_page());
+  } catch (const Error& e) {
+    for (PageHandle p : made) backend_.destroy_page(p);
+    if (e.kind() != Error::Kind::OutOfPages) throw;
+    throw Error(Error::Kind::OutOfPages,
+                "reserve of " + std::to_string(num_pages) + " pages failed: the backend refused page " +
+                    std::to_string(total_ + made.size() + 1) + " (" + e.what() + ")")
+        .with("pages_needed", static_cast<int64_t>(want))
+        .with("pages_available", static_cast<int64_t>(made.size()));
+  }
+  free_.insert(free_.end(), made.begin(), made.end());
+  total_ += made.size();
+  created_ += made.size();
+}
+
+std::vector<PageHandle> PagePool::take(size_t num_pages) {
+  std::vector<PageHandle> got;
+  got.reserve(num_pages);
+  while (got.size() < num_pages && !free_.empty()) {
+    got.push_back(free_.back());
+    free_.pop_back();
+  }
+  size_t creatable = headroom();
+  try {
+    while (got.size() < num_pages && creatable > 0) {
+      got.push_back(backend_.create_page());
+      ++total_;
+      ++created_;
+      --creatable;
+    }
+  } catch (const Error& e) {
+    if (e.kind() != Error::Kind::OutOfPages) {
+      free_.insert(free_.end(), got.begin(), got.end());
+      throw;
+    }
+  }
+  for (PageHandle p : got) refs_[p] = 1;
+  return got;
+}
+
+void PagePool::untake(const std::vector<PageHandle>& pages, size_t num_created) {
+  for (PageHandle p : pages) {
+    refs_.erase(p);
+    free_.push_back(p);
+  }
+  for (size_t i = 0; i < num_created && !free_.empty(); ++i) {
+    backend_.destroy_page(free_.back());
+    free_.pop_back();
+    --total_;
+    ++destroyed_;
+  }
+}
+
+void PagePool::share(PageHandle page) { ++refs_.at(page); }
+
+void PagePool::release(PageHandle page) {
+  auto it = refs_.find(page);
+  if (it == refs_.end()) return;
+  if (--it->second == 0) {
+    refs_.erase(it);
+    free_.push_back(page);
+  }
+}
+
+size_t PagePool::shrink(size_t keep_bytes) {
+  size_t destroyed = 0;
+  while (!free_.empty() && total_ * page_bytes_ > keep_bytes) {
+    backend_.destroy_page(free_.back());
+    free_.pop_back();
+    --total_;
+    ++destroyed_;
+    ++destroyed;
+  }
+  return destroyed;
+}
+
+}  // namespace vattention

@@ -1,0 +1,21 @@
+// Counters of one cache. Monotonic COUNTs only; sizes are computed from state when asked.
+#pragma once
+
+#include <cstdint>
+
+namespace vattention {
+
+struct CacheCounters {
+  uint64_t map_calls = 0;          // backend map() calls (one per page)
+  uint64_t unmap_calls = 0;        // backend unmap() calls (one per contiguous run)
+  uint64_t set_access_calls = 0;   // backend set_access() calls (one per contiguous run)
+  uint64_t step_map_calls = 0;     // map() calls made synchronously inside step()
+  uint64_t prefetch_map_calls = 0; // map() calls made by the background prefetch thread
+  uint64_t steps = 0;
+  uint64_t oom_events = 0;         // OutOfPagesError raised
+  uint64_t reclaimed_pages = 0;    // pages unmapped from idle slots or trimmed from active ones
+  uint64_t prefetch_shortfall_pages = 0;  // pages the prefetch thread could not get
+  uint64_t fence_waits = 0;        // unmaps that had to wait for a free()'s event
+};
+
+}  // namespace vattention

@@ -1,0 +1,75 @@
+"""Shared fixtures: every cache-level test runs over devices, layouts and page sizes.
+
+`device` is parametrized over the backends available to the tests ("cpu" = host backend; the CUDA
+backend joins through the driver emulation, see tests/cuda_emulator/). Data is read and written
+through `kv_views`, which gives CPU tensors over the cache memory on every backend.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vattention
+
+DEVICES = ["cpu"]
+LAYOUTS = ["layer", "mega"]
+PAGE_SIZES = ["64KB", "2MB"]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a real NVIDIA GPU and driver")
+
+
+def pytest_collection_modifyitems(config, items):
+    if _have_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs a real NVIDIA GPU and driver (none on this machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def _have_gpu() -> bool:
+    try:
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param
+
+
+@pytest.fixture(params=LAYOUTS)
+def layout(request):
+    return request.param
+
+
+@pytest.fixture(params=PAGE_SIZES)
+def page_size(request):
+    return request.param
+
+
+@pytest.fixture
+def make_cache(device, layout, page_size):
+    """Factory for small caches on the parametrized device/layout/page size; closes them after."""
+    caches = []
+
+    def make(*, num_layers=2, num_kv_heads=2, head_dim=64, max_batch_size=4, max_seq_len=4096,
+             dtype=torch.float16, memory_budget=None, **kwargs):
+        cfg = vattention.KVCacheConfig(
+            num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=dtype,
+            device=kwargs.pop("device", device), page_size=kwargs.pop("page_size", page_size),
+            layout=kwargs.pop("layout", layout))
+        cache = vattention.KVCache(cfg, memory_budget=memory_budget, **kwargs)
+        caches.append(cache)
+        return cache
+
+    yield make
+    for cache in caches:
+        if not cache.closed:
+            assert cache._core.check_invariants() == ""
+            cache.close()

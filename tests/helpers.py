@@ -1,0 +1,48 @@
+"""Test helpers shared by several test modules."""
+
+from __future__ import annotations
+
+import torch
+
+
+def kv_views(cache, layer):
+    """CPU tensors over layer `layer`'s K and V, on any backend whose memory is host memory."""
+    if cache.config.device == "cpu":
+        return cache.layer(layer)
+    return cache.host_alias(layer)
+
+
+def fill_pattern(cache, slot, start, end, seed):
+    """Write a deterministic pattern into tokens [start, end) of `slot` in every layer, K and V."""
+    gen = torch.Generator().manual_seed(seed)
+    cfg = cache.config
+    written = []
+    for layer in range(cfg.num_layers):
+        k, v = kv_views(cache, layer)
+        kd = torch.randn(end - start, cfg.num_kv_heads, cfg.head_dim, generator=gen).to(cfg.dtype)
+        vd = torch.randn(end - start, cfg.num_kv_heads, cfg.head_dim, generator=gen).to(cfg.dtype)
+        k[slot, start:end] = kd
+        v[slot, start:end] = vd
+        written.append((kd, vd))
+    return written
+
+
+def check_pattern(cache, slot, start, end, written):
+    for layer, (kd, vd) in enumerate(written):
+        k, v = kv_views(cache, layer)
+        assert torch.equal(k[slot, start:end], kd), f"K of layer {layer} slot {slot} changed"
+        assert torch.equal(v[slot, start:end], vd), f"V of layer {layer} slot {slot} changed"
+
+
+PAGE_STATE_KEYS = ("pages_total", "pages_free", "pages_mapped", "mappings", "bytes_mapped",
+                   "active_slots", "idle_slots_with_pages", "free_slots", "bytes_used_by_tokens",
+                   "map_calls", "unmap_calls", "pages_created", "pages_destroyed")
+
+
+def page_state(cache):
+    """The part of stats() a failed call must leave exactly as it was."""
+    stats = cache.stats()
+    state = {k: stats[k] for k in PAGE_STATE_KEYS}
+    state["mapped_tokens"] = [cache.mapped_tokens(s) for s in range(cache.config.max_batch_size)]
+    state["seq_lens"] = [cache.seq_len(s) for s in range(cache.config.max_batch_size)]
+    return state

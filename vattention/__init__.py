@@ -1,0 +1,25 @@
+"""vattention: KV caches contiguous in virtual memory, backed by physical pages mapped on demand.
+
+Unmodified attention kernels (FlashAttention's ``flash_attn_with_kvcache``, torch SDPA, any kernel
+taking a dense ``[batch, seq, heads, head_dim]`` cache) read the tensors directly, while physical
+memory grows with the tokens really held.
+
+>>> import torch, vattention
+>>> cfg = vattention.KVCacheConfig(num_layers=2, num_kv_heads=2, head_dim=64, max_batch_size=2,
+...                                max_seq_len=512, dtype=torch.float16, page_size="64KB")
+>>> cache = vattention.KVCache(cfg)
+>>> cache.close()
+"""
+
+from .cache import KVCache
+from .config import KVCacheConfig, parse_size
+from .errors import (BackendUnavailableError, CacheClosedError, ConfigError, DriverError,
+                     InvalidSlotError, OutOfPagesError, SequenceTooLongError, VAttentionError)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KVCache", "KVCacheConfig", "parse_size", "VAttentionError", "ConfigError", "InvalidSlotError",
+    "SequenceTooLongError", "OutOfPagesError", "DriverError", "BackendUnavailableError",
+    "CacheClosedError", "__version__",
+]

@@ -1,0 +1,50 @@
+"""Command line: ``python -m vattention {info,demo,bench}``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+
+def _info() -> int:
+    import vattention
+    from vattention import _C
+
+    print(f"vattention {vattention.__version__}")
+    import torch
+    print(f"torch {torch.__version__}")
+    for kind, device in (("host", "cpu"), ("cuda", "cuda:0")):
+        reason = _C.backend_unavailable_reason(kind)
+        if reason:
+            print(f"backend {kind}: unavailable: {reason}")
+            continue
+        try:
+            gran = _C.backend_granularity(device)
+        except vattention.VAttentionError as e:
+            print(f"backend {kind}: unavailable: {e}")
+        else:
+            print(f"backend {kind}: available, granularity {gran} bytes")
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m vattention", description=__doc__)
+    parser.add_argument("command", choices=("info", "demo", "bench"))
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "info":
+        return _info()
+    if args.command == "demo":
+        from .demo import main as demo_main
+        return demo_main(rest)
+    try:
+        from .bench.cli import main as bench_main
+    except ImportError:
+        print("the benchmarks are not part of this build", file=sys.stderr)
+        return 2
+    return bench_main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,279 @@
+"""KVCache: the object a serving system holds. Wraps the C++ core and hands out torch tensors."""
+
+from __future__ import annotations
+
+import logging
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+
+from . import _C
+from .config import DTYPES, KVCacheConfig, Size, parse_size
+from .errors import BackendUnavailableError, CacheClosedError, ConfigError
+
+__all__ = ["KVCache"]
+
+logger = logging.getLogger(__name__)
+
+SeqLens = Union[Mapping[int, int], Sequence[int], torch.Tensor]
+
+
+def _stream_handle(stream) -> int:
+    """A CUDA stream (torch.cuda.Stream or raw handle) as an int; None = legacy default stream."""
+    if stream is None:
+        return 0
+    if isinstance(stream, int):
+        return stream
+    return int(stream.cuda_stream)
+
+
+def _as_lens(seq_lens: SeqLens):
+    if isinstance(seq_lens, torch.Tensor):
+        if seq_lens.dim() != 1:
+            raise ConfigError(f"seq_lens tensor must be 1-D, got shape {tuple(seq_lens.shape)}")
+        return seq_lens.detach().to("cpu", torch.int64).tolist()
+    return seq_lens
+
+
+class KVCache:
+    """Virtual KV tensors with physical pages mapped on demand.
+
+    Each layer's K and V cache is one dense tensor ``[max_batch_size, max_seq_len, num_kv_heads,
+    head_dim]`` whose virtual addresses never change; physical pages back a slot's row only up to
+    the tokens it holds. A request owns one slot (batch row) from :meth:`alloc` to :meth:`free`.
+
+    Parameters
+    ----------
+    config : KVCacheConfig
+        Shape, dtype, device, page size and layout.
+    memory_budget : int or str, optional
+        Cap on physical memory for pages (bytes or ``"8GB"``). ``None``: grow until the backend
+        refuses. On the host backend, set one: the OS may kill a process before refusing memory.
+    reclaim : {"deferred", "eager"}
+        ``"deferred"`` (default): a freed slot keeps its pages until another slot needs them, so a
+        new request inherits mapped memory. ``"eager"``: unmap as soon as the slot is freed.
+    lookahead_tokens : int
+        Extra tokens :meth:`prefetch` maps beyond each given length (default 0: pages are already
+        rounded up, and the background thread runs every iteration).
+
+    Examples
+    --------
+    >>> import torch, vattention
+    >>> cfg = vattention.KVCacheConfig(num_layers=2, num_kv_heads=2, head_dim=64, max_batch_size=4,
+    ...                                max_seq_len=1024, dtype=torch.float16, page_size="64KB")
+    >>> with vattention.KVCache(cfg, memory_budget="16MB") as cache:
+    ...     slot = cache.alloc()
+    ...     cache.step({slot: 100})
+    ...     k, v = cache.layer(0)
+    ...     k[slot, :100] = 1.0
+    ...     cache.mapped_tokens(slot)
+    256
+    """
+
+    def __init__(self, config: KVCacheConfig, *, memory_budget: Optional[Size] = None,
+                 reclaim: str = "deferred", lookahead_tokens: int = 0) -> None:
+        if not isinstance(config, KVCacheConfig):
+            raise ConfigError(f"config must be a KVCacheConfig, got {type(config).__name__}")
+        if reclaim not in ("deferred", "eager"):
+            raise ConfigError(f"reclaim={reclaim!r} must be 'deferred' or 'eager'")
+        budget = -1 if memory_budget is None else parse_size(memory_budget, name="memory_budget")
+        self._config = config
+        self._dl_code, self._dl_bits = DTYPES[config.dtype]
+        self._core = _C.KVCacheCore(
+            config.device, config.num_layers, config.num_kv_heads, config.head_dim,
+            config.element_bytes, config.max_batch_size, config.max_seq_len, config.page_bytes,
+            config.layout == "mega", budget, reclaim == "eager", int(lookahead_tokens))
+        self._layers: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
+        logger.debug("KVCache %s: %d bytes virtual", config, config.virtual_bytes)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    @property
+    def config(self) -> KVCacheConfig:
+        """The configuration this cache was built with."""
+        return self._config
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._core.closed
+
+    def close(self) -> None:
+        """Unmap every page and give it back. Tensors handed out stay reserved but fault on access.
+
+        Idempotent. Afterwards every other method raises :class:`CacheClosedError`.
+        """
+        self._layers = None
+        self._core.close()
+
+    def __enter__(self) -> "KVCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{len(self.active_slots())} active slots"
+        return f"KVCache({self._config}, {state})"
+
+    # ---- tensors ------------------------------------------------------------------------------
+    def _tensor(self, kv: int, layer: int) -> torch.Tensor:
+        capsule = self._core.export_tensor(kv, layer, self._dl_code, self._dl_bits)
+        try:
+            return torch.from_dlpack(capsule)
+        except (RuntimeError, TypeError) as e:  # e.g. a CUDA cache with a CPU-only torch
+            raise BackendUnavailableError(
+                f"torch {torch.__version__} cannot wrap this {self._config.device!r} memory: {e}"
+            ) from e
+
+    def _all_layers(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        if self._layers is None:
+            if self.closed:
+                raise CacheClosedError("the KV cache is closed; create a new KVCache")
+            self._layers = [(self._tensor(0, i), self._tensor(1, i))
+                            for i in range(self._config.num_layers)]
+        return self._layers
+
+    def layer(self, index: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer: tensors ``[max_batch_size, max_seq_len, num_kv_heads, head_dim]``.
+
+        Zero-copy views of the virtual reservation; the same addresses on every call. Only the
+        first :meth:`mapped_tokens` positions of a slot's row are backed: touching beyond them
+        faults (SIGSEGV on the host backend, an illegal-address error on CUDA).
+        """
+        layers = self._all_layers()
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(layers):
+            raise ConfigError(f"layer={index!r} is out of range [0, {len(layers)}) "
+                              f"(num_layers={len(layers)})")
+        return layers[index]
+
+    @property
+    def k_cache(self) -> List[torch.Tensor]:
+        """K tensors of all layers."""
+        return [k for k, _ in self._all_layers()]
+
+    @property
+    def v_cache(self) -> List[torch.Tensor]:
+        """V tensors of all layers."""
+        return [v for _, v in self._all_layers()]
+
+    def mega_tensors(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``mega`` layout only: the whole K and V tensors ``[B, S, num_layers, H, D]``."""
+        if self._config.layout != "mega":
+            raise ConfigError("mega_tensors() needs layout='mega'")
+        return self._tensor(0, -1), self._tensor(1, -1)
+
+    def layer_ptrs(self, index: int) -> Tuple[int, int]:
+        """Raw virtual addresses of layer ``index``'s K and V (element [0, 0, 0, 0])."""
+        cfg = self._config
+        if not 0 <= index < cfg.num_layers:
+            raise ConfigError(f"layer={index!r} is out of range [0, {cfg.num_layers})")
+        if cfg.layout == "layer":
+            return self._core.tensor_base(index), self._core.tensor_base(cfg.num_layers + index)
+        offset = index * cfg.num_kv_heads * cfg.head_dim * cfg.element_bytes
+        return self._core.tensor_base(0) + offset, self._core.tensor_base(1) + offset
+
+    def host_alias(self, index: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``index`` exported as CPU tensors whatever the device.
+
+        Only meaningful where the device memory is host memory (the host backend, or the CUDA
+        driver emulation used in tests). Never use it with a real GPU.
+        """
+        if not 0 <= index < self._config.num_layers:
+            raise ConfigError(f"layer={index!r} is out of range [0, {self._config.num_layers})")
+        return tuple(torch.from_dlpack(self._core.export_tensor(kv, index, self._dl_code,
+                                                                self._dl_bits, True))
+                     for kv in (0, 1))
+
+    # ---- slots --------------------------------------------------------------------------------
+    def alloc(self) -> int:
+        """Take a slot for a new request (an idle one that still holds pages if possible).
+
+        Raises :class:`InvalidSlotError` when all ``max_batch_size`` slots are active.
+        """
+        return self._core.alloc()
+
+    def free(self, slot: int, *, stream=None) -> None:
+        """End the request in ``slot``. Its pages stay mapped until needed (deferred reclamation).
+
+        On CUDA an event is recorded on ``stream`` (default: the legacy default stream); the slot's
+        pages are unmapped only after it has completed, so kernels still reading them are safe.
+        """
+        self._core.free(slot, _stream_handle(stream))
+
+    def step(self, seq_lens: SeqLens, *, stream=None) -> None:
+        """Back every listed slot up to its length before the next attention call.
+
+        Parameters
+        ----------
+        seq_lens : dict, sequence or 1-D tensor
+            ``{slot: length}``, or ``max_batch_size`` lengths where 0 means "idle this iteration".
+            Lengths are in tokens, ``0 <= length <= max_seq_len``.
+
+        Transactional: on :class:`OutOfPagesError` (attributes ``pages_needed``,
+        ``pages_available``) nothing was mapped or changed; preempt a request and retry.
+        """
+        self._core.step(_as_lens(seq_lens), _stream_handle(stream))
+
+    def prefetch(self, seq_lens: SeqLens, *, lookahead_tokens: Optional[int] = None) -> None:
+        """Map pages for the next iteration in the background; returns at once.
+
+        Each listed slot is backed up to its length plus ``lookahead_tokens`` (default: the
+        cache's). The next :meth:`step` joins this work first; shortfalls are not errors here.
+        """
+        la = -1 if lookahead_tokens is None else int(lookahead_tokens)
+        if la < -1:
+            raise ConfigError(f"lookahead_tokens={lookahead_tokens!r} must be >= 0")
+        self._core.prefetch(_as_lens(seq_lens), la)
+
+    def wait(self) -> None:
+        """Block until background prefetch work is done; re-raise a background driver error."""
+        self._core.wait()
+
+    # ---- physical memory ----------------------------------------------------------------------
+    def reserve(self, size: Size) -> None:
+        """Pre-create physical pages so the pool holds at least ``size`` bytes (e.g. ``"4GB"``).
+
+        All or nothing: raises :class:`OutOfPagesError` (no pages kept) beyond the budget.
+        """
+        self._core.reserve(parse_size(size, name="size"))
+
+    def reclaim(self) -> int:
+        """Unmap the pages of every idle slot back to the pool. Returns pages unmapped."""
+        return self._core.reclaim()
+
+    def shrink(self, keep_bytes: Size = 0) -> int:
+        """Give free pages back to the OS/driver until the pool holds at most ``keep_bytes``.
+
+        Returns the number of pages destroyed. Mapped pages are never touched: call
+        :meth:`reclaim` first to include idle slots' pages.
+        """
+        return self._core.shrink(parse_size(keep_bytes, name="keep_bytes"))
+
+    def set_memory_budget(self, budget: Optional[Size]) -> int:
+        """Change the physical memory cap at run time (``None``: no cap).
+
+        Lowering it gives back free pages, reclaims idle slots' pages and trims look-ahead until
+        under budget. Returns the bytes still over budget, which only preemption can free.
+        """
+        value = -1 if budget is None else parse_size(budget, name="memory_budget")
+        return self._core.set_memory_budget(value)
+
+    # ---- queries ------------------------------------------------------------------------------
+    def mapped_tokens(self, slot: int) -> int:
+        """Token positions of ``slot`` backed by physical pages."""
+        return self._core.mapped_tokens(slot)
+
+    def seq_len(self, slot: int) -> int:
+        """Length given for ``slot`` by the last :meth:`step` (0 after :meth:`alloc`)."""
+        return self._core.seq_len(slot)
+
+    def active_slots(self) -> List[int]:
+        """Slots currently owned by requests, ascending."""
+        return self._core.active_slots()
+
+    def stats(self) -> Dict[str, int]:
+        """Counters and sizes: pages_total/free/mapped, bytes_mapped, bytes_used_by_tokens, ...
+
+        See ``docs/guide.md`` for every key. Sizes are bytes, counts are pages or calls.
+        """
+        return self._core.stats()
