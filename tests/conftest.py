@@ -7,12 +7,45 @@ through `kv_views`, which gives CPU tensors over the cache memory on every backe
 
 from __future__ import annotations
 
+import gc
+import os
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-import vattention
+sys.path.insert(0, str(Path(__file__).resolve().parent / "cuda_emulator"))
+import emu as cuda_emu  # noqa: E402  (tests/cuda_emulator/emu.py: the CUDA driver EMULATION)
 
-DEVICES = ["cpu"]
+import vattention  # noqa: E402
+
+DEVICES = ["cpu", "cuda"]
+GPU_MIN_PAGE = 2 << 20
+
+
+def _cuda_mode() -> tuple[str, str]:
+    """("gpu" | "emulated" | "", reason it is unavailable).
+
+    A real driver is used when VATTENTION_LIBCUDA names one, or when it is unset and torch sees a
+    GPU; otherwise the backend is pointed at the emulation before anything loads a driver (the
+    library is loaded once per process).
+    """
+    lib = os.environ.get("VATTENTION_LIBCUDA", "")
+    if (lib and "cuda_emu" not in lib) or (not lib and _have_gpu()):
+        mode = "gpu"
+    else:
+        reason = cuda_emu.unavailable_reason()
+        if reason:
+            return "", reason
+        os.environ["VATTENTION_LIBCUDA"] = str(cuda_emu.LIB_PATH)
+        mode = "emulated"
+    reason = vattention._C.backend_unavailable_reason("cuda")
+    if reason:
+        return "", reason
+    if mode == "emulated":
+        cuda_emu.Emulator.load().reset_for_suite()  # 64 KB granularity, see emu.py
+    return mode, ""
 LAYOUTS = ["layer", "mega"]
 PAGE_SIZES = ["64KB", "2MB"]
 
@@ -37,9 +70,27 @@ def _have_gpu() -> bool:
         return False
 
 
+CUDA_MODE, CUDA_REASON = _cuda_mode()
+
+
 @pytest.fixture(params=DEVICES)
 def device(request):
-    return request.param
+    """"cpu", or "cuda:0" on the real GPU or the emulation (then checked: no rule violation, and
+    nothing left mapped, created, reserved or retained once the test's caches are gone)."""
+    if request.param == "cpu":
+        yield "cpu"
+        return
+    if not CUDA_MODE:
+        pytest.skip(f"CUDA backend unavailable: {CUDA_REASON}")
+    if CUDA_MODE == "gpu":
+        yield "cuda:0"
+        return
+    emu = cuda_emu.Emulator.load()
+    violations = emu.violations
+    yield "cuda:0"
+    gc.collect()
+    assert emu.violations == violations, f"CUDA rule violated: {emu.last_violation()}"
+    assert emu.live() == {k: 0 for k in emu.live()}, "leaked driver objects after the test"
 
 
 @pytest.fixture(params=LAYOUTS)
@@ -59,6 +110,9 @@ def make_cache(device, layout, page_size):
 
     def make(*, num_layers=2, num_kv_heads=2, head_dim=64, max_batch_size=4, max_seq_len=4096,
              dtype=torch.float16, memory_budget=None, **kwargs):
+        if CUDA_MODE == "gpu" and device.startswith("cuda"):
+            if vattention.config.parse_size(kwargs.get("page_size", page_size)) < GPU_MIN_PAGE:
+                pytest.skip("real GPUs need pages of at least 2 MB (VMM granularity)")
         cfg = vattention.KVCacheConfig(
             num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
             max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=dtype,
@@ -73,3 +127,4 @@ def make_cache(device, layout, page_size):
         if not cache.closed:
             assert cache._core.check_invariants() == ""
             cache.close()
+    caches.clear()  # drop them, so the device fixture can check that everything was given back

@@ -6,8 +6,9 @@ import torch
 
 
 def kv_views(cache, layer):
-    """CPU tensors over layer `layer`'s K and V, on any backend whose memory is host memory."""
-    if cache.config.device == "cpu":
+    """Tensors over layer `layer`'s K and V: CPU tensors wherever the memory is host memory (host
+    backend, CUDA emulation), torch.cuda tensors on a real GPU."""
+    if cache.config.device == "cpu" or torch.cuda.is_available():
         return cache.layer(layer)
     return cache.host_alias(layer)
 
@@ -21,8 +22,8 @@ def fill_pattern(cache, slot, start, end, seed):
         k, v = kv_views(cache, layer)
         kd = torch.randn(end - start, cfg.num_kv_heads, cfg.head_dim, generator=gen).to(cfg.dtype)
         vd = torch.randn(end - start, cfg.num_kv_heads, cfg.head_dim, generator=gen).to(cfg.dtype)
-        k[slot, start:end] = kd
-        v[slot, start:end] = vd
+        k[slot, start:end] = kd.to(k.device)
+        v[slot, start:end] = vd.to(v.device)
         written.append((kd, vd))
     return written
 
@@ -30,8 +31,8 @@ def fill_pattern(cache, slot, start, end, seed):
 def check_pattern(cache, slot, start, end, written):
     for layer, (kd, vd) in enumerate(written):
         k, v = kv_views(cache, layer)
-        assert torch.equal(k[slot, start:end], kd), f"K of layer {layer} slot {slot} changed"
-        assert torch.equal(v[slot, start:end], vd), f"V of layer {layer} slot {slot} changed"
+        assert torch.equal(k[slot, start:end].cpu(), kd), f"K of layer {layer} slot {slot} changed"
+        assert torch.equal(v[slot, start:end].cpu(), vd), f"V of layer {layer} slot {slot} changed"
 
 
 PAGE_STATE_KEYS = ("pages_total", "pages_free", "pages_mapped", "mappings", "bytes_mapped",

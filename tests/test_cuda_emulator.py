@@ -28,7 +28,7 @@ def emu():
     em = E.Emulator.load()
     em.reset()
     yield em
-    em.reset()
+    em.reset_for_suite()  # leave it as the cache-level suite expects
 
 
 @pytest.fixture

@@ -120,7 +120,9 @@ class KVCache:
         capsule = self._core.export_tensor(kv, layer, self._dl_code, self._dl_bits)
         try:
             return torch.from_dlpack(capsule)
-        except (RuntimeError, TypeError) as e:  # e.g. a CUDA cache with a CPU-only torch
+        # e.g. a CUDA cache with a CPU-only torch (torch raises AssertionError "not compiled
+        # with CUDA enabled" there)
+        except (RuntimeError, TypeError, AssertionError) as e:
             raise BackendUnavailableError(
                 f"torch {torch.__version__} cannot wrap this {self._config.device!r} memory: {e}"
             ) from e

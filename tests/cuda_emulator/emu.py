@@ -47,6 +47,9 @@ CU_GET_PROC_ADDRESS_SUCCESS = 0
 CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND = 1
 CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT = 2
 MB = 1 << 20
+# Granularity the cache-level suite runs the emulation at, so its 64 KB page case runs on the
+# emulated CUDA backend too (real GPUs: 2 MB; the emulation's own default stays 2 MB).
+SUITE_GRANULARITY = 64 * 1024
 
 
 class CUmemLocation(ctypes.Structure):
@@ -178,6 +181,11 @@ class Emulator:
     # ---- control API ----
     def reset(self) -> None:
         self.lib.vaemu_reset()
+
+    def reset_for_suite(self) -> None:
+        """reset(), then the settings the cache-level suite expects (see SUITE_GRANULARITY)."""
+        self.reset()
+        self.set_granularity(SUITE_GRANULARITY)
 
     def set_granularity(self, nbytes: int) -> None:
         self.lib.vaemu_set_granularity(nbytes)
