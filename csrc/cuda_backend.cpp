@@ -254,10 +254,12 @@ class CudaBackend final : public Backend {
       auto it = fences_.find(fence);
       if (it == fences_.end()) return;  // releasing twice is harmless
       ev = it->second;
-      fences_.erase(it);
     }
     ScopedContext sc(api_, ctx_.get());
+    // On failure the fence stays known, so the caller (who still holds it) can release it again.
     check(api_.cuEventDestroy(ev), "cuEventDestroy", {{"event", reinterpret_cast<uintptr_t>(ev)}});
+    std::lock_guard<std::mutex> lock(fences_mu_);
+    fences_.erase(fence);
   }
 
   // Pages created and not yet destroyed. A page destroyed while still mapped keeps its memory until

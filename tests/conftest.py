@@ -1,51 +1,22 @@
 """Shared fixtures: every cache-level test runs over devices, layouts and page sizes.
 
-`device` is parametrized over the backends available to the tests ("cpu" = host backend; the CUDA
-backend joins through the driver emulation, see tests/cuda_emulator/). Data is read and written
-through `kv_views`, which gives CPU tensors over the cache memory on every backend.
+`device` is parametrized over "cpu" (host backend) and "cuda" (the CUDA backend: on the real driver
+where there is a GPU, else through the strict driver emulation, see tests/cuda_setup.py and
+tests/cuda_emulator/). Data is read and written through `kv_views`, which gives CPU tensors over the
+cache memory wherever it is host memory.
 """
 
 from __future__ import annotations
 
 import gc
-import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "cuda_emulator"))
-import emu as cuda_emu  # noqa: E402  (tests/cuda_emulator/emu.py: the CUDA driver EMULATION)
-
-import vattention  # noqa: E402
+import vattention
+from cuda_setup import CUDA_MODE, CUDA_REASON, GPU_MIN_PAGE, cuda_emu
 
 DEVICES = ["cpu", "cuda"]
-GPU_MIN_PAGE = 2 << 20
-
-
-def _cuda_mode() -> tuple[str, str]:
-    """("gpu" | "emulated" | "", reason it is unavailable).
-
-    A real driver is used when VATTENTION_LIBCUDA names one, or when it is unset and torch sees a
-    GPU; otherwise the backend is pointed at the emulation before anything loads a driver (the
-    library is loaded once per process).
-    """
-    lib = os.environ.get("VATTENTION_LIBCUDA", "")
-    if (lib and "cuda_emu" not in lib) or (not lib and _have_gpu()):
-        mode = "gpu"
-    else:
-        reason = cuda_emu.unavailable_reason()
-        if reason:
-            return "", reason
-        os.environ["VATTENTION_LIBCUDA"] = str(cuda_emu.LIB_PATH)
-        mode = "emulated"
-    reason = vattention._C.backend_unavailable_reason("cuda")
-    if reason:
-        return "", reason
-    if mode == "emulated":
-        cuda_emu.Emulator.load().reset_for_suite()  # 64 KB granularity, see emu.py
-    return mode, ""
 LAYOUTS = ["layer", "mega"]
 PAGE_SIZES = ["64KB", "2MB"]
 
@@ -68,9 +39,6 @@ def _have_gpu() -> bool:
         return torch.cuda.is_available()
     except Exception:
         return False
-
-
-CUDA_MODE, CUDA_REASON = _cuda_mode()
 
 
 @pytest.fixture(params=DEVICES)
