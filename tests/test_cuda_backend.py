@@ -347,3 +347,27 @@ def test_device_without_vmm_or_out_of_range_is_refused(emu):
     emu.set_vmm_supported(True)
     with pytest.raises(vattention.ConfigError, match=r"cuda:1.*1 CUDA device"):
         make(device="cuda:1")
+
+
+@pytest.mark.checks_own_cleanup
+def test_backend_surfaces_driver_refusals_as_driver_errors(emu):
+    backend = vattention._C.Backend("cuda:0", PAGE)
+    va = backend.reserve(4 * PAGE)
+    page = backend.create_page()
+    backend.map(va, page)
+    misuse = [("cuMemUnmap", lambda: backend.unmap(va, 2 * PAGE)),          # includes a hole
+              ("cuMemSetAccess", lambda: backend.set_access(va, 2 * PAGE)),  # not fully mapped
+              ("cuMemMap", lambda: backend.map(va, page)),                   # already mapped
+              ("cuMemAddressFree", lambda: backend.release_va(va, 4 * PAGE))]  # still mapped
+    for call, fn in misuse:
+        with pytest.raises(vattention.DriverError) as info:
+            fn()
+        assert info.value.call == call and info.value.code == E.CUDA_ERROR_INVALID_VALUE
+    assert emu.violations == len(misuse)    # the emulation saw each misuse too
+    backend.set_access(va, PAGE)            # and the backend is still usable
+    backend.unmap(va, PAGE)
+    backend.destroy_page(page)
+    backend.release_va(va, 4 * PAGE)
+    del backend, info
+    gc.collect()
+    assert emu.live() == {k: 0 for k in emu.live()}
