@@ -21,6 +21,7 @@
 // leaves below mu_.
 #pragma once
 
+#include <climits>
 #include <cstdint>
 #include <exception>
 #include <memory>
@@ -42,7 +43,7 @@ enum class ReclaimPolicy { Deferred, Eager };
 
 class KVCacheCore {
  public:
-  static constexpr int64_t kUnlisted = -1;
+  static constexpr int64_t kUnlisted = INT64_MIN;  // "leave this slot alone" in a lens vector
 
   KVCacheCore(std::unique_ptr<Backend> backend, const CacheGeometry& geometry,
               int64_t budget_bytes, ReclaimPolicy policy, int64_t lookahead_tokens);

@@ -1,0 +1,104 @@
+"""The virtual tensors are genuinely sparse: memory follows mapped pages, not max_seq_len."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import vattention
+
+
+def rss_shmem_bytes() -> int:
+    """Resident shared-memory bytes of this process (memfd pages count here once mapped)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssShmem:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssShmem in /proc/self/status")
+
+
+@pytest.mark.parametrize("layout", ["layer", "mega"])
+@pytest.mark.parametrize("page_size", ["64KB", "2MB"])
+def test_rss_and_committed_memory_follow_tokens_not_max_seq_len(layout, page_size):
+    cfg = vattention.KVCacheConfig(num_layers=4, num_kv_heads=8, head_dim=128, max_batch_size=8,
+                                   max_seq_len=131072, dtype=torch.bfloat16, page_size=page_size,
+                                   layout=layout)
+    with vattention.KVCache(cfg) as cache:
+        assert cfg.virtual_bytes >= 8 << 30   # 8 GiB of address space reserved ...
+        rss0 = rss_shmem_bytes()
+        slot = cache.alloc()
+        n = 5000
+        cache.step({slot: n})
+        k, v = cache.layer(cfg.num_layers - 1)
+        k[slot, :n] = 1   # touching what is mapped adds nothing: it is resident already
+        v[slot, :n] = 1
+        expected = cfg.pages_for_tokens(n) * cfg.page_bytes
+        stats = cache.stats()
+        assert stats["bytes_mapped"] == expected
+        assert stats["committed_bytes"] == expected          # memfd blocks really allocated
+        grown = rss_shmem_bytes() - rss0
+        assert expected * 0.95 <= grown <= expected * 1.05 + (1 << 20), (grown, expected)
+        assert grown < cfg.static_bytes / 100               # ... but ~1% of it is resident
+        cache.free(slot)
+        cache.reclaim()
+        assert cache.shrink() == cfg.pages_for_tokens(n)
+        assert cache.stats()["committed_bytes"] == 0        # holes punched: memory given back
+        assert rss_shmem_bytes() - rss0 < (1 << 20)
+
+
+FAULT_SCRIPT = textwrap.dedent("""
+    import sys, torch, vattention
+    layout, page_size, offset = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    cfg = vattention.KVCacheConfig(num_layers=2, num_kv_heads=2, head_dim=64, max_batch_size=2,
+                                   max_seq_len=65536, dtype=torch.float16, page_size=page_size,
+                                   layout=layout)
+    cache = vattention.KVCache(cfg)
+    slot = cache.alloc()
+    cache.step({slot: 100})
+    k, v = cache.layer(1)
+    edge = cache.mapped_tokens(slot)
+    k[slot, edge - 1] = 1.0            # the last backed token is fine
+    print("backed ok", flush=True)
+    float(v[slot, edge - 1 + offset].sum())   # offset >= 1: beyond the mapped region
+    print("read beyond the mapped region did not fault", flush=True)
+""")
+
+
+@pytest.mark.parametrize("layout", ["layer", "mega"])
+@pytest.mark.parametrize("page_size", ["64KB", "2MB"])
+@pytest.mark.parametrize("offset", [1, 40000])
+def test_touching_beyond_mapped_region_faults(tmp_path, layout, page_size, offset):
+    script = tmp_path / "touch.py"
+    script.write_text(FAULT_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), layout, page_size, str(offset)],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONFAULTHANDLER": ""})
+    assert "backed ok" in proc.stdout
+    assert "did not fault" not in proc.stdout
+    assert proc.returncode == -signal.SIGSEGV, (proc.returncode, proc.stderr[-2000:])
+
+
+def test_other_slot_rows_are_not_backed(tmp_path):
+    script = tmp_path / "touch_other.py"
+    script.write_text(textwrap.dedent("""
+        import torch, vattention
+        cfg = vattention.KVCacheConfig(num_layers=1, num_kv_heads=2, head_dim=64,
+                                       max_batch_size=2, max_seq_len=4096,
+                                       dtype=torch.float16, page_size="64KB")
+        cache = vattention.KVCache(cfg)
+        a = cache.alloc(); cache.step({a: 4096})
+        k, _ = cache.layer(0)
+        k[a] = 1.0
+        print("slot a fully backed", flush=True)
+        k[1 - a, 0] = 1.0
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert "slot a fully backed" in proc.stdout
+    assert proc.returncode == -signal.SIGSEGV
