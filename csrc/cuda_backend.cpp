@@ -309,12 +309,14 @@ std::unique_ptr<Backend> make_cuda_backend(int ordinal, size_t page_bytes) {
 }
 
 std::string cuda_unavailable_reason() {
+  static const std::string prefix = "CUDA backend unavailable: ";  // callers add their own
   try {
     const DriverApi& api = cuda::driver();
     open_device(api, 0);
     return "";
   } catch (const std::exception& e) {
-    return e.what();
+    std::string why = e.what();
+    return why.rfind(prefix, 0) == 0 ? why.substr(prefix.size()) : why;
   }
 }
 

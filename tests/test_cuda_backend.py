@@ -371,3 +371,47 @@ def test_backend_surfaces_driver_refusals_as_driver_errors(emu):
     del backend, info
     gc.collect()
     assert emu.live() == {k: 0 for k in emu.live()}
+
+
+# ---- loading the driver -------------------------------------------------------------------------
+
+def _run_with_libcuda(path: str, code: str):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, VATTENTION_LIBCUDA=path)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=60)
+
+
+LOAD_SCRIPT = """
+import torch, vattention
+print("REASON:", vattention._C.backend_unavailable_reason("cuda"))
+cfg = vattention.KVCacheConfig(num_layers=1, num_kv_heads=1, head_dim=64, max_batch_size=1,
+                               max_seq_len=64, dtype=torch.float16, device="cuda")
+try:
+    vattention.KVCache(cfg)
+except vattention.BackendUnavailableError as e:
+    print("RAISED:", e)
+"""
+
+
+@pytest.mark.parametrize("lib,why", [
+    ("/nonexistent/libcuda.so.1", "cannot load the CUDA driver library '/nonexistent/libcuda.so.1'"),
+    ("libm.so.6", "libm.so.6 exports neither cuGetProcAddress_v2 nor cuGetProcAddress"),
+])
+def test_unusable_driver_library_is_backend_unavailable_with_reason(lib, why):
+    proc = _run_with_libcuda(lib, LOAD_SCRIPT)
+    assert proc.returncode == 0, proc.stderr
+    assert f"REASON: {why}" in proc.stdout
+    assert "RAISED: CUDA backend unavailable: " + why in proc.stdout
+
+
+def test_missing_entry_point_is_backend_unavailable_naming_it():
+    script = ("import ctypes, os; lib = ctypes.CDLL(os.environ['VATTENTION_LIBCUDA']); "
+              "lib.vaemu_hide_symbol(b'cuMemSetAccess')\n" + LOAD_SCRIPT)
+    proc = _run_with_libcuda(str(E.LIB_PATH), script)
+    assert proc.returncode == 0, proc.stderr
+    why = "does not provide cuMemSetAccess for CUDA 10.2 (cuGetProcAddress returned 0, symbol not found)"
+    assert why in proc.stdout.split("RAISED:")[0] and "RAISED: CUDA backend unavailable" in proc.stdout

@@ -75,6 +75,13 @@ def test_get_proc_address_table_and_versions(emu):
     assert emu.get_proc("cuMemMap", 99000)[0] == E.CUDA_ERROR_INVALID_VALUE  # newer than driver
 
 
+def test_hidden_symbol_is_not_found(emu):
+    emu.hide_symbol("cuMemMap")
+    assert emu.get_proc("cuMemMap", 12000) == (
+        E.CUDA_SUCCESS, 0, E.CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND)
+    assert emu.get_proc("cuMemUnmap", 12000)[1] != 0
+
+
 def test_device_queries(bound):
     count = E.ctypes.c_int()
     assert bound.lib.cuDeviceGetCount(E.ctypes.byref(count)) == 0 and count.value == 1

@@ -128,6 +128,7 @@ class Emulator:
             "vaemu_counter": ([ctypes.c_char_p], i64),
             "vaemu_last_violation": ([], ctypes.c_char_p),
             "vaemu_thread_has_context": ([], ctypes.c_int),
+            "vaemu_hide_symbol": ([ctypes.c_char_p], None),
             "cuInit": ([ctypes.c_uint], ctypes.c_int),
             "cuDeviceGet": ([ctypes.POINTER(ctypes.c_int), ctypes.c_int], ctypes.c_int),
             "cuDeviceGetCount": ([ctypes.POINTER(ctypes.c_int)], ctypes.c_int),
@@ -221,6 +222,10 @@ class Emulator:
 
     def last_violation(self) -> str:
         return self.lib.vaemu_last_violation().decode()
+
+    def hide_symbol(self, symbol: str) -> None:
+        """cuGetProcAddress reports ``symbol`` as not found (a driver lacking that entry point)."""
+        self.lib.vaemu_hide_symbol(symbol.encode())
 
     def thread_has_context(self) -> bool:
         return bool(self.lib.vaemu_thread_has_context())

@@ -276,7 +276,7 @@ CUresult lookup(const char* symbol, void** pfn, int cuda_version,
   if (cuda_version > emu::kDriverVersion) return CUDA_ERROR_INVALID_VALUE;  // documented rule
   *pfn = nullptr;
   for (const auto& p : kProcs) {
-    if (std::strcmp(p.name, symbol) != 0) continue;
+    if (std::strcmp(p.name, symbol) != 0 || state().hidden_symbols.count(symbol)) continue;
     if (cuda_version < p.since) {
       if (status) *status = CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT;
       return CUDA_SUCCESS;  // documented: success with a NULL pointer

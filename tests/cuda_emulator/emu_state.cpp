@@ -123,6 +123,7 @@ void vaemu_reset() {
   s.calls.clear();
   s.faults.clear();
   s.latency_us.clear();
+  s.hidden_symbols.clear();
   s.violations = 0;
   s.last_violation.clear();
 }
@@ -167,6 +168,12 @@ void vaemu_inject_fault(const char* entry, int64_t nth, int result) {
 void vaemu_set_latency_us(const char* entry, int64_t us) {
   std::lock_guard<std::mutex> lock(state().mu);
   state().latency_us[entry] = us;
+}
+
+// cuGetProcAddress(symbol) reports it as not found, like a driver that lacks the entry point.
+void vaemu_hide_symbol(const char* symbol) {
+  std::lock_guard<std::mutex> lock(state().mu);
+  state().hidden_symbols.insert(symbol);
 }
 
 // While busy, recorded events stay not-ready (in-flight GPU work); clearing completes them all.

@@ -86,6 +86,7 @@ struct State {
   std::map<std::string, int64_t> calls;         // per entry point (base names)
   std::map<std::string, Fault> faults;
   std::map<std::string, int64_t> latency_us;
+  std::set<std::string> hidden_symbols;         // cuGetProcAddress reports them not found
   int64_t violations = 0;
   std::string last_violation;
 };
