@@ -306,6 +306,16 @@ def test_deferred_unmap_waits_for_the_free_event(emu):
         assert cache.stats()["fence_waits"] == 1
 
 
+def test_free_records_its_fence_on_the_callers_stream(emu):
+    with make() as cache:
+        a, b = cache.alloc(), cache.alloc()
+        cache.step({a: 10, b: 10})
+        cache.free(a, stream=0x5EED)
+        assert emu.counter("last_event_stream") == 0x5EED
+        cache.free(b)                       # default: the legacy default stream, handle 0
+        assert emu.counter("last_event_stream") == 0
+
+
 def test_event_recorded_while_idle_needs_no_wait(emu):
     with make() as cache:
         slot = cache.alloc()

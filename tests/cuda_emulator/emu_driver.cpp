@@ -151,11 +151,12 @@ CUresult cuEventCreate(CUevent* event, unsigned int flags) {
 
 CUresult cuEventRecord(CUevent event, CUstream stream) {
   EMU_ENTER("cuEventRecord", emu::kInit | emu::kContext);
-  (void)stream;  // one emulated stream: all work is "the GPU"
+  // One emulated GPU: all work is "in flight" together; the stream is only remembered.
   auto* e = reinterpret_cast<emu::Event*>(event);
   if (!state().events.count(e))
     return call_.violation(CUDA_ERROR_INVALID_HANDLE, "cuEventRecord: unknown event %p",
                            static_cast<void*>(event));
+  state().last_event_stream = reinterpret_cast<uintptr_t>(stream);
   e->recorded = true;
   e->pending = state().gpu_busy;
   e->epoch = state().busy_epoch;

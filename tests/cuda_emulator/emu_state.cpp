@@ -119,6 +119,7 @@ void vaemu_reset() {
   s.initialized = false;
   for (int i = 0; i < emu::kMaxDevices; i++) s.contexts[i] = emu::PrimaryContext{i, 0};
   s.gpu_busy = false;
+  s.last_event_stream = 0;
   s.gpu_idle.notify_all();
   s.calls.clear();
   s.faults.clear();
@@ -186,7 +187,8 @@ void vaemu_set_gpu_busy(int busy) {
 }
 
 // Calls of an entry point by base name, or one of: live_handles, live_mappings,
-// live_reservations, live_events, context_refs, bytes_in_use, violations, accessible_mappings.
+// live_reservations, live_events, context_refs, bytes_in_use, violations, accessible_mappings,
+// last_event_stream.
 int64_t vaemu_counter(const char* name) {
   std::lock_guard<std::mutex> lock(state().mu);
   emu::State& s = state();
@@ -197,6 +199,7 @@ int64_t vaemu_counter(const char* name) {
   if (n == "live_events") return static_cast<int64_t>(s.events.size());
   if (n == "bytes_in_use") return static_cast<int64_t>(s.bytes_in_use);
   if (n == "violations") return s.violations;
+  if (n == "last_event_stream") return static_cast<int64_t>(s.last_event_stream);
   if (n == "context_refs") {
     int64_t refs = 0;
     for (auto& c : s.contexts) refs += c.refcount;

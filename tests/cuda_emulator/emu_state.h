@@ -80,6 +80,7 @@ struct State {
   std::set<Event*> events;
   PrimaryContext contexts[kMaxDevices];
 
+  uintptr_t last_event_stream = 0;  // stream of the latest cuEventRecord, for stream-rule tests
   bool gpu_busy = false;
   uint64_t busy_epoch = 0;
 
