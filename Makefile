@@ -8,7 +8,13 @@ DEPS_STAMP := $(VENV)/.deps-stamp
 BUILD_STAMP := $(VENV)/.build-stamp
 CORE_SOURCES := $(wildcard csrc/*.cpp csrc/*.h) setup.py pyproject.toml
 
-.PHONY: all build demo test clean
+.PHONY: all build demo test sanitize clean
+
+CXX ?= g++
+SAN_DIR := build-sanitize
+SAN_SOURCES := csrc/host_backend.cpp csrc/page_pool.cpp csrc/kv_cache.cpp csrc/prefetcher.cpp \
+               csrc/tests/core_threads_test.cpp
+SAN_FLAGS := -std=c++17 -O1 -g -fno-omit-frame-pointer -Icsrc -pthread
 
 all: build
 
@@ -34,8 +40,26 @@ build: $(BUILD_STAMP)
 demo: build
 	$(PY) -m vattention demo
 
+# The C++ core's thread and rollback tests under ThreadSanitizer and AddressSanitizer/UBSan.
+# Any report fails the run (halt_on_error, non-zero exit codes).
+$(SAN_DIR)/core_tsan: $(SAN_SOURCES) $(wildcard csrc/*.h)
+	mkdir -p $(SAN_DIR)
+	$(CXX) $(SAN_FLAGS) -fsanitize=thread $(SAN_SOURCES) -o $@
+
+$(SAN_DIR)/core_asan: $(SAN_SOURCES) $(wildcard csrc/*.h)
+	mkdir -p $(SAN_DIR)
+	$(CXX) $(SAN_FLAGS) -fsanitize=address,undefined -fno-sanitize-recover=all $(SAN_SOURCES) -o $@
+
+sanitize: $(SAN_DIR)/core_tsan $(SAN_DIR)/core_asan
+	TSAN_OPTIONS="halt_on_error=1 exitcode=66" $(SAN_DIR)/core_tsan
+	ASAN_OPTIONS="detect_leaks=1 halt_on_error=1" UBSAN_OPTIONS="halt_on_error=1" $(SAN_DIR)/core_asan
+
+# Runs the sanitizer build too when this compiler has the runtimes (gcc on Debian does).
 test: build
+	@if printf 'int main(){return 0;}' | $(CXX) -fsanitize=thread -x c++ - -o /dev/null 2>/dev/null && \
+	    printf 'int main(){return 0;}' | $(CXX) -fsanitize=address,undefined -x c++ - -o /dev/null 2>/dev/null; \
+	then $(MAKE) -s sanitize; else echo "sanitizer runtimes not available: skipping make sanitize"; fi
 	$(PY) -m pytest -q
 
 clean:
-	rm -rf build $(VENV) vattention/_C*.so *.egg-info
+	rm -rf build $(SAN_DIR) $(VENV) vattention/_C*.so *.egg-info

@@ -49,14 +49,19 @@ void raise_python(const Error& e) {
 }
 
 int64_t as_int(PyObject* obj, const char* what) {
-  PyObject* index = PyNumber_Index(obj);
-  if (!index) {
-    PyErr_Clear();
-    throw py::type_error(std::string("seq_lens ") + what + " must be integers, got " +
-                         Py_TYPE(obj)->tp_name);
+  long long v;
+  if (PyLong_CheckExact(obj)) {
+    v = PyLong_AsLongLong(obj);  // the common case: no __index__ round trip
+  } else {
+    PyObject* index = PyNumber_Index(obj);  // numpy and torch integer scalars
+    if (!index) {
+      PyErr_Clear();
+      throw py::type_error(std::string("seq_lens ") + what + " must be integers, got " +
+                           Py_TYPE(obj)->tp_name);
+    }
+    v = PyLong_AsLongLong(index);
+    Py_DECREF(index);
   }
-  const long long v = PyLong_AsLongLong(index);
-  Py_DECREF(index);
   if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
   // INT64_MIN marks "unlisted" inside the core; it is out of range anyway.
   return v == KVCacheCore::kUnlisted ? KVCacheCore::kUnlisted + 1 : v;
@@ -82,17 +87,20 @@ std::vector<int64_t> parse_lens(py::handle obj, int64_t max_batch) {
     }
     return lens;
   }
-  py::sequence seq = py::reinterpret_borrow<py::sequence>(obj);
-  const auto n = static_cast<int64_t>(py::len(seq));
+  // Lists and tuples are read in place; other sequences (numpy arrays, ...) through one copy.
+  PyObject* fast = PySequence_Fast(o, "seq_lens must be a dict {slot: length} or a sequence");
+  if (!fast) throw py::error_already_set();
+  py::object owner = py::reinterpret_steal<py::object>(fast);
+  const auto n = static_cast<int64_t>(PySequence_Fast_GET_SIZE(fast));
   if (n != max_batch) {
     throw Error(Error::Kind::InvalidSlot, "seq_lens has " + std::to_string(n) +
                                               " entries; a sequence must have max_batch_size=" +
                                               std::to_string(max_batch) +
                                               " (or pass a {slot: length} dict)");
   }
+  PyObject** items = PySequence_Fast_ITEMS(fast);
   for (int64_t i = 0; i < n; ++i) {
-    py::object item = seq[static_cast<size_t>(i)];
-    const int64_t v = as_int(item.ptr(), "values (lengths)");
+    const int64_t v = as_int(items[i], "values (lengths)");
     if (v != 0) lens[static_cast<size_t>(i)] = v;
   }
   return lens;

@@ -200,15 +200,21 @@ void KVCacheCore::drain_eager() {
 
 bool KVCacheCore::step(const std::vector<int64_t>& lens, uintptr_t /*stream*/, bool fast_only) {
   if (fast_only) {
+    // The decode hot path: nothing to map. One pass, no division (slot.backed is cached).
     if (!prefetcher_->idle()) return false;
     Lock lock(mu_, std::try_to_lock);
     if (!lock.owns_lock()) return false;
     check_open();
     rethrow_background_error();
     if (!eager_pending_.empty()) return false;
-    validate_lens(lens, true);
+    if (static_cast<int64_t>(lens.size()) != geo_.max_batch) validate_lens(lens, true);
     for (size_t i = 0; i < lens.size(); ++i) {
-      if (lens[i] != kUnlisted && geo_.pages_for(lens[i]) > slots_[i].mapped) return false;
+      const int64_t len = lens[i];
+      if (len == kUnlisted) continue;
+      if (len < 0 || len > geo_.max_seq || slots_[i].state != Slot::State::Active) {
+        validate_lens(lens, true);  // throws the precise error
+      }
+      if (len > slots_[i].backed) return false;
     }
     ++step_counter_;
     for (size_t i = 0; i < lens.size(); ++i) {
@@ -412,6 +418,7 @@ void KVCacheCore::map_slot(int slot, size_t from, size_t to, const PageHandle* p
   Slot& s = slots_[static_cast<size_t>(slot)];
   s.pages.insert(s.pages.end(), pages, pages + count * static_cast<size_t>(T));
   s.mapped = to;
+  s.backed = geo_.tokens_in(to);
 }
 
 void KVCacheCore::wait_fence(Slot& s) {
@@ -451,6 +458,7 @@ void KVCacheCore::unmap_tail(Slot& s, int index, size_t keep) {
   for (size_t i = keep * static_cast<size_t>(T); i < s.pages.size(); ++i) pool_->release(s.pages[i]);
   s.pages.resize(keep * static_cast<size_t>(T));
   s.mapped = keep;
+  s.backed = geo_.tokens_in(keep);
   if (s.state == Slot::State::Idle && keep == 0) s.state = Slot::State::Free;
 }
 
@@ -664,6 +672,7 @@ std::string KVCacheCore::check_invariants() const {
     if (s.state == Slot::State::Active && geo_.pages_for(s.seq_len) > s.mapped) {
       return where + "active slot backs fewer tokens than its length";
     }
+    if (s.backed != geo_.tokens_in(s.mapped)) return where + "cached backed tokens are stale";
     for (PageHandle p : s.pages) ++seen[p];
   }
   for (const auto& entry : seen) {

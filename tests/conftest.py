@@ -102,8 +102,8 @@ def make_cache(device, layout, page_size):
             num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
             max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=dtype,
             device=kwargs.pop("device", device), page_size=kwargs.pop("page_size", page_size),
-            layout=kwargs.pop("layout", layout))
-        cache = vattention.KVCache(cfg, memory_budget=memory_budget, **kwargs)
+            layout=kwargs.pop("layout", layout), **kwargs)
+        cache = vattention.KVCache(cfg, memory_budget=memory_budget)
         caches.append(cache)
         return cache
 

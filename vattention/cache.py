@@ -49,12 +49,6 @@ class KVCache:
     memory_budget : int or str, optional
         Cap on physical memory for pages (bytes or ``"8GB"``). ``None``: grow until the backend
         refuses. On the host backend, set one: the OS may kill a process before refusing memory.
-    reclaim : {"deferred", "eager"}
-        ``"deferred"`` (default): a freed slot keeps its pages until another slot needs them, so a
-        new request inherits mapped memory. ``"eager"``: unmap as soon as the slot is freed.
-    lookahead_tokens : int
-        Extra tokens :meth:`prefetch` maps beyond each given length (default 0: pages are already
-        rounded up, and the background thread runs every iteration).
 
     Examples
     --------
@@ -70,19 +64,16 @@ class KVCache:
     256
     """
 
-    def __init__(self, config: KVCacheConfig, *, memory_budget: Optional[Size] = None,
-                 reclaim: str = "deferred", lookahead_tokens: int = 0) -> None:
+    def __init__(self, config: KVCacheConfig, *, memory_budget: Optional[Size] = None) -> None:
         if not isinstance(config, KVCacheConfig):
             raise ConfigError(f"config must be a KVCacheConfig, got {type(config).__name__}")
-        if reclaim not in ("deferred", "eager"):
-            raise ConfigError(f"reclaim={reclaim!r} must be 'deferred' or 'eager'")
         budget = -1 if memory_budget is None else parse_size(memory_budget, name="memory_budget")
         self._config = config
         self._dl_code, self._dl_bits = DTYPES[config.dtype]
         self._core = _C.KVCacheCore(
             config.device, config.num_layers, config.num_kv_heads, config.head_dim,
             config.element_bytes, config.max_batch_size, config.max_seq_len, config.page_bytes,
-            config.layout == "mega", budget, reclaim == "eager", int(lookahead_tokens))
+            config.layout == "mega", budget, config.reclaim == "eager", config.lookahead_tokens)
         self._layers: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
         logger.debug("KVCache %s: %d bytes virtual", config, config.virtual_bytes)
 
@@ -213,7 +204,10 @@ class KVCache:
         Transactional: on :class:`OutOfPagesError` (attributes ``pages_needed``,
         ``pages_available``) nothing was mapped or changed; preempt a request and retry.
         """
-        self._core.step(_as_lens(seq_lens), _stream_handle(stream))
+        # The decode hot path: keep the Python side to one type check for the common dict input.
+        if type(seq_lens) is not dict:
+            seq_lens = _as_lens(seq_lens)
+        self._core.step(seq_lens, 0 if stream is None else _stream_handle(stream))
 
     def prefetch(self, seq_lens: SeqLens, *, lookahead_tokens: Optional[int] = None) -> None:
         """Map pages for the next iteration in the background; returns at once.

@@ -102,6 +102,16 @@ class KVCacheConfig:
         ``"layer"``: one K and one V tensor per layer, ``[B, S, H, D]``.
         ``"mega"``: one K and one V tensor ``[B, S, L, H, D]``; per-layer views have token stride
         ``L*H*D``, so a page covers all layers of a few tokens (less waste, fewer mappings).
+    lookahead_tokens : int
+        Extra tokens ``prefetch()`` maps beyond each length it is given. Default 0: callers pass
+        next iteration's lengths, pages are already rounded up to whole pages, and the prefetch
+        thread has a whole iteration to map the next page; every look-ahead page is memory other
+        requests cannot use (up to 2 x num_layers pages per request in the ``layer`` layout).
+        Raise it when ``prefetch()`` is not called every iteration.
+    reclaim : str
+        ``"deferred"`` (default): a freed slot keeps its pages until another slot needs them
+        (least recently freed first, then look-ahead beyond active lengths), so a new request
+        inherits mapped memory without map calls. ``"eager"``: unmap on ``free()``.
 
     Examples
     --------
@@ -121,6 +131,8 @@ class KVCacheConfig:
     device: str = "cpu"
     page_size: Size = "2MB"
     layout: str = "layer"
+    lookahead_tokens: int = 0
+    reclaim: str = "deferred"
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "max_batch_size", "max_seq_len"):
@@ -131,6 +143,11 @@ class KVCacheConfig:
         object.__setattr__(self, "device", _normalize_device(self.device))
         if self.layout not in LAYOUTS:
             raise ConfigError(f"layout={self.layout!r} must be one of {LAYOUTS}")
+        if self.reclaim not in RECLAIM_POLICIES:
+            raise ConfigError(f"reclaim={self.reclaim!r} must be one of {RECLAIM_POLICIES}")
+        if (isinstance(self.lookahead_tokens, bool) or not isinstance(self.lookahead_tokens, int)
+                or self.lookahead_tokens < 0):
+            raise ConfigError(f"lookahead_tokens={self.lookahead_tokens!r} must be an int >= 0")
         page_bytes = parse_size(self.page_size, name="page_size")
         if page_bytes < 1:
             raise ConfigError(f"page_size={self.page_size!r} must be > 0 bytes")
