@@ -2,7 +2,27 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+
+_DRIVER_ENTRY = {"map": "cuMemMap", "set_access": "cuMemSetAccess", "create_page": "cuMemCreate",
+                 "unmap": "cuMemUnmap", "destroy_page": "cuMemRelease"}
+
+
+def inject_backend_fault(cache, op, nth):
+    """Make the nth call (1 = next) of backend primitive `op` fail with a driver error.
+
+    Host backend: its fault hook. CUDA backend: the emulated driver entry point behind `op`.
+    Returns (the `call` the DriverError will carry, a regex its message matches).
+    """
+    if cache.config.device == "cpu":
+        cache._core.inject_host_fault(op, nth)
+        return op, "injected fault"
+    from cuda_setup import CUDA_MODE, cuda_emu
+    if CUDA_MODE != "emulated":
+        pytest.skip("faults are injected through the host hook or the CUDA emulation only")
+    cuda_emu.Emulator.load().inject_fault(_DRIVER_ENTRY[op], nth, cuda_emu.CUDA_ERROR_UNKNOWN)
+    return _DRIVER_ENTRY[op], "CUDA_ERROR_UNKNOWN"
 
 
 def kv_views(cache, layer):

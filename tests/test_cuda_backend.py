@@ -67,9 +67,8 @@ def make(layout="layer", **kw):
     args = dict(num_layers=2, num_kv_heads=2, head_dim=64, max_batch_size=4, max_seq_len=4096,
                 dtype=torch.float16, device="cuda:0", page_size=PAGE, layout=layout)
     budget = kw.pop("memory_budget", None)
-    extra = {k: kw.pop(k) for k in ("reclaim", "lookahead_tokens") if k in kw}
     args.update(kw)
-    return vattention.KVCache(vattention.KVCacheConfig(**args), memory_budget=budget, **extra)
+    return vattention.KVCache(vattention.KVCacheConfig(**args), memory_budget=budget)
 
 
 def test_layer_needs_cuda_torch_but_host_alias_reads_emulated_memory(emu):

@@ -8,8 +8,7 @@ import torch
 import vattention
 from vattention import (CacheClosedError, ConfigError, InvalidSlotError, OutOfPagesError,
                         SequenceTooLongError)
-from cuda_setup import CUDA_MODE, cuda_emu
-from helpers import check_pattern, fill_pattern, page_state
+from helpers import check_pattern, fill_pattern, inject_backend_fault, page_state
 
 
 @pytest.fixture
@@ -141,20 +140,11 @@ def test_out_of_pages_does_not_touch_idle_slots(make_cache):
 @pytest.mark.parametrize("op", ["map", "set_access", "create_page"])
 def test_backend_failure_mid_step_rolls_back(make_cache, op):
     cache = make_cache(max_batch_size=4)
-    if cache.config.device != "cpu" and CUDA_MODE != "emulated":
-        pytest.skip("faults are injected through the host backend hook or the CUDA emulation")
     a, b = cache.alloc(), cache.alloc()
     cache.step({a: 10})
     written = {a: fill_pattern(cache, a, 0, 10, seed=1)}
     before = page_state(cache)
-    nth = 2 if op != "create_page" else 1
-    if cache.config.device == "cpu":
-        cache._core.inject_host_fault(op, nth)
-        call, match = op, "injected fault"
-    else:  # the same failure from the emulated driver entry point behind the primitive
-        call = {"map": "cuMemMap", "set_access": "cuMemSetAccess", "create_page": "cuMemCreate"}[op]
-        cuda_emu.Emulator.load().inject_fault(call, nth, cuda_emu.CUDA_ERROR_UNKNOWN)
-        match = "CUDA_ERROR_UNKNOWN"
+    call, match = inject_backend_fault(cache, op, 2 if op != "create_page" else 1)
     with pytest.raises(vattention.DriverError, match=match) as info:
         cache.step({a: 3000, b: 2000})
     assert info.value.call == call
