@@ -14,10 +14,13 @@ import time
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import initialize
 
 import vattention
 from cuda_setup import CUDA_MODE, CUDA_REASON, cuda_emu as E
 from helpers import check_pattern, fill_pattern, page_state
+from test_stateful import CacheMachine
 
 pytestmark = pytest.mark.skipif(CUDA_MODE != "emulated",
                                 reason=f"needs the CUDA emulation ({CUDA_REASON or 'real GPU in use'})")
@@ -429,3 +432,28 @@ def test_missing_entry_point_is_backend_unavailable_naming_it():
     assert proc.returncode == 0, proc.stderr
     why = "does not provide cuMemSetAccess for CUDA 10.2 (cuGetProcAddress returned 0, symbol not found)"
     assert why in proc.stdout.split("RAISED:")[0] and "RAISED: CUDA backend unavailable" in proc.stdout
+
+
+# ---- the hypothesis state machine of test_stateful.py, on the emulated CUDA backend ---------------
+
+class CudaCacheMachine(CacheMachine):
+    """Random alloc/step/free/reclaim/reserve/shrink sequences against the pure-Python model, on the
+    CUDA backend: the emulation additionally refuses any call that breaks a driver rule."""
+
+    DEVICE = "cuda:0"
+
+    @initialize()
+    def note_violations(self):
+        self.violations_at_start = E.Emulator.load().violations
+
+    def teardown(self):
+        super().teardown()
+        em = E.Emulator.load()
+        if hasattr(self, "violations_at_start"):
+            assert em.violations == self.violations_at_start, em.last_violation()
+        assert em.counter("live_mappings") == 0 and em.counter("live_handles") == 0
+
+
+TestCudaCacheMachine = CudaCacheMachine.TestCase
+TestCudaCacheMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
+                                         suppress_health_check=[HealthCheck.too_slow])

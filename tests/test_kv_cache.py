@@ -186,6 +186,7 @@ def test_sdpa_over_virtual_cache_equals_contiguous_copy(make_cache):
         k, v = kv_views(cache, layer)
         for slot, n in lengths.items():
             q = torch.randn(1, cfg.num_kv_heads, 1, cfg.head_dim, generator=gen).to(cfg.dtype).float()
+            q = q.to(k.device)  # a real GPU gives cuda tensors
             kv_k = k[slot, :n].transpose(0, 1).unsqueeze(0).float()  # [1, H, n, D], strided
             kv_v = v[slot, :n].transpose(0, 1).unsqueeze(0).float()
             virtual = torch.nn.functional.scaled_dot_product_attention(q, kv_k, kv_v)
