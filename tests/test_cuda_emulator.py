@@ -26,6 +26,11 @@ def emu():
     if reason:
         pytest.skip(reason)
     em = E.Emulator.load()
+    if any(em.live().values()):
+        import gc
+
+        gc.collect()  # a cache of an earlier test must not die after our reset, inside our test
+    assert not any(em.live().values()), f"an earlier test left driver objects alive: {em.live()}"
     em.reset()
     yield em
     em.reset_for_suite()  # leave it as the cache-level suite expects
