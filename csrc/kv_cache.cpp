@@ -216,13 +216,7 @@ bool KVCacheCore::step(const std::vector<int64_t>& lens, uintptr_t /*stream*/, b
       }
       if (len > slots_[i].backed) return false;
     }
-    ++step_counter_;
-    for (size_t i = 0; i < lens.size(); ++i) {
-      if (lens[i] == kUnlisted) continue;
-      slots_[i].seq_len = lens[i];
-      slots_[i].last_step = step_counter_;
-    }
-    ++counters_.steps;
+    commit_step(lens);
     return true;
   }
   prefetcher_->wait();
@@ -249,6 +243,11 @@ bool KVCacheCore::step(const std::vector<int64_t>& lens, uintptr_t /*stream*/, b
     for (size_t i = 0; i < lens.size(); ++i) slots_[i].seq_len = old_lens[i];
     throw;
   }
+  commit_step(lens);
+  return true;
+}
+
+void KVCacheCore::commit_step(const std::vector<int64_t>& lens) {
   ++step_counter_;
   for (size_t i = 0; i < lens.size(); ++i) {
     if (lens[i] == kUnlisted) continue;
@@ -256,7 +255,6 @@ bool KVCacheCore::step(const std::vector<int64_t>& lens, uintptr_t /*stream*/, b
     slots_[i].last_step = step_counter_;
   }
   ++counters_.steps;
-  return true;
 }
 
 void KVCacheCore::grow(const std::vector<Growth>& plan, bool from_prefetch) {

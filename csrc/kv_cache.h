@@ -98,6 +98,8 @@ class KVCacheCore {
   void check_open() const;
   void validate_slot(int slot) const;
   void validate_lens(const std::vector<int64_t>& lens, bool require_active) const;
+  // Records a successful step's lengths (every listed slot is backed by then).
+  void commit_step(const std::vector<int64_t>& lens);
   // Maps the growth plan (all or nothing). Throws OutOfPages/Driver with state unchanged.
   void grow(const std::vector<Growth>& plan, bool from_prefetch);
   // Gets n pages: pool free list, new pages within budget, then idle slots (LRU), then active

@@ -189,6 +189,10 @@ class CacheMachine(RuleBasedStateMachine):
         # Lengths around page boundaries (256 tokens per mega page, 512 per layer page) make ties
         # and exact fits, where policies differ, far more likely than uniform draws.
         lens = {s: data.draw(st.sampled_from(LENGTHS)) for s in chosen}
+        self._step(lens)
+
+    def _step(self, lens):
+        """Steps cache and model alike, then marks each slot's last token to check it later."""
         outcome = self.model.step(lens)
         try:
             self.cache.step(lens)
@@ -216,15 +220,7 @@ class CacheMachine(RuleBasedStateMachine):
     def grow_to_max(self, data):
         active = [i for i, s in enumerate(self.model.state) if s == "active"]
         slot = data.draw(st.sampled_from(active))
-        lens = {slot: self.cfg.max_seq_len}
-        outcome = self.model.step(lens)
-        try:
-            self.cache.step(lens)
-        except vattention.OutOfPagesError:
-            assert outcome == "oom"
-            return
-        assert outcome is None
-        self.marks.pop(slot, None)
+        self._step({slot: self.cfg.max_seq_len})
 
     @rule()
     def reclaim(self):

@@ -1,0 +1,154 @@
+"""FlashAttention helpers: the SDPA reference's semantics, and decode/prefill on a vattention cache.
+
+The real flash-attn path runs only on a GPU (``@pytest.mark.gpu``) and is compared with the
+reference there.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import vattention
+from vattention.integrations import flash_attn as fa
+
+
+def naive_attention(q, keys, values, causal_offset=None):
+    """q [n, H, D], keys/values [t, Hkv, D]; query j sees keys <= j + causal_offset."""
+    groups = q.shape[1] // keys.shape[1]
+    k = keys.repeat_interleave(groups, 1)
+    v = values.repeat_interleave(groups, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
+    if causal_offset is not None:
+        allowed = torch.arange(k.shape[0])[None, :] <= torch.arange(q.shape[0])[:, None] + causal_offset
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def test_reference_decode_appends_in_place_and_matches_naive_gqa():
+    torch.manual_seed(0)
+    k_cache, v_cache = torch.randn(5, 16, 2, 8, dtype=torch.float64), torch.randn(5, 16, 2, 8, dtype=torch.float64)
+    before_k = k_cache.clone()
+    seqlens, slots = torch.tensor([3, 0, 9]), torch.tensor([4, 1, 2])
+    q = torch.randn(3, 1, 6, 8, dtype=torch.float64)
+    k, v = torch.randn(3, 1, 2, 8, dtype=torch.float64), torch.randn(3, 1, 2, 8, dtype=torch.float64)
+    out = fa.decode(q, k_cache, v_cache, k, v, seqlens, slots)
+    for i, (n, s) in enumerate(zip(seqlens.tolist(), slots.tolist())):
+        assert torch.equal(k_cache[s, n], k[i, 0]) and torch.equal(v_cache[s, n], v[i, 0])
+        expected = naive_attention(q[i], k_cache[s, :n + 1], v_cache[s, :n + 1])
+        torch.testing.assert_close(out[i], expected)
+    changed = (k_cache != before_k).any(-1).any(-1).nonzero().tolist()
+    assert changed == [[1, 0], [2, 9], [4, 3]]          # (slot, position): only the appends
+
+
+def test_reference_reads_nothing_past_cache_seqlens():
+    k_cache = torch.full((2, 32, 1, 4), float("nan"))
+    v_cache = torch.full((2, 32, 1, 4), float("nan"))
+    k_cache[1, :5], v_cache[1, :5] = 1.0, 2.0
+    out = fa.decode(torch.ones(1, 1, 2, 4), k_cache, v_cache, torch.ones(1, 1, 1, 4),
+                    torch.full((1, 1, 1, 4), 2.0), torch.tensor([5]), torch.tensor([1]))
+    assert torch.equal(out, torch.full((1, 1, 2, 4), 2.0))
+
+
+def test_multi_token_decode_is_bottom_right_causal():
+    torch.manual_seed(1)
+    k_cache, v_cache = torch.zeros(1, 16, 1, 4), torch.zeros(1, 16, 1, 4)
+    k_cache[0, :4], v_cache[0, :4] = torch.randn(4, 1, 4), torch.randn(4, 1, 4)
+    q, k, v = torch.randn(1, 3, 2, 4), torch.randn(1, 3, 1, 4), torch.randn(1, 3, 1, 4)
+    out = fa.decode(q, k_cache, v_cache, k, v, torch.tensor([4]), torch.tensor([0]))
+    expected = naive_attention(q[0], k_cache[0, :7], v_cache[0, :7], causal_offset=4)
+    torch.testing.assert_close(out[0], expected)
+
+
+def test_chunked_prefill_equals_whole_prefill():
+    torch.manual_seed(2)
+    q, k, v = torch.randn(10, 4, 8), torch.randn(10, 2, 8), torch.randn(10, 2, 8)
+    caches_a = torch.zeros(3, 16, 2, 8), torch.zeros(3, 16, 2, 8)
+    caches_b = torch.zeros(3, 16, 2, 8), torch.zeros(3, 16, 2, 8)
+    whole = fa.prefill(q, k, v, *caches_a, slot=2)
+    first = fa.prefill(q[:6], k[:6], v[:6], *caches_b, slot=2)
+    rest = fa.prefill(q[6:], k[6:], v[6:], *caches_b, slot=2, start=6)
+    torch.testing.assert_close(torch.cat([first, rest]), whole)
+    torch.testing.assert_close(whole, naive_attention(q, k, v, causal_offset=0))
+    assert torch.equal(caches_a[0], caches_b[0]) and torch.equal(caches_a[0][2, :10], k)
+
+
+def test_overflowing_append_is_rejected():
+    k_cache, v_cache = torch.zeros(1, 4, 1, 4), torch.zeros(1, 4, 1, 4)
+    with pytest.raises(ValueError, match="exceed the cache length 4"):
+        fa.decode(torch.zeros(1, 2, 1, 4), k_cache, v_cache, torch.zeros(1, 2, 1, 4),
+                  torch.zeros(1, 2, 1, 4), torch.tensor([3]), torch.tensor([0]))
+
+
+@pytest.mark.parametrize("layout", ["layer", "mega"])
+def test_ragged_decode_on_a_vattention_cache(layout):
+    torch.manual_seed(3)
+    cfg = vattention.KVCacheConfig(num_layers=2, num_kv_heads=2, head_dim=16, max_batch_size=4,
+                                   max_seq_len=256, dtype=torch.float32, page_size=4096,
+                                   layout=layout)
+    with vattention.KVCache(cfg) as cache:
+        slots = [cache.alloc() for _ in range(3)]
+        prompt_lens = [5, 40, 17]
+        cache.step({s: n for s, n in zip(slots, prompt_lens)})
+        k_cache, v_cache = cache.layer(1)
+        for s, n in zip(slots, prompt_lens):
+            fa.prefill(torch.randn(n, 4, 16), torch.randn(n, 2, 16), torch.randn(n, 2, 16),
+                       k_cache, v_cache, slot=s)
+        cache.step({s: n + 1 for s, n in zip(slots, prompt_lens)})     # back the appended token
+        q, k, v = torch.randn(3, 1, 4, 16), torch.randn(3, 1, 2, 16), torch.randn(3, 1, 2, 16)
+        out = fa.decode(q, k_cache, v_cache, k, v, torch.tensor(prompt_lens), torch.tensor(slots))
+        for i, (s, n) in enumerate(zip(slots, prompt_lens)):
+            expected = naive_attention(q[i], k_cache[s, :n + 1], v_cache[s, :n + 1])
+            torch.testing.assert_close(out[i], expected)
+            assert torch.equal(k_cache[s, n], k[i, 0])
+
+
+@pytest.mark.gpu
+def test_flash_attn_kernel_matches_reference_on_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    flash = fa.flash_kernel()
+    if flash is None:
+        pytest.skip("flash-attn is not installed")
+    torch.manual_seed(4)
+    cfg = vattention.KVCacheConfig(num_layers=1, num_kv_heads=2, head_dim=64, max_batch_size=4,
+                                   max_seq_len=4096, dtype=torch.float16, device="cuda")
+    with vattention.KVCache(cfg) as cache:
+        slots = [cache.alloc() for _ in range(3)]
+        lens = [7, 1000, 130]
+        cache.step({s: n + 1 for s, n in zip(slots, lens)})
+        k_cache, v_cache = cache.layer(0)
+        for s, n in zip(slots, lens):
+            k_cache[s, :n].normal_()
+            v_cache[s, :n].normal_()
+        q = torch.randn(3, 1, 8, 64, device="cuda", dtype=torch.float16)
+        k = torch.randn(3, 1, 2, 64, device="cuda", dtype=torch.float16)
+        v = torch.randn(3, 1, 2, 64, device="cuda", dtype=torch.float16)
+        got = fa.decode(q, k_cache, v_cache, k, v, torch.tensor(lens), torch.tensor(slots),
+                        kernel=flash)
+        ref_k, ref_v = k_cache.clone(), v_cache.clone()
+        want = fa.decode(q, ref_k, ref_v, k, v, torch.tensor(lens), torch.tensor(slots),
+                         kernel=fa.flash_attn_with_kvcache_reference)
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
+def test_flash_path_refuses_slot_offsets_beyond_int32():
+    calls = []
+
+    def kernel(*args, **kwargs):
+        calls.append(kwargs["cache_batch_idx"].tolist())
+        return args[0]
+
+    # meta tensors: real strides, no memory. Batch stride 2**28 elements: slot 8 is at 2**31.
+    k_cache = torch.empty(16, 2**16, 32, 128, device="meta")
+    q, k = torch.zeros(1, 1, 32, 128), torch.zeros(1, 1, 32, 128)
+    fa.decode(q, k_cache, k_cache, k, k, torch.tensor([0]), torch.tensor([7]), kernel=kernel)
+    with pytest.raises(ValueError, match=r"slot 8 starts 2147483648 elements .*#772"):
+        fa.decode(q, k_cache, k_cache, k, k, torch.tensor([0]), torch.tensor([8]), kernel=kernel)
+    with pytest.raises(ValueError, match="slot 9 starts"):
+        fa.prefill(q[0], k[0], k[0], k_cache, k_cache, slot=9, kernel=kernel)
+    fa.decode(q, k_cache, k_cache, k, k, torch.tensor([0]), torch.tensor([8]), kernel=kernel,
+              check_int32_offsets=False)
+    assert calls == [[7], [8]]

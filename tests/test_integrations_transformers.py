@@ -1,0 +1,255 @@
+"""VAttentionCache in transformers' generate(): same tokens as DynamicCache, no copies, paged memory.
+
+Tiny random models are built from configs (no downloads). Skips cleanly without transformers.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import vattention  # noqa: E402
+from vattention.integrations.transformers import VAttentionCache, model_kv_shape  # noqa: E402
+
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 6}),
+}
+PAGE = 4096          # one OS page; a token row of one layer is 2 heads * 16 dims * 4 bytes = 128 B
+TOKENS_PER_PAGE = 32
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models run fastest single-threaded, and CI has 2 cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_model(family: str = "llama", attn: str = "sdpa", layers: int = 2) -> torch.nn.Module:
+    config_cls, model_cls, extra = FAMILIES[family]
+    config = config_cls(vocab_size=96, hidden_size=64, intermediate_size=96,
+                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=512, pad_token_id=0, bos_token_id=None,
+                        eos_token_id=None, **extra)
+    config._attn_implementation = attn
+    torch.manual_seed(0)
+    return model_cls(config).eval()
+
+
+def prompts(batch: int = 2, length: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 96, (batch, length), generator=gen)
+    mask = torch.ones_like(ids)
+    if batch > 1:
+        mask[1, :3] = 0            # left padding on row 1
+        ids[1, :3] = 0
+    return ids, mask
+
+
+def generate(model, ids, mask, cache=None, *, sample=False, new=24, seed=3):
+    torch.manual_seed(seed)
+    kwargs = {"past_key_values": cache} if cache is not None else {}
+    return model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                          do_sample=sample, top_k=0 if sample else None, **kwargs)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("layout", ["layer", "mega"])
+def test_greedy_tokens_match_dynamic_cache(family, attn, layout):
+    model = tiny_model(family, attn)
+    ids, mask = prompts(batch=2)
+    expected = generate(model, ids, mask, transformers.DynamicCache())
+    with VAttentionCache.from_model(model, max_batch_size=2, max_seq_len=64, page_size=PAGE,
+                                    layout=layout) as cache:
+        got = generate(model, ids, mask, cache)
+        assert cache.get_seq_length() == ids.shape[1] + 24 - 1   # the last token is not fed back
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_sampling_tokens_match_dynamic_cache(family):
+    model = tiny_model(family)
+    ids, mask = prompts(batch=3)
+    expected = generate(model, ids, mask, transformers.DynamicCache(), sample=True)
+    with VAttentionCache.from_model(model, max_batch_size=3, max_seq_len=64,
+                                    page_size=PAGE) as cache:
+        got = generate(model, ids, mask, cache, sample=True)
+    assert torch.equal(got, expected)
+
+
+def test_batch_one_and_default_cache_agree():
+    model = tiny_model("qwen2")
+    ids, mask = prompts(batch=1, length=5)
+    expected = generate(model, ids, mask)           # generate's own DynamicCache
+    with VAttentionCache.from_model(model, max_batch_size=1, max_seq_len=40,
+                                    page_size=PAGE) as cache:
+        assert torch.equal(generate(model, ids, mask, cache), expected)
+
+
+def test_physical_memory_follows_tokens_not_max_len():
+    model = tiny_model("llama")
+    ids, mask = prompts(batch=2, length=7)
+    seen: list[int] = []
+    with VAttentionCache.from_model(model, max_batch_size=2, max_seq_len=4096,
+                                    page_size=PAGE) as cache:
+
+        def record(input_ids, scores):          # called once per generated token
+            seen.append(cache.memory_bytes())
+            return scores
+
+        model.generate(
+            ids, attention_mask=mask, max_new_tokens=60, min_new_tokens=60, do_sample=False,
+            past_key_values=cache, logits_processor=transformers.LogitsProcessorList([record]))
+        cfg = cache.config
+        tensors = 2 * cfg.num_layers * 2        # K and V per layer, 2 slots
+        # tokens cached when token t is chosen: 7 + t; pages per tensor: ceil(tokens / 32)
+        expected = [-(-(7 + t) // TOKENS_PER_PAGE) * PAGE * tensors for t in range(60)]
+        assert seen == expected
+        assert seen[-1] == 3 * PAGE * tensors                 # 66 tokens -> 3 pages per tensor
+        assert cfg.static_bytes == 4194304 > 40 * seen[-1]     # static rows: 4096 tokens each
+
+
+def test_attention_gets_zero_copy_views_of_the_cache_rows():
+    model = tiny_model("llama")
+    ids, mask = prompts(batch=2)
+    pointers = set()
+    with VAttentionCache.from_model(model, max_batch_size=2, max_seq_len=64,
+                                    page_size=PAGE) as cache:
+        original = cache.layers[0].update
+
+        def spy(k, v, *args, **kwargs):
+            keys, values = original(k, v, *args, **kwargs)
+            pointers.add((keys.data_ptr(), values.data_ptr()))
+            return keys, values
+
+        cache.layers[0].update = spy
+        generate(model, ids, mask, cache, new=10)
+        k_rows, v_rows = cache.kv_cache.layer(0)
+        slot = cache.slots[0]
+        # 10 forward passes, one address: the slot rows themselves, never a fresh copy
+        assert pointers == {(k_rows[slot].data_ptr(), v_rows[slot].data_ptr())}
+        keys = cache.layers[0].keys
+        assert keys.shape == (2, 2, ids.shape[1] + 9, 16)
+        assert torch.equal(keys.transpose(1, 2), k_rows[slot:slot + 2, :ids.shape[1] + 9])
+
+
+def test_reset_reuses_mapped_pages_and_repeats_tokens():
+    model = tiny_model("mistral")
+    ids, mask = prompts(batch=2)
+    with VAttentionCache.from_model(model, max_batch_size=2, max_seq_len=64,
+                                    page_size=PAGE) as cache:
+        first = generate(model, ids, mask, cache)
+        mapped = cache.memory_bytes()
+        cache.reset()
+        assert cache.get_seq_length() == 0 and cache.slots == []
+        second = generate(model, ids, mask, cache)
+        assert torch.equal(first, second)
+        assert cache.memory_bytes() == mapped
+
+
+def test_mask_sizes_and_crop_match_dynamic_cache():
+    model = tiny_model("llama")
+    ids, mask = prompts(batch=2)
+    dynamic = transformers.DynamicCache()
+    generate(model, ids, mask, dynamic, new=5)
+    with VAttentionCache.from_model(model, max_batch_size=2, max_seq_len=64,
+                                    page_size=PAGE) as cache:
+        generate(model, ids, mask, cache, new=5)
+        assert cache.get_seq_length() == dynamic.get_seq_length() == 11
+        # transformers 5.12+ passes the query length; 4.57-5.0 pass cache_position
+        takes_position = "cache_position" in inspect.signature(
+            transformers.cache_utils.DynamicLayer.get_mask_sizes).parameters
+        query = torch.arange(11, 12) if takes_position else 1
+        assert cache.get_mask_sizes(query, 0) == dynamic.get_mask_sizes(query, 0) == (12, 0)
+        cache.crop(-4)
+        dynamic.crop(-4)
+        assert cache.get_seq_length() == dynamic.get_seq_length() == 7
+        assert torch.equal(cache.layers[1].keys, dynamic.layers[1].keys)
+
+
+def test_wrong_batch_or_dtype_is_a_config_error():
+    model = tiny_model("llama")
+    ids, mask = prompts(batch=2)
+    with VAttentionCache.from_model(model, max_batch_size=1, max_seq_len=64,
+                                    page_size=PAGE) as cache:
+        with pytest.raises(vattention.ConfigError, match="exceeds max_batch_size=1"):
+            generate(model, ids, mask, cache, new=2)
+    with VAttentionCache.from_model(model, max_batch_size=2, max_seq_len=64, page_size=PAGE,
+                                    dtype=torch.float64) as cache:
+        with pytest.raises(vattention.ConfigError, match="torch.float64"):
+            generate(model, ids, mask, cache, new=2)
+
+
+def test_sequence_longer_than_max_seq_len_raises():
+    model = tiny_model("llama")
+    ids, mask = prompts(batch=1, length=6)
+    with VAttentionCache.from_model(model, max_batch_size=1, max_seq_len=10,
+                                    page_size=PAGE) as cache:
+        with pytest.raises(vattention.SequenceTooLongError):
+            generate(model, ids, mask, cache, new=8)
+
+
+def test_model_kv_shape_reads_head_dim_and_kv_heads():
+    config = transformers.LlamaConfig(hidden_size=96, num_hidden_layers=3, num_attention_heads=6,
+                                      num_key_value_heads=3, head_dim=8)
+    assert model_kv_shape(config) == {"num_layers": 3, "num_kv_heads": 3, "head_dim": 8}
+
+
+def test_beam_search_and_num_return_sequences_match_dynamic_cache():
+    model = tiny_model("llama")
+    ids, mask = prompts(batch=2)
+    beams = {"max_new_tokens": 12, "num_beams": 3, "do_sample": False}
+    expected = model.generate(ids, attention_mask=mask, past_key_values=transformers.DynamicCache(),
+                              **beams)
+    with VAttentionCache.from_model(model, max_batch_size=6, max_seq_len=64,
+                                    page_size=PAGE) as cache:          # 2 prompts x 3 beams
+        assert torch.equal(model.generate(ids, attention_mask=mask, past_key_values=cache,
+                                          **beams), expected)
+    sampled = {"max_new_tokens": 12, "num_return_sequences": 2, "do_sample": True}
+    torch.manual_seed(5)
+    expected = model.generate(ids, attention_mask=mask, **sampled)
+    with VAttentionCache.from_model(model, max_batch_size=4, max_seq_len=64,
+                                    page_size=PAGE) as cache:
+        torch.manual_seed(5)
+        assert torch.equal(model.generate(ids, attention_mask=mask, past_key_values=cache,
+                                          **sampled), expected)
+
+
+def test_wrapping_a_shared_kv_cache_uses_free_slots_and_leaves_it_open():
+    model = tiny_model("llama")
+    ids, mask = prompts(batch=2)
+    expected = generate(model, ids, mask, transformers.DynamicCache(), new=6)
+    cfg = vattention.KVCacheConfig(**model_kv_shape(model), max_batch_size=4, max_seq_len=64,
+                                   dtype=torch.float32, page_size=PAGE)
+    with vattention.KVCache(cfg) as kv:
+        other = kv.alloc()                                  # slot 0 belongs to someone else
+        cache = VAttentionCache(kv)
+        assert torch.equal(generate(model, ids, mask, cache, new=6), expected)
+        assert cache.slots == [1, 2] and kv.active_slots() == [0, 1, 2]
+        cache.close()
+        assert kv.active_slots() == [other] and not kv.closed
+
+
+def test_non_contiguous_free_slots_are_refused_and_released():
+    model = tiny_model("llama")
+    ids, mask = prompts(batch=2)
+    cfg = vattention.KVCacheConfig(**model_kv_shape(model), max_batch_size=4, max_seq_len=64,
+                                   dtype=torch.float32, page_size=PAGE)
+    with vattention.KVCache(cfg) as kv:
+        taken = [kv.alloc() for _ in range(4)]
+        kv.free(taken[0])
+        kv.free(taken[2])                                   # free: 0 and 2
+        with pytest.raises(vattention.InvalidSlotError, match=r"not contiguous"):
+            generate(model, ids, mask, VAttentionCache(kv), new=2)
+        assert kv.active_slots() == [1, 3]
