@@ -25,7 +25,7 @@ $(PY):
 $(DEPS_STAMP): $(PY) pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q "setuptools>=64" wheel "pybind11>=2.11" numpy "pytest>=7" "hypothesis>=6"
-	$(PY) -m pip install -q "transformers==5.23.0"
+	$(PY) -m pip install -q "transformers==5.23.0" matplotlib tqdm
 	touch $@
 
 # Editable install: builds vattention._C in place. Headers are not tracked by setuptools'

@@ -8,6 +8,7 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -39,7 +40,30 @@ Error os_error(const char* call, int err, size_t bytes, uintptr_t va = 0) {
   return e;
 }
 
+std::atomic<int64_t> g_live_mappings{0};  // process-wide, over every HostBackend
+
+int64_t read_mapping_limit() {
+  if (const char* env = std::getenv("VATTENTION_HOST_MAX_MAPPINGS")) return std::atoll(env);
+  int64_t max_map_count = 65530;
+  if (FILE* f = std::fopen("/proc/sys/vm/max_map_count", "r")) {
+    long long v = 0;
+    if (std::fscanf(f, "%lld", &v) == 1 && v > 0) max_map_count = v;
+    std::fclose(f);
+  }
+  // Leave room for everything else in the process (libraries, allocator arenas, thread stacks).
+  const int64_t reserve_for_others = 8192;
+  return max_map_count > 2 * reserve_for_others ? (max_map_count - reserve_for_others) / 2
+                                                : max_map_count / 4;
+}
+
 }  // namespace
+
+int64_t HostBackend::mapping_limit() {
+  static const int64_t limit = read_mapping_limit();
+  return limit;
+}
+
+int64_t HostBackend::live_mappings() { return g_live_mappings.load(); }
 
 HostBackend::HostBackend(size_t page_bytes)
     : granularity_(static_cast<size_t>(sysconf(_SC_PAGESIZE))),
@@ -163,6 +187,17 @@ int HostBackend::arena_fd(PageHandle page, size_t* offset) const {
 
 void HostBackend::map(uintptr_t va, PageHandle page) {
   maybe_fail("map");
+  if (g_live_mappings.fetch_add(1) + 1 > mapping_limit()) {
+    g_live_mappings.fetch_sub(1);
+    throw Error(Error::Kind::OutOfPages,
+                "host backend: a page mapping beyond this process's limit of " +
+                    std::to_string(mapping_limit()) +
+                    " (half of vm.max_map_count minus 8192 for the rest of the process): use larger "
+                    "pages, a smaller budget, or raise vm.max_map_count")
+        .with("pages_needed", 1)
+        .with("pages_available", 0)
+        .with("mapping_limit", mapping_limit());
+  }
   size_t offset = 0;
   int fd;
   {
@@ -171,7 +206,10 @@ void HostBackend::map(uintptr_t va, PageHandle page) {
   }
   void* got = mmap(reinterpret_cast<void*>(va), page_bytes_, PROT_NONE, MAP_SHARED | MAP_FIXED, fd,
                    static_cast<off_t>(offset));
-  if (got == MAP_FAILED) throw os_error("mmap(MAP_FIXED|MAP_SHARED page)", errno, page_bytes_, va);
+  if (got == MAP_FAILED) {
+    g_live_mappings.fetch_sub(1);
+    throw os_error("mmap(MAP_FIXED|MAP_SHARED page)", errno, page_bytes_, va);
+  }
 }
 
 void HostBackend::set_access(uintptr_t va, size_t bytes) {
@@ -190,6 +228,7 @@ void HostBackend::unmap(uintptr_t va, size_t bytes) {
   void* got = mmap(reinterpret_cast<void*>(va), bytes, PROT_NONE,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
   if (got == MAP_FAILED) throw os_error("mmap(PROT_NONE unmap)", errno, bytes, va);
+  g_live_mappings.fetch_sub(static_cast<int64_t>(bytes / page_bytes_));
 }
 
 int64_t HostBackend::committed_bytes() const {

@@ -40,6 +40,14 @@ class HostBackend final : public Backend {
   void unmap(uintptr_t va, size_t bytes) override;
   int64_t committed_bytes() const override;
 
+  // Page mappings this process may hold across all host caches. Linux caps a process's memory
+  // mappings at vm.max_map_count (65,530 by default), and each mapped page can cost two (itself
+  // and a split of the PROT_NONE reservation around it); at the cap even unmapping fails, because
+  // re-reserving the range is an mmap. So map() refuses beyond (max_map_count - 8,192) / 2 with
+  // Error(OutOfPages): recoverable and transactional. $VATTENTION_HOST_MAX_MAPPINGS overrides it.
+  static int64_t mapping_limit();
+  static int64_t live_mappings();
+
   // Test hook: the nth next call (1 = the very next) of `op` ("create_page", "map", "set_access",
   // "unmap", "reserve") fails with Error(Kind::Driver), or Kind::OutOfPages for create_page when
   // out_of_memory is set. Lets tests prove rollback without exhausting real memory.

@@ -102,3 +102,32 @@ def test_other_slot_rows_are_not_backed(tmp_path):
                           timeout=120)
     assert "slot a fully backed" in proc.stdout
     assert proc.returncode == -signal.SIGSEGV
+
+
+def test_host_mapping_limit_is_a_recoverable_out_of_pages(tmp_path):
+    """Past vm.max_map_count even unmapping fails, so the host backend stops short of it."""
+    script = tmp_path / "limit.py"
+    script.write_text(textwrap.dedent("""
+        import torch, vattention
+        cfg = vattention.KVCacheConfig(num_layers=2, num_kv_heads=2, head_dim=64,
+                                       max_batch_size=2, max_seq_len=8192,
+                                       dtype=torch.float16, page_size="64KB")
+        cache = vattention.KVCache(cfg)
+        a, b = cache.alloc(), cache.alloc()
+        cache.step({a: 2048})                      # 8 page indices x 4 tensors = 32 mappings
+        try:
+            cache.step({a: 2048, b: 1024})         # 16 more: beyond the limit of 40
+        except vattention.OutOfPagesError as e:
+            print("refused", "mapping_limit" in str(e) or "vm.max_map_count" in str(e))
+        assert cache._core.check_invariants() == ""
+        assert cache.mapped_tokens(b) == 0 and cache.mapped_tokens(a) == 2048
+        cache.step({b: 256})                       # 4 more mappings fit
+        cache.free(a); cache.reclaim()
+        cache.step({b: 1024})                      # and after unmapping, the rest fits too
+        cache.close()
+        print("ok")
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "VATTENTION_HOST_MAX_MAPPINGS": "40"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["refused", "True", "ok"]

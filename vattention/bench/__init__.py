@@ -1,0 +1,13 @@
+"""Benchmarks of vattention: ``python -m vattention bench memory`` (see :mod:`.cli`).
+
+The memory benchmark drives the real allocator on the host backend through a
+continuous-batching simulation and compares it with static and paged allocation on the same
+request sequence. Importing this package needs only NumPy; the vattention rows need the built
+core; plots need matplotlib and the progress bar tqdm (optional extra ``bench``).
+"""
+
+from .memory import BenchReport, run_memory_benchmark, simulate, summarize
+from .workload import MODELS, ModelShape, Workload, load_workload
+
+__all__ = ["BenchReport", "run_memory_benchmark", "simulate", "summarize", "MODELS",
+           "ModelShape", "Workload", "load_workload"]

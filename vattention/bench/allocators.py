@@ -1,0 +1,361 @@
+"""KV-cache allocators compared by the memory benchmark, behind one small interface.
+
+* ``static-max`` / ``static-oracle``: a request reserves ``max_seq_len`` tokens, or exactly its
+  final length, when admitted, and never grows (FasterTransformer / Orca style).
+* ``paged-16``: vLLM-style blocks of 16 tokens. **Block arithmetic**, not vLLM itself.
+* ``ideal``: the physical limit, holding exactly the live tokens (blocks of one token).
+* ``vattention-<layout>-<page>``: the real :class:`vattention.KVCache` on the host backend
+  (``device="cpu"``), with ``memory_budget`` = the KV budget and deferred reclamation (the
+  default). Two measured figures: bytes mapped to running requests' slots (pages backing
+  ``cache.mapped_tokens(slot)``: ``held_bytes``), and all mapped bytes from
+  ``cache.stats()["bytes_mapped"]`` (``mapped_bytes``), which also counts pages that freed slots
+  keep until another request needs them.
+
+Interface (what :func:`vattention.bench.memory.simulate` calls): ``admit(rid, num_tokens,
+final_tokens) -> bool``, ``grow({rid: num_tokens}) -> bool`` (transactional: False changes
+nothing), ``release(rid)``, ``held_bytes()``, ``mapped_bytes()``, ``counters()``, ``check()``
+and ``close()``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Dict, Optional
+
+from vattention.errors import InvalidSlotError, OutOfPagesError
+
+from .sizing import page_geometry
+from .workload import ModelShape
+
+__all__ = ["Allocator", "StaticAllocator", "BlockAllocator", "VAttentionAllocator",
+           "make_allocator", "real_cache_factory",
+           "ALL_ALLOCATORS", "BASELINES", "VATTENTION_VARIANTS",
+           "ALLOCATOR_NOTES"]
+
+logger = logging.getLogger(__name__)
+
+ALLOCATOR_NOTES = {
+    "static-max": "reserves max_seq_len tokens per request",
+    "static-oracle": "reserves each request's final length",
+    "paged-16": "block arithmetic, not vLLM",
+    "ideal": "physical limit: exactly the live tokens",
+}
+
+
+class Allocator:
+    """Base class: capacity bookkeeping of one allocator over a fixed KV budget.
+
+    Parameters
+    ----------
+    name : str
+        Key used in reports and JSON.
+    budget_bytes : int
+        Bytes of KV memory the allocator may hold.
+    bytes_per_token : int
+        KV bytes of one token over all layers (K and V).
+    """
+
+    def __init__(self, name: str, budget_bytes: int, bytes_per_token: int) -> None:
+        self.name = name
+        self.budget_bytes = int(budget_bytes)
+        self.bytes_per_token = int(bytes_per_token)
+        self.note = ALLOCATOR_NOTES.get(name, "")
+
+    def admit(self, rid: int, num_tokens: int, final_tokens: int) -> bool:
+        """Give request ``rid`` room for ``num_tokens``; False (no change) if it does not fit."""
+        raise NotImplementedError
+
+    def grow(self, lengths: Dict[int, int]) -> bool:
+        """Make room for every running request's new length; False (no change) if impossible."""
+        raise NotImplementedError
+
+    def release(self, rid: int) -> None:
+        """Request ``rid`` finished or was preempted."""
+        raise NotImplementedError
+
+    def held_bytes(self) -> int:
+        """Physical bytes held for the running requests now."""
+        raise NotImplementedError
+
+    def mapped_bytes(self) -> int:
+        """Physical bytes committed now, including memory cached for reuse (default: held)."""
+        return self.held_bytes()
+
+    def counters(self) -> Dict[str, int]:
+        """Cumulative allocator-specific counters (e.g. map calls); empty by default."""
+        return {}
+
+    def check(self) -> None:
+        """Assert internal invariants (tests call this every step); no-op by default."""
+
+    def close(self) -> None:
+        """Free resources."""
+
+
+class StaticAllocator(Allocator):
+    """Reserve a fixed number of tokens per request at admission.
+
+    Parameters
+    ----------
+    reserve : str
+        ``"max"``: ``max_seq_len`` tokens; ``"oracle"``: the request's final length.
+    max_seq_len : int
+        Longest request, in tokens.
+
+    Examples
+    --------
+    >>> a = StaticAllocator("static-max", 10 * 4, 4, reserve="max", max_seq_len=5)
+    >>> a.admit(0, 2, 3), a.admit(1, 2, 3), a.admit(2, 1, 1)
+    (True, True, False)
+    >>> a.held_bytes()
+    40
+    """
+
+    def __init__(self, name: str, budget_bytes: int, bytes_per_token: int, *, reserve: str,
+                 max_seq_len: int) -> None:
+        super().__init__(name, budget_bytes, bytes_per_token)
+        if reserve not in ("max", "oracle"):
+            raise ValueError(f"reserve={reserve!r} must be 'max' or 'oracle'")
+        self.reserve = reserve
+        self.max_seq_len = int(max_seq_len)
+        self._reserved: Dict[int, int] = {}  # rid -> reserved tokens
+        self._held_tokens = 0
+
+    def admit(self, rid: int, num_tokens: int, final_tokens: int) -> bool:
+        tokens = self.max_seq_len if self.reserve == "max" else int(final_tokens)
+        if num_tokens > tokens:
+            raise ValueError(f"request {rid}: {num_tokens} tokens exceed its reservation {tokens}")
+        if (self._held_tokens + tokens) * self.bytes_per_token > self.budget_bytes:
+            return False
+        self._reserved[rid] = tokens
+        self._held_tokens += tokens
+        return True
+
+    def grow(self, lengths: Dict[int, int]) -> bool:
+        for rid, tokens in lengths.items():
+            if tokens > self._reserved[rid]:
+                raise ValueError(f"request {rid} grew to {tokens} tokens beyond its static "
+                                 f"reservation of {self._reserved[rid]}")
+        return True
+
+    def release(self, rid: int) -> None:
+        self._held_tokens -= self._reserved.pop(rid)
+
+    def held_bytes(self) -> int:
+        return self._held_tokens * self.bytes_per_token
+
+
+class BlockAllocator(Allocator):
+    """Blocks of ``block_tokens`` tokens allocated as requests grow (paged allocation).
+
+    ``block_tokens=1`` is the ideal allocator: it holds exactly the live tokens.
+
+    Examples
+    --------
+    >>> a = BlockAllocator("paged-16", 3 * 16 * 2, 2, block_tokens=16)
+    >>> a.admit(0, 17, 40), a.grow({0: 33}), a.grow({0: 49})
+    (True, True, False)
+    >>> a.held_bytes() // 2
+    48
+    """
+
+    def __init__(self, name: str, budget_bytes: int, bytes_per_token: int, *,
+                 block_tokens: int) -> None:
+        super().__init__(name, budget_bytes, bytes_per_token)
+        if block_tokens < 1:
+            raise ValueError(f"block_tokens={block_tokens} must be >= 1")
+        self.block_tokens = int(block_tokens)
+        self.num_blocks = self.budget_bytes // (self.block_tokens * self.bytes_per_token)
+        self._blocks: Dict[int, int] = {}  # rid -> blocks held
+        self._used_blocks = 0
+
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-int(tokens) // self.block_tokens)
+
+    def admit(self, rid: int, num_tokens: int, final_tokens: int) -> bool:
+        need = self._blocks_for(num_tokens)
+        if self._used_blocks + need > self.num_blocks:
+            return False
+        self._blocks[rid] = need
+        self._used_blocks += need
+        return True
+
+    def grow(self, lengths: Dict[int, int]) -> bool:
+        extra = {rid: self._blocks_for(n) - self._blocks[rid] for rid, n in lengths.items()}
+        extra = {rid: e for rid, e in extra.items() if e > 0}
+        if self._used_blocks + sum(extra.values()) > self.num_blocks:
+            return False
+        for rid, e in extra.items():
+            self._blocks[rid] += e
+            self._used_blocks += e
+        return True
+
+    def release(self, rid: int) -> None:
+        self._used_blocks -= self._blocks.pop(rid)
+
+    def held_bytes(self) -> int:
+        return self._used_blocks * self.block_tokens * self.bytes_per_token
+
+
+def real_cache_factory(model: ModelShape, layout: str, page_size: str, max_batch_size: int,
+                       max_seq_len: int, budget_bytes: int, *, reclaim: str = "deferred"):
+    """Create the real :class:`vattention.KVCache` on the host backend (``device="cpu"``).
+
+    ``reclaim`` is the cache's policy for pages of freed slots: ``"deferred"`` (the default:
+    kept until another request needs them) or ``"eager"`` (unmapped at ``free``).
+    """
+    import vattention  # imported late: needs the built core and torch
+
+    cfg = vattention.KVCacheConfig(
+        num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+        max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=model.dtype,
+        device="cpu", page_size=page_size, layout=layout, reclaim=reclaim)
+    return vattention.KVCache(cfg, memory_budget=budget_bytes)
+
+
+class VAttentionAllocator(Allocator):
+    """Adapter driving a vattention ``KVCache`` (real, or a test double with its interface).
+
+    Admission is ``cache.alloc()`` then ``cache.step(all running lengths + the new one)``; a
+    request that cannot grow shows as ``OutOfPagesError`` from ``cache.step``, which is
+    transactional, so ``grow`` returns False with nothing changed. Every ``step`` passes the
+    lengths of all running requests.
+
+    Parameters
+    ----------
+    layout : str
+        ``"layer"`` or ``"mega"``.
+    page_size : str
+        ``"2MB"``, ``"64KB"``, ... (binary units).
+    max_batch_size, max_seq_len : int
+        Slots and tokens per slot of the cache.
+    cache_factory : callable, optional
+        ``factory(model, layout, page_size, max_batch_size, max_seq_len, budget_bytes)``;
+        default builds the real host-backend cache.
+    verify : bool
+        Check after each successful step that ``bytes_mapped == pages_mapped * page_bytes``
+        and that every running slot backs its length (tests).
+    """
+
+    def __init__(self, model: ModelShape, *, layout: str, page_size: str, max_batch_size: int,
+                 max_seq_len: int, budget_bytes: int,
+                 cache_factory: Optional[Callable] = None, verify: bool = False) -> None:
+        super().__init__(f"vattention-{layout}-{page_size}", budget_bytes,
+                         model.bytes_per_token)
+        factory = cache_factory or real_cache_factory
+        self.cache = factory(model, layout, page_size, max_batch_size, max_seq_len, budget_bytes)
+        self.layout, self.page_size, self.verify = layout, page_size, verify
+        self.max_batch_size = max_batch_size
+        self._geometry = page_geometry(model, layout, page_size)
+        self._slot: Dict[int, int] = {}     # rid -> slot
+        self._length: Dict[int, int] = {}   # rid -> tokens backed by the last step
+        self.failed_steps = 0  # step() calls refused with OutOfPagesError (nothing changed)
+
+    def _step(self, lengths: Dict[int, int]) -> bool:
+        try:
+            self.cache.step({self._slot[rid]: n for rid, n in lengths.items()})
+        except OutOfPagesError:
+            self.failed_steps += 1
+            return False
+        self._length = dict(lengths)
+        if self.verify:
+            self.check()
+        return True
+
+    def admit(self, rid: int, num_tokens: int, final_tokens: int) -> bool:
+        try:
+            slot = self.cache.alloc()
+        except InvalidSlotError:
+            return False  # no free slot
+        self._slot[rid] = slot
+        if self._step({**self._length, rid: int(num_tokens)}):
+            return True
+        del self._slot[rid]
+        self.cache.free(slot)
+        return False
+
+    def grow(self, lengths: Dict[int, int]) -> bool:
+        return self._step(dict(lengths))
+
+    def release(self, rid: int) -> None:
+        self.cache.free(self._slot.pop(rid))
+        self._length.pop(rid, None)
+        # Deferred reclamation: the slot keeps its pages; the next step must not list it.
+
+    def _slot_pages(self, slot: int) -> int:
+        """Pages (all tensors) mapped in ``slot``: exact inverse of ``mapped_tokens``."""
+        tensors, token_bytes, page_bytes = self._geometry
+        return tensors * -(-self.cache.mapped_tokens(slot) * token_bytes // page_bytes)
+
+    def held_bytes(self) -> int:
+        pages = sum(self._slot_pages(slot) for slot in self._slot.values())
+        return pages * self._geometry[2]
+
+    def mapped_bytes(self) -> int:
+        return int(self.cache.stats()["bytes_mapped"])
+
+    def counters(self) -> Dict[str, int]:
+        stats = self.cache.stats()
+        return {"map_calls": int(stats["map_calls"]), "unmap_calls": int(stats["unmap_calls"]),
+                "pages_mapped": int(stats["pages_mapped"]),
+                "bytes_reserved": int(stats["bytes_reserved"]),
+                "failed_steps": self.failed_steps}
+
+    def check(self) -> None:
+        stats = self.cache.stats()
+        if stats["bytes_mapped"] != stats["pages_mapped"] * stats["page_bytes"]:
+            raise AssertionError(f"{self.name}: bytes_mapped {stats['bytes_mapped']} != "
+                                 f"{stats['pages_mapped']} pages * {stats['page_bytes']}")
+        if stats["memory_budget"] >= 0 and stats["bytes_reserved"] > stats["memory_budget"]:
+            raise AssertionError(f"{self.name}: {stats['bytes_reserved']} bytes of pages "
+                                 f"exceed the budget {stats['memory_budget']}")
+        for rid, n in self._length.items():
+            backed = self.cache.mapped_tokens(self._slot[rid])
+            if backed < n:
+                raise AssertionError(f"{self.name}: request {rid} needs {n} tokens, slot "
+                                     f"{self._slot[rid]} backs {backed}")
+        pages = sum(self._slot_pages(slot) for slot in range(self.max_batch_size))
+        if pages != stats["pages_mapped"]:
+            raise AssertionError(f"{self.name}: slots back {pages} pages of tokens, stats say "
+                                 f"{stats['pages_mapped']} pages mapped")
+
+    def close(self) -> None:
+        self.cache.close()
+
+
+BASELINES = ("static-max", "static-oracle", "paged-16", "ideal")
+VATTENTION_VARIANTS = ("vattention-layer-2MB", "vattention-mega-2MB",
+                       "vattention-layer-64KB", "vattention-mega-64KB")
+ALL_ALLOCATORS = BASELINES + VATTENTION_VARIANTS
+
+
+def make_allocator(name: str, model: ModelShape, *, budget_bytes: int, max_seq_len: int,
+                   max_batch_size: int, cache_factory: Optional[Callable] = None,
+                   verify: bool = False) -> Allocator:
+    """Build the allocator called ``name`` (one of :data:`ALL_ALLOCATORS`, or any
+    ``vattention-<layer|mega>-<page size>``).
+
+    Examples
+    --------
+    >>> from vattention.bench.workload import MODELS
+    >>> make_allocator("paged-16", MODELS["llama3-8b"], budget_bytes=1 << 30,
+    ...                max_seq_len=4096, max_batch_size=8).num_blocks
+    512
+    """
+    bpt = model.bytes_per_token
+    if name in ("static-max", "static-oracle"):
+        return StaticAllocator(name, budget_bytes, bpt, reserve=name.split("-")[1],
+                               max_seq_len=max_seq_len)
+    if name == "paged-16":
+        return BlockAllocator(name, budget_bytes, bpt, block_tokens=16)
+    if name == "ideal":
+        return BlockAllocator(name, budget_bytes, bpt, block_tokens=1)
+    parts = name.split("-")
+    if len(parts) == 3 and parts[0] == "vattention" and parts[1] in ("layer", "mega"):
+        return VAttentionAllocator(model, layout=parts[1], page_size=parts[2],
+                                   max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                                   budget_bytes=budget_bytes, cache_factory=cache_factory,
+                                   verify=verify)
+    raise ValueError(f"allocator {name!r} is not one of {', '.join(ALL_ALLOCATORS)} "
+                     "(or vattention-<layer|mega>-<page size>)")
+

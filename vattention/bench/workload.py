@@ -1,0 +1,185 @@
+"""Workload of the memory benchmark: model shapes and request lengths from a trace.
+
+A request is a pair ``(prefill_tokens, decode_tokens)``. Model shapes give the bytes one token
+of KV cache takes over all layers, K and V (``2 * L * H * D * element_bytes``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Optional
+
+import numpy as np
+
+__all__ = ["ModelShape", "MODELS", "parse_model", "Workload", "load_workload",
+           "default_max_seq_len"]
+
+logger = logging.getLogger(__name__)
+
+_ELEMENT_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int8": 1, "uint8": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """KV-cache shape of one model (per tensor-parallel shard).
+
+    Parameters
+    ----------
+    name : str
+        Label printed in reports.
+    num_layers, num_kv_heads, head_dim : int
+        Model dimensions; ``num_kv_heads`` is the heads one shard holds.
+    dtype : str
+        Element type name (``"bfloat16"``, ``"float16"``, ``"float32"``, ...).
+
+    Examples
+    --------
+    >>> MODELS["llama3-8b"].bytes_per_token
+    131072
+    """
+
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _ELEMENT_BYTES:
+            raise ValueError(f"dtype={self.dtype!r} is not one of {sorted(_ELEMENT_BYTES)}")
+        for field in ("num_layers", "num_kv_heads", "head_dim"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field}={getattr(self, field)} must be >= 1")
+
+    @property
+    def element_bytes(self) -> int:
+        """Bytes per element of ``dtype``."""
+        return _ELEMENT_BYTES[self.dtype]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes of one token over all layers, K and V."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.element_bytes
+
+
+MODELS = {
+    "llama3-8b": ModelShape("llama3-8b", 32, 8, 128),
+    "yi-6b": ModelShape("yi-6b", 32, 4, 128),
+    "llama3-70b-tp8": ModelShape("llama3-70b-tp8", 80, 1, 128),
+    "qwen2.5-7b": ModelShape("qwen2.5-7b", 28, 4, 128),
+}
+
+
+def parse_model(model: Optional[str] = None, dims: Optional[str] = None) -> ModelShape:
+    """Return the shape named ``model`` or given as ``dims`` = ``"L,H,D[,dtype]"``.
+
+    Examples
+    --------
+    >>> parse_model(dims="32,8,128,float16").bytes_per_token
+    131072
+    """
+    if dims:
+        parts = [p.strip() for p in dims.split(",")]
+        if len(parts) not in (3, 4):
+            raise ValueError(f"--dims {dims!r}: expected L,H,D or L,H,D,dtype")
+        try:
+            layers, heads, head_dim = (int(p) for p in parts[:3])
+        except ValueError:
+            raise ValueError(f"--dims {dims!r}: L, H and D must be integers") from None
+        dtype = parts[3] if len(parts) == 4 else "bfloat16"
+        return ModelShape(f"custom-{layers}x{heads}x{head_dim}-{dtype}", layers, heads, head_dim,
+                          dtype)
+    name = model or "llama3-8b"
+    if name not in MODELS:
+        raise ValueError(f"--model {name!r} is not one of {sorted(MODELS)}; or use --dims")
+    return MODELS[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """The request sequence every allocator sees.
+
+    Attributes
+    ----------
+    name : str
+        Trace name or path.
+    prefill_tokens, decode_tokens : numpy.ndarray
+        int64 arrays, one entry per request, in arrival (FCFS) order.
+    sampled_with_replacement : bool
+        True when more requests were asked for than the trace holds.
+    trace_rows : int
+        Rows in the trace the requests were drawn from.
+    """
+
+    name: str
+    prefill_tokens: np.ndarray
+    decode_tokens: np.ndarray
+    sampled_with_replacement: bool
+    trace_rows: int
+
+    @property
+    def num_requests(self) -> int:
+        """Number of requests."""
+        return int(len(self.prefill_tokens))
+
+    @property
+    def total_tokens(self) -> np.ndarray:
+        """Final KV length of each request (prefill + decode tokens)."""
+        return self.prefill_tokens + self.decode_tokens
+
+
+def _read_trace(trace: str) -> np.ndarray:
+    """Rows ``(prefill, decode)`` of a named trace or a CSV path."""
+    if os.path.exists(trace):
+        rows = np.loadtxt(trace, delimiter=",", skiprows=1, usecols=(0, 1), ndmin=2)
+        return rows.astype(np.int64)
+    from vattention.traces import load_trace  # packaged seeded samples (core)
+    return np.asarray(load_trace(trace), dtype=np.int64)
+
+
+def load_workload(trace: str, num_requests: int, seed: int = 0) -> Workload:
+    """Draw ``num_requests`` requests from ``trace`` with a seeded generator.
+
+    Without replacement when the trace has enough rows, else with replacement (flagged in
+    the result and in the report).
+
+    Parameters
+    ----------
+    trace : str
+        ``sharegpt``, ``arxiv_summarization``, ``arxiv_long`` or a CSV path with columns
+        ``num_prefill_tokens,num_decode_tokens,...``.
+    num_requests : int
+        Requests to draw (>= 1).
+    seed : int
+        Seed of ``numpy.random.default_rng``.
+    """
+    if num_requests < 1:
+        raise ValueError(f"num_requests={num_requests} must be >= 1")
+    rows = _read_trace(trace)
+    if len(rows) == 0:
+        raise ValueError(f"trace {trace!r} has no rows")
+    rng = np.random.default_rng(seed)
+    with_replacement = num_requests > len(rows)
+    if with_replacement:
+        logger.warning("trace %s has %d rows < %d requests: sampling with replacement",
+                       trace, len(rows), num_requests)
+    index = rng.choice(len(rows), size=num_requests, replace=with_replacement)
+    chosen = rows[index]
+    return Workload(name=os.path.basename(trace), prefill_tokens=chosen[:, 0].copy(),
+                    decode_tokens=chosen[:, 1].copy(),
+                    sampled_with_replacement=with_replacement, trace_rows=len(rows))
+
+
+def default_max_seq_len(workload: Workload, multiple: int = 1024) -> int:
+    """Longest request of ``workload`` (prefill + decode) rounded up to ``multiple`` tokens.
+
+    Examples
+    --------
+    >>> w = Workload("t", np.array([100, 3000]), np.array([5, 97]), False, 2)
+    >>> default_max_seq_len(w)
+    4096
+    """
+    longest = int(workload.total_tokens.max())
+    return -(-longest // multiple) * multiple
