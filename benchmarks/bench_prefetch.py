@@ -30,10 +30,11 @@ SHAPES = {
 }
 
 
-def run(layout: str, page: str, prefetch: bool, iterations: int, gap_s: float, slots: int):
+def run(layout: str, page: str, prefetch: bool, iterations: int, gap_s: float, slots: int,
+        device: str = "cpu"):
     cfg = vattention.KVCacheConfig(**SHAPES[(layout, page)], max_batch_size=slots,
                                    max_seq_len=4096, dtype=torch.float16, page_size=page,
-                                   layout=layout)
+                                   layout=layout, device=device)
     blocked = []
     with vattention.KVCache(cfg) as cache:
         tpp = cfg.tokens_per_page

@@ -1,18 +1,22 @@
 """Shared fixtures: every cache-level test runs over devices, layouts and page sizes.
 
-`device` is parametrized over the backends available to the tests ("cpu" = host backend; the CUDA
-backend joins through the driver emulation, see tests/cuda_emulator/). Data is read and written
-through `kv_views`, which gives CPU tensors over the cache memory on every backend.
+`device` is parametrized over "cpu" (host backend) and "cuda" (the CUDA backend: on the real driver
+where there is a GPU, else through the strict driver emulation, see tests/cuda_setup.py and
+tests/cuda_emulator/). Data is read and written through `kv_views`, which gives CPU tensors over the
+cache memory wherever it is host memory.
 """
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
 
 import vattention
+from cuda_setup import CUDA_MODE, CUDA_REASON, GPU_MIN_PAGE, cuda_emu
 
-DEVICES = ["cpu"]
+DEVICES = ["cpu", "cuda"]
 LAYOUTS = ["layer", "mega"]
 PAGE_SIZES = ["64KB", "2MB"]
 
@@ -39,7 +43,39 @@ def _have_gpu() -> bool:
 
 @pytest.fixture(params=DEVICES)
 def device(request):
-    return request.param
+    """"cpu", or "cuda:0" on the real GPU or the emulation (then checked: no rule violation, and
+    nothing left mapped, created, reserved or retained once the test's caches are gone)."""
+    if request.param == "cpu":
+        yield "cpu"
+        return
+    if not CUDA_MODE:
+        pytest.skip(f"CUDA backend unavailable: {CUDA_REASON}")
+    if CUDA_MODE == "gpu":
+        yield "cuda:0"
+        return
+    emu = cuda_emu.Emulator.load()
+    violations = emu.violations
+    yield "cuda:0"
+
+    def left():  # what close() must give back; reservations and the context go when the last
+        # reference to the cache dies, which pytest may still hold here (session check below)
+        return {k: v for k, v in emu.live().items()
+                if v and k not in ("live_reservations", "context_refs")}
+
+    if left():
+        gc.collect()  # only when needed: a full collection costs ~0.3 s with torch loaded
+    assert emu.violations == violations, f"CUDA rule violated: {emu.last_violation()}"
+    assert not left(), f"driver objects left after the test's caches closed: {left()}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cuda_emulation_session_check():
+    """At the end of the session nothing may be left alive in the emulated driver."""
+    yield
+    if CUDA_MODE == "emulated":
+        gc.collect()
+        live = cuda_emu.Emulator.load().live()
+        assert live == {k: 0 for k in live}, f"CUDA driver objects leaked by the suite: {live}"
 
 
 @pytest.fixture(params=LAYOUTS)
@@ -59,6 +95,9 @@ def make_cache(device, layout, page_size):
 
     def make(*, num_layers=2, num_kv_heads=2, head_dim=64, max_batch_size=4, max_seq_len=4096,
              dtype=torch.float16, memory_budget=None, **kwargs):
+        if CUDA_MODE == "gpu" and device.startswith("cuda"):
+            if vattention.config.parse_size(kwargs.get("page_size", page_size)) < GPU_MIN_PAGE:
+                pytest.skip("real GPUs need pages of at least 2 MB (VMM granularity)")
         cfg = vattention.KVCacheConfig(
             num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
             max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=dtype,
@@ -73,3 +112,4 @@ def make_cache(device, layout, page_size):
         if not cache.closed:
             assert cache._core.check_invariants() == ""
             cache.close()
+    caches.clear()  # drop them, so the device fixture can check that everything was given back

@@ -2,12 +2,33 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+
+_DRIVER_ENTRY = {"map": "cuMemMap", "set_access": "cuMemSetAccess", "create_page": "cuMemCreate",
+                 "unmap": "cuMemUnmap", "destroy_page": "cuMemRelease"}
+
+
+def inject_backend_fault(cache, op, nth):
+    """Make the nth call (1 = next) of backend primitive `op` fail with a driver error.
+
+    Host backend: its fault hook. CUDA backend: the emulated driver entry point behind `op`.
+    Returns (the `call` the DriverError will carry, a regex its message matches).
+    """
+    if cache.config.device == "cpu":
+        cache._core.inject_host_fault(op, nth)
+        return op, "injected fault"
+    from cuda_setup import CUDA_MODE, cuda_emu
+    if CUDA_MODE != "emulated":
+        pytest.skip("faults are injected through the host hook or the CUDA emulation only")
+    cuda_emu.Emulator.load().inject_fault(_DRIVER_ENTRY[op], nth, cuda_emu.CUDA_ERROR_UNKNOWN)
+    return _DRIVER_ENTRY[op], "CUDA_ERROR_UNKNOWN"
 
 
 def kv_views(cache, layer):
-    """CPU tensors over layer `layer`'s K and V, on any backend whose memory is host memory."""
-    if cache.config.device == "cpu":
+    """Tensors over layer `layer`'s K and V: CPU tensors wherever the memory is host memory (host
+    backend, CUDA emulation), torch.cuda tensors on a real GPU."""
+    if cache.config.device == "cpu" or torch.cuda.is_available():
         return cache.layer(layer)
     return cache.host_alias(layer)
 
@@ -21,8 +42,8 @@ def fill_pattern(cache, slot, start, end, seed):
         k, v = kv_views(cache, layer)
         kd = torch.randn(end - start, cfg.num_kv_heads, cfg.head_dim, generator=gen).to(cfg.dtype)
         vd = torch.randn(end - start, cfg.num_kv_heads, cfg.head_dim, generator=gen).to(cfg.dtype)
-        k[slot, start:end] = kd
-        v[slot, start:end] = vd
+        k[slot, start:end] = kd.to(k.device)
+        v[slot, start:end] = vd.to(v.device)
         written.append((kd, vd))
     return written
 
@@ -30,8 +51,8 @@ def fill_pattern(cache, slot, start, end, seed):
 def check_pattern(cache, slot, start, end, written):
     for layer, (kd, vd) in enumerate(written):
         k, v = kv_views(cache, layer)
-        assert torch.equal(k[slot, start:end], kd), f"K of layer {layer} slot {slot} changed"
-        assert torch.equal(v[slot, start:end], vd), f"V of layer {layer} slot {slot} changed"
+        assert torch.equal(k[slot, start:end].cpu(), kd), f"K of layer {layer} slot {slot} changed"
+        assert torch.equal(v[slot, start:end].cpu(), vd), f"V of layer {layer} slot {slot} changed"
 
 
 PAGE_STATE_KEYS = ("pages_total", "pages_free", "pages_mapped", "mappings", "bytes_mapped",

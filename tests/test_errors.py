@@ -8,7 +8,7 @@ import torch
 import vattention
 from vattention import (CacheClosedError, ConfigError, InvalidSlotError, OutOfPagesError,
                         SequenceTooLongError)
-from helpers import check_pattern, fill_pattern, page_state
+from helpers import check_pattern, fill_pattern, inject_backend_fault, page_state
 
 
 @pytest.fixture
@@ -140,16 +140,14 @@ def test_out_of_pages_does_not_touch_idle_slots(make_cache):
 @pytest.mark.parametrize("op", ["map", "set_access", "create_page"])
 def test_backend_failure_mid_step_rolls_back(make_cache, op):
     cache = make_cache(max_batch_size=4)
-    if cache.config.device != "cpu":
-        pytest.skip("host backend fault hook; the CUDA emulation has its own fault tests")
     a, b = cache.alloc(), cache.alloc()
     cache.step({a: 10})
     written = {a: fill_pattern(cache, a, 0, 10, seed=1)}
     before = page_state(cache)
-    cache._core.inject_host_fault(op, 2 if op != "create_page" else 1)
-    with pytest.raises(vattention.DriverError, match="injected fault") as info:
+    call, match = inject_backend_fault(cache, op, 2 if op != "create_page" else 1)
+    with pytest.raises(vattention.DriverError, match=match) as info:
         cache.step({a: 3000, b: 2000})
-    assert info.value.call == op
+    assert info.value.call == call
     after = page_state(cache)
     # Mapped state is as before; pages obtained for the call are back in the pool as free pages.
     for key in ("pages_mapped", "mappings", "mapped_tokens", "seq_lens", "active_slots"):

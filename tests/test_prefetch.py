@@ -8,7 +8,7 @@ import pytest
 
 import vattention
 from vattention import DriverError, OutOfPagesError
-from helpers import check_pattern, fill_pattern
+from helpers import check_pattern, fill_pattern, inject_backend_fault
 
 
 def test_prefetched_pages_need_no_map_calls_in_step(make_cache):
@@ -100,16 +100,14 @@ def test_prefetch_of_a_slot_freed_meanwhile_is_skipped(make_cache):
 @pytest.mark.parametrize("op", ["map", "set_access", "create_page"])
 def test_background_driver_error_surfaces_typed_on_next_call(make_cache, op):
     cache = make_cache(num_kv_heads=8, head_dim=128)
-    if cache.config.device != "cpu":
-        pytest.skip("host backend fault hook")
     s = cache.alloc()
     cache.step({s: 1})
     written = fill_pattern(cache, s, 0, 1, seed=3)
-    cache._core.inject_host_fault(op, 1)
+    call, match = inject_backend_fault(cache, op, 1)
     cache.prefetch({s: 3 * cache.config.tokens_per_page})
-    with pytest.raises(DriverError, match="injected fault") as info:
+    with pytest.raises(DriverError, match=match) as info:
         cache.wait()
-    assert info.value.call == op
+    assert info.value.call == call
     cache.wait()                                         # reported once, then cleared
     check_pattern(cache, s, 0, 1, written)
     assert cache._core.check_invariants() == ""
@@ -118,10 +116,8 @@ def test_background_driver_error_surfaces_typed_on_next_call(make_cache, op):
 
 def test_background_error_raised_by_next_call_of_any_kind(make_cache):
     cache = make_cache(num_kv_heads=8, head_dim=128)
-    if cache.config.device != "cpu":
-        pytest.skip("host backend fault hook")
     s = cache.alloc()
-    cache._core.inject_host_fault("map", 1)
+    _, match = inject_backend_fault(cache, "map", 1)
     cache.prefetch({s: 2 * cache.config.tokens_per_page})
     # The failing job creates pages and records its error under the cache lock, so once stats()
     # (which never raises background errors) shows pages, the error is recorded.
@@ -129,7 +125,7 @@ def test_background_error_raised_by_next_call_of_any_kind(make_cache):
     while cache.stats()["pages_total"] == 0:
         assert time.monotonic() < deadline, "the prefetch thread never ran"
         time.sleep(0.005)
-    with pytest.raises(DriverError, match="injected fault"):
+    with pytest.raises(DriverError, match=match):
         cache.alloc()
     assert cache.alloc() != s    # reported once; the cache works on
 

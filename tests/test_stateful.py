@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import vattention
+from helpers import kv_views
 
 PAGE = 64 << 10
 LENGTHS = [0, 1, 255, 256, 257, 511, 512, 513, 1024, 1500, 2048]
@@ -139,12 +140,15 @@ class Model:
 
 
 class CacheMachine(RuleBasedStateMachine):
+    DEVICE = "cpu"   # test_cuda_backend.py runs the same machine on the emulated CUDA backend
+
     @initialize(layout=st.sampled_from(["layer", "mega"]),
                 budget=st.one_of(st.integers(min_value=2, max_value=12), st.none()))
     def setup(self, layout, budget):
         self.cfg = vattention.KVCacheConfig(num_layers=2, num_kv_heads=1, head_dim=64,
                                             max_batch_size=4, max_seq_len=2048,
-                                            dtype=torch.float16, page_size=PAGE, layout=layout)
+                                            dtype=torch.float16, page_size=PAGE, layout=layout,
+                                            device=self.DEVICE)
         budget_pages = None if budget is None else budget * self.cfg.num_tensors
         self.cache = vattention.KVCache(
             self.cfg, memory_budget=None if budget is None else budget_pages * PAGE)
@@ -196,7 +200,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert outcome == "oom"
             return
         assert outcome is None
-        k, _ = self.cache.layer(0)
+        k, _ = kv_views(self.cache, 0)
         for s, n in lens.items():
             self.marks.pop(s, None)
             if n:
@@ -257,7 +261,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert sorted(self.cache.active_slots()) == [i for i, s in enumerate(m.state)
                                                     if s == "active"]
         assert self.cache._core.check_invariants() == ""
-        k, _ = self.cache.layer(0)
+        k, _ = kv_views(self.cache, 0)
         for s, (pos, value) in self.marks.items():
             assert float(k[s, pos, 0, 0]) == value
 

@@ -11,6 +11,7 @@ import time
 import torch
 
 import vattention
+from helpers import kv_views
 from test_sparse import rss_shmem_bytes
 
 
@@ -46,7 +47,7 @@ def test_concurrent_alloc_step_prefetch_free_stats(device, layout):
                     try:
                         cache.step(lens)
                         mine.update(lens)
-                        k, v = cache.layer(0)
+                        k, v = kv_views(cache, 0)
                         for s, n in lens.items():
                             k[s, n - 1] = float(s)        # the last token must be backed
                         with lock:

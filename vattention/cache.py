@@ -118,7 +118,9 @@ class KVCache(SharingMixin):
         capsule = self._core.export_tensor(kv, layer, self._dl_code, self._dl_bits)
         try:
             return torch.from_dlpack(capsule)
-        except (RuntimeError, TypeError) as e:  # e.g. a CUDA cache with a CPU-only torch
+        # e.g. a CUDA cache with a CPU-only torch (torch raises AssertionError "not compiled
+        # with CUDA enabled" there)
+        except (RuntimeError, TypeError, AssertionError) as e:
             raise BackendUnavailableError(
                 f"torch {torch.__version__} cannot wrap this {self._config.device!r} memory: {e}"
             ) from e
@@ -138,11 +140,10 @@ class KVCache(SharingMixin):
         first :meth:`mapped_tokens` positions of a slot's row are backed: touching beyond them
         faults (SIGSEGV on the host backend, an illegal-address error on CUDA).
         """
-        layers = self._all_layers()
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(layers):
-            raise ConfigError(f"layer={index!r} is out of range [0, {len(layers)}) "
-                              f"(num_layers={len(layers)})")
-        return layers[index]
+        n = self._config.num_layers  # checked first: a bad index is reported as such everywhere
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < n:
+            raise ConfigError(f"layer={index!r} is out of range [0, {n}) (num_layers={n})")
+        return self._all_layers()[index]
 
     @property
     def k_cache(self) -> List[torch.Tensor]:

@@ -1,0 +1,333 @@
+"""ctypes wrapper of the strict CUDA driver EMULATION (tests only; DESIGN.md section 6).
+
+The emulation is a shared library exporting the CUDA driver's VMM entry points, backed by host
+memory, that enforces the driver's documented rules and counts every violation. Passing it is
+evidence, not proof, that code works on a GPU.
+
+The library is loaded once per process; vattention's CUDA backend dlopen()s the same file (through
+``VATTENTION_LIBCUDA``), so both share one emulated driver and tests can read its counters.
+
+Example
+-------
+>>> from tests.cuda_emulator.emu import Emulator  # doctest: +SKIP
+>>> emu = Emulator.load(); emu.reset(); emu.counter("violations")  # doctest: +SKIP
+0
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+LIB_PATH = HERE / "build" / "libcuda_emu.so"
+
+# CUresult values used by tests (cuda.h).
+CUDA_SUCCESS = 0
+CUDA_ERROR_INVALID_VALUE = 1
+CUDA_ERROR_OUT_OF_MEMORY = 2
+CUDA_ERROR_NOT_INITIALIZED = 3
+CUDA_ERROR_NO_DEVICE = 100
+CUDA_ERROR_INVALID_DEVICE = 101
+CUDA_ERROR_INVALID_CONTEXT = 201
+CUDA_ERROR_INVALID_HANDLE = 400
+CUDA_ERROR_NOT_FOUND = 500
+CUDA_ERROR_NOT_READY = 600
+CUDA_ERROR_LAUNCH_TIMEOUT = 702
+CUDA_ERROR_UNKNOWN = 999
+
+CU_MEM_ALLOCATION_TYPE_PINNED = 1
+CU_MEM_LOCATION_TYPE_DEVICE = 1
+CU_MEM_ACCESS_FLAGS_PROT_READ = 1
+CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
+CU_GET_PROC_ADDRESS_SUCCESS = 0
+CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND = 1
+CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT = 2
+MB = 1 << 20
+# Granularity the cache-level suite runs the emulation at, so its 64 KB page case runs on the
+# emulated CUDA backend too (real GPUs: 2 MB; the emulation's own default stays 2 MB).
+SUITE_GRANULARITY = 64 * 1024
+
+
+class CUmemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _AllocFlags(ctypes.Structure):
+    _fields_ = [
+        ("compressionType", ctypes.c_ubyte),
+        ("gpuDirectRDMACapable", ctypes.c_ubyte),
+        ("usage", ctypes.c_ushort),
+        ("reserved", ctypes.c_ubyte * 4),
+    ]
+
+
+class CUmemAllocationProp(ctypes.Structure):
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("requestedHandleTypes", ctypes.c_int),
+        ("location", CUmemLocation),
+        ("win32HandleMetaData", ctypes.c_void_p),
+        ("allocFlags", _AllocFlags),
+    ]
+
+
+class CUmemAccessDesc(ctypes.Structure):
+    _fields_ = [("location", CUmemLocation), ("flags", ctypes.c_int)]
+
+
+def unavailable_reason() -> str:
+    """"" when the emulation library is built (or can be built now), else why not."""
+    if LIB_PATH.exists():
+        return ""
+    if shutil.which("make") is None:
+        return "cuda emulator not built and `make` is missing"
+    proc = subprocess.run(["make", "-s", "-C", str(HERE)], capture_output=True, text=True)
+    if proc.returncode != 0 or not LIB_PATH.exists():
+        return "cuda emulator did not build: " + (proc.stderr.strip() or proc.stdout.strip())
+    return ""
+
+
+def device_prop(ordinal: int = 0) -> CUmemAllocationProp:
+    prop = CUmemAllocationProp()
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = ordinal
+    return prop
+
+
+def rw_access(ordinal: int = 0, flags: int = CU_MEM_ACCESS_FLAGS_PROT_READWRITE) -> CUmemAccessDesc:
+    desc = CUmemAccessDesc()
+    desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE
+    desc.location.id = ordinal
+    desc.flags = flags
+    return desc
+
+
+class Emulator:
+    """The loaded emulation: control API (vaemu_*) plus typed access to its driver entry points."""
+
+    _instance: "Emulator | None" = None
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
+        u64, sz, i64 = ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int64
+        sigs = {
+            "vaemu_reset": ([], None),
+            "vaemu_set_granularity": ([sz], None),
+            "vaemu_set_device_memory_bytes": ([sz], None),
+            "vaemu_set_device_count": ([ctypes.c_int], None),
+            "vaemu_set_vmm_supported": ([ctypes.c_int], None),
+            "vaemu_set_strict_context": ([ctypes.c_int], None),
+            "vaemu_inject_fault": ([ctypes.c_char_p, i64, ctypes.c_int], None),
+            "vaemu_set_latency_us": ([ctypes.c_char_p, i64], None),
+            "vaemu_set_gpu_busy": ([ctypes.c_int], None),
+            "vaemu_counter": ([ctypes.c_char_p], i64),
+            "vaemu_last_violation": ([], ctypes.c_char_p),
+            "vaemu_thread_has_context": ([], ctypes.c_int),
+            "vaemu_hide_symbol": ([ctypes.c_char_p], None),
+            "cuInit": ([ctypes.c_uint], ctypes.c_int),
+            "cuDeviceGet": ([ctypes.POINTER(ctypes.c_int), ctypes.c_int], ctypes.c_int),
+            "cuDeviceGetCount": ([ctypes.POINTER(ctypes.c_int)], ctypes.c_int),
+            "cuDeviceGetAttribute": (
+                [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int], ctypes.c_int),
+            "cuDevicePrimaryCtxRetain": ([ctypes.POINTER(ctypes.c_void_p), ctypes.c_int],
+                                         ctypes.c_int),
+            "cuDevicePrimaryCtxRelease_v2": ([ctypes.c_int], ctypes.c_int),
+            "cuCtxSetCurrent": ([ctypes.c_void_p], ctypes.c_int),
+            "cuCtxGetCurrent": ([ctypes.POINTER(ctypes.c_void_p)], ctypes.c_int),
+            "cuMemGetAllocationGranularity": (
+                [ctypes.POINTER(sz), ctypes.POINTER(CUmemAllocationProp), ctypes.c_int],
+                ctypes.c_int),
+            "cuMemAddressReserve": ([ctypes.POINTER(u64), sz, sz, u64, ctypes.c_ulonglong],
+                                    ctypes.c_int),
+            "cuMemAddressFree": ([u64, sz], ctypes.c_int),
+            "cuMemCreate": ([ctypes.POINTER(u64), sz, ctypes.POINTER(CUmemAllocationProp),
+                             ctypes.c_ulonglong], ctypes.c_int),
+            "cuMemRelease": ([u64], ctypes.c_int),
+            "cuMemMap": ([u64, sz, sz, u64, ctypes.c_ulonglong], ctypes.c_int),
+            "cuMemUnmap": ([u64, sz], ctypes.c_int),
+            "cuMemSetAccess": ([u64, sz, ctypes.POINTER(CUmemAccessDesc), sz], ctypes.c_int),
+            "cuEventCreate": ([ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint], ctypes.c_int),
+            "cuEventRecord": ([ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int),
+            "cuEventQuery": ([ctypes.c_void_p], ctypes.c_int),
+            "cuEventSynchronize": ([ctypes.c_void_p], ctypes.c_int),
+            "cuEventDestroy_v2": ([ctypes.c_void_p], ctypes.c_int),
+            "cuGetErrorString": ([ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)], ctypes.c_int),
+            "cuGetProcAddress_v2": ([ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p),
+                                     ctypes.c_int, ctypes.c_uint64,
+                                     ctypes.POINTER(ctypes.c_int)], ctypes.c_int),
+            "cuGetProcAddress": ([ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
+                                  ctypes.c_uint64], ctypes.c_int),
+        }
+        for name, (args, res) in sigs.items():
+            fn = getattr(lib, name)
+            fn.argtypes = args
+            fn.restype = res
+
+    @classmethod
+    def load(cls) -> "Emulator":
+        """The process-wide emulation (builds it with make if needed)."""
+        if cls._instance is None:
+            reason = unavailable_reason()
+            if reason:
+                raise RuntimeError(reason)
+            # RTLD_GLOBAL is not needed: the backend dlopen()s the same path and gets this handle.
+            cls._instance = cls(ctypes.CDLL(str(LIB_PATH)))
+        return cls._instance
+
+    # ---- control API ----
+    def reset(self) -> None:
+        self.lib.vaemu_reset()
+
+    def reset_for_suite(self) -> None:
+        """reset(), then the settings the cache-level suite expects (see SUITE_GRANULARITY)."""
+        self.reset()
+        self.set_granularity(SUITE_GRANULARITY)
+
+    def set_granularity(self, nbytes: int) -> None:
+        self.lib.vaemu_set_granularity(nbytes)
+
+    def set_device_memory_bytes(self, nbytes: int) -> None:
+        self.lib.vaemu_set_device_memory_bytes(nbytes)
+
+    def set_device_count(self, n: int) -> None:
+        self.lib.vaemu_set_device_count(n)
+
+    def set_vmm_supported(self, yes: bool) -> None:
+        self.lib.vaemu_set_vmm_supported(int(yes))
+
+    def set_strict_context(self, on: bool) -> None:
+        self.lib.vaemu_set_strict_context(int(on))
+
+    def inject_fault(self, entry: str, nth: int, result: int) -> None:
+        """The nth call (1 = next) of ``entry`` returns ``result`` without effect; nth=0 disarms."""
+        self.lib.vaemu_inject_fault(entry.encode(), nth, result)
+
+    def set_latency_us(self, entry: str, us: int) -> None:
+        self.lib.vaemu_set_latency_us(entry.encode(), us)
+
+    def set_gpu_busy(self, busy: bool) -> None:
+        self.lib.vaemu_set_gpu_busy(int(busy))
+
+    def counter(self, name: str) -> int:
+        return int(self.lib.vaemu_counter(name.encode()))
+
+    @property
+    def violations(self) -> int:
+        return self.counter("violations")
+
+    def last_violation(self) -> str:
+        return self.lib.vaemu_last_violation().decode()
+
+    def hide_symbol(self, symbol: str) -> None:
+        """cuGetProcAddress reports ``symbol`` as not found (a driver lacking that entry point)."""
+        self.lib.vaemu_hide_symbol(symbol.encode())
+
+    def thread_has_context(self) -> bool:
+        return bool(self.lib.vaemu_thread_has_context())
+
+    def live(self) -> dict[str, int]:
+        """Everything that must be back to zero when no cache/backend is alive."""
+        names = ("live_handles", "live_mappings", "live_reservations", "live_events",
+                 "context_refs", "bytes_in_use")
+        return {n: self.counter(n) for n in names}
+
+    # ---- driver calls returning (CUresult, value) where useful ----
+    def init_and_bind(self, ordinal: int = 0) -> int:
+        """cuInit + retain the primary context + make it current on this thread; returns ctx."""
+        assert self.lib.cuInit(0) == CUDA_SUCCESS
+        ctx = ctypes.c_void_p()
+        assert self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), ordinal) == CUDA_SUCCESS
+        assert self.lib.cuCtxSetCurrent(ctx) == CUDA_SUCCESS
+        return ctx.value
+
+    def granularity(self, ordinal: int = 0) -> tuple[int, int]:
+        g = ctypes.c_size_t()
+        prop = device_prop(ordinal)
+        return self.lib.cuMemGetAllocationGranularity(ctypes.byref(g), ctypes.byref(prop), 0), g.value
+
+    def reserve(self, size: int, alignment: int = 0) -> tuple[int, int]:
+        va = ctypes.c_uint64()
+        return self.lib.cuMemAddressReserve(ctypes.byref(va), size, alignment, 0, 0), va.value
+
+    def address_free(self, va: int, size: int) -> int:
+        return self.lib.cuMemAddressFree(va, size)
+
+    def create(self, size: int, ordinal: int = 0, prop: CUmemAllocationProp | None = None
+               ) -> tuple[int, int]:
+        h = ctypes.c_uint64()
+        prop = prop if prop is not None else device_prop(ordinal)
+        return self.lib.cuMemCreate(ctypes.byref(h), size, ctypes.byref(prop), 0), h.value
+
+    def release(self, handle: int) -> int:
+        return self.lib.cuMemRelease(handle)
+
+    def map(self, va: int, size: int, handle: int, offset: int = 0) -> int:
+        return self.lib.cuMemMap(va, size, offset, handle, 0)
+
+    def unmap(self, va: int, size: int) -> int:
+        return self.lib.cuMemUnmap(va, size)
+
+    def set_access(self, va: int, size: int, ordinal: int = 0,
+                   flags: int = CU_MEM_ACCESS_FLAGS_PROT_READWRITE) -> int:
+        desc = rw_access(ordinal, flags)
+        return self.lib.cuMemSetAccess(va, size, ctypes.byref(desc), 1)
+
+    def event_create(self) -> tuple[int, int]:
+        ev = ctypes.c_void_p()
+        return self.lib.cuEventCreate(ctypes.byref(ev), 2), ev.value
+
+    def event_record(self, ev: int, stream: int = 0) -> int:
+        return self.lib.cuEventRecord(ev, stream)
+
+    def event_query(self, ev: int) -> int:
+        return self.lib.cuEventQuery(ev)
+
+    def event_synchronize(self, ev: int) -> int:
+        return self.lib.cuEventSynchronize(ev)
+
+    def event_destroy(self, ev: int) -> int:
+        return self.lib.cuEventDestroy_v2(ev)
+
+    def get_proc(self, symbol: str, version: int, v2: bool = True) -> tuple[int, int, int]:
+        """(CUresult, function address or 0, symbolStatus or -1)."""
+        fn = ctypes.c_void_p()
+        if not v2:
+            return self.lib.cuGetProcAddress(symbol.encode(), ctypes.byref(fn), version, 0), \
+                fn.value or 0, -1
+        status = ctypes.c_int(-1)
+        res = self.lib.cuGetProcAddress_v2(symbol.encode(), ctypes.byref(fn), version, 0,
+                                           ctypes.byref(status))
+        return res, fn.value or 0, status.value
+
+
+def env_for_backend() -> dict[str, str]:
+    """Environment that points vattention's CUDA backend at the emulation."""
+    return {"VATTENTION_LIBCUDA": str(LIB_PATH)}
+
+
+def touch_faults(address: int, write: bool = False) -> bool:
+    """True if reading (or writing) one byte at ``address`` kills a forked child with SIGSEGV/SIGBUS.
+
+    Forks so the test process survives the fault; the child sees the same address space.
+    """
+    import signal
+
+    pid = os.fork()
+    if pid == 0:  # child: touch, then exit 0 if it did not fault
+        import faulthandler
+
+        faulthandler.disable()  # the expected SIGSEGV is not a crash worth a traceback
+        try:
+            if write:
+                ctypes.memset(address, 0x5A, 1)
+            else:
+                ctypes.c_char.from_address(address).value
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    return os.WIFSIGNALED(status) and os.WTERMSIG(status) in (signal.SIGSEGV, signal.SIGBUS)
