@@ -207,6 +207,45 @@ class CudaBackend final : public Backend {
     check(api_.cuMemUnmap(va, bytes), "cuMemUnmap", {{"va", va}, {"bytes", bytes}});
   }
 
+  // Copies for prefix sharing and swap (issue 7): stream-ordered; the cache fences after them.
+  // cuMemcpyAsync with unified addressing covers device-to-device on any VMM mapping.
+  void copy(uintptr_t dst, uintptr_t src, size_t bytes, uintptr_t stream) override {
+    ScopedContext sc(api_, ctx_.get());
+    check(api_.cuMemcpyAsync(dst, src, bytes, reinterpret_cast<CUstream>(stream)), "cuMemcpyAsync",
+          {{"dst", dst}, {"src", src}, {"bytes", bytes}, {"stream", stream}});
+  }
+
+  void copy_to_host(void* dst, uintptr_t src, size_t bytes, uintptr_t stream) override {
+    ScopedContext sc(api_, ctx_.get());
+    check(api_.cuMemcpyDtoHAsync(dst, src, bytes, reinterpret_cast<CUstream>(stream)),
+          "cuMemcpyDtoHAsync",
+          {{"dst", reinterpret_cast<uintptr_t>(dst)}, {"src", src}, {"bytes", bytes}, {"stream", stream}});
+  }
+
+  void copy_from_host(uintptr_t dst, const void* src, size_t bytes, uintptr_t stream) override {
+    ScopedContext sc(api_, ctx_.get());
+    check(api_.cuMemcpyHtoDAsync(dst, src, bytes, reinterpret_cast<CUstream>(stream)),
+          "cuMemcpyHtoDAsync",
+          {{"dst", dst}, {"src", reinterpret_cast<uintptr_t>(src)}, {"bytes", bytes}, {"stream", stream}});
+  }
+
+  // Page-locked, so the copies above are asynchronous DMA (pageable memory would make them
+  // synchronous staging copies). nullptr on failure: the swap store reports SwapSpace.
+  void* alloc_host(size_t bytes) override {
+    ScopedContext sc(api_, ctx_.get());
+    void* p = nullptr;
+    return api_.cuMemHostAlloc(&p, bytes, 0) == CUDA_SUCCESS ? p : nullptr;
+  }
+
+  // Called from destructors: never throws (a failed free leaks one pinned block, nothing worse).
+  void free_host(void* ptr) override {
+    try {
+      ScopedContext sc(api_, ctx_.get());
+      api_.cuMemFreeHost(ptr);
+    } catch (...) {
+    }
+  }
+
   void bind_thread() override {
     CUcontext current = nullptr;
     check(api_.cuCtxGetCurrent(&current), "cuCtxGetCurrent");

@@ -47,6 +47,11 @@ namespace vattention::cuda {
   X(cuEventQuery, 2000)                       \
   X(cuEventSynchronize, 2000)                 \
   X(cuEventDestroy, 4000)                     \
+  X(cuMemcpyAsync, 4000)                      \
+  X(cuMemcpyDtoHAsync, 3020)                  \
+  X(cuMemcpyHtoDAsync, 3020)                  \
+  X(cuMemHostAlloc, 2020)                     \
+  X(cuMemFreeHost, 2000)                      \
   X(cuGetErrorString, 6000)                   \
   X(cuGetErrorName, 6000)
 

@@ -233,7 +233,7 @@ class Emulator:
     def live(self) -> dict[str, int]:
         """Everything that must be back to zero when no cache/backend is alive."""
         names = ("live_handles", "live_mappings", "live_reservations", "live_events",
-                 "context_refs", "bytes_in_use")
+                 "context_refs", "bytes_in_use", "live_host_allocs")
         return {n: self.counter(n) for n in names}
 
     # ---- driver calls returning (CUresult, value) where useful ----

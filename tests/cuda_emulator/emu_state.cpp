@@ -90,6 +90,8 @@ void free_all_locked() {
   for (auto& [va, r] : s.reservations) munmap(reinterpret_cast<void*>(va), r.size);
   for (auto& [h, handle] : s.handles) close(handle.fd);
   for (Event* e : s.events) delete e;
+  for (auto& [p, bytes] : s.host_allocs) std::free(reinterpret_cast<void*>(p));
+  s.host_allocs.clear();
   s.reservations.clear();
   s.mappings.clear();  // their address ranges lay inside the reservations just unmapped
   s.handles.clear();
@@ -197,6 +199,7 @@ int64_t vaemu_counter(const char* name) {
   if (n == "live_mappings") return static_cast<int64_t>(s.mappings.size());
   if (n == "live_reservations") return static_cast<int64_t>(s.reservations.size());
   if (n == "live_events") return static_cast<int64_t>(s.events.size());
+  if (n == "live_host_allocs") return static_cast<int64_t>(s.host_allocs.size());
   if (n == "bytes_in_use") return static_cast<int64_t>(s.bytes_in_use);
   if (n == "violations") return s.violations;
   if (n == "last_event_stream") return static_cast<int64_t>(s.last_event_stream);

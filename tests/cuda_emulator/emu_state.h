@@ -77,6 +77,7 @@ struct State {
   std::map<uintptr_t, Reservation> reservations;  // by start address
   std::map<uintptr_t, Mapping> mappings;          // by start address
   std::unordered_map<uint64_t, Handle> handles;   // live (unreleased, or released but mapped)
+  std::map<uintptr_t, size_t> host_allocs;        // cuMemHostAlloc'd buffers: start -> bytes
   std::set<Event*> events;
   PrimaryContext contexts[kMaxDevices];
 
