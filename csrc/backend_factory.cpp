@@ -16,7 +16,16 @@ std::unique_ptr<Backend> make_backend(const std::string& device, size_t page_byt
   if (device == "cpu") return std::make_unique<HostBackend>(page_bytes);
   if (device.rfind("cuda", 0) == 0) {
     int ordinal = 0;
-    if (device.size() > 5 && device[4] == ':') ordinal = std::stoi(device.substr(5));
+    const std::string rest = device.substr(4);
+    if (!rest.empty()) {
+      const bool digits = rest.size() > 1 && rest.size() <= 6 && rest[0] == ':' &&
+                          rest.find_first_not_of("0123456789", 1) == std::string::npos;
+      if (!digits) {
+        throw Error(Error::Kind::Config,
+                    "device=" + device + " is not supported; use cpu, cuda or cuda:N");
+      }
+      ordinal = std::stoi(rest.substr(1));
+    }
 #ifdef VATTENTION_WITH_CUDA
     return make_cuda_backend(ordinal, page_bytes);
 #else

@@ -52,6 +52,11 @@ KVCacheCore::~KVCacheCore() {
   } catch (...) {
     // Destructors must not throw; close() already released what it could.
   }
+  // A reservation with live mappings cannot be freed (cuMemAddressFree refuses); if close() could
+  // not unmap everything, leaking the address range is the only safe choice.
+  for (const Slot& s : slots_) {
+    if (s.mapped > 0) return;
+  }
   for (uintptr_t base : bases_) {
     try {
       backend_->release_va(base, geo_.tensor_bytes());
@@ -713,10 +718,14 @@ void KVCacheCore::close() {
     first = std::current_exception();
   }
   for (size_t i = 0; i < slots_.size(); ++i) {
-    try {
-      unmap_tail(slots_[i], static_cast<int>(i), 0);
-    } catch (...) {
-      if (!first) first = std::current_exception();
+    // A failed unmap leaves the slot's record intact (unmap_tail restores it); try once more so a
+    // transient failure does not leave mappings behind a reservation about to be freed.
+    for (int attempt = 0; attempt < 2 && slots_[i].mapped > 0; ++attempt) {
+      try {
+        unmap_tail(slots_[i], static_cast<int>(i), 0);
+      } catch (...) {
+        if (!first) first = std::current_exception();
+      }
     }
     if (slots_[i].has_fence) {
       backend_->fence_release(slots_[i].fence);
@@ -725,6 +734,11 @@ void KVCacheCore::close() {
   }
   eager_pending_.clear();
   swap_->clear();  // host blocks go; device references die with the pool
+  try {
+    pool_->destroy_all();
+  } catch (...) {
+    if (!first) first = std::current_exception();
+  }
   pool_.reset();
   if (first) std::rethrow_exception(first);
 }

@@ -1,5 +1,6 @@
 #include "page_pool.h"
 
+#include <exception>
 #include <limits>
 #include <string>
 
@@ -11,12 +12,33 @@ PagePool::PagePool(Backend& backend, int64_t budget_bytes)
     : backend_(backend), page_bytes_(backend.page_bytes()), budget_bytes_(budget_bytes) {}
 
 PagePool::~PagePool() {
-  // Best effort at teardown: a destructor must not throw, and the backend frees what is left.
   try {
-    for (PageHandle p : free_) backend_.destroy_page(p);
-    for (const auto& entry : refs_) backend_.destroy_page(entry.first);
+    destroy_all();
   } catch (...) {
+    // A destructor must not throw; close() calls destroy_all() itself to report failures.
   }
+}
+
+void PagePool::destroy_all() {
+  // Every page gets its try, and a failed one a second: one failed release must not leak others.
+  std::exception_ptr first;
+  std::vector<PageHandle> failed;
+  auto destroy = [&](PageHandle p, bool record) {
+    try {
+      backend_.destroy_page(p);
+    } catch (...) {
+      if (!first) first = std::current_exception();
+      if (record) failed.push_back(p);
+    }
+  };
+  for (PageHandle p : free_) destroy(p, true);
+  for (const auto& entry : refs_) destroy(entry.first, true);
+  for (PageHandle p : failed) destroy(p, false);
+  destroyed_ += total_;
+  total_ = 0;
+  free_.clear();
+  refs_.clear();
+  if (first) std::rethrow_exception(first);
 }
 
 size_t PagePool::headroom() const {

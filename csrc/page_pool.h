@@ -58,6 +58,9 @@ class PagePool {
   // Destroys free pages until total() * page_bytes <= keep_bytes or none is free.
   // Returns the number destroyed.
   size_t shrink(size_t keep_bytes);
+  // Destroys every page, free or in use (callers unmap first), trying each one even after a
+  // failure; rethrows the first failure. The pool is empty afterwards.
+  void destroy_all();
   // Changes the budget (kNoBudget = none). Does not shrink; see KVCacheCore::set_memory_budget.
   void set_budget(int64_t budget_bytes) { budget_bytes_ = budget_bytes; }
 

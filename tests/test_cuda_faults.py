@@ -94,18 +94,9 @@ def test_fault_recording_the_free_fence_leaves_slot_active(emu, entry):
 
 
 # Known core gaps (reported to the lead), kept visible as strict xfails until fixed:
-UNMAP_NOT_RETRIED = pytest.mark.xfail(
-    strict=True, reason="core: close() does not retry a failed unmap; ~KVCacheCore then calls "
-    "cuMemAddressFree on reservations that still have mappings")
-RELEASE_SWALLOWED = pytest.mark.xfail(
-    strict=True, reason="core: ~PagePool swallows a failed destroy_page and stops there, so close() "
-    "neither reports it nor releases the remaining pages")
-
-
 @pytest.mark.checks_own_cleanup
-@pytest.mark.parametrize("entry", [pytest.param("cuMemUnmap", marks=UNMAP_NOT_RETRIED),
-                                   "cuEventSynchronize", "cuEventRecord",
-                                   pytest.param("cuMemRelease", marks=RELEASE_SWALLOWED)])
+@pytest.mark.parametrize("entry", ["cuMemUnmap", "cuEventSynchronize", "cuEventRecord",
+                                   "cuMemRelease"])
 def test_fault_during_close_is_typed_closes_and_cleans_up(emu, entry):
     cache = make()
     a = cache.alloc()
