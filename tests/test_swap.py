@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import vattention
-from helpers import page_state
+from helpers import inject_backend_fault, page_state
 from share_helpers import check_pattern
 from share_helpers import fast_fill, paged_cache
 
@@ -250,8 +250,6 @@ def test_pick_victims_counts_only_pages_that_would_be_freed(make_cache):
 
 @pytest.mark.parametrize("op", ["map", "set_access"])
 def test_driver_failure_in_fork_and_swap_in_rolls_back(make_cache, device, op):
-    if device != "cpu":
-        pytest.skip("fault injection hooks the host backend")
     cache = paged_cache(make_cache, pages=3, max_batch_size=3)
     cfg = cache.config
     n = cfg.tokens_per_page + 3
@@ -259,13 +257,13 @@ def test_driver_failure_in_fork_and_swap_in_rolls_back(make_cache, device, op):
     cache.step({src: n})
     data = fast_fill(cache, src, 0, n, seed=8)
     mapped = cache.stats()["pages_mapped"]
-    cache._core.inject_host_fault(op, 2)
+    inject_backend_fault(cache, op, 2)
     with pytest.raises(vattention.DriverError):
         cache.fork(src)
     assert cache.active_slots() == [src] and cache.stats()["pages_mapped"] == mapped
     assert cache._core.check_invariants() == ""
     handle = cache.swap_out(src)
-    cache._core.inject_host_fault(op, 2)
+    inject_backend_fault(cache, op, 2)
     with pytest.raises(vattention.DriverError):
         cache.swap_in(handle)
     assert cache.active_slots() == [] and cache.stats()["pages_mapped"] == 0
@@ -274,8 +272,6 @@ def test_driver_failure_in_fork_and_swap_in_rolls_back(make_cache, device, op):
 
 
 def test_driver_failure_while_swapping_out_keeps_the_slot(make_cache, device):
-    if device != "cpu":
-        pytest.skip("fault injection hooks the host backend")
     cache = paged_cache(make_cache, pages=2)
     cfg = cache.config
     a = cache.alloc()
@@ -285,7 +281,7 @@ def test_driver_failure_while_swapping_out_keeps_the_slot(make_cache, device):
     def state():  # call counters aside: the undone unmap was a call
         return {k: v for k, v in page_state(cache).items() if not k.endswith("_calls")}
     before = state()
-    cache._core.inject_host_fault("unmap", 2)   # the slot's second tensor
+    inject_backend_fault(cache, "unmap", 2)   # the slot's second tensor
     with pytest.raises(vattention.DriverError):
         cache.swap_out(b)
     assert state() == before
