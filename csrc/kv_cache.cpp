@@ -207,8 +207,8 @@ void KVCacheCore::drain_eager() {
 
 bool KVCacheCore::step(const std::vector<int64_t>& lens, uintptr_t /*stream*/, bool fast_only) {
   if (fast_only) {
-    // The decode hot path: nothing to map. One pass, no division (slot.backed is cached).
-    if (!prefetcher_->idle()) return false;
+    // The decode hot path: nothing to map. One pass, no division (slot.backed is cached). Work
+    // the prefetch thread still has queued is for later iterations: no need to wait for it.
     Lock lock(mu_, std::try_to_lock);
     if (!lock.owns_lock()) return false;
     check_open();
@@ -226,20 +226,18 @@ bool KVCacheCore::step(const std::vector<int64_t>& lens, uintptr_t /*stream*/, b
     commit_step(lens);
     return true;
   }
-  prefetcher_->wait();
   Lock lock(mu_);
-  check_open();
-  rethrow_background_error();
-  drain_eager();
-  validate_lens(lens, true);
-  std::vector<Growth> plan;
-  std::vector<int64_t> old_lens(lens.size());
-  for (size_t i = 0; i < lens.size(); ++i) {
-    old_lens[i] = slots_[i].seq_len;
-    if (lens[i] == kUnlisted) continue;
-    const size_t need = geo_.pages_for(lens[i]);
-    if (need > slots_[i].mapped) plan.push_back(Growth{static_cast<int>(i), slots_[i].mapped, need});
+  std::vector<Growth> plan = plan_step(lens);
+  if (!plan.empty() && !prefetcher_->idle()) {
+    // Pages are missing and the prefetch thread may be mapping them right now: let it finish
+    // instead of racing it for the same pages, then plan again (other callers may have run).
+    lock.unlock();
+    prefetcher_->wait();
+    lock.lock();
+    plan = plan_step(lens);
   }
+  std::vector<int64_t> old_lens(lens.size());
+  for (size_t i = 0; i < lens.size(); ++i) old_lens[i] = slots_[i].seq_len;
   // New lengths first, so pages beyond them (look-ahead) are the only ones trimmed under pressure.
   for (size_t i = 0; i < lens.size(); ++i) {
     if (lens[i] != kUnlisted) slots_[i].seq_len = std::max(lens[i], old_lens[i]);
@@ -252,6 +250,20 @@ bool KVCacheCore::step(const std::vector<int64_t>& lens, uintptr_t /*stream*/, b
   }
   commit_step(lens);
   return true;
+}
+
+std::vector<KVCacheCore::Growth> KVCacheCore::plan_step(const std::vector<int64_t>& lens) {
+  check_open();
+  rethrow_background_error();
+  drain_eager();
+  validate_lens(lens, true);
+  std::vector<Growth> plan;
+  for (size_t i = 0; i < lens.size(); ++i) {
+    if (lens[i] == kUnlisted) continue;
+    const size_t need = geo_.pages_for(lens[i]);
+    if (need > slots_[i].mapped) plan.push_back(Growth{static_cast<int>(i), slots_[i].mapped, need});
+  }
+  return plan;
 }
 
 void KVCacheCore::commit_step(const std::vector<int64_t>& lens) {

@@ -66,8 +66,9 @@ class KVCacheCore {
   // slot's pages are unmapped only after work already queued there has finished.
   void free(int slot, uintptr_t stream);
   // Makes every listed slot back at least its length. lens has max_batch entries; kUnlisted leaves a
-  // slot alone. With fast_only, returns false without side effects if any page must be mapped,
-  // prefetch work is outstanding, or the lock is busy (so the caller can drop the GIL and retry).
+  // slot alone. Joins outstanding prefetch work only when pages are missing (the thread may be
+  // mapping exactly those). With fast_only, returns false without side effects if any page must
+  // be mapped or the lock is busy (so the caller can drop the GIL and retry).
   bool step(const std::vector<int64_t>& lens, uintptr_t stream, bool fast_only);
   // Queues background mapping of each listed slot up to its length + lookahead (-1 = configured).
   void prefetch(const std::vector<int64_t>& lens, int64_t lookahead_tokens);
@@ -133,6 +134,8 @@ class KVCacheCore {
   void check_open() const;
   void validate_slot(int slot) const;
   void validate_lens(const std::vector<int64_t>& lens, bool require_active) const;
+  // Checks state and input, and lists the slots whose pages must grow for `lens`.
+  std::vector<Growth> plan_step(const std::vector<int64_t>& lens);
   // Records a successful step's lengths (every listed slot is backed by then).
   void commit_step(const std::vector<int64_t>& lens);
   // Maps the growth plan (all or nothing). Throws OutOfPages/Driver with state unchanged.
