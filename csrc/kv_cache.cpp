@@ -10,15 +10,6 @@ namespace {
 
 std::string slot_range(int64_t max_batch) { return "[0, " + std::to_string(max_batch) + ")"; }
 
-Error out_of_pages(const std::string& what, size_t needed, size_t available, size_t page_bytes) {
-  return Error(Error::Kind::OutOfPages,
-               what + " needs " + std::to_string(needed) + " more pages of " +
-                   std::to_string(page_bytes) + " bytes, but only " + std::to_string(available) +
-                   " can be had (free, creatable within the budget, or reclaimable); nothing was "
-                   "mapped: preempt a request or raise the memory budget")
-      .with("pages_needed", static_cast<int64_t>(needed))
-      .with("pages_available", static_cast<int64_t>(available));
-}
 
 }  // namespace
 
@@ -92,6 +83,21 @@ void KVCacheCore::validate_slot(int slot) const {
   }
 }
 
+void KVCacheCore::require_active(int slot, const char* role, const char* why) const {
+  validate_slot(slot);
+  if (slots_[static_cast<size_t>(slot)].state != Slot::State::Active) {
+    throw Error(Error::Kind::InvalidSlot, std::string(role) + "=" + std::to_string(slot) + " " + why)
+        .with("slot", slot);
+  }
+}
+
+Error KVCacheCore::no_free_slot() const {
+  return Error(Error::Kind::InvalidSlot, "no free slot: all max_batch_size=" +
+                                             std::to_string(geo_.max_batch) +
+                                             " slots are active; free one first")
+      .with("max_batch_size", geo_.max_batch);
+}
+
 void KVCacheCore::validate_lens(const std::vector<int64_t>& lens, bool require_active) const {
   if (static_cast<int64_t>(lens.size()) != geo_.max_batch) {
     throw Error(Error::Kind::InvalidSlot, "seq_lens has " + std::to_string(lens.size()) +
@@ -142,12 +148,7 @@ int KVCacheCore::alloc() {
       best = i;
     }
   }
-  if (best < 0) {
-    throw Error(Error::Kind::InvalidSlot, "no free slot: all max_batch_size=" +
-                                              std::to_string(geo_.max_batch) +
-                                              " slots are active; free one first")
-        .with("max_batch_size", geo_.max_batch);
-  }
+  if (best < 0) throw no_free_slot();
   Slot& s = slots_[static_cast<size_t>(best)];
   forget_sharing(s, best);  // before the fence goes: it may unmap
   if (s.has_fence) {
@@ -166,14 +167,8 @@ void KVCacheCore::free(int slot, uintptr_t stream) {
   Lock lock(mu_);
   check_open();
   rethrow_background_error();
-  validate_slot(slot);
+  require_active(slot, "slot", "is not allocated (already freed, or never returned by alloc())");
   Slot& s = slots_[static_cast<size_t>(slot)];
-  if (s.state != Slot::State::Active) {
-    throw Error(Error::Kind::InvalidSlot, "slot=" + std::to_string(slot) +
-                                              " is not allocated (already freed, or never "
-                                              "returned by alloc())")
-        .with("slot", slot);
-  }
   if (s.mapped > 0) {
     s.fence = backend_->record_fence(stream);  // may throw: before any state change
     s.has_fence = true;
@@ -185,22 +180,6 @@ void KVCacheCore::free(int slot, uintptr_t stream) {
     eager_pending_.push_back(slot);
     drain_eager();
   }
-}
-
-void KVCacheCore::drain_eager() {
-  if (eager_pending_.empty()) return;
-  std::vector<int> still;
-  for (int i : eager_pending_) {
-    Slot& s = slots_[static_cast<size_t>(i)];
-    if (s.state != Slot::State::Idle) continue;  // reallocated meanwhile: nothing to reclaim
-    if (s.has_fence && !backend_->fence_done(s.fence)) {
-      still.push_back(i);
-      continue;
-    }
-    counters_.reclaimed_pages += s.mapped * static_cast<size_t>(geo_.num_tensors());
-    unmap_tail(s, i, 0);
-  }
-  eager_pending_.swap(still);
 }
 
 // ---- step and growth ----------------------------------------------------------------------------
@@ -308,96 +287,6 @@ void KVCacheCore::grow(const std::vector<Growth>& plan, bool from_prefetch) {
   }
 }
 
-size_t KVCacheCore::spare_pages(const std::vector<Growth>& plan, bool allow_trim) const {
-  if (any_sharing()) return freeable_spare(plan, allow_trim);
-  const size_t T = static_cast<size_t>(geo_.num_tensors());
-  size_t spare = 0;
-  for (size_t i = 0; i < slots_.size(); ++i) {
-    const Slot& s = slots_[i];
-    if (s.state == Slot::State::Idle) {
-      spare += s.mapped * T;
-    } else if (allow_trim && s.state == Slot::State::Active) {
-      bool growing = std::any_of(plan.begin(), plan.end(),
-                                 [&](const Growth& g) { return g.slot == static_cast<int>(i); });
-      const size_t keep = geo_.pages_for(s.seq_len);
-      if (!growing && s.mapped > keep) spare += (s.mapped - keep) * T;
-    }
-  }
-  return spare;
-}
-
-size_t KVCacheCore::release_spare(size_t n, const std::vector<Growth>& plan, bool allow_trim) {
-  const size_t T = static_cast<size_t>(geo_.num_tensors());
-  size_t released = 0;
-  while (released < n) {
-    // Idle slots first, least recently freed first.
-    int victim = -1;
-    for (size_t i = 0; i < slots_.size(); ++i) {
-      const Slot& s = slots_[i];
-      if (s.state == Slot::State::Idle && s.mapped > 0 &&
-          (victim < 0 || s.freed_at < slots_[static_cast<size_t>(victim)].freed_at)) {
-        victim = static_cast<int>(i);
-      }
-    }
-    size_t keep_floor = 0;
-    if (victim < 0 && allow_trim) {
-      // Then look-ahead of active slots beyond their length, largest excess first.
-      size_t best_excess = 0;
-      for (size_t i = 0; i < slots_.size(); ++i) {
-        const Slot& s = slots_[i];
-        if (s.state != Slot::State::Active) continue;
-        if (std::any_of(plan.begin(), plan.end(),
-                        [&](const Growth& g) { return g.slot == static_cast<int>(i); })) {
-          continue;
-        }
-        const size_t keep = geo_.pages_for(s.seq_len);
-        if (s.mapped > keep && s.mapped - keep > best_excess) {
-          best_excess = s.mapped - keep;
-          victim = static_cast<int>(i);
-          keep_floor = keep;
-        }
-      }
-    }
-    if (victim < 0) break;
-    Slot& s = slots_[static_cast<size_t>(victim)];
-    const size_t want = (n - released + T - 1) / T;
-    const size_t keep = std::max(keep_floor, s.mapped > want ? s.mapped - want : 0);
-    // Count pages that really went back to the pool: a shared page only loses a reference.
-    const size_t free_before = pool_->free();
-    unmap_tail(s, victim, keep);
-    released += pool_->free() - free_before;
-  }
-  counters_.reclaimed_pages += released;
-  return released;
-}
-
-std::vector<PageHandle> KVCacheCore::obtain(size_t n, const std::vector<Growth>& plan, bool allow_trim) {
-  const size_t spare = spare_pages(plan, allow_trim);
-  const size_t headroom = pool_->headroom();
-  const size_t without_spare =
-      headroom == std::numeric_limits<size_t>::max() ? headroom : pool_->free() + headroom;
-  if (without_spare != std::numeric_limits<size_t>::max() && without_spare + spare < n) {
-    throw out_of_pages("this call", n, without_spare + spare, geo_.page_bytes);
-  }
-  const uint64_t created_before = pool_->pages_created();
-  std::vector<PageHandle> got = pool_->take(n);
-  if (got.size() < n) {
-    const size_t missing = n - got.size();
-    if (missing > spare) {
-      pool_->untake(got, static_cast<size_t>(pool_->pages_created() - created_before));
-      throw out_of_pages("this call", n, got.size() + spare, geo_.page_bytes);
-    }
-    release_spare(missing, plan, allow_trim);
-    std::vector<PageHandle> more = pool_->take(missing);
-    got.insert(got.end(), more.begin(), more.end());
-    if (got.size() < n) {
-      pool_->untake(got, 0);
-      throw out_of_pages("this call", n, got.size(), geo_.page_bytes);
-    }
-  }
-  return got;
-}
-
 void KVCacheCore::map_slot(int slot, size_t from, size_t to, const PageHandle* pages,
                            bool from_prefetch) {
   const int T = geo_.num_tensors();
@@ -438,166 +327,6 @@ void KVCacheCore::map_slot(int slot, size_t from, size_t to, const PageHandle* p
   s.pages.insert(s.pages.end(), pages, pages + count * static_cast<size_t>(T));
   s.mapped = to;
   s.backed = geo_.tokens_in(to);
-}
-
-void KVCacheCore::wait_fence(Slot& s) {
-  if (!s.has_fence) return;
-  if (!backend_->fence_done(s.fence)) {
-    ++counters_.fence_waits;
-    backend_->fence_wait(s.fence);
-  }
-  backend_->fence_release(s.fence);
-  s.has_fence = false;
-}
-
-void KVCacheCore::unmap_tail(Slot& s, int index, size_t keep) {
-  if (keep >= s.mapped) return;
-  const int T = geo_.num_tensors();
-  if (s.state == Slot::State::Idle) wait_fence(s);
-  const size_t bytes = (s.mapped - keep) * geo_.page_bytes;
-  int t = 0;
-  try {
-    for (; t < T; ++t) {
-      backend_->unmap(page_va(t, index, keep), bytes);
-      ++counters_.unmap_calls;
-    }
-  } catch (...) {
-    // Put back what this call unmapped so the slot's record stays true, then report.
-    try {
-      for (int u = 0; u < t; ++u) {
-        for (size_t p = keep; p < s.mapped; ++p) {
-          backend_->map(page_va(u, index, p), s.pages[p * static_cast<size_t>(T) + static_cast<size_t>(u)]);
-        }
-        backend_->set_access(page_va(u, index, keep), bytes);
-      }
-    } catch (...) {
-    }
-    throw;
-  }
-  for (size_t i = keep * static_cast<size_t>(T); i < s.pages.size(); ++i) pool_->release(s.pages[i]);
-  s.pages.resize(keep * static_cast<size_t>(T));
-  s.mapped = keep;
-  s.backed = geo_.tokens_in(keep);
-  if (s.state == Slot::State::Idle && keep == 0) s.state = Slot::State::Free;
-}
-
-// ---- prefetch -----------------------------------------------------------------------------------
-
-void KVCacheCore::prefetch(const std::vector<int64_t>& lens, int64_t lookahead_tokens) {
-  Prefetcher::Job job(lens.size(), kUnlisted);
-  {
-    Lock lock(mu_);
-    check_open();
-    rethrow_background_error();
-    validate_lens(lens, true);
-    if (lookahead_tokens < -1) {
-      throw Error(Error::Kind::Config, "lookahead_tokens=" + std::to_string(lookahead_tokens) +
-                                           " must be >= 0");
-    }
-    const int64_t ahead = lookahead_tokens < 0 ? lookahead_tokens_ : lookahead_tokens;
-    for (size_t i = 0; i < lens.size(); ++i) {
-      if (lens[i] != kUnlisted) job[i] = std::min(geo_.max_seq, lens[i] + ahead);
-    }
-  }
-  prefetcher_->submit(std::move(job));
-}
-
-void KVCacheCore::run_prefetch(const Prefetcher::Job& job) {
-  backend_->bind_thread();
-  const size_t T = static_cast<size_t>(geo_.num_tensors());
-  for (size_t i = 0; i < job.size(); ++i) {
-    if (job[i] == kUnlisted) continue;
-    Lock lock(mu_);  // per slot, so callers interleave with a long prefetch
-    if (closed_ || background_error_) return;
-    Slot& s = slots_[i];
-    if (s.state != Slot::State::Active) continue;
-    const size_t to = geo_.pages_for(job[i]);
-    if (to <= s.mapped) continue;
-    try {
-      grow({Growth{static_cast<int>(i), s.mapped, to}}, true);
-    } catch (const Error& e) {
-      if (e.kind() == Error::Kind::OutOfPages) {
-        // Not an error yet: step() raises only if the current need cannot be met.
-        counters_.prefetch_shortfall_pages += (to - s.mapped) * T;
-      } else {
-        background_error_ = std::current_exception();
-      }
-      return;
-    } catch (...) {
-      background_error_ = std::current_exception();
-      return;
-    }
-  }
-}
-
-void KVCacheCore::wait() {
-  prefetcher_->wait();
-  Lock lock(mu_);
-  check_open();
-  rethrow_background_error();
-}
-
-// ---- pool management ----------------------------------------------------------------------------
-
-void KVCacheCore::reserve(size_t bytes) {
-  Lock lock(mu_);
-  check_open();
-  rethrow_background_error();
-  const size_t pages = (bytes + geo_.page_bytes - 1) / geo_.page_bytes;
-  try {
-    pool_->reserve(pages);
-  } catch (const Error& e) {
-    if (e.kind() == Error::Kind::OutOfPages) ++counters_.oom_events;
-    throw;
-  }
-}
-
-size_t KVCacheCore::reclaim() {
-  Lock lock(mu_);
-  check_open();
-  rethrow_background_error();
-  size_t released = 0;
-  for (size_t i = 0; i < slots_.size(); ++i) {
-    Slot& s = slots_[i];
-    if (s.state != Slot::State::Idle) continue;
-    const size_t pages = s.mapped * static_cast<size_t>(geo_.num_tensors());
-    unmap_tail(s, static_cast<int>(i), 0);
-    released += pages;
-  }
-  counters_.reclaimed_pages += released;
-  return released;
-}
-
-size_t KVCacheCore::shrink(size_t keep_bytes) {
-  Lock lock(mu_);
-  check_open();
-  rethrow_background_error();
-  return pool_->shrink(keep_bytes);
-}
-
-int64_t KVCacheCore::set_memory_budget(int64_t budget_bytes) {
-  Lock lock(mu_);
-  check_open();
-  rethrow_background_error();
-  pool_->set_budget(budget_bytes);
-  if (budget_bytes < 0) return 0;
-  const size_t budget = static_cast<size_t>(budget_bytes);
-  pool_->shrink(budget);
-  while (pool_->total() * geo_.page_bytes > budget) {
-    const size_t over_pages = (pool_->total() * geo_.page_bytes - budget + geo_.page_bytes - 1) / geo_.page_bytes;
-    if (release_spare(over_pages, {}, true) == 0) break;
-    pool_->shrink(budget);
-  }
-  const size_t held = pool_->total() * geo_.page_bytes;
-  return held > budget ? static_cast<int64_t>(held - budget) : 0;
-}
-
-void KVCacheCore::set_lookahead(int64_t tokens) {
-  if (tokens < 0) {
-    throw Error(Error::Kind::Config, "lookahead_tokens=" + std::to_string(tokens) + " must be >= 0");
-  }
-  std::lock_guard<std::mutex> lock(mu_);
-  lookahead_tokens_ = tokens;
 }
 
 // ---- queries ------------------------------------------------------------------------------------

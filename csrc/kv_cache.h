@@ -133,6 +133,9 @@ class KVCacheCore {
 
   void check_open() const;
   void validate_slot(int slot) const;
+  // Throws InvalidSlot "<role>=<slot> <why>" unless slot is in range and active.
+  void require_active(int slot, const char* role, const char* why) const;
+  Error no_free_slot() const;
   void validate_lens(const std::vector<int64_t>& lens, bool require_active) const;
   // Checks state and input, and lists the slots whose pages must grow for `lens`.
   std::vector<Growth> plan_step(const std::vector<int64_t>& lens);

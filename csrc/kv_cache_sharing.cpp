@@ -24,12 +24,7 @@
 namespace vattention {
 namespace {
 
-Error not_active(int slot, const char* role) {
-  return Error(Error::Kind::InvalidSlot, std::string(role) + "=" + std::to_string(slot) +
-                                             " is not an active slot (call alloc() or fork() "
-                                             "first)")
-      .with("slot", slot);
-}
+constexpr const char* kNotActive = "is not an active slot (call alloc() or fork() first)";
 
 }  // namespace
 
@@ -71,12 +66,7 @@ int KVCacheCore::pick_fresh_slot() const {
       best = i;
     }
   }
-  if (best < 0) {
-    throw Error(Error::Kind::InvalidSlot, "no free slot: all max_batch_size=" +
-                                              std::to_string(geo_.max_batch) +
-                                              " slots are active; free one first")
-        .with("max_batch_size", geo_.max_batch);
-  }
+  if (best < 0) throw no_free_slot();
   return best;
 }
 
@@ -115,9 +105,8 @@ size_t KVCacheCore::freeable_spare(const std::vector<Growth>& plan, bool allow_t
 }
 
 void KVCacheCore::check_share_args(int src, int64_t num_tokens) const {
-  validate_slot(src);
+  require_active(src, "src_slot", kNotActive);
   const Slot& s = slots_[static_cast<size_t>(src)];
-  if (s.state != Slot::State::Active) throw not_active(src, "src_slot");
   if (num_tokens < 0 || num_tokens > s.seq_len) {
     throw Error(Error::Kind::SequenceTooLong,
                 "num_tokens=" + std::to_string(num_tokens) + " is outside [0, " +
@@ -152,10 +141,9 @@ void KVCacheCore::share_prefix(int src, int dst, int64_t num_tokens, uintptr_t s
   Lock lock(mu_);
   check_open();
   rethrow_background_error();
-  validate_slot(dst);
+  require_active(dst, "dst_slot", kNotActive);
   check_share_args(src, num_tokens);
   const Slot& d = slots_[static_cast<size_t>(dst)];
-  if (d.state != Slot::State::Active) throw not_active(dst, "dst_slot");
   if (dst == src || d.seq_len != 0) {
     throw Error(Error::Kind::InvalidSlot,
                 "dst_slot=" + std::to_string(dst) + " is not fresh: " +
@@ -234,9 +222,8 @@ size_t KVCacheCore::ensure_private(int slot, int64_t start_token, uintptr_t stre
   Lock lock(mu_);
   check_open();
   rethrow_background_error();
-  validate_slot(slot);
+  require_active(slot, "slot", kNotActive);
   Slot& s = slots_[static_cast<size_t>(slot)];
-  if (s.state != Slot::State::Active) throw not_active(slot, "slot");
   if (start_token < 0 || start_token > s.seq_len) {
     throw Error(Error::Kind::SequenceTooLong,
                 "start_token=" + std::to_string(start_token) + " is outside [0, " +

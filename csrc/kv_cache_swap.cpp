@@ -46,14 +46,8 @@ int64_t KVCacheCore::swap_out(int slot, uintptr_t stream) {
   Lock lock(mu_);
   check_open();
   rethrow_background_error();
-  validate_slot(slot);
+  require_active(slot, "slot", "is not an active slot: only active slots can be swapped out");
   Slot& s = slots_[static_cast<size_t>(slot)];
-  if (s.state != Slot::State::Active) {
-    throw Error(Error::Kind::InvalidSlot, "slot=" + std::to_string(slot) +
-                                              " is not an active slot: only active slots can "
-                                              "be swapped out")
-        .with("slot", slot);
-  }
   const size_t T = static_cast<size_t>(geo_.num_tensors());
   const size_t P = geo_.page_bytes;
   const size_t n = geo_.pages_for(s.seq_len);

@@ -76,7 +76,7 @@ def run(num_requests: int = 48, max_batch_size: int = 16, max_seq_len: int = 102
                 checks += 1
 
     with KVCache(cfg, memory_budget=budget) as cache, \
-            Progress(num_requests, "requests", stream=None if verbose else open("/dev/null", "w")) as bar:
+            Progress(num_requests, "requests", enabled=verbose) as bar:
         while waiting or running:
             iterations += 1
             # Admission (FCFS): a new request gets a slot and its whole prompt in one step.

@@ -1,37 +1,71 @@
-"""A dependency-free progress bar for the CLI (tqdm is used instead when installed)."""
+"""Progress display for the CLI: tqdm when installed (extra ``bench``), else a plain line on stderr."""
 
 from __future__ import annotations
 
 import sys
-import time
+from typing import Optional
+
+__all__ = ["Progress"]
 
 
 class Progress:
-    """``with Progress(total, "requests") as bar: bar.update(n)``; draws on stderr."""
+    """Count finished requests of a run (the demo, or one allocator of a benchmark).
 
-    def __init__(self, total: int, unit: str, *, stream=None, width: int = 30) -> None:
-        self.total, self.unit, self.width = max(total, 1), unit, width
-        self.stream = stream or sys.stderr
+    Parameters
+    ----------
+    total : int
+        Requests in the run.
+    label : str
+        Shown before the count.
+    enabled : bool
+        False shows nothing (``--quiet``).
+
+    Examples
+    --------
+    >>> with Progress(2, "ideal", enabled=False) as bar:
+    ...     bar.update(2)
+    """
+
+    def __init__(self, total: int, label: str, *, enabled: bool = True) -> None:
+        self.total, self.label, self.enabled = total, label, enabled
         self.done = 0
-        self.start = time.perf_counter()
-        self._last = 0.0
+        self._next_percent = 10
+        self._bar: Optional[object] = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                tqdm = None
+            if tqdm is not None:
+                self._bar = tqdm(total=total, desc=f"{label:<24}", unit="req", leave=True)
 
-    def update(self, n: int = 1, *, note: str = "") -> None:
-        self.done = min(self.total, self.done + n)
-        now = time.perf_counter()
-        if now - self._last < 0.1 and self.done < self.total:
+    def update(self, count: int) -> None:
+        """``count`` more requests finished."""
+        self.done += count
+        if not self.enabled:
             return
-        self._last = now
-        filled = int(self.width * self.done / self.total)
-        bar = "#" * filled + "." * (self.width - filled)
-        self.stream.write(f"\r[{bar}] {self.done}/{self.total} {self.unit} "
-                          f"{now - self.start:5.1f}s {note}".ljust(79))
-        self.stream.flush()
+        if self._bar is not None:
+            self._bar.update(count)
+            return
+        percent = 100 * self.done // max(self.total, 1)
+        if percent >= self._next_percent:
+            tty = sys.stderr.isatty()
+            start, end = ("\r", "") if tty else ("", "\n")
+            sys.stderr.write(f"{start}{self.label:<24} {percent:3d}% "
+                             f"({self.done}/{self.total}){end}")
+            sys.stderr.flush()
+            step = 10 if tty else 25
+            self._next_percent = percent - percent % step + step
+
+    def close(self) -> None:
+        """Finish the line."""
+        if self._bar is not None:
+            self._bar.close()
+        elif self.enabled and sys.stderr.isatty():
+            sys.stderr.write("\n")
 
     def __enter__(self) -> "Progress":
         return self
 
     def __exit__(self, *exc) -> None:
-        self.update(0)
-        self.stream.write("\n")
-        self.stream.flush()
+        self.close()
