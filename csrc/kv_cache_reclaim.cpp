@@ -105,17 +105,20 @@ size_t KVCacheCore::release_spare(size_t n, const std::vector<Growth>& plan, boo
 }
 
 std::vector<PageHandle> KVCacheCore::obtain(size_t n, const std::vector<Growth>& plan, bool allow_trim) {
-  const size_t spare = spare_pages(plan, allow_trim);
+  // Counting reclaimable pages walks every mapping, so it is done only when the free list and the
+  // budget fall short (never without a budget until the backend itself refuses pages).
   const size_t headroom = pool_->headroom();
-  const size_t without_spare =
-      headroom == std::numeric_limits<size_t>::max() ? headroom : pool_->free() + headroom;
-  if (without_spare != std::numeric_limits<size_t>::max() && without_spare + spare < n) {
-    throw out_of_pages("this call", n, without_spare + spare, geo_.page_bytes);
+  if (headroom != std::numeric_limits<size_t>::max() && pool_->free() + headroom < n) {
+    const size_t spare = spare_pages(plan, allow_trim);
+    if (pool_->free() + headroom + spare < n) {
+      throw out_of_pages("this call", n, pool_->free() + headroom + spare, geo_.page_bytes);
+    }
   }
   const uint64_t created_before = pool_->pages_created();
   std::vector<PageHandle> got = pool_->take(n);
   if (got.size() < n) {
     const size_t missing = n - got.size();
+    const size_t spare = spare_pages(plan, allow_trim);
     if (missing > spare) {
       pool_->untake(got, static_cast<size_t>(pool_->pages_created() - created_before));
       throw out_of_pages("this call", n, got.size() + spare, geo_.page_bytes);
