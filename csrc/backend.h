@@ -61,6 +61,10 @@ class Backend {
   virtual void map(uintptr_t va, PageHandle page) = 0;
   // Grant read/write access to [va, va + bytes), which must be fully mapped.
   virtual void set_access(uintptr_t va, size_t bytes) = 0;
+  // Make [va, va + bytes) resident now instead of at first touch (host: fault the page tables in;
+  // device memory is resident once mapped). An optimization only: callers may invoke it without the
+  // cache lock on a range unmapped meanwhile, so it must tolerate that and never throw.
+  virtual void prefault(uintptr_t /*va*/, size_t /*bytes*/) noexcept {}
   // Unmap [va, va + bytes), which must cover whole mappings; the range stays reserved.
   virtual void unmap(uintptr_t va, size_t bytes) = 0;
 

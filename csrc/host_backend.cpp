@@ -214,13 +214,15 @@ void HostBackend::map(uintptr_t va, PageHandle page) {
 
 void HostBackend::set_access(uintptr_t va, size_t bytes) {
   maybe_fail("set_access");
-  void* p = reinterpret_cast<void*>(va);
-  if (mprotect(p, bytes, PROT_READ | PROT_WRITE) != 0) throw os_error("mprotect", errno, bytes, va);
-  // Fault the page tables in now, as device memory is resident once mapped. Old kernels lack
-  // MADV_POPULATE_WRITE (EINVAL): the pages are then faulted in on first touch instead.
-  if (madvise(p, bytes, MADV_POPULATE_WRITE) != 0 && errno != EINVAL) {
-    throw os_error("madvise(MADV_POPULATE_WRITE)", errno, bytes, va);
+  if (mprotect(reinterpret_cast<void*>(va), bytes, PROT_READ | PROT_WRITE) != 0) {
+    throw os_error("mprotect", errno, bytes, va);
   }
+}
+
+void HostBackend::prefault(uintptr_t va, size_t bytes) noexcept {
+  // Failure is harmless: old kernels lack MADV_POPULATE_WRITE (pages then fault in on first
+  // touch), and a range unmapped meanwhile (PROT_NONE) simply is not populated.
+  (void)madvise(reinterpret_cast<void*>(va), bytes, MADV_POPULATE_WRITE);
 }
 
 void HostBackend::unmap(uintptr_t va, size_t bytes) {

@@ -305,6 +305,8 @@ void KVCacheCore::map_slot(int slot, size_t from, size_t to, const PageHandle* p
       // One access grant per contiguous run of new pages, not one per page.
       backend_->set_access(page_va(t, slot, from), run_bytes);
       ++counters_.set_access_calls;
+      // The prefetch thread populates after dropping the lock (run_prefetch), not here.
+      if (!from_prefetch) backend_->prefault(page_va(t, slot, from), run_bytes);
       tensors_done = t + 1;
       pages_done = 0;
     }

@@ -38,8 +38,9 @@ void KVCacheCore::run_prefetch(const Prefetcher::Job& job) {
     if (s.state != Slot::State::Active) continue;
     const size_t to = geo_.pages_for(job[i]);
     if (to <= s.mapped) continue;
+    const size_t from = s.mapped;
     try {
-      grow({Growth{static_cast<int>(i), s.mapped, to}}, true);
+      grow({Growth{static_cast<int>(i), from, to}}, true);
     } catch (const Error& e) {
       if (e.kind() == Error::Kind::OutOfPages) {
         // Not an error yet: step() raises only if the current need cannot be met.
@@ -51,6 +52,13 @@ void KVCacheCore::run_prefetch(const Prefetcher::Job& job) {
     } catch (...) {
       background_error_ = std::current_exception();
       return;
+    }
+    // Populating is the slow part on the host (~0.5 ms per 2 MB page) and needs no cache state:
+    // do it unlocked so step() never waits behind it. The range may be unmapped by then; the
+    // backend tolerates that.
+    lock.unlock();
+    for (int t = 0; t < geo_.num_tensors(); ++t) {
+      backend_->prefault(page_va(t, static_cast<int>(i), from), (to - from) * geo_.page_bytes);
     }
   }
 }
