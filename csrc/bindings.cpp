@@ -203,11 +203,8 @@ PYBIND11_MODULE(_C, m) {
         return backend->granularity();
       },
       py::arg("device"), "Minimum page size in bytes of the backend for `device`.");
-  m.attr("UNLISTED") = KVCacheCore::kUnlisted;
   m.def("host_mapping_limit", &vattention::HostBackend::mapping_limit,
         "Page mappings the host backend allows this process (see host_backend.h).");
-  m.def("host_live_mappings", &vattention::HostBackend::live_mappings,
-        "Page mappings the host backend holds now, over all caches of this process.");
 
   // The raw backend primitives, for backend-level tests (not part of the public API).
   py::class_<vattention::Backend>(m, "Backend")

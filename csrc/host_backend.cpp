@@ -63,8 +63,6 @@ int64_t HostBackend::mapping_limit() {
   return limit;
 }
 
-int64_t HostBackend::live_mappings() { return g_live_mappings.load(); }
-
 HostBackend::HostBackend(size_t page_bytes)
     : granularity_(static_cast<size_t>(sysconf(_SC_PAGESIZE))),
       page_bytes_(page_bytes),

@@ -48,7 +48,6 @@ class HostBackend final : public Backend {
   // re-reserving the range is an mmap. So map() refuses beyond (max_map_count - 8,192) / 2 with
   // Error(OutOfPages): recoverable and transactional. $VATTENTION_HOST_MAX_MAPPINGS overrides it.
   static int64_t mapping_limit();
-  static int64_t live_mappings();
 
   // Test hook: the nth next call (1 = the very next) of `op` ("create_page", "map", "set_access",
   // "unmap", "reserve") fails with Error(Kind::Driver), or Kind::OutOfPages for create_page when
