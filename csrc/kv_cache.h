@@ -150,8 +150,9 @@ class KVCacheCore {
   size_t spare_pages(const std::vector<Growth>& plan, bool allow_trim) const;
   size_t release_spare(size_t n, const std::vector<Growth>& plan, bool allow_trim);
   void map_slot(int slot, size_t from, size_t to, const PageHandle* pages, bool from_prefetch);
-  // Unmaps page indices [keep, mapped) of a slot and releases its pages.
-  void unmap_tail(Slot& slot, int index, size_t keep);
+  // Unmaps page indices [keep, mapped) of a slot and releases its pages. Returns the pages that
+  // reached the free list (a shared page only loses a reference).
+  size_t unmap_tail(Slot& slot, int index, size_t keep);
   void wait_fence(Slot& slot);
   void drain_eager();
   void run_prefetch(const Prefetcher::Job& job);

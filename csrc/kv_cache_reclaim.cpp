@@ -35,8 +35,7 @@ void KVCacheCore::drain_eager() {
       still.push_back(i);
       continue;
     }
-    counters_.reclaimed_pages += s.mapped * static_cast<size_t>(geo_.num_tensors());
-    unmap_tail(s, i, 0);
+    counters_.reclaimed_pages += unmap_tail(s, i, 0);
   }
   eager_pending_.swap(still);
 }
@@ -95,10 +94,7 @@ size_t KVCacheCore::release_spare(size_t n, const std::vector<Growth>& plan, boo
     Slot& s = slots_[static_cast<size_t>(victim)];
     const size_t want = (n - released + T - 1) / T;
     const size_t keep = std::max(keep_floor, s.mapped > want ? s.mapped - want : 0);
-    // Count pages that really went back to the pool: a shared page only loses a reference.
-    const size_t free_before = pool_->free();
-    unmap_tail(s, victim, keep);
-    released += pool_->free() - free_before;
+    released += unmap_tail(s, victim, keep);
   }
   counters_.reclaimed_pages += released;
   return released;
@@ -144,8 +140,8 @@ void KVCacheCore::wait_fence(Slot& s) {
   s.has_fence = false;
 }
 
-void KVCacheCore::unmap_tail(Slot& s, int index, size_t keep) {
-  if (keep >= s.mapped) return;
+size_t KVCacheCore::unmap_tail(Slot& s, int index, size_t keep) {
+  if (keep >= s.mapped) return 0;
   const int T = geo_.num_tensors();
   if (s.state == Slot::State::Idle) wait_fence(s);
   const size_t bytes = (s.mapped - keep) * geo_.page_bytes;
@@ -168,11 +164,14 @@ void KVCacheCore::unmap_tail(Slot& s, int index, size_t keep) {
     }
     throw;
   }
+  // A shared page only loses a reference; count the pages that really reached the free list.
+  const size_t free_before = pool_->free();
   for (size_t i = keep * static_cast<size_t>(T); i < s.pages.size(); ++i) pool_->release(s.pages[i]);
   s.pages.resize(keep * static_cast<size_t>(T));
   s.mapped = keep;
   s.backed = geo_.tokens_in(keep);
   if (s.state == Slot::State::Idle && keep == 0) s.state = Slot::State::Free;
+  return pool_->free() - free_before;
 }
 
 // ---- pool management ----------------------------------------------------------------------------
@@ -198,11 +197,9 @@ size_t KVCacheCore::reclaim() {
   for (size_t i = 0; i < slots_.size(); ++i) {
     Slot& s = slots_[i];
     if (s.state != Slot::State::Idle) continue;
-    const size_t pages = s.mapped * static_cast<size_t>(geo_.num_tensors());
-    unmap_tail(s, static_cast<int>(i), 0);
-    released += pages;
+    released += s.mapped * static_cast<size_t>(geo_.num_tensors());  // mappings, as documented
+    counters_.reclaimed_pages += unmap_tail(s, static_cast<int>(i), 0);
   }
-  counters_.reclaimed_pages += released;
   return released;
 }
 
