@@ -1,0 +1,75 @@
+"""Small random-weight decoder models written to disk, with a tokenizer built locally.
+
+Tests and the vLLM benchmark need real model directories (``config.json``, safetensors weights,
+``tokenizer.json``) that vLLM and transformers load like any checkpoint, without downloading
+anything. The tokenizer is a word-level one over ``w0 w1 ...``; prompts are token ids.
+
+``initializer_range`` defaults to 0.1 rather than transformers' 0.02: with 0.02 the top-2 logit
+gaps of a random model are ~1e-3, so token-equality tests between attention kernels would flip on
+rounding noise.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict
+
+__all__ = ["FAMILIES", "build_tiny_model"]
+
+# Llama, Qwen2 and Mistral: the decoder families the vLLM plugin supports.
+FAMILIES = ("llama", "qwen2", "mistral")
+
+SPECIAL = ("<unk>", "<s>", "</s>")
+
+
+def build_tiny_model(path: str, family: str = "llama", *, num_layers: int = 2,
+                     hidden_size: int = 64, num_heads: int = 4, num_kv_heads: int = 2,
+                     head_dim: int = 32, vocab_size: int = 512, max_positions: int = 4096,
+                     initializer_range: float = 0.1, seed: int = 0) -> str:
+    """Write a random ``family`` model and its tokenizer to ``path``; return ``path``.
+
+    Idempotent: an existing ``config.json`` at ``path`` is kept as it is.
+
+    Examples
+    --------
+    >>> import tempfile, transformers
+    >>> path = build_tiny_model(tempfile.mkdtemp(), "qwen2", num_layers=1)
+    >>> transformers.AutoConfig.from_pretrained(path).model_type
+    'qwen2'
+    """
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    if family not in FAMILIES:
+        raise ValueError(f"family={family!r} must be one of {FAMILIES}")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    vocab: Dict[str, int] = {tok: i for i, tok in enumerate(SPECIAL)}
+    for i in range(vocab_size - len(SPECIAL)):
+        vocab[f"w{i}"] = len(vocab)
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>",
+                                                bos_token="<s>", eos_token="</s>")
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size,
+                  intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
+                  num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                  head_dim=head_dim, max_position_embeddings=max_positions,
+                  initializer_range=initializer_range, bos_token_id=1, eos_token_id=2,
+                  tie_word_embeddings=False)
+    if family == "llama":
+        config = transformers.LlamaConfig(**common)
+        model_cls = transformers.LlamaForCausalLM
+    elif family == "qwen2":
+        config = transformers.Qwen2Config(**common, use_sliding_window=False)
+        model_cls = transformers.Qwen2ForCausalLM
+    else:
+        config = transformers.MistralConfig(**common, sliding_window=None)
+        model_cls = transformers.MistralForCausalLM
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32)
+    os.makedirs(path, exist_ok=True)
+    fast.save_pretrained(path)
+    model.save_pretrained(path)   # config.json last-but-one: its presence marks a complete model
+    return path

