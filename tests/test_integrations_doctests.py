@@ -9,7 +9,11 @@ import pytest
 
 
 @pytest.mark.parametrize("module", ["vattention.compat", "vattention.integrations.flash_attn",
-                                    "vattention.integrations.transformers"])
+                                    "vattention.integrations.transformers",
+                                    "vattention.integrations.vllm.geometry",
+                                    "vattention.integrations.vllm.plugin",
+                                    "vattention.integrations.vllm.stats_writer",
+                                    "vattention.bench.tiny_models"])
 def test_docstring_examples(module):
     if module.endswith("transformers"):
         pytest.importorskip("transformers")

@@ -27,8 +27,8 @@ import urllib.request
 
 import pytest
 
-from vllm_harness import (MISSING, VLLM_PYTHON, Scenario, build_model, greedy, prompt,
-                          run_inline, vllm_env)
+from vllm_harness import (MISSING, VLLM_PYTHON, Inline, Scenario, build_model, greedy, prompt,
+                          vllm_env)
 
 pytestmark = pytest.mark.slow
 
@@ -37,6 +37,12 @@ LLAMA_REQUESTS = [(5, 20), (127, 10), (128, 15), (129, 12), (200, 8), (255, 30),
                   (300, 10), (17, 40), (64, 25)]          # (prompt tokens, generated tokens)
 SAMPLED = {"n": 3, "temperature": 0.8, "top_p": 0.95, "seed": 1234, "max_tokens": 12}
 QWEN_REQUESTS = [(220, 90), (180, 100), (250, 70), (150, 110), (200, 80), (240, 60)]
+# Engine arguments the plugin must refuse at start-up, and the option its message must name.
+FAIL_FAST = [({}, "--no-enable-prefix-caching"),
+             ({"enable_prefix_caching": False, "kv_cache_dtype": "fp8"}, "--kv-cache-dtype auto"),
+             ({"enable_prefix_caching": False, "enforce_eager": True,
+               "speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
+                                      "prompt_lookup_max": 2}}, "--speculative-config")]
 
 
 def _engine(**kw):
@@ -82,11 +88,18 @@ def runs(workdir, models):
         "qwen-stock": Scenario("qwen-stock", workdir, qwen, plugin=False),
         "qwen-plugin": Scenario("qwen-plugin", workdir, dict(qwen, hf_reference=True),
                                 plugin=True, VATTENTION_VLLM_LAYOUT="layer"),
+        # two CPU workers (processes), each with a KVCache for its one KV head
+        "llama-tp2": Scenario("llama-tp2", workdir, dict(
+            llama, requests=llama["requests"][1:6],
+            engine=dict(llama["engine"], tensor_parallel_size=2)), plugin=True,
+            VLLM_ENABLE_V1_MULTIPROCESSING="1"),
+        "fail-fast": Inline(fail_fast_code(models["llama"]), workdir, "fail-fast", plugin=True),
+        "server": start_server(models["mistral"], workdir),
     }
     yield started
-    for s in started.values():
-        if s.proc.poll() is None:
-            s.proc.kill()
+    for run in started.values():
+        if run.proc.poll() is None:
+            run.proc.kill()
 
 
 def test_greedy_and_seeded_tokens_match_stock_vllm(runs):
@@ -139,6 +152,24 @@ def test_tight_budget_preempts_and_tokens_still_match(runs):
     assert stats["max_active_slots"] == plugin["max_concurrency"] <= 4
 
 
+def test_tensor_parallel_two_workers_each_own_a_cache(runs, workdir):
+    tp2, single = runs["llama-tp2"].result(), runs["llama-plugin"].result()
+    assert tp2["tokens"] == single["tokens"][1:6]
+    for rank in (0, 1):
+        stats = json.loads((workdir / f"llama-tp2.stats.json.rank{rank}").read_text())
+        assert stats["requests_served"] == 5 and stats["active_slots"] == 0
+        # one of the two KV heads per rank: 128 tokens x 2 layers (mega) x 1 x 32 x fp32
+        assert stats["page_bytes"] == 128 * 2 * 1 * 32 * 4
+    assert not (workdir / "llama-tp2.stats.json").exists()
+
+
+def test_plugin_off_without_env_var(runs):
+    """Installed but not enabled: vLLM runs its own worker and allocates its own KV buffer."""
+    stock = runs["llama-stock"].result()
+    assert stock["worker_cls"] == "vllm.v1.worker.cpu_worker.CPUWorker"
+    assert runs["llama-plugin"].result()["worker_cls"].startswith("vattention.")
+
+
 def test_startup_log_line(runs):
     runs["llama-plugin"].result()
     lines = [line for line in runs["llama-plugin"].log().splitlines()
@@ -152,25 +183,28 @@ def test_startup_log_line(runs):
     ({}, "--no-enable-prefix-caching"),
     ({"enable_prefix_caching": False, "kv_cache_dtype": "fp8"}, "--kv-cache-dtype auto"),
 ])
-def test_unsupported_options_fail_fast_naming_the_option(models, engine, option):
-    code = ("import vllm\n"
-            f"vllm.LLM(model={models['llama']!r}, dtype='float32', max_model_len=256, "
-            f"kv_cache_memory_bytes=1 << 20, **{engine!r})\n")
-    proc = run_inline(code, plugin=True)
-    assert proc.returncode != 0
+def fail_fast_code(model: str) -> str:
+    """Each FAIL_FAST configuration in turn; prints REFUSED <message> or STARTED."""
+    return ("import vllm\n"
+            f"for engine in {[e for e, _ in FAIL_FAST]!r}:\n"
+            "    try:\n"
+            f"        vllm.LLM(model={model!r}, dtype='float32', max_model_len=256,\n"
+            "                 kv_cache_memory_bytes=1 << 20, **engine)\n"
+            "    except Exception as e:\n"
+            "        print('REFUSED', str(e).replace('\\n', ' '))\n"
+            "    else:\n"
+            "        print('STARTED')\n")
+
+
+def test_unsupported_options_fail_fast_naming_the_option(runs):
+    rc, out = runs["fail-fast"].wait()
+    assert rc == 0, out[-3000:]
+    lines = [line for line in out.splitlines() if line.startswith(("REFUSED", "STARTED"))]
+    assert len(lines) == len(FAIL_FAST), out[-3000:]
     # raised as ConfigError (a ValueError), which vLLM's pydantic config reports as a value error
-    assert "vattention's vLLM plugin" in proc.stderr and option in proc.stderr, proc.stderr[-3000:]
-
-
-def test_plugin_off_without_env_var(models):
-    """Installed but not enabled: vLLM runs its own worker and allocates its own KV buffer."""
-    code = ("import vllm\n"
-            f"llm = vllm.LLM(model={models['llama']!r}, dtype='float32', max_model_len=256, "
-            "kv_cache_memory_bytes=1 << 20, enforce_eager=True)\n"
-            "print('WORKER', llm.llm_engine.vllm_config.parallel_config.worker_cls)\n")
-    proc = run_inline(code, plugin=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "WORKER vllm.v1.worker.cpu_worker.CPUWorker" in proc.stdout
+    for line, (_, option) in zip(lines, FAIL_FAST):
+        assert line.startswith("REFUSED") and "vattention's vLLM plugin" in line, line
+        assert option in line, line
 
 
 def _free_port() -> int:
@@ -186,49 +220,66 @@ def _post(url: str, body: dict) -> bytes:
         return resp.read()
 
 
-def test_openai_server_completions(models, workdir):
-    """``python -m vllm.entrypoints.openai.api_server`` with the plugin, over HTTP on 127.0.0.1."""
-    port, stats = _free_port(), workdir / "server.stats.json"
-    log = open(workdir / "server.log", "w")
-    env = vllm_env(True, VATTENTION_VLLM_STATS=str(stats))
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")      # the server as users run it: engine process
-    server = subprocess.Popen(
-        [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model",
-         models["mistral"], "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-         "--max-model-len", "512", "--max-num-seqs", "4", "--no-enable-prefix-caching",
-         "--enforce-eager", "--kv-cache-memory-bytes", str(4 << 20)],
-        env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
+class Server:
+    """``python -m vllm.entrypoints.openai.api_server`` with the plugin, on 127.0.0.1."""
+
+    def __init__(self, model: str, workdir: pathlib.Path) -> None:
+        self.model, self.port = model, _free_port()
+        self.stats, self.log_file = workdir / "server.stats.json", workdir / "server.log"
+        env = vllm_env(True, VATTENTION_VLLM_STATS=str(self.stats))
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")   # as users run it: an engine process
+        with open(self.log_file, "w") as log:
+            self.proc = subprocess.Popen(
+                [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                 "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
+                 "--max-model-len", "512", "--max-num-seqs", "4", "--no-enable-prefix-caching",
+                 "--enforce-eager", "--kv-cache-memory-bytes", str(4 << 20)],
+                env=env, stdout=log, stderr=subprocess.STDOUT)
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    def wait_healthy(self, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
         while True:
-            assert server.poll() is None, (workdir / "server.log").read_text()[-3000:]
+            assert self.proc.poll() is None, self.log_file.read_text()[-3000:]
             try:
-                with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                with urllib.request.urlopen(self.base + "/health", timeout=5) as r:
                     if r.status == 200:
-                        break
+                        return
             except OSError:
                 pass
-            assert time.monotonic() < deadline, "server did not come up in 300 s"
+            assert time.monotonic() < deadline, f"server not up in {timeout} s"
             time.sleep(1)
-        text_prompt = " ".join(f"w{i}" for i in prompt(150, 7, vocab=509))
-        body = {"model": models["mistral"], "prompt": text_prompt, "max_tokens": 16,
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def start_server(model: str, workdir: pathlib.Path) -> Server:
+    return Server(model, workdir)
+
+
+def test_openai_server_completions(runs):
+    """Completions over HTTP, plain and streamed, through the real server and engine process."""
+    server = runs["server"]
+    try:
+        server.wait_healthy()
+        text_prompt = " ".join(f"w{i - 3}" for i in prompt(150, 7))
+        body = {"model": server.model, "prompt": text_prompt, "max_tokens": 16,
                 "temperature": 0, "ignore_eos": True}
-        plain = json.loads(_post(base + "/v1/completions", body))
+        plain = json.loads(_post(server.base + "/v1/completions", body))
         assert plain["usage"]["completion_tokens"] == 16
         assert plain["usage"]["prompt_tokens"] == 150
-        streamed = _post(base + "/v1/completions", dict(body, stream=True)).decode()
+        streamed = _post(server.base + "/v1/completions", dict(body, stream=True)).decode()
         events = [json.loads(line[len("data: "):]) for line in streamed.splitlines()
                   if line.startswith("data: ") and line != "data: [DONE]"]
         assert len(events) >= 2 and streamed.rstrip().endswith("data: [DONE]")
         assert "".join(e["choices"][0]["text"] for e in events) == plain["choices"][0]["text"]
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
-    data = json.loads(stats.read_text())
+        server.stop()
+    data = json.loads(server.stats.read_text())
     assert data["requests_served"] == 2 and data["active_slots"] == 0
     assert data["vllm_kv_buffer_bytes"] == 0

@@ -95,11 +95,21 @@ def prompt(length: int, seed: int, vocab: int = 512) -> List[int]:
     return out
 
 
-def run_inline(code: str, plugin: bool, timeout: float = 300, **env: str):
-    """``python -c code`` in the vLLM venv; returns the CompletedProcess (never raises on rc)."""
-    return subprocess.run([str(VLLM_PYTHON), "-c", code], env=vllm_env(plugin, **env),
-                          capture_output=True, text=True, timeout=timeout)
+class Inline:
+    """``python -c code`` in the vLLM venv, started at once; :meth:`wait` gives rc and output."""
+
+    def __init__(self, code: str, workdir: pathlib.Path, name: str, plugin: bool,
+                 **env: str) -> None:
+        self.log_file = workdir / f"{name}.log"
+        with open(self.log_file, "w") as log:
+            self.proc = subprocess.Popen([str(VLLM_PYTHON), "-c", code],
+                                         env=vllm_env(plugin, **env), stdout=log,
+                                         stderr=subprocess.STDOUT, cwd=str(workdir))
+
+    def wait(self, timeout: float = 900):
+        rc = self.proc.wait(timeout=timeout)
+        return rc, self.log_file.read_text(errors="replace")
 
 
-__all__ = ["Scenario", "build_model", "greedy", "prompt", "run_inline", "vllm_env",
+__all__ = ["Inline", "Scenario", "build_model", "greedy", "prompt", "vllm_env",
            "VLLM_PYTHON", "MISSING", "ROOT"]

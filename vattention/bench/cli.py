@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--check", action="store_true",
                      help="check allocator invariants at every step (slower)")
     mem.add_argument("--quiet", action="store_true", help="no progress bar")
+    from .vllm_bench import add_parser as add_vllm_parser
+    add_vllm_parser(sub)
     return parser
 
 
@@ -132,6 +134,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if args.benchmark == "memory":
             return _run_memory(args)
+        if args.benchmark == "vllm":
+            from .vllm_bench import run as run_vllm
+            return run_vllm(args)
     except (ValueError, RuntimeError, ImportError) as exc:
         wants_real = any(n.startswith("vattention-") for n in getattr(args, "allocators", []))
         hint = ""

@@ -49,6 +49,7 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
     result: Dict[str, Any] = {
         "plugin": os.environ.get("VATTENTION_VLLM") == "1",
         "vllm_version": vllm.__version__,
+        "worker_cls": llm.llm_engine.vllm_config.parallel_config.worker_cls,
         "tokens": tokens,
         "start_s": start_s,
         "generate_s": wall_s,
