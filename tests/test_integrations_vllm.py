@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -27,8 +28,8 @@ import urllib.request
 
 import pytest
 
-from vllm_harness import (MISSING, VLLM_PYTHON, Inline, Scenario, build_model, greedy, prompt,
-                          vllm_env)
+from vllm_harness import (MISSING, ROOT, VLLM_PYTHON, Inline, Scenario, build_model, greedy,
+                          prompt, vllm_env)
 
 pytestmark = pytest.mark.slow
 
@@ -93,13 +94,18 @@ def runs(workdir, models):
             llama, requests=llama["requests"][1:6],
             engine=dict(llama["engine"], tensor_parallel_size=2)), plugin=True,
             VLLM_ENABLE_V1_MULTIPROCESSING="1"),
-        "fail-fast": Inline(fail_fast_code(models["llama"]), workdir, "fail-fast", plugin=True),
+        "fail-fast": Inline(["-c", fail_fast_code(models["llama"])], workdir, "fail-fast",
+                            plugin=True),
         "server": start_server(models["mistral"], workdir),
+        "doc-blocks": start_doc_blocks(workdir),
+        "example": Inline([str(ROOT / "examples" / "vllm_offline.py")], workdir, "example",
+                          plugin=True, VLLM_ENABLE_V1_MULTIPROCESSING="1"),
     }
     yield started
     for run in started.values():
-        if run.proc.poll() is None:
-            run.proc.kill()
+        for proc in [r.proc for r in run] if isinstance(run, list) else [run.proc]:
+            if proc.poll() is None:
+                proc.kill()
 
 
 def test_greedy_and_seeded_tokens_match_stock_vllm(runs):
@@ -283,3 +289,37 @@ def test_openai_server_completions(runs):
     data = json.loads(server.stats.read_text())
     assert data["requests_served"] == 2 and data["active_slots"] == 0
     assert data["vllm_kv_buffer_bytes"] == 0
+
+
+def doc_blocks():
+    """The ``<!-- vllm -->`` Python blocks of docs/vllm.md (they need vLLM)."""
+    text = (ROOT / "docs" / "vllm.md").read_text()
+    return re.findall(r"<!-- vllm -->\n```python\n(.*?)```", text, flags=re.S)
+
+
+def start_doc_blocks(workdir: pathlib.Path) -> list:
+    runs = []
+    for i, code in enumerate(doc_blocks()):
+        script = workdir / f"doc_block_{i}.py"
+        script.write_text(code)
+        # as a user runs it: no test environment beyond the machine's defaults
+        runs.append(Inline([str(script)], workdir, f"doc-block-{i}", plugin=False,
+                           VLLM_ENABLE_V1_MULTIPROCESSING="1"))
+    return runs
+
+
+def test_docs_vllm_python_blocks_run_verbatim(runs):
+    assert runs["doc-blocks"], "docs/vllm.md has no <!-- vllm --> python block"
+    for run in runs["doc-blocks"]:
+        rc, out = run.wait()
+        assert rc == 0, out[-3000:]
+        assert "8 tokens:" in out and "vattention KV cache:" in out
+
+
+def test_offline_example(runs):
+    rc, out = runs["example"].wait()
+    assert rc == 0, out[-3000:]
+    lines = [line for line in out.splitlines() if line.startswith(("request ", "vattention: "))]
+    assert [line.split(":")[0] for line in lines] == [
+        "request 0", "request 1", "request 2", "vattention"]
+    assert "3 requests" in lines[-1] and "0 bytes in vLLM's own KV buffer" in lines[-1]

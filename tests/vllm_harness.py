@@ -96,13 +96,13 @@ def prompt(length: int, seed: int, vocab: int = 512) -> List[int]:
 
 
 class Inline:
-    """``python -c code`` in the vLLM venv, started at once; :meth:`wait` gives rc and output."""
+    """``python *args`` in the vLLM venv, started at once; :meth:`wait` gives rc and output."""
 
-    def __init__(self, code: str, workdir: pathlib.Path, name: str, plugin: bool,
+    def __init__(self, args: List[str], workdir: pathlib.Path, name: str, plugin: bool,
                  **env: str) -> None:
         self.log_file = workdir / f"{name}.log"
         with open(self.log_file, "w") as log:
-            self.proc = subprocess.Popen([str(VLLM_PYTHON), "-c", code],
+            self.proc = subprocess.Popen([str(VLLM_PYTHON), *args],
                                          env=vllm_env(plugin, **env), stdout=log,
                                          stderr=subprocess.STDOUT, cwd=str(workdir))
 

@@ -45,8 +45,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "run takes minutes (default: 0.25)")
     p.add_argument("--max-model-len", type=int, default=1024, help="default: 1024")
     p.add_argument("--max-num-seqs", type=int, default=16, help="default: 16")
-    p.add_argument("--kv-memory", default="64MB",
-                   help="kv_cache_memory_bytes for both engines (default: 64MB)")
+    p.add_argument("--kv-memory", default="512MB",
+                   help="kv_cache_memory_bytes for both engines (default: 512MB)")
     p.add_argument("--layout", choices=("mega", "layer"), default="mega",
                    help="the plugin's cache layout (default: mega)")
     p.add_argument("--seed", type=int, default=0, help="default: 0")

@@ -86,6 +86,7 @@ def flash_attn_with_kvcache_reference(
     rows = _per_batch(cache_batch_idx, batch, default=None) or list(range(batch))
     new = 0 if k is None else k.shape[1]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    group = heads // kv_heads
     out = torch.empty_like(q)
     for i, (row, past) in enumerate(zip(rows, seqlens)):
         total = past + new
@@ -95,17 +96,21 @@ def flash_attn_with_kvcache_reference(
         if k is not None:
             k_cache[row, past:total] = k[i]
             v_cache[row, past:total] = v[i]
-        keys = k_cache[row, :total].transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
-        vals = v_cache[row, :total].transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
+        keys = k_cache[row, :total].transpose(0, 1)        # [kv_heads, total, D]: views, no copy
+        vals = v_cache[row, :total].transpose(0, 1)
+        # GQA without copying K/V: query head h reads KV head h // group, so the group query
+        # heads of one KV head become extra query rows of it, ordered (group, position).
+        qi = (q[i].view(seqlen_q, kv_heads, group, head_dim).permute(1, 2, 0, 3)
+              .reshape(kv_heads, group * seqlen_q, head_dim))
         mask = None
-        if causal:
+        if causal and seqlen_q > 1:   # one query at the bottom right sees every key: no mask
             q_pos = torch.arange(seqlen_q, device=q.device).view(-1, 1) + (total - seqlen_q)
-            mask = torch.arange(total, device=q.device).view(1, -1) <= q_pos
-        o = F.scaled_dot_product_attention(q[i].transpose(0, 1), keys, vals, attn_mask=mask,
-                                           scale=scale)
+            mask = (torch.arange(total, device=q.device).view(1, -1) <= q_pos).repeat(group, 1)
+        o = F.scaled_dot_product_attention(qi, keys, vals, attn_mask=mask, scale=scale)
         if mask is not None:  # flash-attn returns 0 for a query row that sees no key
             o = o.masked_fill(~mask.any(-1).view(1, -1, 1), 0.0)
-        out[i] = o.transpose(0, 1)
+        out[i] = (o.view(kv_heads, group, seqlen_q, head_dim).permute(2, 0, 1, 3)
+                  .reshape(seqlen_q, heads, head_dim))
     return out
 
 
