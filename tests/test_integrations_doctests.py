@@ -13,6 +13,7 @@ import pytest
                                     "vattention.integrations.vllm.geometry",
                                     "vattention.integrations.vllm.plugin",
                                     "vattention.integrations.vllm.stats_writer",
+                                    "vattention.integrations.vllm.slots",
                                     "vattention.bench.tiny_models"])
 def test_docstring_examples(module):
     if module.endswith("transformers"):

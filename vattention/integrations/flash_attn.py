@@ -106,7 +106,9 @@ def flash_attn_with_kvcache_reference(
         if causal and seqlen_q > 1:   # one query at the bottom right sees every key: no mask
             q_pos = torch.arange(seqlen_q, device=q.device).view(-1, 1) + (total - seqlen_q)
             mask = (torch.arange(total, device=q.device).view(1, -1) <= q_pos).repeat(group, 1)
-        o = F.scaled_dot_product_attention(qi, keys, vals, attn_mask=mask, scale=scale)
+        # 4-D inputs: torch's CPU SDPA takes a faster path for them than for 3-D ones
+        o = F.scaled_dot_product_attention(qi[None], keys[None], vals[None], attn_mask=mask,
+                                           scale=scale)[0]
         if mask is not None:  # flash-attn returns 0 for a query row that sees no key
             o = o.masked_fill(~mask.any(-1).view(1, -1, 1), 0.0)
         out[i] = (o.view(kv_heads, group, seqlen_q, head_dim).permute(2, 0, 1, 3)

@@ -32,6 +32,7 @@ from ... import KVCache, KVCacheConfig, OutOfPagesError
 from . import ENV_STATS
 from .geometry import KVGeometry
 from .plugin import layout_from_env
+from .slots import RequestSlots
 from .stats_writer import StatsWriter, stats_path
 
 __all__ = ["VAttentionRunnerMixin", "BatchSlots", "current_batch"]
@@ -88,9 +89,7 @@ class VAttentionRunnerMixin:
             device="cpu" if self.device.type == "cpu" else f"cuda:{self.device.index or 0}",
             page_size=geometry.page_bytes, layout=geometry.layout)
         self._vattention = KVCache(config, memory_budget=geometry.memory_budget)
-        self._vattention_slots: Dict[str, int] = {}
-        self._vattention_peak = 0
-        self._vattention_requests = 0
+        self._vattention_slots = RequestSlots(self._vattention)
         self._vattention_preemptions = 0
         self._vattention_peak_mapped = 0
         global _runner
@@ -130,27 +129,23 @@ class VAttentionRunnerMixin:
             return super()._update_states(scheduler_output)
         preempted = scheduler_output.preempted_req_ids or set()
         self._vattention_preemptions += len(preempted)
-        for req_id in scheduler_output.finished_req_ids | preempted:
-            self._release_slot(req_id)
+        self._vattention_slots.release(scheduler_output.finished_req_ids | preempted)
         result = super()._update_states(scheduler_output)
 
         scheduled = scheduler_output.num_scheduled_tokens
         slots, past, lens, expected = [], [], {}, {}
         for req_id in self.input_batch.req_ids[:self.input_batch.num_reqs]:
-            slot = self._vattention_slots.get(req_id)
-            if slot is None:
-                slot = self._vattention_slots[req_id] = cache.alloc()
-                self._vattention_requests += 1
+            slot = self._vattention_slots.slot_for(req_id)
             state = self.requests[req_id]
             computed = state.num_computed_tokens
             length = computed + scheduled[req_id]
             slots.append(slot)
             past.append(computed)
             lens[slot] = length
-            prompt = len(state.prompt_token_ids or ())
-            expected[slot] = min(self.max_model_len,
-                                 length + (scheduled[req_id] if length < prompt else 1))
-        self._vattention_peak = max(self._vattention_peak, len(self._vattention_slots))
+            known = state.num_tokens     # prompt, plus the output a resumed request recomputes
+            # next step: the next prefill chunk (up to the known tokens), else one more token
+            nxt = min(known, length + scheduled[req_id]) if length < known else length + 1
+            expected[slot] = min(self.max_model_len, nxt)
         try:
             cache.step(lens)
         except OutOfPagesError as e:
@@ -164,11 +159,6 @@ class VAttentionRunnerMixin:
         self._vattention_batch = BatchSlots(slots, past)
         return result
 
-    def _release_slot(self, req_id: str) -> None:
-        slot = self._vattention_slots.pop(req_id, None)
-        if slot is not None:
-            self._vattention.free(slot)
-
     def _zero_block_ids(self, block_ids) -> None:
         # vLLM zeroes reused blocks so that its kernels never mix stale data into a partial
         # block; vattention kernels read a request's row only below its length.
@@ -178,8 +168,8 @@ class VAttentionRunnerMixin:
     def vattention_stats(self) -> Dict:
         """``KVCache.stats()`` plus ``max_active_slots`` and what vLLM itself allocated for KV."""
         stats = dict(self._vattention.stats())
-        stats.update(max_active_slots=self._vattention_peak,
-                     requests_served=self._vattention_requests,
+        stats.update(max_active_slots=self._vattention_slots.peak,
+                     requests_served=self._vattention_slots.served,
                      preemptions=self._vattention_preemptions,
                      peak_bytes_mapped_at_step=self._vattention_peak_mapped,
                      layout=self._vattention.config.layout,
@@ -196,9 +186,7 @@ class VAttentionRunnerMixin:
         cache = self._vattention
         if cache is None:
             return
-        held = len(self._vattention_slots)
-        for req_id in list(self._vattention_slots):
-            self._release_slot(req_id)
+        held = self._vattention_slots.release_all()
         if self._stats_writer is not None:
             final = self.vattention_stats()
             final["slots_released_at_shutdown"] = held

@@ -1,0 +1,64 @@
+"""Which vattention slot each vLLM request holds, and the counters the stats file reports."""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable
+
+from ... import KVCache
+
+__all__ = ["RequestSlots"]
+
+
+class RequestSlots:
+    """Request id -> slot of one :class:`~vattention.KVCache`.
+
+    A request takes a slot the first time it is scheduled (:meth:`slot_for`) and gives it back
+    when it finishes, is aborted or is preempted (:meth:`release`); a preempted request that
+    resumes is recomputed from its prompt in whatever slot it gets next.
+
+    Examples
+    --------
+    >>> import vattention
+    >>> cfg = vattention.KVCacheConfig(num_layers=1, num_kv_heads=1, head_dim=64,
+    ...                                max_batch_size=2, max_seq_len=64, dtype="float32",
+    ...                                page_size="4KB")
+    >>> with vattention.KVCache(cfg) as cache:
+    ...     table = RequestSlots(cache)
+    ...     a = table.slot_for("a"); b = table.slot_for("b")
+    ...     table.release(["a", "never-scheduled"])
+    ...     (a != b, table.slot_for("b") == b, table.held, table.peak, table.served)
+    (True, True, 1, 2, 2)
+    """
+
+    def __init__(self, cache: KVCache) -> None:
+        self._cache = cache
+        self._slots: Dict[str, int] = {}
+        self.peak = 0          # most slots held at once
+        self.served = 0        # slots handed out (a resumed request counts again)
+
+    @property
+    def held(self) -> int:
+        """Slots held now."""
+        return len(self._slots)
+
+    def slot_for(self, req_id: str) -> int:
+        """The request's slot, allocated on its first call."""
+        slot = self._slots.get(req_id)
+        if slot is None:
+            slot = self._slots[req_id] = self._cache.alloc()
+            self.served += 1
+            self.peak = max(self.peak, len(self._slots))
+        return slot
+
+    def release(self, req_ids: Iterable[str]) -> None:
+        """Free the slots of these requests (ids that hold none are ignored)."""
+        for req_id in req_ids:
+            slot = self._slots.pop(req_id, None)
+            if slot is not None:
+                self._cache.free(slot)
+
+    def release_all(self) -> int:
+        """Free every slot still held; return how many there were."""
+        held = len(self._slots)
+        self.release(list(self._slots))
+        return held
