@@ -119,10 +119,11 @@ def test_background_error_raised_by_next_call_of_any_kind(make_cache):
     s = cache.alloc()
     _, match = inject_backend_fault(cache, "map", 1)
     cache.prefetch({s: 2 * cache.config.tokens_per_page})
-    # The failing job creates pages and records its error under the cache lock, so once stats()
-    # (which never raises background errors) shows pages, the error is recorded.
+    # The failing job takes pages under the cache lock, maps them without it, and gives them back
+    # and records its error under the lock again: once stats() (which never raises background
+    # errors) shows pages, all of them free, the error is recorded.
     deadline = time.monotonic() + 10
-    while cache.stats()["pages_total"] == 0:
+    while (stats := cache.stats())["pages_total"] == 0 or stats["pages_free"] < stats["pages_total"]:
         assert time.monotonic() < deadline, "the prefetch thread never ran"
         time.sleep(0.005)
     with pytest.raises(DriverError, match=match):
