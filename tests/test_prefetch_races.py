@@ -179,3 +179,17 @@ def test_driver_calls_per_step_are_counted(emu):
         assert again["step_driver_calls"] == after["step_driver_calls"]
         cache.step({a: 3 * cfg.tokens_per_page})     # found mapped: no driver call
         assert cache.stats()["step_driver_calls"] == after["step_driver_calls"]
+
+
+@pytest.mark.parametrize("layout", ["layer", "mega"])
+def test_one_unmap_per_contiguous_run(emu, layout):
+    with gated(emu, make(layout)) as cache:
+        cfg = cache.config
+        a, b = cache.alloc(), cache.alloc()
+        cache.step({a: 5 * cfg.tokens_per_page, b: 3 * cfg.tokens_per_page})
+        cache.free(a)
+        cache.free(b)
+        calls, stat = emu.counter("cuMemUnmap"), cache.stats()["unmap_calls"]
+        cache.reclaim()        # 5 and 3 pages per tensor: one call per slot and tensor
+        assert emu.counter("cuMemUnmap") - calls == 2 * cfg.num_tensors
+        assert cache.stats()["unmap_calls"] - stat == 2 * cfg.num_tensors
