@@ -139,8 +139,9 @@ int KVCacheCore::alloc() {
   rethrow_background_error();
   // A slot freed while the prefetch thread maps it is a candidate here, and its new owner may
   // unmap (forget_sharing) or map below the range in flight: let that mapping publish first.
-  if (inflight_.slot >= 0 && slots_[static_cast<size_t>(inflight_.slot)].state != Slot::State::Active) {
-    settle(lock);
+  while (inflight_.slot >= 0 &&
+         slots_[static_cast<size_t>(inflight_.slot)].state != Slot::State::Active) {
+    await_publish(lock);  // the thread only starts mappings of active slots
     check_open();
     rethrow_background_error();
   }
@@ -231,7 +232,7 @@ bool KVCacheCore::step(const std::vector<int64_t>& lens, uintptr_t /*stream*/, b
       wait = true;
     }
     if (!wait) break;
-    settle(lock);
+    await_publish(lock);  // only this mapping: the thread may go on to other slots meanwhile
     plan = plan_step(lens);
   }
   std::vector<int64_t> old_lens(lens.size());
@@ -255,6 +256,12 @@ bool KVCacheCore::step(const std::vector<int64_t>& lens, uintptr_t /*stream*/, b
 
 void KVCacheCore::settle(Lock& lock) {
   settled_.wait(lock, [this] { return inflight_.slot < 0; });
+}
+
+void KVCacheCore::await_publish(Lock& lock) {
+  if (inflight_.slot < 0) return;
+  const uint64_t seen = publishes_;
+  settled_.wait(lock, [this, seen] { return publishes_ != seen; });
 }
 
 std::vector<KVCacheCore::Growth> KVCacheCore::plan_step(const std::vector<int64_t>& lens) {

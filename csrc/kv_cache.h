@@ -165,6 +165,9 @@ class KVCacheCore {
   bool in_flight(size_t slot) const { return inflight_.slot == static_cast<int>(slot); }
   // Waits (releasing mu_) until nothing is in flight. Callers re-validate afterwards.
   void settle(Lock& lock);
+  // Waits (releasing mu_) until the mapping in flight now, if any, has published; the prefetch
+  // thread may start another one meanwhile. Callers re-validate afterwards.
+  void await_publish(Lock& lock);
   // Runs the prefetch of one slot: plan under the lock, map without it, publish under it.
   // Returns false when the job must stop (closed, error, pool dry).
   bool prefetch_slot(int slot, int64_t target_tokens);
@@ -209,6 +212,7 @@ class KVCacheCore {
   std::exception_ptr background_error_;
   bool closed_ = false;
   InFlight inflight_;                 // at most one slot is mapped outside the lock at a time
+  uint64_t publishes_ = 0;            // in-flight mappings finished (published or given back)
   std::condition_variable settled_;   // notified when inflight_ is cleared
   std::unique_ptr<Prefetcher> prefetcher_;
   std::unique_ptr<SwapStore> swap_;   // swapped-out slots (issue 7)

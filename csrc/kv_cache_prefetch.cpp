@@ -15,13 +15,15 @@
 //   R. While a slot is in flight, only the prefetch thread maps or unmaps inside it at or above
 //      `from`, and nothing shrinks the slot below `from` (so slot.mapped == from at publish).
 // Who would break R, and what each does instead:
-//   - step() growing that slot waits for the publish (it needs those pages: not a wasted wait);
+//   - step() growing that slot waits for that publish only (it needs those pages: not a wasted
+//     wait; await_publish, so the thread going on to the next slot does not hold it up);
 //     step() growing other slots maps them in parallel, unlocked driver calls are independent.
 //   - reclaiming/trimming (obtain -> release_spare, drain_eager) skips the slot in flight, and
 //     spare_pages()/freeable_spare() do not count its pages; reclaim() and set_memory_budget()
 //     settle first (they are not on the decode path).
 //   - fork, share_prefix, ensure_private, swap_out, swap_in settle first (they may map, unmap or
-//     pick that slot); alloc() settles when the slot in flight was freed (it may pick it).
+//     pick that slot); alloc() waits for the publish when the slot in flight was freed (it may
+//     pick it; the thread never starts mapping a slot that is not active).
 //   - free() only changes the slot's state: a range published onto an idle slot is idle memory
 //     (reclaimed later behind the free() fence, as any idle page), onto a free one makes it idle.
 //     No stream can read the in-flight pages before publish (step() never reported them backed),
@@ -112,6 +114,7 @@ bool KVCacheCore::prefetch_slot(int slot, int64_t target_tokens) {
   // 3. publish (or give the pages back), under the lock.
   Lock lock(mu_);
   inflight_ = InFlight{};
+  ++publishes_;
   settled_.notify_all();
   if (error) {
     for (PageHandle p : pages) pool_->release(p);
