@@ -227,7 +227,8 @@ bool KVCacheCore::step(const std::vector<int64_t>& lens, uintptr_t /*stream*/, b
       wait = wait || in_flight(static_cast<size_t>(g.slot));
       need += (g.to - g.from) * static_cast<size_t>(geo_.num_tensors());
     }
-    if (inflight_.slot >= 0 && need > 0 && pool_->headroom() != std::numeric_limits<size_t>::max() &&
+    if ((inflight_.slot >= 0 || pool_->creating() > 0) && need > 0 &&
+        pool_->headroom() != std::numeric_limits<size_t>::max() &&
         pool_->free() + pool_->headroom() < need) {
       wait = true;
     }
@@ -254,12 +255,17 @@ bool KVCacheCore::step(const std::vector<int64_t>& lens, uintptr_t /*stream*/, b
   return true;
 }
 
+bool KVCacheCore::outside_lock_work() const {
+  // pool_ is gone after close(), which joined the prefetch thread first: nothing is outside then.
+  return inflight_.slot >= 0 || (pool_ && pool_->creating() > 0);
+}
+
 void KVCacheCore::settle(Lock& lock) {
-  settled_.wait(lock, [this] { return inflight_.slot < 0; });
+  settled_.wait(lock, [this] { return !outside_lock_work(); });
 }
 
 void KVCacheCore::await_publish(Lock& lock) {
-  if (inflight_.slot < 0) return;
+  if (!outside_lock_work()) return;
   const uint64_t seen = publishes_;
   settled_.wait(lock, [this, seen] { return publishes_ != seen; });
 }
@@ -444,6 +450,7 @@ std::vector<std::pair<std::string, int64_t>> KVCacheCore::stats() const {
       {"steps", u(counters_.steps)},
       {"step_driver_calls", u(counters_.step_driver_calls)},
       {"prefetch_driver_calls", u(counters_.prefetch_driver_calls)},
+      {"prefetch_errors", u(counters_.prefetch_errors)},
       {"pages_created", u(pool_->pages_created())},
       {"pages_destroyed", u(pool_->pages_destroyed())},
       {"oom_events", u(counters_.oom_events)},

@@ -163,14 +163,22 @@ class KVCacheCore {
     std::vector<PageHandle> pages;   // taken from the pool (refcount 1), not yet in the slot
   };
   bool in_flight(size_t slot) const { return inflight_.slot == static_cast<int>(slot); }
-  // Waits (releasing mu_) until nothing is in flight. Callers re-validate afterwards.
+  // Waits (releasing mu_) until nothing is in flight (no mapping, no page creation outside the
+  // lock). Callers re-validate afterwards.
   void settle(Lock& lock);
   // Waits (releasing mu_) until the mapping in flight now, if any, has published; the prefetch
   // thread may start another one meanwhile. Callers re-validate afterwards.
   void await_publish(Lock& lock);
+  // True while the prefetch thread maps or creates pages without mu_ (callers hold mu_).
+  bool outside_lock_work() const;
   // Runs the prefetch of one slot: plan under the lock, map without it, publish under it.
   // Returns false when the job must stop (closed, error, pool dry).
   bool prefetch_slot(int slot, int64_t target_tokens);
+  // Creates up to n pages for the pool with mu_ released (lock is held on entry and on return).
+  // Returns false when the job must stop (a driver error, now in background_error_).
+  bool create_unlocked(Lock& lock, size_t n);
+  // Keeps a prefetch-thread failure for the next call on the cache, and counts it.
+  void record_background_error(std::exception_ptr error);
   // VMM driver calls so far (create, release, map, set_access, unmap), for the per-step counters.
   uint64_t vmm_calls() const;
   // Unmaps page indices [keep, mapped) of a slot and releases its pages. Returns the pages that

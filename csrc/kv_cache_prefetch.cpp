@@ -10,6 +10,8 @@
 //      "in flight" (inflight_), where from == slot.mapped;
 //   2. map (unlocked): cuMemMap each page and cuMemSetAccess each tensor's run (map_pages);
 //   3. publish (locked): append the pages to the slot, clear inflight_, notify settled_.
+// Pages the pool lacks are created before phase 1 takes them, also without the lock
+// (create_unlocked: counted against the budget first, added to the free list after).
 // The argument that nothing else can go wrong meanwhile is one rule, kept by every path that maps
 // or unmaps slot memory:
 //   R. While a slot is in flight, only the prefetch thread maps or unmaps inside it at or above
@@ -78,11 +80,18 @@ bool KVCacheCore::prefetch_slot(int slot, int64_t target_tokens) {
     to = geo_.pages_for(target_tokens);
     from = s.mapped;
     if (to <= from) return true;
+    if (pool_->free() < (to - from) * T && !create_unlocked(lock, (to - from) * T - pool_->free())) {
+      return false;
+    }
+    // The lock was dropped while creating: everything may have changed.
+    if (closed_ || background_error_) return false;
+    if (s.state != Slot::State::Active) return true;
+    from = s.mapped;
+    if (to <= from) return true;
     const std::vector<Growth> plan = {Growth{slot, from, to}};
     const uint64_t calls_before = vmm_calls();
     try {
-      // May create pages (cuMemCreate) under the lock when the free list is short; a server
-      // that reserve()s at start-up never does.
+      // Creates pages itself only if another caller took the ones just created.
       inflight_.pages = obtain((to - from) * T, plan, false);
     } catch (const Error& e) {
       counters_.prefetch_driver_calls += vmm_calls() - calls_before;
@@ -90,11 +99,11 @@ bool KVCacheCore::prefetch_slot(int slot, int64_t target_tokens) {
         // Not an error yet: step() raises only if the current need cannot be met.
         counters_.prefetch_shortfall_pages += (to - from) * T;
       } else {
-        background_error_ = std::current_exception();
+        record_background_error(std::current_exception());
       }
       return false;
     } catch (...) {
-      background_error_ = std::current_exception();
+      record_background_error(std::current_exception());
       return false;
     }
     counters_.prefetch_driver_calls += vmm_calls() - calls_before;
@@ -118,7 +127,7 @@ bool KVCacheCore::prefetch_slot(int slot, int64_t target_tokens) {
   settled_.notify_all();
   if (error) {
     for (PageHandle p : pages) pool_->release(p);
-    background_error_ = error;
+    record_background_error(error);
     return false;
   }
   // Rule R: nothing grew or shrank the slot meanwhile; only its state may have changed (free()).
@@ -143,6 +152,39 @@ bool KVCacheCore::prefetch_slot(int slot, int64_t target_tokens) {
     backend_->prefault(page_va(t, slot, from), (to - from) * geo_.page_bytes);
   }
   return keep_going;
+}
+
+bool KVCacheCore::create_unlocked(Lock& lock, size_t n) {
+  // cuMemCreate is the slowest VMM call (~193 us per 2 MB page on an A100): made under the lock it
+  // would stall every step() behind it. The pages are counted against the budget first
+  // (begin_create), so no caller can overshoot it meanwhile; they touch no cache state.
+  const size_t allowed = pool_->begin_create(n);
+  if (allowed == 0) return true;  // budget: obtain() reclaims or reports the shortfall
+  lock.unlock();
+  std::vector<PageHandle> made;
+  std::exception_ptr error;
+  try {
+    while (made.size() < allowed) made.push_back(backend_->create_page());
+  } catch (const Error& e) {
+    if (e.kind() != Error::Kind::OutOfPages) error = std::current_exception();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  lock.lock();
+  pool_->end_create(allowed, made);
+  counters_.prefetch_driver_calls += made.size();
+  ++publishes_;  // wakes await_publish()/settle() callers waiting for pages
+  settled_.notify_all();
+  if (error) {
+    record_background_error(error);
+    return false;
+  }
+  return true;
+}
+
+void KVCacheCore::record_background_error(std::exception_ptr error) {
+  background_error_ = error;
+  ++counters_.prefetch_errors;
 }
 
 void KVCacheCore::wait() {

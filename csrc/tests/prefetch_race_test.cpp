@@ -42,10 +42,11 @@ class GatedBackend final : public Backend {
   explicit GatedBackend(size_t page_bytes) : inner_(page_bytes) {}
   HostBackend& inner() { return inner_; }
 
-  // The nth next map() call stops before acting until open(); held() says whether one is stopped.
-  void arm(int nth) {
+  // The nth next call of `op` ("map" or "create_page") stops before acting until open().
+  void arm(int nth, const std::string& op = "map") {
     std::lock_guard<std::mutex> lock(mu_);
     countdown_ = nth;
+    gated_op_ = op;
     open_ = false;
   }
   void open() {
@@ -65,18 +66,13 @@ class GatedBackend final : public Backend {
   std::string name() const override { return "gated-host"; }
   uintptr_t reserve(size_t bytes) override { return inner_.reserve(bytes); }
   void release_va(uintptr_t va, size_t bytes) override { inner_.release_va(va, bytes); }
-  PageHandle create_page() override { return inner_.create_page(); }
+  PageHandle create_page() override {
+    gate("create_page");
+    return inner_.create_page();
+  }
   void destroy_page(PageHandle page) override { inner_.destroy_page(page); }
   void map(uintptr_t va, PageHandle page) override {
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      if (countdown_ > 0 && --countdown_ == 0) {
-        held_ = true;
-        cv_.notify_all();
-        cv_.wait(lock, [this] { return open_; });
-        held_ = false;
-      }
-    }
+    gate("map");
     if (const int us = latency_us_.load()) std::this_thread::sleep_for(std::chrono::microseconds(us));
     inner_.map(va, page);
   }
@@ -86,7 +82,18 @@ class GatedBackend final : public Backend {
   int64_t committed_bytes() const override { return inner_.committed_bytes(); }
 
  private:
+  void gate(const char* op) {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (gated_op_ == op && countdown_ > 0 && --countdown_ == 0) {
+      held_ = true;
+      cv_.notify_all();
+      cv_.wait(lock, [this] { return open_; });
+      held_ = false;
+    }
+  }
+
   HostBackend inner_;
+  std::string gated_op_ = "map";
   std::mutex mu_;
   std::condition_variable cv_;
   int countdown_ = 0;
@@ -121,9 +128,9 @@ struct Fixture {
     for (auto& [s, n] : items) v[static_cast<size_t>(s)] = n;
     return v;
   }
-  // Starts a prefetch of `slot` to `tokens` and returns once its first map() is held open.
-  void hold_prefetch(int slot, int64_t tokens) {
-    gate->arm(1);
+  // Starts a prefetch of `slot` to `tokens` and returns once its first `op` call is held open.
+  void hold_prefetch(int slot, int64_t tokens, const std::string& op = "map") {
+    gate->arm(1, op);
     core->prefetch(lens({{slot, tokens}}), 0);
     check(gate->wait_held(5s), "the prefetch thread never reached map()");
   }
@@ -297,6 +304,39 @@ void test_pool_dry_while_pages_in_flight() {
   f.expect_all_pages_return("pool dry");
 }
 
+// Page creation (cuMemCreate) by the prefetch thread happens without the lock too: a step() that
+// creates its own pages goes on meanwhile; under a budget, pages being created are counted.
+void test_page_creation_outside_the_lock() {
+  {
+    Fixture f;
+    const int a = f.core->alloc(), b = f.core->alloc();
+    f.hold_prefetch(a, 3 * f.tpp, "create_page");
+    auto st = std::async(std::launch::async, [&] { f.core->step(f.lens({{b, 2 * f.tpp}}), 0, false); });
+    check(st.wait_for(5s) == std::future_status::ready, "step() waited for the prefetch thread's cuMemCreate");
+    st.get();
+    f.finish("create, no budget");
+    check(f.core->mapped_tokens(a) >= 3 * f.tpp, "a not backed after the created pages were mapped");
+    f.expect_all_pages_return("create, no budget");
+  }
+  {
+    Fixture f(ReclaimPolicy::Deferred, int64_t{6} * (64 << 10) * 4);  // 6 page indices x 4 tensors
+    const int a = f.core->alloc(), b = f.core->alloc();
+    f.hold_prefetch(a, 4 * f.tpp, "create_page");  // counts 16 of the 24 pages against the budget
+    auto st = std::async(std::launch::async, [&] { f.core->step(f.lens({{b, 3 * f.tpp}}), 0, false); });
+    check(st.wait_for(100ms) == std::future_status::timeout,
+          "step() did not wait for pages being created under the budget");
+    f.gate->open();
+    try {
+      st.get();  // takes pages the thread created; the thread then falls short (not an error)
+    } catch (const std::exception& e) {
+      check(false, std::string("step() failed under the budget: ") + e.what());
+    }
+    f.finish("create, budget");
+    check(f.stat("pages_total") <= 24, "budget exceeded: " + std::to_string(f.stat("pages_total")));
+    f.expect_all_pages_return("create, budget");
+  }
+}
+
 // Everything at once, with map() slowed so the prefetch thread is mostly outside the lock.
 void test_hammer_with_latency() {
   Fixture f(ReclaimPolicy::Deferred, int64_t{4} << 20);
@@ -385,6 +425,7 @@ int main() {
   test_fork_and_swap_during_flight();
   test_map_failure_outside_the_lock();
   test_pool_dry_while_pages_in_flight();
+  test_page_creation_outside_the_lock();
   test_hammer_with_latency();
   if (failures) {
     std::fprintf(stderr, "%d failure(s)\n", failures.load());
