@@ -31,32 +31,45 @@ SHAPES = {
 
 
 def run(layout: str, page: str, prefetch: bool, iterations: int, gap_s: float, slots: int,
-        device: str = "cpu"):
-    cfg = vattention.KVCacheConfig(**SHAPES[(layout, page)], max_batch_size=slots,
+        device: str = "cpu", dims: dict | None = None, lookahead_tokens: int | None = None,
+        floor: bool = False):
+    """One decode loop; floor=True keeps every length fixed (step() never maps: its bare cost)."""
+    cfg = vattention.KVCacheConfig(**(dims or SHAPES[(layout, page)]), max_batch_size=slots,
                                    max_seq_len=4096, dtype=torch.float16, page_size=page,
                                    layout=layout, device=device)
     blocked = []
     with vattention.KVCache(cfg) as cache:
         tpp = cfg.tokens_per_page
         lens = {cache.alloc(): 1 + (i * tpp) // slots for i in range(slots)}
-        final = {s: n + iterations + 1 for s, n in lens.items()}
+        final = {s: n + iterations + 1 + (lookahead_tokens or 0) for s, n in lens.items()}
         cache.reserve(sum(cfg.pages_for_tokens(n) for n in final.values()) * cfg.page_bytes)
         cache.step(lens)
-        maps_before = cache.stats()["step_map_calls"]
+        before = cache.stats()
         for _ in range(iterations):
-            lens = {s: n + 1 for s, n in lens.items()}
+            if not floor:
+                lens = {s: n + 1 for s, n in lens.items()}
             t0 = time.perf_counter()
             cache.step(lens)
             blocked.append(time.perf_counter() - t0)
             if prefetch:
-                cache.prefetch({s: n + 1 for s, n in lens.items()})
+                cache.prefetch({s: n + 1 for s, n in lens.items()}, lookahead_tokens=lookahead_tokens)
             time.sleep(gap_s)
         stats = cache.stats()
     blocked.sort()
     return {"mean": statistics.fmean(blocked), "p99": blocked[int(0.99 * (len(blocked) - 1))],
-            "step_maps": stats["step_map_calls"] - maps_before,
+            "step_maps": stats["step_map_calls"] - before["step_map_calls"],
+            # Driver calls per iteration, made inside step() / by the prefetch thread (None when
+            # the core predates these counters).
+            "step_calls": _per_step(stats, before, "step_driver_calls", iterations),
+            "prefetch_calls": _per_step(stats, before, "prefetch_driver_calls", iterations),
             "prefetch_maps": stats["prefetch_map_calls"],
             "tokens_per_page": cfg.tokens_per_page}
+
+
+def _per_step(after: dict, before: dict, key: str, iterations: int):
+    if key not in after:
+        return None
+    return (after[key] - before[key]) / iterations
 
 
 def main() -> None:

@@ -137,6 +137,14 @@ int KVCacheCore::alloc() {
   Lock lock(mu_);
   check_open();
   rethrow_background_error();
+  // A slot freed while the prefetch thread maps it is a candidate here, and its new owner may
+  // unmap (forget_sharing) or map below the range in flight: let that mapping publish first.
+  while (inflight_.slot >= 0 &&
+         slots_[static_cast<size_t>(inflight_.slot)].state != Slot::State::Active) {
+    await_publish(lock);  // the thread only starts mappings of active slots
+    check_open();
+    rethrow_background_error();
+  }
   drain_eager();
   int best = -1;
   for (int i = 0; i < geo_.max_batch; ++i) {
@@ -207,12 +215,25 @@ bool KVCacheCore::step(const std::vector<int64_t>& lens, uintptr_t /*stream*/, b
   }
   Lock lock(mu_);
   std::vector<Growth> plan = plan_step(lens);
-  if (!plan.empty() && !prefetcher_->idle()) {
-    // Pages are missing and the prefetch thread may be mapping them right now: let it finish
-    // instead of racing it for the same pages, then plan again (other callers may have run).
-    lock.unlock();
-    prefetcher_->wait();
-    lock.lock();
+  for (;;) {
+    // The prefetch thread may be mapping one of these slots outside the lock: that range is its
+    // own until it publishes, and this step needs those pages, so wait for it and plan again.
+    // Slots it is not mapping are mapped here, in parallel with it: step() never waits for a
+    // driver call it does not need. Pages it holds in flight are not in the pool either: when the
+    // pool cannot cover the plan without them, wait too (they become trimmable look-ahead).
+    bool wait = false;
+    size_t need = 0;
+    for (const Growth& g : plan) {
+      wait = wait || in_flight(static_cast<size_t>(g.slot));
+      need += (g.to - g.from) * static_cast<size_t>(geo_.num_tensors());
+    }
+    if ((inflight_.slot >= 0 || pool_->creating() > 0) && need > 0 &&
+        pool_->headroom() != std::numeric_limits<size_t>::max() &&
+        pool_->free() + pool_->headroom() < need) {
+      wait = true;
+    }
+    if (!wait) break;
+    await_publish(lock);  // only this mapping: the thread may go on to other slots meanwhile
     plan = plan_step(lens);
   }
   std::vector<int64_t> old_lens(lens.size());
@@ -221,14 +242,32 @@ bool KVCacheCore::step(const std::vector<int64_t>& lens, uintptr_t /*stream*/, b
   for (size_t i = 0; i < lens.size(); ++i) {
     if (lens[i] != kUnlisted) slots_[i].seq_len = std::max(lens[i], old_lens[i]);
   }
+  const uint64_t calls_before = vmm_calls();
   try {
     grow(plan, false);
   } catch (...) {
+    counters_.step_driver_calls += vmm_calls() - calls_before;
     for (size_t i = 0; i < lens.size(); ++i) slots_[i].seq_len = old_lens[i];
     throw;
   }
+  counters_.step_driver_calls += vmm_calls() - calls_before;
   commit_step(lens);
   return true;
+}
+
+bool KVCacheCore::outside_lock_work() const {
+  // pool_ is gone after close(), which joined the prefetch thread first: nothing is outside then.
+  return inflight_.slot >= 0 || (pool_ && pool_->creating() > 0);
+}
+
+void KVCacheCore::settle(Lock& lock) {
+  settled_.wait(lock, [this] { return !outside_lock_work(); });
+}
+
+void KVCacheCore::await_publish(Lock& lock) {
+  if (!outside_lock_work()) return;
+  const uint64_t seen = publishes_;
+  settled_.wait(lock, [this, seen] { return publishes_ != seen; });
 }
 
 std::vector<KVCacheCore::Growth> KVCacheCore::plan_step(const std::vector<int64_t>& lens) {
@@ -291,6 +330,22 @@ void KVCacheCore::map_slot(int slot, size_t from, size_t to, const PageHandle* p
                            bool from_prefetch) {
   const int T = geo_.num_tensors();
   const size_t count = to - from;
+  map_pages(slot, from, to, pages);
+  counters_.map_calls += count * static_cast<size_t>(T);
+  (from_prefetch ? counters_.prefetch_map_calls : counters_.step_map_calls) += count * static_cast<size_t>(T);
+  counters_.set_access_calls += static_cast<size_t>(T);
+  if (!from_prefetch) {
+    for (int t = 0; t < T; ++t) backend_->prefault(page_va(t, slot, from), count * geo_.page_bytes);
+  }
+  Slot& s = slots_[static_cast<size_t>(slot)];
+  s.pages.insert(s.pages.end(), pages, pages + count * static_cast<size_t>(T));
+  s.mapped = to;
+  s.backed = geo_.tokens_in(to);
+}
+
+size_t KVCacheCore::map_pages(int slot, size_t from, size_t to, const PageHandle* pages) const {
+  const int T = geo_.num_tensors();
+  const size_t count = to - from;
   const size_t run_bytes = count * geo_.page_bytes;
   int tensors_done = 0;
   size_t pages_done = 0;  // in the tensor being mapped
@@ -298,37 +353,31 @@ void KVCacheCore::map_slot(int slot, size_t from, size_t to, const PageHandle* p
     for (int t = 0; t < T; ++t) {
       for (size_t p = from; p < to; ++p) {
         backend_->map(page_va(t, slot, p), pages[(p - from) * static_cast<size_t>(T) + static_cast<size_t>(t)]);
-        ++counters_.map_calls;
-        ++(from_prefetch ? counters_.prefetch_map_calls : counters_.step_map_calls);
         pages_done = p - from + 1;
       }
       // One access grant per contiguous run of new pages, not one per page.
       backend_->set_access(page_va(t, slot, from), run_bytes);
-      ++counters_.set_access_calls;
-      // The prefetch thread populates after dropping the lock (run_prefetch), not here.
-      if (!from_prefetch) backend_->prefault(page_va(t, slot, from), run_bytes);
       tensors_done = t + 1;
       pages_done = 0;
     }
   } catch (...) {
     try {
-      for (int t = 0; t < tensors_done; ++t) {
-        backend_->unmap(page_va(t, slot, from), run_bytes);
-        ++counters_.unmap_calls;
-      }
+      // One unmap per contiguous run: the tensors done, then the part of the one that failed.
+      for (int t = 0; t < tensors_done; ++t) backend_->unmap(page_va(t, slot, from), run_bytes);
       if (pages_done > 0) {
         backend_->unmap(page_va(tensors_done, slot, from), pages_done * geo_.page_bytes);
-        ++counters_.unmap_calls;
       }
     } catch (...) {
       // Secondary failure while undoing: the first error is the one the caller needs.
     }
     throw;
   }
-  Slot& s = slots_[static_cast<size_t>(slot)];
-  s.pages.insert(s.pages.end(), pages, pages + count * static_cast<size_t>(T));
-  s.mapped = to;
-  s.backed = geo_.tokens_in(to);
+  return count * static_cast<size_t>(T) + static_cast<size_t>(T);
+}
+
+uint64_t KVCacheCore::vmm_calls() const {
+  return counters_.map_calls + counters_.set_access_calls + counters_.unmap_calls +
+         pool_->pages_created() + pool_->pages_destroyed();
 }
 
 // ---- queries ------------------------------------------------------------------------------------
@@ -399,6 +448,9 @@ std::vector<std::pair<std::string, int64_t>> KVCacheCore::stats() const {
       {"step_map_calls", u(counters_.step_map_calls)},
       {"prefetch_map_calls", u(counters_.prefetch_map_calls)},
       {"steps", u(counters_.steps)},
+      {"step_driver_calls", u(counters_.step_driver_calls)},
+      {"prefetch_driver_calls", u(counters_.prefetch_driver_calls)},
+      {"prefetch_errors", u(counters_.prefetch_errors)},
       {"pages_created", u(pool_->pages_created())},
       {"pages_destroyed", u(pool_->pages_destroyed())},
       {"oom_events", u(counters_.oom_events)},
@@ -426,7 +478,12 @@ std::string KVCacheCore::check_invariants() const {
     }
     if (s.backed != geo_.tokens_in(s.mapped)) return where + "cached backed tokens are stale";
     for (PageHandle p : s.pages) ++seen[p];
+    if (in_flight(i) && s.mapped != inflight_.from) {
+      return where + "mapped " + std::to_string(s.mapped) + " pages while pages from " +
+             std::to_string(inflight_.from) + " are being mapped outside the lock";
+    }
   }
+  for (PageHandle p : inflight_.pages) ++seen[p];  // taken from the pool, not yet published
   const std::string sharing = check_sharing(seen);
   if (!sharing.empty()) return sharing;
   for (const auto& entry : seen) {

@@ -16,12 +16,14 @@
 // has completed: unmapping is not stream-ordered on CUDA.
 //
 // Thread-safety and lock order: every public method may be called from any thread. mu_ guards all
-// state; the prefetch thread takes mu_ per slot it maps. Order: Prefetcher::mu_ is never held while
+// state; the prefetch thread takes mu_ per slot it maps, and makes the driver calls themselves
+// without it (an "in-flight" range, see kv_cache_prefetch.cpp for the rules that keep that safe). Order: Prefetcher::mu_ is never held while
 // taking mu_, and mu_ is never held while waiting on the prefetcher. The backend's own locks are
 // leaves below mu_.
 #pragma once
 
 #include <climits>
+#include <condition_variable>
 #include <cstdint>
 #include <exception>
 #include <map>
@@ -150,6 +152,35 @@ class KVCacheCore {
   size_t spare_pages(const std::vector<Growth>& plan, bool allow_trim) const;
   size_t release_spare(size_t n, const std::vector<Growth>& plan, bool allow_trim);
   void map_slot(int slot, size_t from, size_t to, const PageHandle* pages, bool from_prefetch);
+  // Maps pages at page indices [from, to) of `slot` in every tensor and grants access (one
+  // set_access per tensor run); touches no cache state, so the prefetch thread runs it unlocked.
+  // On failure unmaps what it mapped and rethrows. Returns the driver calls made.
+  size_t map_pages(int slot, size_t from, size_t to, const PageHandle* pages) const;
+  // ---- the prefetch thread's mapping in flight (kv_cache_prefetch.cpp) --------------------------
+  struct InFlight {
+    int slot = -1;                   // -1: nothing in flight
+    size_t from = 0, to = 0;         // page indices being mapped outside the lock
+    std::vector<PageHandle> pages;   // taken from the pool (refcount 1), not yet in the slot
+  };
+  bool in_flight(size_t slot) const { return inflight_.slot == static_cast<int>(slot); }
+  // Waits (releasing mu_) until nothing is in flight (no mapping, no page creation outside the
+  // lock). Callers re-validate afterwards.
+  void settle(Lock& lock);
+  // Waits (releasing mu_) until the mapping in flight now, if any, has published; the prefetch
+  // thread may start another one meanwhile. Callers re-validate afterwards.
+  void await_publish(Lock& lock);
+  // True while the prefetch thread maps or creates pages without mu_ (callers hold mu_).
+  bool outside_lock_work() const;
+  // Runs the prefetch of one slot: plan under the lock, map without it, publish under it.
+  // Returns false when the job must stop (closed, error, pool dry).
+  bool prefetch_slot(int slot, int64_t target_tokens);
+  // Creates up to n pages for the pool with mu_ released (lock is held on entry and on return).
+  // Returns false when the job must stop (a driver error, now in background_error_).
+  bool create_unlocked(Lock& lock, size_t n);
+  // Keeps a prefetch-thread failure for the next call on the cache, and counts it.
+  void record_background_error(std::exception_ptr error);
+  // VMM driver calls so far (create, release, map, set_access, unmap), for the per-step counters.
+  uint64_t vmm_calls() const;
   // Unmaps page indices [keep, mapped) of a slot and releases its pages. Returns the pages that
   // reached the free list (a shared page only loses a reference).
   size_t unmap_tail(Slot& slot, int index, size_t keep);
@@ -188,6 +219,9 @@ class KVCacheCore {
   CacheCounters counters_;
   std::exception_ptr background_error_;
   bool closed_ = false;
+  InFlight inflight_;                 // at most one slot is mapped outside the lock at a time
+  uint64_t publishes_ = 0;            // in-flight mappings finished (published or given back)
+  std::condition_variable settled_;   // notified when inflight_ is cleared
   std::unique_ptr<Prefetcher> prefetcher_;
   std::unique_ptr<SwapStore> swap_;   // swapped-out slots (issue 7)
   VaRange staging_;                   // one page of address space to copy into unmapped pages

@@ -31,7 +31,8 @@ void KVCacheCore::drain_eager() {
   for (int i : eager_pending_) {
     Slot& s = slots_[static_cast<size_t>(i)];
     if (s.state != Slot::State::Idle) continue;  // reallocated meanwhile: nothing to reclaim
-    if (s.has_fence && !backend_->fence_done(s.fence)) {
+    if (in_flight(static_cast<size_t>(i)) || (s.has_fence && !backend_->fence_done(s.fence))) {
+      // In flight: the prefetch thread is mapping above its pages (rule R, kv_cache_prefetch.cpp).
       still.push_back(i);
       continue;
     }
@@ -46,6 +47,7 @@ size_t KVCacheCore::spare_pages(const std::vector<Growth>& plan, bool allow_trim
   size_t spare = 0;
   for (size_t i = 0; i < slots_.size(); ++i) {
     const Slot& s = slots_[i];
+    if (in_flight(i)) continue;  // never shrunk while mapped outside the lock (rule R)
     if (s.state == Slot::State::Idle) {
       spare += s.mapped * T;
     } else if (allow_trim && s.state == Slot::State::Active) {
@@ -66,6 +68,7 @@ size_t KVCacheCore::release_spare(size_t n, const std::vector<Growth>& plan, boo
     int victim = -1;
     for (size_t i = 0; i < slots_.size(); ++i) {
       const Slot& s = slots_[i];
+      if (in_flight(i)) continue;  // rule R, kv_cache_prefetch.cpp
       if (s.state == Slot::State::Idle && s.mapped > 0 &&
           (victim < 0 || s.freed_at < slots_[static_cast<size_t>(victim)].freed_at)) {
         victim = static_cast<int>(i);
@@ -77,7 +80,7 @@ size_t KVCacheCore::release_spare(size_t n, const std::vector<Growth>& plan, boo
       size_t best_excess = 0;
       for (size_t i = 0; i < slots_.size(); ++i) {
         const Slot& s = slots_[i];
-        if (s.state != Slot::State::Active) continue;
+        if (s.state != Slot::State::Active || in_flight(i)) continue;
         if (std::any_of(plan.begin(), plan.end(),
                         [&](const Growth& g) { return g.slot == static_cast<int>(i); })) {
           continue;
@@ -191,6 +194,7 @@ void KVCacheCore::reserve(size_t bytes) {
 
 size_t KVCacheCore::reclaim() {
   Lock lock(mu_);
+  settle(lock);  // a slot freed while being mapped is reclaimed too (rule R)
   check_open();
   rethrow_background_error();
   size_t released = 0;
@@ -212,6 +216,7 @@ size_t KVCacheCore::shrink(size_t keep_bytes) {
 
 int64_t KVCacheCore::set_memory_budget(int64_t budget_bytes) {
   Lock lock(mu_);
+  settle(lock);  // pages in flight count against the budget and cannot be trimmed until published
   check_open();
   rethrow_background_error();
   pool_->set_budget(budget_bytes);

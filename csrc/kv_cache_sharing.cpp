@@ -87,6 +87,7 @@ size_t KVCacheCore::freeable_spare(const std::vector<Growth>& plan, bool allow_t
   std::unordered_map<PageHandle, uint32_t> reclaimable;
   for (size_t i = 0; i < slots_.size(); ++i) {
     const Slot& s = slots_[i];
+    if (in_flight(i)) continue;  // never shrunk while mapped outside the lock (rule R)
     size_t from = s.mapped;
     if (s.state == Slot::State::Idle) {
       from = 0;
@@ -123,6 +124,7 @@ void KVCacheCore::check_share_args(int src, int64_t num_tokens) const {
 int KVCacheCore::fork(int src, int64_t num_tokens, uintptr_t stream) {
   prefetcher_->wait();
   Lock lock(mu_);
+  settle(lock);  // another thread may have queued a prefetch since (rule R, kv_cache_prefetch.cpp)
   check_open();
   rethrow_background_error();
   drain_eager();
@@ -139,6 +141,7 @@ int KVCacheCore::fork(int src, int64_t num_tokens, uintptr_t stream) {
 void KVCacheCore::share_prefix(int src, int dst, int64_t num_tokens, uintptr_t stream) {
   prefetcher_->wait();
   Lock lock(mu_);
+  settle(lock);  // another thread may have queued a prefetch since (rule R, kv_cache_prefetch.cpp)
   check_open();
   rethrow_background_error();
   require_active(dst, "dst_slot", kNotActive);
@@ -220,6 +223,7 @@ void KVCacheCore::share_locked(int src, int dst, int64_t num_tokens, uintptr_t s
 size_t KVCacheCore::ensure_private(int slot, int64_t start_token, uintptr_t stream) {
   prefetcher_->wait();
   Lock lock(mu_);
+  settle(lock);  // another thread may have queued a prefetch since (rule R, kv_cache_prefetch.cpp)
   check_open();
   rethrow_background_error();
   require_active(slot, "slot", kNotActive);

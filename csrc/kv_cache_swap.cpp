@@ -44,6 +44,7 @@ void KVCacheCore::copy_page_to_host(PageHandle page, void* dst, uintptr_t stream
 int64_t KVCacheCore::swap_out(int slot, uintptr_t stream) {
   prefetcher_->wait();
   Lock lock(mu_);
+  settle(lock);  // another thread may have queued a prefetch since (rule R, kv_cache_prefetch.cpp)
   check_open();
   rethrow_background_error();
   require_active(slot, "slot", "is not an active slot: only active slots can be swapped out");
@@ -128,6 +129,7 @@ int64_t KVCacheCore::swap_out(int slot, uintptr_t stream) {
 int KVCacheCore::swap_in(int64_t handle, uintptr_t stream) {
   prefetcher_->wait();
   Lock lock(mu_);
+  settle(lock);  // another thread may have queued a prefetch since (rule R, kv_cache_prefetch.cpp)
   check_open();
   rethrow_background_error();
   drain_eager();

@@ -1,5 +1,6 @@
 #include "page_pool.h"
 
+#include <algorithm>
 #include <exception>
 #include <limits>
 #include <string>
@@ -44,7 +45,31 @@ void PagePool::destroy_all() {
 size_t PagePool::headroom() const {
   if (budget_bytes_ < 0) return std::numeric_limits<size_t>::max();
   const size_t cap = static_cast<size_t>(budget_bytes_) / page_bytes_;
-  return cap > total_ ? cap - total_ : 0;
+  return cap > total_ + creating_ ? cap - total_ - creating_ : 0;
+}
+
+size_t PagePool::begin_create(size_t n) {
+  const size_t allowed = std::min(n, headroom());
+  creating_ += allowed;
+  return allowed;
+}
+
+void PagePool::end_create(size_t reserved, const std::vector<PageHandle>& made) {
+  creating_ -= reserved;
+  for (PageHandle p : made) {
+    ++created_;
+    if (headroom() == 0) {  // the budget was lowered meanwhile
+      try {
+        backend_.destroy_page(p);
+        ++destroyed_;
+        continue;
+      } catch (...) {
+        // Keep it: a page the pool knows is better than a leaked one.
+      }
+    }
+    free_.push_back(p);
+    ++total_;
+  }
 }
 
 uint32_t PagePool::refs(PageHandle page) const {

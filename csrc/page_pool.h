@@ -47,6 +47,14 @@ class PagePool {
   // the budget. Stops early (returning fewer) only when the budget or the backend refuses more;
   // other backend errors propagate after the pages taken so far are returned.
   std::vector<PageHandle> take(size_t num_pages);
+  // Creation outside the owner's lock (the prefetch thread, issue 13): begin_create(n) counts up
+  // to n pages against the budget (headroom() excludes them) and returns how many the caller may
+  // create; the caller creates them with the backend, unlocked, and hands what it got to
+  // end_create(reserved, made), which adds them to the free list (destroying any a budget lowered
+  // meanwhile no longer allows). Both under the owner's lock.
+  size_t begin_create(size_t n);
+  void end_create(size_t reserved, const std::vector<PageHandle>& made);
+  size_t creating() const { return creating_; }
   // Undoes take(): returns `pages` to the free list and destroys the last `num_created` of them
   // (the ones take() created), so the pool is as it was before.
   void untake(const std::vector<PageHandle>& pages, size_t num_created);
@@ -73,6 +81,7 @@ class PagePool {
   std::unordered_map<PageHandle, uint32_t> refs_;  // in-use pages only
   uint64_t created_ = 0;
   uint64_t destroyed_ = 0;
+  size_t creating_ = 0;  // pages being created outside the owner's lock (begin/end_create)
 };
 
 }  // namespace vattention

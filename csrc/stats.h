@@ -12,6 +12,11 @@ struct CacheCounters {
   uint64_t step_map_calls = 0;     // map() calls made synchronously inside step()
   uint64_t prefetch_map_calls = 0; // map() calls made by the background prefetch thread
   uint64_t steps = 0;
+  // VMM driver calls (cuMemCreate/Release/Map/SetAccess/Unmap) made synchronously inside step(),
+  // and by the prefetch thread: step_driver_calls / steps is what a decode step pays inline.
+  uint64_t step_driver_calls = 0;
+  uint64_t prefetch_driver_calls = 0;
+  uint64_t prefetch_errors = 0;    // failures of the prefetch thread (each raised by a later call)
   uint64_t oom_events = 0;         // OutOfPagesError raised
   uint64_t reclaimed_pages = 0;    // pages unmapped from idle slots or trimmed from active ones
   uint64_t prefetch_shortfall_pages = 0;  // pages the prefetch thread could not get

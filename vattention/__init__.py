@@ -11,6 +11,7 @@ memory grows with the tokens really held.
 >>> cache.close()
 """
 
+from . import ops  # compile-safe append ops (torch.library custom ops: vattention::append)
 from .cache import KVCache
 from .config import KVCacheConfig, parse_size
 from .errors import (BackendUnavailableError, CacheClosedError, ConfigError, DriverError,
@@ -22,5 +23,5 @@ __version__ = "0.1.0"
 __all__ = [
     "KVCache", "KVCacheConfig", "parse_size", "VAttentionError", "ConfigError", "InvalidSlotError",
     "SequenceTooLongError", "OutOfPagesError", "DriverError", "BackendUnavailableError",
-    "CacheClosedError", "SwapSpaceError", "__version__",
+    "CacheClosedError", "SwapSpaceError", "ops", "__version__",
 ]

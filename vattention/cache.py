@@ -220,7 +220,8 @@ class KVCache(SharingMixin):
         """Map pages for the next iteration in the background; returns at once.
 
         Each listed slot is backed up to its length plus ``lookahead_tokens`` (default: the
-        cache's). The next :meth:`step` joins this work first; shortfalls are not errors here.
+        cache's). The next :meth:`step` waits only for a slot the thread is mapping at that moment
+        and maps anything still missing itself; shortfalls are not errors here.
         """
         la = -1 if lookahead_tokens is None else int(lookahead_tokens)
         if la < -1:

@@ -124,6 +124,10 @@ class Emulator:
             "vaemu_set_strict_context": ([ctypes.c_int], None),
             "vaemu_inject_fault": ([ctypes.c_char_p, i64, ctypes.c_int], None),
             "vaemu_set_latency_us": ([ctypes.c_char_p, i64], None),
+            "vaemu_set_latency_ns": ([ctypes.c_char_p, i64], None),
+            "vaemu_gate": ([ctypes.c_char_p, i64], None),
+            "vaemu_gate_open": ([], None),
+            "vaemu_gate_held": ([], ctypes.c_int),
             "vaemu_set_gpu_busy": ([ctypes.c_int], None),
             "vaemu_counter": ([ctypes.c_char_p], i64),
             "vaemu_last_violation": ([], ctypes.c_char_p),
@@ -209,6 +213,30 @@ class Emulator:
 
     def set_latency_us(self, entry: str, us: int) -> None:
         self.lib.vaemu_set_latency_us(entry.encode(), us)
+
+    def set_latency_ns(self, entry: str, ns: int) -> None:
+        """Every call of ``entry`` is held ``ns`` nanoseconds before it acts (short holds spin)."""
+        self.lib.vaemu_set_latency_ns(entry.encode(), int(ns))
+
+    def gate(self, entry: str, nth: int = 1) -> None:
+        """The nth call (1 = next) of ``entry`` stops before it acts until gate_open() (race tests)."""
+        self.lib.vaemu_gate(entry.encode(), nth)
+
+    def gate_open(self) -> None:
+        self.lib.vaemu_gate_open()
+
+    def gate_held(self) -> bool:
+        """True while a call is stopped at the gate."""
+        return bool(self.lib.vaemu_gate_held())
+
+    def wait_gate_held(self, timeout_s: float = 10.0) -> None:
+        """Blocks until a call is stopped at the gate; AssertionError after timeout_s."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while not self.gate_held():
+            assert time.monotonic() < deadline, "no driver call reached the gate"
+            time.sleep(0.001)
 
     def set_gpu_busy(self, busy: bool) -> None:
         self.lib.vaemu_set_gpu_busy(int(busy))

@@ -28,6 +28,18 @@ CUcontext& current_context() {
   return current;
 }
 
+// Sleeping overshoots by the kernel's timer slack (~50-60 us), far more than a 1.45 us cuMemMap:
+// short holds spin (a driver call keeps its thread busy too), long ones sleep all but the last
+// 100 us and spin the rest.
+void hold_for_ns(int64_t ns) {
+  using clock = std::chrono::steady_clock;
+  const auto until = clock::now() + std::chrono::nanoseconds(ns);
+  constexpr int64_t kSpinNs = 100'000;
+  if (ns > 2 * kSpinNs) std::this_thread::sleep_for(std::chrono::nanoseconds(ns - kSpinNs));
+  while (clock::now() < until) {
+  }
+}
+
 bool device_valid(int ordinal) { return ordinal >= 0 && ordinal < state().device_count; }
 
 bool context_live(CUcontext ctx) {
@@ -41,13 +53,19 @@ bool context_live(CUcontext ctx) {
 Call::Call(const char* name, unsigned needs) : name_(name), lock_(state().mu) {
   State& s = state();
   s.calls[name]++;
-  auto lat = s.latency_us.find(name);
-  if (lat != s.latency_us.end() && lat->second > 0) {
-    // Sleep without the lock, so other threads' calls proceed as they would on a real driver.
-    int64_t us = lat->second;
+  auto lat = s.latency_ns.find(name);
+  if (lat != s.latency_ns.end() && lat->second > 0) {
+    // Held open without the lock, so other threads' calls proceed as they would on a real driver.
+    int64_t ns = lat->second;
     lock_.unlock();
-    std::this_thread::sleep_for(std::chrono::microseconds(us));
+    hold_for_ns(ns);
     lock_.lock();
+  }
+  if (!s.gate_entry.empty() && s.gate_entry == name && --s.gate_countdown == 0) {
+    s.gate_held = true;
+    s.gate_changed.notify_all();
+    s.gate_changed.wait(lock_, [&s] { return s.gate_open; });  // releases the lock meanwhile
+    s.gate_held = false;
   }
   auto fault = s.faults.find(name);
   if (fault != s.faults.end() && --fault->second.countdown == 0) {
@@ -125,7 +143,11 @@ void vaemu_reset() {
   s.gpu_idle.notify_all();
   s.calls.clear();
   s.faults.clear();
-  s.latency_us.clear();
+  s.latency_ns.clear();
+  s.gate_entry.clear();
+  s.gate_open = true;  // a call stopped at a gate goes on
+  s.gate_held = false;
+  s.gate_changed.notify_all();
   s.hidden_symbols.clear();
   s.violations = 0;
   s.last_violation.clear();
@@ -167,10 +189,34 @@ void vaemu_inject_fault(const char* entry, int64_t nth, int result) {
   }
 }
 
-// Every call of `entry` sleeps `us` microseconds (outside the lock). 0 clears.
-void vaemu_set_latency_us(const char* entry, int64_t us) {
+// Every call of `entry` is held `ns` nanoseconds (outside the lock) before it acts. 0 clears.
+void vaemu_set_latency_ns(const char* entry, int64_t ns) {
   std::lock_guard<std::mutex> lock(state().mu);
-  state().latency_us[entry] = us;
+  state().latency_ns[entry] = ns;
+}
+
+void vaemu_set_latency_us(const char* entry, int64_t us) { vaemu_set_latency_ns(entry, us * 1000); }
+
+// Race tests: the nth call (1 = the next one) of `entry` stops before it acts, without the lock,
+// until vaemu_gate_open(); vaemu_gate_held() says whether a call is stopped there now. One gate.
+void vaemu_gate(const char* entry, int64_t nth) {
+  std::lock_guard<std::mutex> lock(state().mu);
+  state().gate_entry = entry;
+  state().gate_countdown = nth;
+  state().gate_held = false;
+  state().gate_open = false;
+}
+
+void vaemu_gate_open() {
+  std::lock_guard<std::mutex> lock(state().mu);
+  state().gate_open = true;
+  state().gate_entry.clear();
+  state().gate_changed.notify_all();
+}
+
+int vaemu_gate_held() {
+  std::lock_guard<std::mutex> lock(state().mu);
+  return state().gate_held ? 1 : 0;
 }
 
 // cuGetProcAddress(symbol) reports it as not found, like a driver that lacks the entry point.

@@ -87,7 +87,12 @@ struct State {
 
   std::map<std::string, int64_t> calls;         // per entry point (base names)
   std::map<std::string, Fault> faults;
-  std::map<std::string, int64_t> latency_us;
+  std::map<std::string, int64_t> latency_ns;    // per-call hold (vaemu_set_latency_ns)
+  std::string gate_entry;                       // vaemu_gate: entry whose nth call stops
+  int64_t gate_countdown = 0;
+  bool gate_held = false;                       // a call is stopped at the gate now
+  bool gate_open = false;
+  std::condition_variable gate_changed;
   std::set<std::string> hidden_symbols;         // cuGetProcAddress reports them not found
   int64_t violations = 0;
   std::string last_violation;
@@ -119,6 +124,8 @@ class Call {
 CUcontext& current_context();
 bool context_live(CUcontext ctx);
 bool device_valid(int ordinal);
+// Holds the calling thread for ns nanoseconds (spins when short: see emu_state.cpp).
+void hold_for_ns(int64_t ns);
 
 // Frees everything the emulation holds (reservations, handles, events). Caller holds the lock.
 void free_all_locked();
