@@ -48,6 +48,7 @@ KVCacheCore::~KVCacheCore() {
   for (const Slot& s : slots_) {
     if (s.mapped > 0) return;
   }
+  if (staged_) staging_.va = 0;  // still mapped: leak the staging range too
   for (uintptr_t base : bases_) {
     try {
       backend_->release_va(base, geo_.tensor_bytes());
@@ -477,12 +478,22 @@ void KVCacheCore::close() {
   }
   eager_pending_.clear();
   swap_->clear();  // host blocks go; device references die with the pool
+  for (int attempt = 0; attempt < 2 && staged_; ++attempt) {
+    try {
+      unstage();  // a staging mapping left by a failed unmap (it retries once itself)
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
   try {
     pool_->destroy_all();
   } catch (...) {
     if (!first) first = std::current_exception();
   }
   pool_.reset();
+  // Physical memory and what holds it (host: memfd descriptors) go now, not when the last
+  // tensor view lets the object die; the virtual reservations stay until then.
+  backend_->release_physical();
   if (first) std::rethrow_exception(first);
 }
 

@@ -170,6 +170,12 @@ class KVCacheCore {
   int pick_fresh_slot() const;
   void sync_stream(uintptr_t stream);
   uintptr_t staging_va();
+  // Maps `page` at the staging address with access (undoing itself on failure). The staging
+  // mapping holds its own pool reference, so a page whose staging unmap failed is never back on
+  // the free list while mapped; unstage() drops mapping and reference (retrying a failed unmap
+  // once), and a later stage() or close() clears a mapping left by an earlier failure.
+  void stage(PageHandle page);
+  void unstage();
   void copy_page_to_host(PageHandle page, void* dst, uintptr_t stream);
   std::string check_sharing(std::map<PageHandle, uint32_t>& seen) const;
   void sharing_stats(std::vector<std::pair<std::string, int64_t>>& out) const;
@@ -191,6 +197,8 @@ class KVCacheCore {
   std::unique_ptr<Prefetcher> prefetcher_;
   std::unique_ptr<SwapStore> swap_;   // swapped-out slots (issue 7)
   VaRange staging_;                   // one page of address space to copy into unmapped pages
+  bool staged_ = false;               // staging_ maps staged_page_ (holding a pool reference)
+  PageHandle staged_page_ = 0;
 };
 
 }  // namespace vattention

@@ -180,7 +180,18 @@ void KVCacheCore::reserve(size_t bytes) {
   Lock lock(mu_);
   check_open();
   rethrow_background_error();
-  const size_t pages = (bytes + geo_.page_bytes - 1) / geo_.page_bytes;
+  // Overflow-safe rounding up; no cache can use more pages than its virtual tensors hold.
+  const size_t pages = bytes / geo_.page_bytes + (bytes % geo_.page_bytes != 0 ? 1 : 0);
+  const size_t usable = geo_.tensor_bytes() / geo_.page_bytes * static_cast<size_t>(geo_.num_tensors());
+  if (pages > usable) {
+    throw Error(Error::Kind::Config,
+                "reserve of " + std::to_string(bytes) + " bytes (" + std::to_string(pages) +
+                    " pages) exceeds what this cache can ever map: " + std::to_string(usable) +
+                    " pages of " + std::to_string(geo_.page_bytes) + " bytes (its virtual size, " +
+                    std::to_string(usable * geo_.page_bytes) + " bytes)")
+        .with("bytes", static_cast<int64_t>(bytes > INT64_MAX ? INT64_MAX : bytes))
+        .with("pages_possible", static_cast<int64_t>(usable));
+  }
   try {
     pool_->reserve(pages);
   } catch (const Error& e) {

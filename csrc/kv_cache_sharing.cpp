@@ -50,6 +50,45 @@ uintptr_t KVCacheCore::staging_va() {
   return staging_.va;
 }
 
+void KVCacheCore::stage(PageHandle page) {
+  const uintptr_t stage = staging_va();
+  if (staged_) unstage();  // a mapping an earlier failed unmap left behind
+  backend_->map(stage, page);
+  ++counters_.map_calls;
+  try {
+    backend_->set_access(stage, geo_.page_bytes);
+    ++counters_.set_access_calls;
+  } catch (...) {
+    try {
+      backend_->unmap(stage, geo_.page_bytes);
+      ++counters_.unmap_calls;
+    } catch (...) {
+      pool_->share(page);  // still mapped: the staging keeps it out of the free list
+      staged_ = true;
+      staged_page_ = page;
+    }
+    throw;
+  }
+  pool_->share(page);
+  staged_ = true;
+  staged_page_ = page;
+}
+
+void KVCacheCore::unstage() {
+  if (!staged_) return;
+  for (int attempt = 0;; ++attempt) {
+    try {
+      backend_->unmap(staging_.va, geo_.page_bytes);
+      ++counters_.unmap_calls;
+      break;
+    } catch (...) {
+      if (attempt == 1) throw;  // the page stays staged and referenced: accounted, not leaked
+    }
+  }
+  staged_ = false;
+  pool_->release(staged_page_);
+}
+
 bool KVCacheCore::any_sharing() const {
   if (swap_->size() > 0) return true;
   return std::any_of(slots_.begin(), slots_.end(), [](const Slot& s) { return s.shared_pages > 0; });
@@ -250,38 +289,50 @@ size_t KVCacheCore::ensure_private(int slot, int64_t start_token, uintptr_t stre
     }
     size_t done = 0;
     try {
-      const uintptr_t stage = staging_va();
       for (; done < shared.size(); ++done) {
         const size_t i = shared[done];
         const uintptr_t va = page_va(static_cast<int>(i % T), slot, i / T);
         const PageHandle old = s.pages[i], page = fresh[done];
         // Copy through the staging address, then swap the slot's mapping to the copy.
-        backend_->map(stage, page);
+        stage(page);
         try {
-          backend_->set_access(stage, P);
-          backend_->copy(stage, va, P, stream);
+          backend_->copy(staging_.va, va, P, stream);
           sync_stream(stream);  // copy done, and no queued kernel still reads `old` at va
         } catch (...) {
-          backend_->unmap(stage, P);
+          try {
+            unstage();
+          } catch (...) {  // the page stays staged (referenced); the first error is the one
+          }
           throw;
         }
-        backend_->unmap(stage, P);
-        backend_->unmap(va, P);
+        unstage();
+        backend_->unmap(va, P);  // on failure nothing changed: `old` is still mapped at va
+        ++counters_.unmap_calls;
+        bool mapped = false;
         try {
           backend_->map(va, page);
+          mapped = true;
           backend_->set_access(va, P);
         } catch (...) {
-          try {  // put the shared page back so the slot's record stays true
-            backend_->unmap(va, P);
+          // Undo exactly what was done, then put the shared page back so the slot's record
+          // stays true (each call retried once: a hole in the slot would be worse than the error).
+          auto twice = [](auto&& call) {
+            try {
+              call();
+            } catch (...) {
+              call();
+            }
+          };
+          try {
+            if (mapped) twice([&] { backend_->unmap(va, P); });
+            twice([&] { backend_->map(va, old); });
+            twice([&] { backend_->set_access(va, P); });
           } catch (...) {
           }
-          backend_->map(va, old);
-          backend_->set_access(va, P);
           throw;
         }
-        counters_.map_calls += 3;
-        counters_.unmap_calls += 2;
-        counters_.set_access_calls += 2;
+        counters_.map_calls += 1;
+        counters_.set_access_calls += 1;
         s.pages[i] = page;
         pool_->release(old);
       }
@@ -299,6 +350,13 @@ size_t KVCacheCore::ensure_private(int slot, int64_t start_token, uintptr_t stre
 
 std::string KVCacheCore::check_sharing(std::map<PageHandle, uint32_t>& seen) const {
   const size_t T = static_cast<size_t>(geo_.num_tensors());
+  if (staged_) {
+    if (pool_->refs(staged_page_) == 0) {
+      return "page " + std::to_string(staged_page_) +
+             " is back in the pool but still mapped at the staging address";
+    }
+    ++seen[staged_page_];  // the staging mapping's reference
+  }
   for (const auto& entry : swap_->device_refs()) seen[entry.first] += static_cast<uint32_t>(entry.second);
   for (size_t i = 0; i < slots_.size(); ++i) {
     const Slot& s = slots_[i];
