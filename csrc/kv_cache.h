@@ -82,6 +82,7 @@ class KVCacheCore {
   size_t shrink(size_t keep_bytes);
   // Changes the budget (-1 = none). Lowering it shrinks free pages, reclaims idle ones and trims
   // look-ahead until under budget; returns the bytes still over it (active tokens need preemption).
+  // On a driver error the old budget is restored; pages already reclaimed stay in the pool.
   int64_t set_memory_budget(int64_t budget_bytes);
   void set_lookahead(int64_t tokens);
   int64_t mapped_tokens(int slot) const;
@@ -103,8 +104,8 @@ class KVCacheCore {
   // pages go back to the pool. Afterwards seq_len(dst) == num_tokens.
   void share_prefix(int src, int dst, int64_t num_tokens, uintptr_t stream);
   // Replaces every shared page of `slot` from the page holding start_token on with a private copy,
-  // so those tokens may be rewritten. Returns the number of pages copied. All-or-nothing on
-  // OutOfPages; on a driver error, pages already made private stay private (same contents).
+  // so those tokens may be rewritten. Returns the number of pages copied. All-or-nothing: on
+  // OutOfPages nothing changed; on a driver error pages already made private are switched back.
   size_t ensure_private(int slot, int64_t start_token, uintptr_t stream);
   // Saves the slot's pages [0, pages_for(seq_len)) and frees the slot (its pages are unmapped at
   // once). Pages another active slot maps are kept on the device by reference; the others are

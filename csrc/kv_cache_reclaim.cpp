@@ -225,14 +225,20 @@ int64_t KVCacheCore::set_memory_budget(int64_t budget_bytes) {
   Lock lock(mu_);
   check_open();
   rethrow_background_error();
+  const int64_t old_budget = pool_->budget_bytes();
   pool_->set_budget(budget_bytes);
   if (budget_bytes < 0) return 0;
   const size_t budget = static_cast<size_t>(budget_bytes);
-  pool_->shrink(budget);
-  while (pool_->total() * geo_.page_bytes > budget) {
-    const size_t over_pages = (pool_->total() * geo_.page_bytes - budget + geo_.page_bytes - 1) / geo_.page_bytes;
-    if (release_spare(over_pages, {}, true) == 0) break;
+  try {
     pool_->shrink(budget);
+    while (pool_->total() * geo_.page_bytes > budget) {
+      const size_t over_pages = (pool_->total() * geo_.page_bytes - budget + geo_.page_bytes - 1) / geo_.page_bytes;
+      if (release_spare(over_pages, {}, true) == 0) break;
+      pool_->shrink(budget);
+    }
+  } catch (...) {
+    pool_->set_budget(old_budget);  // reclaimed idle/look-ahead pages stay free: invisible state
+    throw;
   }
   const size_t held = pool_->total() * geo_.page_bytes;
   return held > budget ? static_cast<int64_t>(held - budget) : 0;

@@ -26,6 +26,16 @@ namespace {
 
 constexpr const char* kNotActive = "is not an active slot (call alloc() or fork() first)";
 
+// Rollback steps get one retry: leaving a hole in a slot would be worse than the error itself.
+template <typename F>
+void retry_once(F&& call) {
+  try {
+    call();
+  } catch (...) {
+    call();
+  }
+}
+
 }  // namespace
 
 // ---- small helpers --------------------------------------------------------------------------
@@ -288,6 +298,8 @@ size_t KVCacheCore::ensure_private(int slot, int64_t start_token, uintptr_t stre
       throw;
     }
     size_t done = 0;
+    std::vector<PageHandle> olds(shared.size());
+    for (size_t k = 0; k < shared.size(); ++k) olds[k] = s.pages[shared[k]];
     try {
       for (; done < shared.size(); ++done) {
         const size_t i = shared[done];
@@ -316,17 +328,10 @@ size_t KVCacheCore::ensure_private(int slot, int64_t start_token, uintptr_t stre
         } catch (...) {
           // Undo exactly what was done, then put the shared page back so the slot's record
           // stays true (each call retried once: a hole in the slot would be worse than the error).
-          auto twice = [](auto&& call) {
-            try {
-              call();
-            } catch (...) {
-              call();
-            }
-          };
           try {
-            if (mapped) twice([&] { backend_->unmap(va, P); });
-            twice([&] { backend_->map(va, old); });
-            twice([&] { backend_->set_access(va, P); });
+            if (mapped) retry_once([&] { backend_->unmap(va, P); });
+            retry_once([&] { backend_->map(va, old); });
+            retry_once([&] { backend_->set_access(va, P); });
           } catch (...) {
           }
           throw;
@@ -337,6 +342,26 @@ size_t KVCacheCore::ensure_private(int slot, int64_t start_token, uintptr_t stre
         pool_->release(old);
       }
     } catch (...) {
+      // All or nothing: pages already made private are switched back to the shared page (its
+      // contents are the same), so the slot, the pool and the sharing stats are as before.
+      for (size_t k = done; k-- > 0;) {
+        const size_t i = shared[k];
+        const uintptr_t va = page_va(static_cast<int>(i % T), slot, i / T);
+        const PageHandle copy = s.pages[i], old = olds[k];
+        try {
+          retry_once([&] { backend_->unmap(va, P); });
+        } catch (...) {
+          continue;  // the private copy stays (same contents); the record stays true
+        }
+        try {
+          retry_once([&] { backend_->map(va, old); });
+          retry_once([&] { backend_->set_access(va, P); });
+        } catch (...) {
+        }
+        pool_->share(old);
+        s.pages[i] = old;
+        pool_->release(copy);
+      }
       for (size_t k = done; k < fresh.size(); ++k) pool_->release(fresh[k]);
       throw;
     }
