@@ -277,6 +277,7 @@ PYBIND11_MODULE(_C, m) {
       .def("set_memory_budget", &KVCacheCore::set_memory_budget, py::arg("budget_bytes"),
            py::call_guard<py::gil_scoped_release>())
       .def("set_lookahead", &KVCacheCore::set_lookahead, py::arg("tokens"))
+      .def("set_scrub", &KVCacheCore::set_scrub, py::arg("on"))
       .def("mapped_tokens", &KVCacheCore::mapped_tokens, py::arg("slot"))
       .def("seq_len", &KVCacheCore::seq_len, py::arg("slot"))
       .def("active_slots", &KVCacheCore::active_slots)

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "backend.h"
+#include "fault_report.h"
 #include "geometry.h"
 #include "page_pool.h"
 #include "prefetcher.h"
@@ -85,6 +86,10 @@ class KVCacheCore {
   // On a driver error the old budget is restored; pages already reclaimed stay in the pool.
   int64_t set_memory_budget(int64_t budget_bytes);
   void set_lookahead(int64_t tokens);
+  // Zero every page a request receives: pages from the pool (mapped by step/prefetch, or the fresh
+  // part of a fork) and the pages an idle slot hands to its next request in alloc(). Off by
+  // default (kv_cache_scrub.cpp says why and what it costs).
+  void set_scrub(bool on);
   int64_t mapped_tokens(int slot) const;
   int64_t seq_len(int slot) const;
   std::vector<int> active_slots() const;
@@ -151,6 +156,9 @@ class KVCacheCore {
   size_t spare_pages(const std::vector<Growth>& plan, bool allow_trim) const;
   size_t release_spare(size_t n, const std::vector<Growth>& plan, bool allow_trim);
   void map_slot(int slot, size_t from, size_t to, const PageHandle* pages, bool from_prefetch);
+  // With scrub on: zeroes page indices [from, to) of `slot` in every tensor (mapped, with access).
+  void scrub_pages(int slot, size_t from, size_t to);
+  void scrub_stats(std::vector<std::pair<std::string, int64_t>>& out) const;
   // Unmaps page indices [keep, mapped) of a slot and releases its pages. Returns the pages that
   // reached the free list (a shared page only loses a reference).
   size_t unmap_tail(Slot& slot, int index, size_t keep);
@@ -198,8 +206,12 @@ class KVCacheCore {
   std::unique_ptr<Prefetcher> prefetcher_;
   std::unique_ptr<SwapStore> swap_;   // swapped-out slots (issue 7)
   VaRange staging_;                   // one page of address space to copy into unmapped pages
+  std::unique_ptr<FaultReport> fault_report_;  // host backend: names a bad access (SIGSEGV)
   bool staged_ = false;               // staging_ maps staged_page_ (holding a pool reference)
   PageHandle staged_page_ = 0;
+  bool scrub_ = false;                // KVCacheConfig(scrub=True)
+  void* zero_block_ = nullptr;        // device backends: page_bytes of zeros (alloc_host)
+  uint64_t scrubbed_pages_ = 0;
 };
 
 }  // namespace vattention

@@ -239,6 +239,7 @@ void KVCacheCore::share_locked(int src, int dst, int64_t num_tokens, uintptr_t s
   for (size_t i = 0; i < full * T; ++i) pool_->share(handles[i]);
   if (partial_bytes > 0) {
     try {
+      scrub_pages(dst, full, need);  // the fresh page: zeros past the copied prefix
       for (size_t t = 0; t < T; ++t) {
         backend_->copy(page_va(static_cast<int>(t), dst, full),
                        page_va(static_cast<int>(t), src, full), partial_bytes, stream);

@@ -115,7 +115,7 @@ SCENARIOS = {
     "step_grow": (_two_active, lambda c, x: c.step({x["a"]: 3 * TPP, x["b"]: 2 * TPP})),
     "step_reclaiming_idle": (_idle_under_budget, lambda c, x: c.step({x["a"]: 3 * TPP})),
     "prefetch_wait": (_two_active, lambda c, x: (c.prefetch({x["a"]: 3 * TPP}), c.wait())),
-    "reserve": (_two_active, lambda c, x: c.reserve(6 * 64 * 1024)),
+    "reserve": (_two_active, lambda c, x: c.reserve(20 * 64 * 1024)),
     "reclaim": (_idle_and_active, lambda c, x: c.reclaim()),
     "shrink": (_reclaimed, lambda c, x: c.shrink(0)),
     "set_memory_budget": (_idle_and_active, lambda c, x: c.set_memory_budget(4 * 64 * 1024)),

@@ -96,6 +96,8 @@ class KVCache(SharingMixin):
             config.device, config.num_layers, config.num_kv_heads, config.head_dim,
             config.element_bytes, config.max_batch_size, config.max_seq_len, config.page_bytes,
             config.layout == "mega", budget, config.reclaim == "eager", config.lookahead_tokens)
+        if config.scrub:
+            self._core.set_scrub(True)
         if swap_budget is not None:
             self.set_swap_budget(swap_budget)
         self._layers: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None

@@ -120,6 +120,11 @@ class KVCacheConfig:
         ``"deferred"`` (default): a freed slot keeps its pages until another slot needs them
         (least recently freed first, then look-ahead beyond active lengths), so a new request
         inherits mapped memory without map calls. ``"eager"``: unmap on ``free()``.
+    scrub : bool
+        Zero every page a request receives (a reused slot's pages, pages recycled through the
+        pool, fresh driver pages). Default ``False``: a kernel that reads only ``[0, seq_len)``
+        never sees another request's K/V, but one with padded reads, or a multi-tenant server
+        that must not leak data between requests, should set it (docs/guide.md, "Scrubbing").
 
     Examples
     --------
@@ -141,6 +146,7 @@ class KVCacheConfig:
     layout: str = "layer"
     lookahead_tokens: int = 0
     reclaim: str = "deferred"
+    scrub: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "max_batch_size", "max_seq_len"):
@@ -153,6 +159,8 @@ class KVCacheConfig:
             raise ConfigError(f"layout={self.layout!r} must be one of {LAYOUTS}")
         if self.reclaim not in RECLAIM_POLICIES:
             raise ConfigError(f"reclaim={self.reclaim!r} must be one of {RECLAIM_POLICIES}")
+        if not isinstance(self.scrub, bool):
+            raise ConfigError(f"scrub={self.scrub!r} must be True or False")
         if (isinstance(self.lookahead_tokens, bool) or not isinstance(self.lookahead_tokens, int)
                 or self.lookahead_tokens < 0):
             raise ConfigError(f"lookahead_tokens={self.lookahead_tokens!r} must be an int >= 0")
