@@ -39,7 +39,7 @@ STATE_EXEMPT = {"map_calls", "unmap_calls", "set_access_calls", "step_map_calls"
                 "prefetch_map_calls", "pages_created", "pages_destroyed", "pages_total",
                 "pages_free", "bytes_reserved", "committed_bytes", "oom_events", "fence_waits",
                 "reclaimed_pages", "cow_pages_copied", "swap_out_pages", "swap_in_pages",
-                "prefetch_shortfall_pages", "steps"}
+                "prefetch_shortfall_pages", "steps", "scrubbed_pages"}
 
 
 def _config(device, layout="layer"):
@@ -57,6 +57,16 @@ def _two_active(cache):
     a, b = cache.alloc(), cache.alloc()
     cache.step({a: TPP + 10, b: 20})
     return {"a": a, "b": b, "live": [(a, TPP + 10), (b, 20)]}
+
+
+def _two_active_scrubbed(cache):
+    cache._core.set_scrub(True)  # KVCacheConfig(scrub=True): zeroing runs inside the mapping calls
+    return _two_active(cache)
+
+
+def _idle_and_active_scrubbed(cache):
+    cache._core.set_scrub(True)
+    return _idle_and_active(cache)
 
 
 def _idle_and_active(cache):
@@ -113,6 +123,9 @@ SCENARIOS = {
     "alloc_idle": (_idle_and_active, lambda c, x: c.alloc()),
     "free": (_two_active, lambda c, x: c.free(x["a"])),
     "step_grow": (_two_active, lambda c, x: c.step({x["a"]: 3 * TPP, x["b"]: 2 * TPP})),
+    "step_grow_scrub": (_two_active_scrubbed,
+                        lambda c, x: c.step({x["a"]: 3 * TPP, x["b"]: 2 * TPP})),
+    "alloc_idle_scrub": (_idle_and_active_scrubbed, lambda c, x: c.alloc()),
     "step_reclaiming_idle": (_idle_under_budget, lambda c, x: c.step({x["a"]: 3 * TPP})),
     "prefetch_wait": (_two_active, lambda c, x: (c.prefetch({x["a"]: 3 * TPP}), c.wait())),
     "reserve": (_two_active, lambda c, x: c.reserve(20 * 64 * 1024)),
