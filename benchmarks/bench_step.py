@@ -1,7 +1,13 @@
-"""Cost of KVCache.step() when nothing needs mapping (the common decode iteration).
+"""Cost of KVCache.step() when nothing needs mapping (the common decode iteration), and the cost
+of scrubbing pages that change owner (KVCacheConfig(scrub=True)).
 
-Baseline, measured in the same run: merely iterating the same seq_lens input in Python
-(`for slot, n in seq_lens.items(): pass`, or `for n in seq_lens: pass` for a list). Target: <= 3x.
+Baseline of the first table, measured in the same run: merely iterating the same seq_lens input in
+Python (`for slot, n in seq_lens.items(): pass`, or `for n in seq_lens: pass` for a list).
+Target: <= 3x.
+
+Second table: one request turnover per slot (free; the pages go back to the pool, or stay with the
+idle slot; alloc; step() maps or inherits one page index per tensor for the new request), with
+scrub=True against the same config with scrub=False, measured in the same run, interleaved.
 
     python benchmarks/bench_step.py
 """
@@ -55,6 +61,48 @@ def main() -> None:
                 print(f"| {active} | {name} | {t['step'] * 1e6:.2f} | {t['iterate'] * 1e6:.2f} | "
                       f"{t['step'] / t['iterate']:.2f}x |")
             assert cache.stats()["map_calls"] == maps, "the timed steps mapped pages"
+    scrub_table(args.calls // 20)
+
+
+def scrub_table(calls: int) -> None:
+    """Request turnover with scrub on vs off: the cost of zeroing pages that change owner."""
+    batch = 8
+    print(f"\nRequest turnover (free, alloc, step to one page) x {batch} slots, host backend, "
+          "scrub=True vs scrub=False in the same run\n")
+    print("| layout | page size | path | pages per turnover | scrub off us | scrub on us | "
+          "ratio |")
+    print("|---|---|---|---:|---:|---:|---:|")
+    for layout, page in (("layer", "2MB"), ("mega", "2MB"), ("layer", "64KB")):
+        for path in ("idle slot reused", "pool (reclaim)"):
+            caches = {}
+            for scrub in (False, True):
+                cfg = vattention.KVCacheConfig(num_layers=4, num_kv_heads=8, head_dim=128,
+                                               max_batch_size=batch, max_seq_len=4096,
+                                               dtype=torch.bfloat16, page_size=page,
+                                               layout=layout, scrub=scrub)
+                caches[scrub] = vattention.KVCache(cfg)
+            tokens = cfg.tokens_per_page
+
+            def turnover(cache, reclaim=path.startswith("pool")):
+                for s in cache.active_slots():
+                    cache.free(s)
+                if reclaim:
+                    cache.reclaim()
+                new = [cache.alloc() for _ in range(batch)]
+                cache.step({s: tokens for s in new})
+
+            for cache in caches.values():
+                for _ in range(batch):
+                    cache.alloc()
+                cache.step({s: tokens for s in cache.active_slots()})
+            t = compare({"off": lambda: turnover(caches[False]),
+                         "on": lambda: turnover(caches[True])}, calls=max(calls, 5))
+            pages = batch * cfg.num_tensors
+            print(f"| {layout} | {page} | {path} | {pages} | {t['off'] * 1e6:.0f} | "
+                  f"{t['on'] * 1e6:.0f} | {t['on'] / t['off']:.2f}x |")
+            assert caches[True].stats()["scrubbed_pages"] > 0
+            for cache in caches.values():
+                cache.close()
 
 
 if __name__ == "__main__":

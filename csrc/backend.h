@@ -81,6 +81,11 @@ class Backend {
   virtual void fence_wait(uint64_t /*fence*/) {}
   virtual void fence_release(uint64_t /*fence*/) {}
 
+  // Called by the cache's close() after every page is destroyed: give back whatever still holds
+  // physical memory or OS resources for pages (host: the memfd arenas' descriptors). No page is
+  // created afterwards; reservations stay valid until release_va().
+  virtual void release_physical() noexcept {}
+
   // Bytes the OS/driver really holds for this backend's pages (host: memfd blocks). -1 if unknown.
   virtual int64_t committed_bytes() const { return -1; }
 

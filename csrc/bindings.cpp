@@ -54,7 +54,8 @@ int64_t as_int(PyObject* obj, const char* what) {
   if (PyLong_CheckExact(obj)) {
     v = PyLong_AsLongLong(obj);  // the common case: no __index__ round trip
   } else {
-    PyObject* index = PyNumber_Index(obj);  // numpy and torch integer scalars
+    // numpy and torch integer scalars; never bools (True is not a length)
+    PyObject* index = PyBool_Check(obj) ? nullptr : PyNumber_Index(obj);
     if (!index) {
       PyErr_Clear();
       throw py::type_error(std::string("seq_lens ") + what + " must be integers, got " +
@@ -276,6 +277,7 @@ PYBIND11_MODULE(_C, m) {
       .def("set_memory_budget", &KVCacheCore::set_memory_budget, py::arg("budget_bytes"),
            py::call_guard<py::gil_scoped_release>())
       .def("set_lookahead", &KVCacheCore::set_lookahead, py::arg("tokens"))
+      .def("set_scrub", &KVCacheCore::set_scrub, py::arg("on"))
       .def("mapped_tokens", &KVCacheCore::mapped_tokens, py::arg("slot"))
       .def("seq_len", &KVCacheCore::seq_len, py::arg("slot"))
       .def("active_slots", &KVCacheCore::active_slots)
@@ -317,5 +319,9 @@ PYBIND11_MODULE(_C, m) {
             host_backend(core).inject_fault(op, nth, out_of_memory);
           },
           py::arg("op"), py::arg("nth"), py::arg("out_of_memory") = false,
-          "Test hook: make the nth next host backend call `op` fail.");
+          "Test hook: make the nth next host backend call `op` fail.")
+      .def(
+          "host_backend_calls",
+          [](KVCacheCore& core, const std::string& op) { return host_backend(core).calls(op); },
+          py::arg("op"), "Test hook: how often the host backend primitive `op` was called.");
 }

@@ -237,12 +237,15 @@ class CudaBackend final : public Backend {
     return api_.cuMemHostAlloc(&p, bytes, 0) == CUDA_SUCCESS ? p : nullptr;
   }
 
-  // Called from destructors: never throws (a failed free leaks one pinned block, nothing worse).
+  // Called from destructors: never throws. Tried twice (a transient failure would leak the pinned
+  // block for the life of the process); a second failure leaks it, nothing worse.
   void free_host(void* ptr) override {
-    try {
-      ScopedContext sc(api_, ctx_.get());
-      api_.cuMemFreeHost(ptr);
-    } catch (...) {
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      try {
+        ScopedContext sc(api_, ctx_.get());
+        if (api_.cuMemFreeHost(ptr) == CUDA_SUCCESS) return;
+      } catch (...) {
+      }
     }
   }
 

@@ -90,8 +90,15 @@ void HostBackend::inject_fault(const std::string& op, int nth, bool out_of_memor
   }
 }
 
+int64_t HostBackend::calls(const std::string& op) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = calls_.find(op);
+  return it == calls_.end() ? 0 : it->second;
+}
+
 void HostBackend::maybe_fail(const char* op) {
   std::lock_guard<std::mutex> lock(mu_);
+  ++calls_[op];
   auto it = faults_.find(op);
   if (it == faults_.end() || --it->second.countdown > 0) return;
   bool oom = it->second.out_of_memory;
@@ -167,6 +174,7 @@ PageHandle HostBackend::create_page() {
 }
 
 void HostBackend::destroy_page(PageHandle page) {
+  maybe_fail("destroy_page");
   std::lock_guard<std::mutex> lock(mu_);
   size_t offset = 0;
   const int fd = arena_fd(page, &offset);
@@ -229,6 +237,13 @@ void HostBackend::unmap(uintptr_t va, size_t bytes) {
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
   if (got == MAP_FAILED) throw os_error("mmap(PROT_NONE unmap)", errno, bytes, va);
   g_live_mappings.fetch_sub(static_cast<int64_t>(bytes / page_bytes_));
+}
+
+void HostBackend::release_physical() noexcept {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (Arena& a : arenas_) close(a.fd);
+  arenas_.clear();
+  free_extents_.clear();
 }
 
 int64_t HostBackend::committed_bytes() const {

@@ -41,6 +41,7 @@ class HostBackend final : public Backend {
   void prefault(uintptr_t va, size_t bytes) noexcept override;
   void unmap(uintptr_t va, size_t bytes) override;
   int64_t committed_bytes() const override;
+  void release_physical() noexcept override;  // closes the memfd arenas
 
   // Page mappings this process may hold across all host caches. Linux caps a process's memory
   // mappings at vm.max_map_count (65,530 by default), and each mapped page can cost two (itself
@@ -50,9 +51,12 @@ class HostBackend final : public Backend {
   static int64_t mapping_limit();
 
   // Test hook: the nth next call (1 = the very next) of `op` ("create_page", "map", "set_access",
-  // "unmap", "reserve") fails with Error(Kind::Driver), or Kind::OutOfPages for create_page when
+  // "unmap", "reserve", "destroy_page") fails with Error(Kind::Driver), or Kind::OutOfPages for create_page when
   // out_of_memory is set. Lets tests prove rollback without exhausting real memory.
   void inject_fault(const std::string& op, int nth, bool out_of_memory);
+  // Test hook: how often `op` (a name as above, or "destroy_page") has been called, so a fault
+  // sweep can fail every call index of a public call.
+  int64_t calls(const std::string& op) const;
 
  private:
   struct Arena {
@@ -70,6 +74,7 @@ class HostBackend final : public Backend {
   std::vector<PageHandle> free_extents_;  // punched extents ready for reuse
   struct Fault { int countdown; bool out_of_memory; };
   std::map<std::string, Fault> faults_;
+  std::map<std::string, int64_t> calls_;
 };
 
 }  // namespace vattention

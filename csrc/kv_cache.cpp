@@ -31,6 +31,18 @@ KVCacheCore::KVCacheCore(std::unique_ptr<Backend> backend, const CacheGeometry& 
     for (uintptr_t base : bases_) backend_->release_va(base, bytes);
     throw;
   }
+  if (backend_->name() == "host") {
+    FaultGeometry fg;
+    fg.num_layers = geo_.num_layers;
+    fg.max_batch = geo_.max_batch;
+    fg.max_seq = geo_.max_seq;
+    fg.mega = geo_.mega;
+    fg.slot_bytes = geo_.slot_bytes();
+    fg.token_bytes = geo_.token_bytes();
+    fg.layer_bytes = static_cast<size_t>(geo_.num_kv_heads * geo_.head_dim * geo_.element_bytes);
+    fg.tensor_bytes = geo_.tensor_bytes();
+    fault_report_ = std::make_unique<FaultReport>(fg, bases_);
+  }
   pool_ = std::make_unique<PagePool>(*backend_, budget_bytes);
   slots_.resize(static_cast<size_t>(geo_.max_batch));
   swap_ = std::make_unique<SwapStore>(*backend_, geo_.page_bytes);
@@ -48,6 +60,8 @@ KVCacheCore::~KVCacheCore() {
   for (const Slot& s : slots_) {
     if (s.mapped > 0) return;
   }
+  if (staged_) staging_.va = 0;  // still mapped: leak the staging range too
+  fault_report_.reset();  // before the ranges go: they may be reused by anything
   for (uintptr_t base : bases_) {
     try {
       backend_->release_va(base, geo_.tensor_bytes());
@@ -159,6 +173,7 @@ int KVCacheCore::alloc() {
   if (best < 0) throw no_free_slot();
   Slot& s = slots_[static_cast<size_t>(best)];
   forget_sharing(s, best);  // before the fence goes: it may unmap
+  scrub_pages(best, 0, s.mapped);  // the previous request's tokens must not reach the new one
   if (s.has_fence) {
     // The new owner's writes are ordered after the old owner's reads on the same stream; the
     // fence only guards unmapping, which this slot no longer faces.
@@ -313,6 +328,7 @@ void KVCacheCore::grow(const std::vector<Growth>& plan, bool from_prefetch) {
       map_slot(g.slot, g.from, g.to, pages.data() + used, from_prefetch);
       used += (g.to - g.from) * T;
       ++done;
+      scrub_pages(g.slot, g.from, g.to);  // a failure unmaps this slot's growth too
     }
   } catch (...) {
     for (size_t k = 0; k < done; ++k) {
@@ -459,6 +475,7 @@ std::vector<std::pair<std::string, int64_t>> KVCacheCore::stats() const {
       {"prefetch_shortfall_pages", u(counters_.prefetch_shortfall_pages)},
   };
   sharing_stats(out);
+  scrub_stats(out);
   return out;
 }
 
@@ -507,6 +524,7 @@ void KVCacheCore::close() {
   Lock lock(mu_);
   if (closed_) return;
   closed_ = true;
+  if (fault_report_) fault_report_->mark_closed();
   std::exception_ptr first;
   try {
     // Kernels may still read active slots: wait for the legacy default stream (which orders after
@@ -534,12 +552,26 @@ void KVCacheCore::close() {
   }
   eager_pending_.clear();
   swap_->clear();  // host blocks go; device references die with the pool
+  for (int attempt = 0; attempt < 2 && staged_; ++attempt) {
+    try {
+      unstage();  // a staging mapping left by a failed unmap (it retries once itself)
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
   try {
     pool_->destroy_all();
   } catch (...) {
     if (!first) first = std::current_exception();
   }
   pool_.reset();
+  if (zero_block_) {  // the zeroing copies were on the legacy stream, waited for above
+    backend_->free_host(zero_block_);
+    zero_block_ = nullptr;
+  }
+  // Physical memory and what holds it (host: memfd descriptors) go now, not when the last
+  // tensor view lets the object die; the virtual reservations stay until then.
+  backend_->release_physical();
   if (first) std::rethrow_exception(first);
 }
 

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "backend.h"
+#include "fault_report.h"
 #include "geometry.h"
 #include "page_pool.h"
 #include "prefetcher.h"
@@ -84,8 +85,13 @@ class KVCacheCore {
   size_t shrink(size_t keep_bytes);
   // Changes the budget (-1 = none). Lowering it shrinks free pages, reclaims idle ones and trims
   // look-ahead until under budget; returns the bytes still over it (active tokens need preemption).
+  // On a driver error the old budget is restored; pages already reclaimed stay in the pool.
   int64_t set_memory_budget(int64_t budget_bytes);
   void set_lookahead(int64_t tokens);
+  // Zero every page a request receives: pages from the pool (mapped by step/prefetch, or the fresh
+  // part of a fork) and the pages an idle slot hands to its next request in alloc(). Off by
+  // default (kv_cache_scrub.cpp says why and what it costs).
+  void set_scrub(bool on);
   int64_t mapped_tokens(int slot) const;
   int64_t seq_len(int slot) const;
   std::vector<int> active_slots() const;
@@ -105,8 +111,8 @@ class KVCacheCore {
   // pages go back to the pool. Afterwards seq_len(dst) == num_tokens.
   void share_prefix(int src, int dst, int64_t num_tokens, uintptr_t stream);
   // Replaces every shared page of `slot` from the page holding start_token on with a private copy,
-  // so those tokens may be rewritten. Returns the number of pages copied. All-or-nothing on
-  // OutOfPages; on a driver error, pages already made private stay private (same contents).
+  // so those tokens may be rewritten. Returns the number of pages copied. All-or-nothing: on
+  // OutOfPages nothing changed; on a driver error pages already made private are switched back.
   size_t ensure_private(int slot, int64_t start_token, uintptr_t stream);
   // Saves the slot's pages [0, pages_for(seq_len)) and frees the slot (its pages are unmapped at
   // once). Pages another active slot maps are kept on the device by reference; the others are
@@ -181,6 +187,9 @@ class KVCacheCore {
   void record_background_error(std::exception_ptr error);
   // VMM driver calls so far (create, release, map, set_access, unmap), for the per-step counters.
   uint64_t vmm_calls() const;
+  // With scrub on: zeroes page indices [from, to) of `slot` in every tensor (mapped, with access).
+  void scrub_pages(int slot, size_t from, size_t to);
+  void scrub_stats(std::vector<std::pair<std::string, int64_t>>& out) const;
   // Unmaps page indices [keep, mapped) of a slot and releases its pages. Returns the pages that
   // reached the free list (a shared page only loses a reference).
   size_t unmap_tail(Slot& slot, int index, size_t keep);
@@ -201,6 +210,12 @@ class KVCacheCore {
   int pick_fresh_slot() const;
   void sync_stream(uintptr_t stream);
   uintptr_t staging_va();
+  // Maps `page` at the staging address with access (undoing itself on failure). The staging
+  // mapping holds its own pool reference, so a page whose staging unmap failed is never back on
+  // the free list while mapped; unstage() drops mapping and reference (retrying a failed unmap
+  // once), and a later stage() or close() clears a mapping left by an earlier failure.
+  void stage(PageHandle page);
+  void unstage();
   void copy_page_to_host(PageHandle page, void* dst, uintptr_t stream);
   std::string check_sharing(std::map<PageHandle, uint32_t>& seen) const;
   void sharing_stats(std::vector<std::pair<std::string, int64_t>>& out) const;
@@ -225,6 +240,12 @@ class KVCacheCore {
   std::unique_ptr<Prefetcher> prefetcher_;
   std::unique_ptr<SwapStore> swap_;   // swapped-out slots (issue 7)
   VaRange staging_;                   // one page of address space to copy into unmapped pages
+  std::unique_ptr<FaultReport> fault_report_;  // host backend: names a bad access (SIGSEGV)
+  bool staged_ = false;               // staging_ maps staged_page_ (holding a pool reference)
+  PageHandle staged_page_ = 0;
+  bool scrub_ = false;                // KVCacheConfig(scrub=True)
+  void* zero_block_ = nullptr;        // device backends: page_bytes of zeros (alloc_host)
+  uint64_t scrubbed_pages_ = 0;
 };
 
 }  // namespace vattention

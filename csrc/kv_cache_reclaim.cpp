@@ -183,7 +183,18 @@ void KVCacheCore::reserve(size_t bytes) {
   Lock lock(mu_);
   check_open();
   rethrow_background_error();
-  const size_t pages = (bytes + geo_.page_bytes - 1) / geo_.page_bytes;
+  // Overflow-safe rounding up; no cache can use more pages than its virtual tensors hold.
+  const size_t pages = bytes / geo_.page_bytes + (bytes % geo_.page_bytes != 0 ? 1 : 0);
+  const size_t usable = geo_.tensor_bytes() / geo_.page_bytes * static_cast<size_t>(geo_.num_tensors());
+  if (pages > usable) {
+    throw Error(Error::Kind::Config,
+                "reserve of " + std::to_string(bytes) + " bytes (" + std::to_string(pages) +
+                    " pages) exceeds what this cache can ever map: " + std::to_string(usable) +
+                    " pages of " + std::to_string(geo_.page_bytes) + " bytes (its virtual size, " +
+                    std::to_string(usable * geo_.page_bytes) + " bytes)")
+        .with("bytes", static_cast<int64_t>(bytes > INT64_MAX ? INT64_MAX : bytes))
+        .with("pages_possible", static_cast<int64_t>(usable));
+  }
   try {
     pool_->reserve(pages);
   } catch (const Error& e) {
@@ -219,14 +230,20 @@ int64_t KVCacheCore::set_memory_budget(int64_t budget_bytes) {
   settle(lock);  // pages in flight count against the budget and cannot be trimmed until published
   check_open();
   rethrow_background_error();
+  const int64_t old_budget = pool_->budget_bytes();
   pool_->set_budget(budget_bytes);
   if (budget_bytes < 0) return 0;
   const size_t budget = static_cast<size_t>(budget_bytes);
-  pool_->shrink(budget);
-  while (pool_->total() * geo_.page_bytes > budget) {
-    const size_t over_pages = (pool_->total() * geo_.page_bytes - budget + geo_.page_bytes - 1) / geo_.page_bytes;
-    if (release_spare(over_pages, {}, true) == 0) break;
+  try {
     pool_->shrink(budget);
+    while (pool_->total() * geo_.page_bytes > budget) {
+      const size_t over_pages = (pool_->total() * geo_.page_bytes - budget + geo_.page_bytes - 1) / geo_.page_bytes;
+      if (release_spare(over_pages, {}, true) == 0) break;
+      pool_->shrink(budget);
+    }
+  } catch (...) {
+    pool_->set_budget(old_budget);  // reclaimed idle/look-ahead pages stay free: invisible state
+    throw;
   }
   const size_t held = pool_->total() * geo_.page_bytes;
   return held > budget ? static_cast<int64_t>(held - budget) : 0;

@@ -26,6 +26,16 @@ namespace {
 
 constexpr const char* kNotActive = "is not an active slot (call alloc() or fork() first)";
 
+// Rollback steps get one retry: leaving a hole in a slot would be worse than the error itself.
+template <typename F>
+void retry_once(F&& call) {
+  try {
+    call();
+  } catch (...) {
+    call();
+  }
+}
+
 }  // namespace
 
 // ---- small helpers --------------------------------------------------------------------------
@@ -48,6 +58,45 @@ uintptr_t KVCacheCore::staging_va() {
     staging_.backend = backend_.get();
   }
   return staging_.va;
+}
+
+void KVCacheCore::stage(PageHandle page) {
+  const uintptr_t stage = staging_va();
+  if (staged_) unstage();  // a mapping an earlier failed unmap left behind
+  backend_->map(stage, page);
+  ++counters_.map_calls;
+  try {
+    backend_->set_access(stage, geo_.page_bytes);
+    ++counters_.set_access_calls;
+  } catch (...) {
+    try {
+      backend_->unmap(stage, geo_.page_bytes);
+      ++counters_.unmap_calls;
+    } catch (...) {
+      pool_->share(page);  // still mapped: the staging keeps it out of the free list
+      staged_ = true;
+      staged_page_ = page;
+    }
+    throw;
+  }
+  pool_->share(page);
+  staged_ = true;
+  staged_page_ = page;
+}
+
+void KVCacheCore::unstage() {
+  if (!staged_) return;
+  for (int attempt = 0;; ++attempt) {
+    try {
+      backend_->unmap(staging_.va, geo_.page_bytes);
+      ++counters_.unmap_calls;
+      break;
+    } catch (...) {
+      if (attempt == 1) throw;  // the page stays staged and referenced: accounted, not leaked
+    }
+  }
+  staged_ = false;
+  pool_->release(staged_page_);
 }
 
 bool KVCacheCore::any_sharing() const {
@@ -193,6 +242,7 @@ void KVCacheCore::share_locked(int src, int dst, int64_t num_tokens, uintptr_t s
   for (size_t i = 0; i < full * T; ++i) pool_->share(handles[i]);
   if (partial_bytes > 0) {
     try {
+      scrub_pages(dst, full, need);  // the fresh page: zeros past the copied prefix
       for (size_t t = 0; t < T; ++t) {
         backend_->copy(page_va(static_cast<int>(t), dst, full),
                        page_va(static_cast<int>(t), src, full), partial_bytes, stream);
@@ -253,43 +303,70 @@ size_t KVCacheCore::ensure_private(int slot, int64_t start_token, uintptr_t stre
       throw;
     }
     size_t done = 0;
+    std::vector<PageHandle> olds(shared.size());
+    for (size_t k = 0; k < shared.size(); ++k) olds[k] = s.pages[shared[k]];
     try {
-      const uintptr_t stage = staging_va();
       for (; done < shared.size(); ++done) {
         const size_t i = shared[done];
         const uintptr_t va = page_va(static_cast<int>(i % T), slot, i / T);
         const PageHandle old = s.pages[i], page = fresh[done];
         // Copy through the staging address, then swap the slot's mapping to the copy.
-        backend_->map(stage, page);
+        stage(page);
         try {
-          backend_->set_access(stage, P);
-          backend_->copy(stage, va, P, stream);
+          backend_->copy(staging_.va, va, P, stream);
           sync_stream(stream);  // copy done, and no queued kernel still reads `old` at va
         } catch (...) {
-          backend_->unmap(stage, P);
+          try {
+            unstage();
+          } catch (...) {  // the page stays staged (referenced); the first error is the one
+          }
           throw;
         }
-        backend_->unmap(stage, P);
-        backend_->unmap(va, P);
+        unstage();
+        backend_->unmap(va, P);  // on failure nothing changed: `old` is still mapped at va
+        ++counters_.unmap_calls;
+        bool mapped = false;
         try {
           backend_->map(va, page);
+          mapped = true;
           backend_->set_access(va, P);
         } catch (...) {
-          try {  // put the shared page back so the slot's record stays true
-            backend_->unmap(va, P);
+          // Undo exactly what was done, then put the shared page back so the slot's record
+          // stays true (each call retried once: a hole in the slot would be worse than the error).
+          try {
+            if (mapped) retry_once([&] { backend_->unmap(va, P); });
+            retry_once([&] { backend_->map(va, old); });
+            retry_once([&] { backend_->set_access(va, P); });
           } catch (...) {
           }
-          backend_->map(va, old);
-          backend_->set_access(va, P);
           throw;
         }
-        counters_.map_calls += 3;
-        counters_.unmap_calls += 2;
-        counters_.set_access_calls += 2;
+        counters_.map_calls += 1;
+        counters_.set_access_calls += 1;
         s.pages[i] = page;
         pool_->release(old);
       }
     } catch (...) {
+      // All or nothing: pages already made private are switched back to the shared page (its
+      // contents are the same), so the slot, the pool and the sharing stats are as before.
+      for (size_t k = done; k-- > 0;) {
+        const size_t i = shared[k];
+        const uintptr_t va = page_va(static_cast<int>(i % T), slot, i / T);
+        const PageHandle copy = s.pages[i], old = olds[k];
+        try {
+          retry_once([&] { backend_->unmap(va, P); });
+        } catch (...) {
+          continue;  // the private copy stays (same contents); the record stays true
+        }
+        try {
+          retry_once([&] { backend_->map(va, old); });
+          retry_once([&] { backend_->set_access(va, P); });
+        } catch (...) {
+        }
+        pool_->share(old);
+        s.pages[i] = old;
+        pool_->release(copy);
+      }
       for (size_t k = done; k < fresh.size(); ++k) pool_->release(fresh[k]);
       throw;
     }
@@ -303,6 +380,13 @@ size_t KVCacheCore::ensure_private(int slot, int64_t start_token, uintptr_t stre
 
 std::string KVCacheCore::check_sharing(std::map<PageHandle, uint32_t>& seen) const {
   const size_t T = static_cast<size_t>(geo_.num_tensors());
+  if (staged_) {
+    if (pool_->refs(staged_page_) == 0) {
+      return "page " + std::to_string(staged_page_) +
+             " is back in the pool but still mapped at the staging address";
+    }
+    ++seen[staged_page_];  // the staging mapping's reference
+  }
   for (const auto& entry : swap_->device_refs()) seen[entry.first] += static_cast<uint32_t>(entry.second);
   for (size_t i = 0; i < slots_.size(); ++i) {
     const Slot& s = slots_[i];

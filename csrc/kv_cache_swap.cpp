@@ -28,17 +28,18 @@ void KVCacheCore::set_swap_budget(int64_t budget_bytes) {
 
 void KVCacheCore::copy_page_to_host(PageHandle page, void* dst, uintptr_t stream) {
   // The page may be mapped nowhere: map it at the staging address for the copy.
-  const uintptr_t stage = staging_va();
-  backend_->map(stage, page);
+  stage(page);
   try {
-    backend_->set_access(stage, geo_.page_bytes);
-    backend_->copy_to_host(dst, stage, geo_.page_bytes, stream);
+    backend_->copy_to_host(dst, staging_.va, geo_.page_bytes, stream);
     sync_stream(stream);
   } catch (...) {
-    backend_->unmap(stage, geo_.page_bytes);
+    try {
+      unstage();
+    } catch (...) {  // the page stays staged (referenced); the first error is the one to report
+    }
     throw;
   }
-  backend_->unmap(stage, geo_.page_bytes);
+  unstage();
 }
 
 int64_t KVCacheCore::swap_out(int slot, uintptr_t stream) {

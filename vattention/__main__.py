@@ -28,14 +28,24 @@ def _info() -> int:
     return 0
 
 
+COMMANDS = ("info", "demo", "bench")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m vattention", description=__doc__)
-    parser.add_argument("command", choices=("info", "demo", "bench"))
-    args, rest = parser.parse_known_args(argv)
-    if args.command == "info":
+    parser.add_argument("command", choices=COMMANDS)
+    if not argv or argv[0] not in COMMANDS:
+        parser.parse_args(argv)  # top-level usage: --help, an unknown command, none at all
+        return 2
+    # Everything after the command is the command's own (``demo --help`` prints demo's usage).
+    command, rest = argv[0], argv[1:]
+    if command == "info":
+        parser = argparse.ArgumentParser(prog="python -m vattention info",
+                                         description="Backends available here, and why not.")
+        parser.parse_args(rest)
         return _info()
-    if args.command == "demo":
+    if command == "demo":
         from .demo import main as demo_main
         return demo_main(rest)
     try:

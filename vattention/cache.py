@@ -8,8 +8,11 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 
 from . import _C
+from .arguments import as_int, as_slot
+from .arguments import as_stream as _stream_handle
 from .config import DTYPES, KVCacheConfig, Size, parse_size
-from .errors import BackendUnavailableError, CacheClosedError, ConfigError
+from .errors import (ArgumentTypeError, BackendUnavailableError, CacheClosedError, ConfigError,
+                     InvalidSlotError, SequenceTooLongError)
 from .sharing import SharingMixin
 
 __all__ = ["KVCache"]
@@ -19,21 +22,30 @@ logger = logging.getLogger(__name__)
 SeqLens = Union[Mapping[int, int], Sequence[int], torch.Tensor]
 
 
-def _stream_handle(stream) -> int:
-    """A CUDA stream (torch.cuda.Stream or raw handle) as an int; None = legacy default stream."""
-    if stream is None:
-        return 0
-    if isinstance(stream, int):
-        return stream
-    return int(stream.cuda_stream)
-
-
 def _as_lens(seq_lens: SeqLens):
     if isinstance(seq_lens, torch.Tensor):
         if seq_lens.dim() != 1:
             raise ConfigError(f"seq_lens tensor must be 1-D, got shape {tuple(seq_lens.shape)}")
+        if seq_lens.dtype.is_floating_point or seq_lens.dtype.is_complex or \
+                seq_lens.dtype == torch.bool:
+            raise ArgumentTypeError(f"seq_lens must hold integers (lengths in tokens), got a "
+                                    f"{seq_lens.dtype} tensor; convert it explicitly")
         return seq_lens.detach().to("cpu", torch.int64).tolist()
     return seq_lens
+
+
+def _lens_error(error: Exception, seq_lens, max_batch: int, max_seq: int) -> Exception:
+    """The typed error for seq_lens the core's parser refused with a TypeError/OverflowError."""
+    if isinstance(error, OverflowError):
+        items = seq_lens.items() if isinstance(seq_lens, dict) else enumerate(seq_lens)
+        for slot, length in items:
+            if isinstance(slot, int) and not 0 <= slot < max_batch:
+                return InvalidSlotError(f"slot={slot} is out of range [0, {max_batch}) "
+                                        f"(max_batch_size={max_batch})")
+            if isinstance(length, int) and not -2**63 <= length < 2**63:
+                return SequenceTooLongError(f"seq_lens[slot={slot}]={length} is outside "
+                                            f"[0, {max_seq}] (max_seq_len={max_seq})")
+    return ArgumentTypeError(str(error))
 
 
 class KVCache(SharingMixin):
@@ -73,12 +85,19 @@ class KVCache(SharingMixin):
         if not isinstance(config, KVCacheConfig):
             raise ConfigError(f"config must be a KVCacheConfig, got {type(config).__name__}")
         budget = -1 if memory_budget is None else parse_size(memory_budget, name="memory_budget")
+        if 0 <= budget < config.page_bytes:
+            raise ConfigError(
+                f"memory_budget={memory_budget!r} ({budget} bytes) is smaller than one page "
+                f"(page_size={config.page_size!r}, {config.page_bytes} bytes): no token could "
+                f"ever be mapped; give at least {config.page_bytes} bytes or None for no cap")
         self._config = config
         self._dl_code, self._dl_bits = DTYPES[config.dtype]
         self._core = _C.KVCacheCore(
             config.device, config.num_layers, config.num_kv_heads, config.head_dim,
             config.element_bytes, config.max_batch_size, config.max_seq_len, config.page_bytes,
             config.layout == "mega", budget, config.reclaim == "eager", config.lookahead_tokens)
+        if config.scrub:
+            self._core.set_scrub(True)
         if swap_budget is not None:
             self.set_swap_budget(swap_budget)
         self._layers: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
@@ -140,10 +159,19 @@ class KVCache(SharingMixin):
         first :meth:`mapped_tokens` positions of a slot's row are backed: touching beyond them
         faults (SIGSEGV on the host backend, an illegal-address error on CUDA).
         """
-        n = self._config.num_layers  # checked first: a bad index is reported as such everywhere
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < n:
-            raise ConfigError(f"layer={index!r} is out of range [0, {n}) (num_layers={n})")
+        index = self._layer_index(index)
         return self._all_layers()[index]
+
+    def _layer_index(self, index) -> int:
+        n = self._config.num_layers  # checked first: a bad index is reported as such everywhere
+        index = as_int(index, "layer")
+        if not 0 <= index < n:
+            raise ConfigError(f"layer={index!r} is out of range [0, {n}) (num_layers={n})")
+        return index
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise CacheClosedError("the KV cache is closed; create a new KVCache")
 
     @property
     def k_cache(self) -> List[torch.Tensor]:
@@ -157,6 +185,7 @@ class KVCache(SharingMixin):
 
     def mega_tensors(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """``mega`` layout only: the whole K and V tensors ``[B, S, num_layers, H, D]``."""
+        self._check_open()
         if self._config.layout != "mega":
             raise ConfigError("mega_tensors() needs layout='mega'")
         return self._tensor(0, -1), self._tensor(1, -1)
@@ -164,8 +193,8 @@ class KVCache(SharingMixin):
     def layer_ptrs(self, index: int) -> Tuple[int, int]:
         """Raw virtual addresses of layer ``index``'s K and V (element [0, 0, 0, 0])."""
         cfg = self._config
-        if not 0 <= index < cfg.num_layers:
-            raise ConfigError(f"layer={index!r} is out of range [0, {cfg.num_layers})")
+        index = self._layer_index(index)
+        self._check_open()  # the addresses stay reserved after close(), but nothing is behind them
         if cfg.layout == "layer":
             return self._core.tensor_base(index), self._core.tensor_base(cfg.num_layers + index)
         offset = index * cfg.num_kv_heads * cfg.head_dim * cfg.element_bytes
@@ -177,8 +206,7 @@ class KVCache(SharingMixin):
         Only meaningful where the device memory is host memory (the host backend, or the CUDA
         driver emulation used in tests). Never use it with a real GPU.
         """
-        if not 0 <= index < self._config.num_layers:
-            raise ConfigError(f"layer={index!r} is out of range [0, {self._config.num_layers})")
+        index = self._layer_index(index)
         return tuple(torch.from_dlpack(self._core.export_tensor(kv, index, self._dl_code,
                                                                 self._dl_bits, True))
                      for kv in (0, 1))
@@ -197,7 +225,7 @@ class KVCache(SharingMixin):
         On CUDA an event is recorded on ``stream`` (default: the legacy default stream); the slot's
         pages are unmapped only after it has completed, so kernels still reading them are safe.
         """
-        self._core.free(slot, _stream_handle(stream))
+        self._core.free(as_slot(slot, self._config.max_batch_size), _stream_handle(stream))
 
     def step(self, seq_lens: SeqLens, *, stream=None) -> None:
         """Back every listed slot up to its length before the next attention call.
@@ -214,7 +242,13 @@ class KVCache(SharingMixin):
         # The decode hot path: keep the Python side to one type check for the common dict input.
         if type(seq_lens) is not dict:
             seq_lens = _as_lens(seq_lens)
-        self._core.step(seq_lens, 0 if stream is None else _stream_handle(stream))
+        try:
+            self._core.step(seq_lens, 0 if stream is None else _stream_handle(stream))
+        except (TypeError, OverflowError) as e:
+            if isinstance(e, ArgumentTypeError):
+                raise
+            cfg = self._config
+            raise _lens_error(e, seq_lens, cfg.max_batch_size, cfg.max_seq_len) from None
 
     def prefetch(self, seq_lens: SeqLens, *, lookahead_tokens: Optional[int] = None) -> None:
         """Map pages for the next iteration in the background; returns at once.
@@ -223,10 +257,18 @@ class KVCache(SharingMixin):
         cache's). The next :meth:`step` waits only for a slot the thread is mapping at that moment
         and maps anything still missing itself; shortfalls are not errors here.
         """
-        la = -1 if lookahead_tokens is None else int(lookahead_tokens)
-        if la < -1:
+        la = -1 if lookahead_tokens is None else as_int(lookahead_tokens, "lookahead_tokens")
+        if la < -1 or (lookahead_tokens is not None and la < 0):
             raise ConfigError(f"lookahead_tokens={lookahead_tokens!r} must be >= 0")
-        self._core.prefetch(_as_lens(seq_lens), la)
+        la = min(la, self._config.max_seq_len)  # the core caps lengths at max_seq_len anyway
+        seq_lens = _as_lens(seq_lens)
+        try:
+            self._core.prefetch(seq_lens, la)
+        except (TypeError, OverflowError) as e:
+            if isinstance(e, ArgumentTypeError):
+                raise
+            cfg = self._config
+            raise _lens_error(e, seq_lens, cfg.max_batch_size, cfg.max_seq_len) from None
 
     def wait(self) -> None:
         """Block until background prefetch work is done; re-raise a background driver error."""
@@ -264,11 +306,11 @@ class KVCache(SharingMixin):
     # ---- queries ------------------------------------------------------------------------------
     def mapped_tokens(self, slot: int) -> int:
         """Token positions of ``slot`` backed by physical pages."""
-        return self._core.mapped_tokens(slot)
+        return self._core.mapped_tokens(as_slot(slot, self._config.max_batch_size))
 
     def seq_len(self, slot: int) -> int:
         """Length given for ``slot`` by the last :meth:`step` (0 after :meth:`alloc`)."""
-        return self._core.seq_len(slot)
+        return self._core.seq_len(as_slot(slot, self._config.max_batch_size))
 
     def active_slots(self) -> List[int]:
         """Slots currently owned by requests, ascending."""

@@ -141,7 +141,9 @@ def reserve_physical_pages(free_memory: int) -> int:
     >>> vattn.cleanup()
     """
     state = _require()
-    state.cache.reserve(int(free_memory))
+    # As in the original, asking for more than the cache can ever map is not an error: the pool
+    # is filled up to the cache's virtual size (KVCache.reserve refuses sizes beyond it).
+    state.cache.reserve(min(int(free_memory), state.cache.config.virtual_bytes))
     return int(state.cache.stats()["pages_total"])
 
 

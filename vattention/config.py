@@ -7,6 +7,7 @@ config is a plain value that can be printed, compared and hashed.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import re
 from typing import Union
 
@@ -31,6 +32,7 @@ DTYPES = {
 LAYOUTS = ("layer", "mega")
 RECLAIM_POLICIES = ("deferred", "eager")
 
+MAX_SIZE = 2**63 - 1  # bytes: sizes cross into the core as int64/size_t
 _UNITS = {"": 1, "b": 1, "kb": 1 << 10, "kib": 1 << 10, "mb": 1 << 20, "mib": 1 << 20,
           "gb": 1 << 30, "gib": 1 << 30, "tb": 1 << 40, "tib": 1 << 40}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
@@ -46,6 +48,9 @@ def parse_size(size: Size, *, name: str = "size") -> int:
     """
     if isinstance(size, bool):
         raise ConfigError(f"{name} must be an int (bytes) or a string like '2MB', got {size!r}")
+    if not isinstance(size, (int, str)) and hasattr(size, "__index__") and \
+            not str(getattr(size, "dtype", "")).endswith("bool"):
+        size = operator.index(size)  # numpy and torch integer scalars
     if isinstance(size, int):
         value = size
     elif isinstance(size, str):
@@ -60,6 +65,9 @@ def parse_size(size: Size, *, name: str = "size") -> int:
         raise ConfigError(f"{name} must be an int (bytes) or a string like '2MB', got {size!r}")
     if value < 0:
         raise ConfigError(f"{name}={size!r} must be >= 0 bytes")
+    if value > MAX_SIZE:
+        raise ConfigError(f"{name}={size!r} ({value} bytes) exceeds the largest size the core "
+                          f"accepts, {MAX_SIZE} bytes (2**63 - 1)")
     return value
 
 
@@ -112,6 +120,11 @@ class KVCacheConfig:
         ``"deferred"`` (default): a freed slot keeps its pages until another slot needs them
         (least recently freed first, then look-ahead beyond active lengths), so a new request
         inherits mapped memory without map calls. ``"eager"``: unmap on ``free()``.
+    scrub : bool
+        Zero every page a request receives (a reused slot's pages, pages recycled through the
+        pool, fresh driver pages). Default ``False``: a kernel that reads only ``[0, seq_len)``
+        never sees another request's K/V, but one with padded reads, or a multi-tenant server
+        that must not leak data between requests, should set it (docs/guide.md, "Scrubbing").
 
     Examples
     --------
@@ -133,6 +146,7 @@ class KVCacheConfig:
     layout: str = "layer"
     lookahead_tokens: int = 0
     reclaim: str = "deferred"
+    scrub: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "max_batch_size", "max_seq_len"):
@@ -145,6 +159,8 @@ class KVCacheConfig:
             raise ConfigError(f"layout={self.layout!r} must be one of {LAYOUTS}")
         if self.reclaim not in RECLAIM_POLICIES:
             raise ConfigError(f"reclaim={self.reclaim!r} must be one of {RECLAIM_POLICIES}")
+        if not isinstance(self.scrub, bool):
+            raise ConfigError(f"scrub={self.scrub!r} must be True or False")
         if (isinstance(self.lookahead_tokens, bool) or not isinstance(self.lookahead_tokens, int)
                 or self.lookahead_tokens < 0):
             raise ConfigError(f"lookahead_tokens={self.lookahead_tokens!r} must be an int >= 0")

@@ -23,6 +23,7 @@ __all__ = [
     "BackendUnavailableError",
     "CacheClosedError",
     "SwapSpaceError",
+    "ArgumentTypeError",
 ]
 
 
@@ -67,3 +68,9 @@ class SwapSpaceError(VAttentionError, MemoryError):
     Attributes ``bytes_needed`` and ``bytes_available`` (host bytes) say by how much; raise the
     budget with ``KVCache.set_swap_budget`` or drop handles with ``KVCache.swap_drop``.
     """
+
+
+class ArgumentTypeError(VAttentionError, TypeError):
+    """An argument has the wrong type: a float or bool where an int is needed (never truncated),
+    a float tensor of lengths, a stream that is neither None, an int handle nor a stream object.
+    The message names the argument."""

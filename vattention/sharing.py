@@ -17,16 +17,15 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+from .arguments import as_handle, as_slot, as_stream as _stream, as_tokens
 from .config import Size, parse_size
-
-
-def _stream(stream) -> int:
-    from .cache import _stream_handle  # cache.py imports this module: import at call time
-    return _stream_handle(stream)
 
 
 class SharingMixin:
     """fork / share_prefix / ensure_private / swap_out / swap_in / pick_victims for KVCache."""
+
+    def _slot(self, value, name: str = "slot") -> int:
+        return as_slot(value, self._config.max_batch_size, name)
 
     def fork(self, src_slot: int, num_tokens: Optional[int] = None, *, stream=None) -> int:
         """A new active slot whose first ``num_tokens`` tokens equal ``src_slot``'s, in every layer.
@@ -61,11 +60,8 @@ class SharingMixin:
         ...     (cache.seq_len(child), cache.stats()["shared_pages"])  # 512 tokens/page: K, V
         (1000, 2)
         """
-        n = -1 if num_tokens is None else int(num_tokens)
-        if num_tokens is not None and n < 0:
-            from .errors import SequenceTooLongError
-            raise SequenceTooLongError(f"num_tokens={num_tokens} must be >= 0")
-        return self._core.fork(src_slot, n, _stream(stream))
+        n = as_tokens(num_tokens, "num_tokens", self._config.max_seq_len, none_as=-1)
+        return self._core.fork(self._slot(src_slot, "src_slot"), n, _stream(stream))
 
     def share_prefix(self, src_slot: int, dst_slot: int, num_tokens: int, *, stream=None) -> None:
         """Make ``dst_slot``'s first ``num_tokens`` tokens those of ``src_slot`` (prefix reuse).
@@ -75,7 +71,9 @@ class SharingMixin:
         errors as :meth:`fork`; afterwards ``seq_len(dst_slot) == num_tokens``. Pages ``dst_slot``
         inherited from an earlier request go back to the pool.
         """
-        self._core.share_prefix(src_slot, dst_slot, int(num_tokens), _stream(stream))
+        n = as_tokens(num_tokens, "num_tokens", self._config.max_seq_len)
+        self._core.share_prefix(self._slot(src_slot, "src_slot"), self._slot(dst_slot, "dst_slot"),
+                                n, _stream(stream))
 
     def ensure_private(self, slot: int, start_token: int, *, stream=None) -> int:
         """Give ``slot`` private copies of its shared pages from ``start_token``'s page on.
@@ -84,7 +82,8 @@ class SharingMixin:
         slots. Returns the number of pages copied (0 when none was shared). All or nothing on
         :class:`OutOfPagesError`. ``0 <= start_token <= seq_len(slot)``.
         """
-        return self._core.ensure_private(slot, int(start_token), _stream(stream))
+        start = as_tokens(start_token, "start_token", self._config.max_seq_len)
+        return self._core.ensure_private(self._slot(slot), start, _stream(stream))
 
     def swap_out(self, slot: int, *, stream=None) -> int:
         """Save ``slot``'s tokens to host memory and free the slot; returns a handle.
@@ -111,7 +110,7 @@ class SharingMixin:
         ...     cache.seq_len(slot)
         300
         """
-        return self._core.swap_out(slot, _stream(stream))
+        return self._core.swap_out(self._slot(slot), _stream(stream))
 
     def swap_in(self, handle: int, *, stream=None) -> int:
         """Restore a handle from :meth:`swap_out` into a slot (maybe another); returns the slot.
@@ -120,11 +119,11 @@ class SharingMixin:
         is consumed. Raises :class:`OutOfPagesError` or :class:`InvalidSlotError` (no slot free,
         unknown handle) with nothing changed.
         """
-        return self._core.swap_in(int(handle), _stream(stream))
+        return self._core.swap_in(as_handle(handle), _stream(stream))
 
     def swap_drop(self, handle: int) -> None:
         """Discard a swapped-out slot: its host memory and device references are released."""
-        self._core.swap_drop(int(handle))
+        self._core.swap_drop(as_handle(handle))
 
     def set_swap_budget(self, budget: Optional[Size]) -> None:
         """Cap host memory for swapped slots (bytes or ``"16GB"``; ``None``: no cap).
