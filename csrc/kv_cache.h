@@ -189,6 +189,12 @@ class KVCacheCore {
   uint64_t vmm_calls() const;
   // With scrub on: zeroes page indices [from, to) of `slot` in every tensor (mapped, with access).
   void scrub_pages(int slot, size_t from, size_t to);
+  // With scrub on and device memory: allocates the page of zeros (under mu_). Throws DriverError.
+  void prepare_scrub();
+  // Zeroes page indices [from, to) of `slot` in every tensor (mapped, with access); touches no
+  // cache state but the zero page (prepare_scrub first), so it may run without mu_ on a range
+  // the caller alone maps. Does not count.
+  void zero_pages(int slot, size_t from, size_t to) const;
   void scrub_stats(std::vector<std::pair<std::string, int64_t>>& out) const;
   // Unmaps page indices [keep, mapped) of a slot and releases its pages. Returns the pages that
   // reached the free list (a shared page only loses a reference).

@@ -71,6 +71,7 @@ bool KVCacheCore::prefetch_slot(int slot, int64_t target_tokens) {
   const size_t T = static_cast<size_t>(geo_.num_tensors());
   Slot& s = slots_[static_cast<size_t>(slot)];
   size_t from = 0, to = 0;
+  bool scrub = false;             // scrub_, read under the lock
   std::vector<PageHandle> pages;  // this thread's copy of inflight_.pages, read unlocked
   // 1. plan, under the lock.
   {
@@ -90,7 +91,9 @@ bool KVCacheCore::prefetch_slot(int slot, int64_t target_tokens) {
     if (to <= from) return true;
     const std::vector<Growth> plan = {Growth{slot, from, to}};
     const uint64_t calls_before = vmm_calls();
+    scrub = scrub_;
     try {
+      if (scrub) prepare_scrub();
       // Creates pages itself only if another caller took the ones just created.
       inflight_.pages = obtain((to - from) * T, plan, false);
     } catch (const Error& e) {
@@ -120,6 +123,22 @@ bool KVCacheCore::prefetch_slot(int slot, int64_t target_tokens) {
   } catch (...) {
     error = std::current_exception();  // map_pages unmapped what it mapped
   }
+  if (!error && scrub) {
+    // The pages may hold a previous owner's K/V: zero them before anyone can see them, still
+    // without the lock (rule R), so step() never waits behind the zeroing.
+    try {
+      zero_pages(slot, from, to);
+    } catch (...) {
+      error = std::current_exception();
+      try {
+        for (int t = 0; t < geo_.num_tensors(); ++t) {
+          backend_->unmap(page_va(t, slot, from), (to - from) * geo_.page_bytes);
+        }
+      } catch (...) {
+        // Secondary failure while undoing: the first error is the one to report.
+      }
+    }
+  }
   // 3. publish (or give the pages back), under the lock.
   Lock lock(mu_);
   inflight_ = InFlight{};
@@ -143,6 +162,7 @@ bool KVCacheCore::prefetch_slot(int slot, int64_t target_tokens) {
   counters_.prefetch_map_calls += (to - from) * T;
   counters_.set_access_calls += T;
   counters_.prefetch_driver_calls += calls;
+  if (scrub) scrubbed_pages_ += (to - from) * T;
   const bool keep_going = !closed_;
   lock.unlock();
   // Populating is the slow part on the host (~0.5 ms per 2 MB page) and needs no cache state:

@@ -6,7 +6,8 @@
 // kernel with padded reads, or a multi-tenant server, may.
 //
 // Where: at hand-out, after the page is mapped into its new owner's slot, so zeroing needs no
-// extra mapping: in grow() (step() and the prefetch thread, which does it off the hot path), in
+// extra mapping: in grow() (step()), in the prefetch thread (zeroing without the cache lock, on the
+// range only it maps, before publishing: see prefetch_slot), in
 // alloc() for an idle slot's pages, and for the fresh part of fork()'s partial page. Pages that
 // are overwritten whole (swap_in's copies, ensure_private's copies) are not zeroed first.
 // Host memory is cleared with memset; device memory with a copy from a page of zeros in host
@@ -26,18 +27,28 @@ void KVCacheCore::set_scrub(bool on) {
 
 void KVCacheCore::scrub_pages(int slot, size_t from, size_t to) {
   if (!scrub_ || to <= from) return;
+  prepare_scrub();
+  zero_pages(slot, from, to);
+  scrubbed_pages_ += (to - from) * static_cast<size_t>(geo_.num_tensors());
+}
+
+void KVCacheCore::prepare_scrub() {
+  const bool host_memory = backend_->device().dl_device_type == 1;
+  if (!scrub_ || host_memory || zero_block_ != nullptr) return;
+  const size_t P = geo_.page_bytes;
+  zero_block_ = backend_->alloc_host(P);
+  if (zero_block_ == nullptr) {
+    throw Error(Error::Kind::Driver, "scrub: could not allocate " + std::to_string(P) +
+                                         " bytes of host memory for the zero page")
+        .with("call", std::string("alloc_host"))
+        .with("bytes", static_cast<int64_t>(P));
+  }
+  std::memset(zero_block_, 0, P);
+}
+
+void KVCacheCore::zero_pages(int slot, size_t from, size_t to) const {
   const size_t P = geo_.page_bytes;
   const bool host_memory = backend_->device().dl_device_type == 1;
-  if (!host_memory && zero_block_ == nullptr) {
-    zero_block_ = backend_->alloc_host(P);
-    if (zero_block_ == nullptr) {
-      throw Error(Error::Kind::Driver, "scrub: could not allocate " + std::to_string(P) +
-                                           " bytes of host memory for the zero page")
-          .with("call", std::string("alloc_host"))
-          .with("bytes", static_cast<int64_t>(P));
-    }
-    std::memset(zero_block_, 0, P);
-  }
   for (int t = 0; t < geo_.num_tensors(); ++t) {
     const uintptr_t va = page_va(t, slot, from);
     if (host_memory) {
@@ -46,7 +57,6 @@ void KVCacheCore::scrub_pages(int slot, size_t from, size_t to) {
       for (size_t p = 0; p < to - from; ++p) backend_->copy_from_host(va + p * P, zero_block_, P, 0);
     }
   }
-  scrubbed_pages_ += (to - from) * static_cast<size_t>(geo_.num_tensors());
 }
 
 void KVCacheCore::scrub_stats(std::vector<std::pair<std::string, int64_t>>& out) const {

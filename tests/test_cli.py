@@ -22,8 +22,9 @@ def _run(args, cwd=None, timeout=120):
 
 
 @pytest.mark.parametrize("args,usage", [
-    (["bench", "--help"], "usage: python -m vattention bench [-h] {memory}"),
+    (["bench", "--help"], "usage: python -m vattention bench [-h] {memory,vllm}"),
     (["bench", "memory", "--help"], "usage: python -m vattention bench memory [-h]"),
+    (["bench", "vllm", "--help"], "usage: python -m vattention bench vllm [-h]"),
     (["demo", "--help"], "usage: python -m vattention demo [-h]"),
     (["info", "--help"], "usage: python -m vattention info [-h]"),
     (["--help"], "usage: python -m vattention [-h] {info,demo,bench}"),

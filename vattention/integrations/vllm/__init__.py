@@ -34,15 +34,11 @@ from __future__ import annotations
 
 import os
 
+from .settings import (ENV_ALLOW_UNTESTED, ENV_ENABLE, ENV_LAYOUT, ENV_STATS,
+                       TESTED_VLLM_VERSIONS)
+
 __all__ = ["register", "TESTED_VLLM_VERSIONS", "ENV_ENABLE", "ENV_STATS", "ENV_LAYOUT",
            "ENV_ALLOW_UNTESTED"]
-
-ENV_ENABLE = "VATTENTION_VLLM"
-ENV_STATS = "VATTENTION_VLLM_STATS"
-ENV_LAYOUT = "VATTENTION_VLLM_LAYOUT"
-ENV_ALLOW_UNTESTED = "VATTENTION_VLLM_ALLOW_UNTESTED"
-
-TESTED_VLLM_VERSIONS = ("0.32.0",)
 
 
 def register() -> None:

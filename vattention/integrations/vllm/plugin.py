@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 from ...errors import ConfigError
-from . import ENV_ALLOW_UNTESTED, ENV_LAYOUT, TESTED_VLLM_VERSIONS
+from .settings import ENV_ALLOW_UNTESTED, ENV_LAYOUT, TESTED_VLLM_VERSIONS
 from .geometry import LAYOUTS, aligned_block_size, tensor_token_bytes
 
 __all__ = ["activate", "check_version", "configure", "layout_from_env"]

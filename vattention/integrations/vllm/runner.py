@@ -29,7 +29,7 @@ from typing import Dict, List, Optional
 import torch
 
 from ... import KVCache, KVCacheConfig, OutOfPagesError
-from . import ENV_STATS
+from .settings import ENV_STATS
 from .geometry import KVGeometry
 from .plugin import layout_from_env
 from .slots import RequestSlots
