@@ -33,6 +33,7 @@ KVCacheCore::KVCacheCore(std::unique_ptr<Backend> backend, const CacheGeometry& 
   }
   pool_ = std::make_unique<PagePool>(*backend_, budget_bytes);
   slots_.resize(static_cast<size_t>(geo_.max_batch));
+  for (Slot& s : slots_) refresh_release_at(s);
   swap_ = std::make_unique<SwapStore>(*backend_, geo_.page_bytes);
   prefetcher_ = std::make_unique<Prefetcher>([this](const Prefetcher::Job& job) { run_prefetch(job); });
 }
@@ -151,6 +152,7 @@ int KVCacheCore::alloc() {
   if (best < 0) throw no_free_slot();
   Slot& s = slots_[static_cast<size_t>(best)];
   forget_sharing(s, best);  // before the fence goes: it may unmap
+  forget_window(s, best);   // the new request starts at token 0, which a window may have released
   if (s.has_fence) {
     // The new owner's writes are ordered after the old owner's reads on the same stream; the
     // fence only guards unmapping, which this slot no longer faces.
@@ -184,7 +186,7 @@ void KVCacheCore::free(int slot, uintptr_t stream) {
 
 // ---- step and growth ----------------------------------------------------------------------------
 
-bool KVCacheCore::step(const std::vector<int64_t>& lens, uintptr_t /*stream*/, bool fast_only) {
+bool KVCacheCore::step(const std::vector<int64_t>& lens, uintptr_t stream, bool fast_only) {
   if (fast_only) {
     // The decode hot path: nothing to map. One pass, no division (slot.backed is cached). Work
     // the prefetch thread still has queued is for later iterations: no need to wait for it.
@@ -200,7 +202,12 @@ bool KVCacheCore::step(const std::vector<int64_t>& lens, uintptr_t /*stream*/, b
       if (len < 0 || len > geo_.max_seq || slots_[i].state != Slot::State::Active) {
         validate_lens(lens, true);  // throws the precise error
       }
-      if (len > slots_[i].backed) return false;
+      const Slot& s = slots_[i];
+      if (len > s.backed) return false;
+      // A window page to release (release_at is INT64_MAX without windows), or a rewind to check.
+      if (std::min(s.seq_len, len - 1) >= s.release_at || (len < s.seq_len && !s.head.empty())) {
+        return false;
+      }
     }
     commit_step(lens);
     return true;
@@ -222,12 +229,20 @@ bool KVCacheCore::step(const std::vector<int64_t>& lens, uintptr_t /*stream*/, b
     if (lens[i] != kUnlisted) slots_[i].seq_len = std::max(lens[i], old_lens[i]);
   }
   try {
-    grow(plan, false);
+    try {
+      grow(plan, false);
+    } catch (const Error& e) {
+      // Window pages no query of this step reads may cover the shortfall: release them, retry once.
+      if (e.kind() != Error::Kind::OutOfPages || release_windows(lens, old_lens, stream) == 0) throw;
+      --counters_.oom_events;  // not raised after all unless the retry fails too
+      grow(plan, false);
+    }
   } catch (...) {
     for (size_t i = 0; i < lens.size(); ++i) slots_[i].seq_len = old_lens[i];
     throw;
   }
   commit_step(lens);
+  release_windows(lens, old_lens, stream);
   return true;
 }
 
@@ -239,6 +254,7 @@ std::vector<KVCacheCore::Growth> KVCacheCore::plan_step(const std::vector<int64_
   std::vector<Growth> plan;
   for (size_t i = 0; i < lens.size(); ++i) {
     if (lens[i] == kUnlisted) continue;
+    if (!slots_[i].head.empty()) check_window(static_cast<int>(i), lens[i], "seq_lens[slot]");
     const size_t need = geo_.pages_for(lens[i]);
     if (need > slots_[i].mapped) plan.push_back(Growth{static_cast<int>(i), slots_[i].mapped, need});
   }
@@ -291,33 +307,50 @@ void KVCacheCore::map_slot(int slot, size_t from, size_t to, const PageHandle* p
                            bool from_prefetch) {
   const int T = geo_.num_tensors();
   const size_t count = to - from;
-  const size_t run_bytes = count * geo_.page_bytes;
+  // Pages restored by fork or swap-in may hold released window pages (kNoPage) as a prefix of
+  // each tensor: tensor t maps [first[t], to) only.
+  std::vector<size_t> first(static_cast<size_t>(T), from);
+  bool holes = false;
+  for (int t = 0; t < T; ++t) {
+    size_t& f = first[static_cast<size_t>(t)];
+    while (f < to && pages[(f - from) * static_cast<size_t>(T) + static_cast<size_t>(t)] == kNoPage) ++f;
+    holes = holes || f > from;
+  }
   int tensors_done = 0;
   size_t pages_done = 0;  // in the tensor being mapped
   try {
     for (int t = 0; t < T; ++t) {
-      for (size_t p = from; p < to; ++p) {
+      const size_t begin = first[static_cast<size_t>(t)];
+      if (begin == to) {
+        tensors_done = t + 1;
+        continue;
+      }
+      const size_t run_bytes = (to - begin) * geo_.page_bytes;
+      for (size_t p = begin; p < to; ++p) {
         backend_->map(page_va(t, slot, p), pages[(p - from) * static_cast<size_t>(T) + static_cast<size_t>(t)]);
         ++counters_.map_calls;
         ++(from_prefetch ? counters_.prefetch_map_calls : counters_.step_map_calls);
-        pages_done = p - from + 1;
+        pages_done = p - begin + 1;
       }
       // One access grant per contiguous run of new pages, not one per page.
-      backend_->set_access(page_va(t, slot, from), run_bytes);
+      backend_->set_access(page_va(t, slot, begin), run_bytes);
       ++counters_.set_access_calls;
       // The prefetch thread populates after dropping the lock (run_prefetch), not here.
-      if (!from_prefetch) backend_->prefault(page_va(t, slot, from), run_bytes);
+      if (!from_prefetch) backend_->prefault(page_va(t, slot, begin), run_bytes);
       tensors_done = t + 1;
       pages_done = 0;
     }
   } catch (...) {
     try {
       for (int t = 0; t < tensors_done; ++t) {
-        backend_->unmap(page_va(t, slot, from), run_bytes);
+        const size_t begin = first[static_cast<size_t>(t)];
+        if (begin == to) continue;
+        backend_->unmap(page_va(t, slot, begin), (to - begin) * geo_.page_bytes);
         ++counters_.unmap_calls;
       }
       if (pages_done > 0) {
-        backend_->unmap(page_va(tensors_done, slot, from), pages_done * geo_.page_bytes);
+        backend_->unmap(page_va(tensors_done, slot, first[static_cast<size_t>(tensors_done)]),
+                        pages_done * geo_.page_bytes);
         ++counters_.unmap_calls;
       }
     } catch (...) {
@@ -327,8 +360,16 @@ void KVCacheCore::map_slot(int slot, size_t from, size_t to, const PageHandle* p
   }
   Slot& s = slots_[static_cast<size_t>(slot)];
   s.pages.insert(s.pages.end(), pages, pages + count * static_cast<size_t>(T));
+  if (holes) {
+    // Holes only extend a prefix that is already all holes (from == head[t], e.g. a fresh slot).
+    if (s.head.empty()) s.head.assign(static_cast<size_t>(T), 0);
+    for (size_t t = 0; t < static_cast<size_t>(T); ++t) {
+      if (first[t] > from) s.head[t] = first[t];
+    }
+  }
   s.mapped = to;
   s.backed = geo_.tokens_in(to);
+  if (holes) refresh_release_at(s);
 }
 
 // ---- queries ------------------------------------------------------------------------------------
@@ -362,7 +403,7 @@ std::vector<std::pair<std::string, int64_t>> KVCacheCore::stats() const {
   check_open();
   int64_t active = 0, idle = 0, free_slots = 0, tokens = 0, mappings = 0;
   for (const Slot& s : slots_) {
-    mappings += static_cast<int64_t>(s.pages.size());
+    mappings += static_cast<int64_t>(s.live_pages());
     if (s.state == Slot::State::Active) {
       ++active;
       tokens += s.seq_len;
@@ -405,6 +446,7 @@ std::vector<std::pair<std::string, int64_t>> KVCacheCore::stats() const {
       {"reclaimed_pages", u(counters_.reclaimed_pages)},
       {"fence_waits", u(counters_.fence_waits)},
       {"prefetch_shortfall_pages", u(counters_.prefetch_shortfall_pages)},
+      {"window_released_pages", u(window_released_pages_)},
   };
   sharing_stats(out);
   return out;
@@ -425,7 +467,12 @@ std::string KVCacheCore::check_invariants() const {
       return where + "active slot backs fewer tokens than its length";
     }
     if (s.backed != geo_.tokens_in(s.mapped)) return where + "cached backed tokens are stale";
-    for (PageHandle p : s.pages) ++seen[p];
+    if (!s.head.empty() && s.head.size() != T) return where + "head has the wrong size";
+    for (size_t k = 0; k < s.pages.size(); ++k) {
+      const bool hole = k / T < head_of(s, k % T);
+      if (hole != (s.pages[k] == kNoPage)) return where + "released pages are not a per-tensor prefix";
+      if (!hole) ++seen[s.pages[k]];
+    }
   }
   const std::string sharing = check_sharing(seen);
   if (!sharing.empty()) return sharing;
