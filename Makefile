@@ -26,6 +26,7 @@ SAN_SOURCES := csrc/host_backend.cpp csrc/page_pool.cpp csrc/kv_cache.cpp csrc/p
                csrc/kv_cache_reclaim.cpp csrc/kv_cache_prefetch.cpp \
                csrc/kv_cache_sharing.cpp csrc/kv_cache_swap.cpp csrc/swap_store.cpp \
                csrc/kv_cache_scrub.cpp csrc/fault_report.cpp \
+               csrc/kv_cache_window.cpp \
                csrc/tests/core_threads_test.cpp
 SAN_FLAGS := -std=c++17 -O1 -g -fno-omit-frame-pointer -Icsrc -pthread
 

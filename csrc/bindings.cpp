@@ -129,6 +129,9 @@ py::capsule export_tensor(const std::shared_ptr<KVCacheCore>& core, int kv, int 
                           int bits, bool host_alias) {
   const vattention::CacheGeometry& g = core->geometry();
   if (kv < 0 || kv > 1) throw py::value_error("kv must be 0 (K) or 1 (V)");
+  if (kv == 1 && !g.value_cache) {
+    throw Error(Error::Kind::Config, "this cache has no V tensors (value_cache=False)");
+  }
   if (layer < -1 || layer >= g.num_layers || (layer == -1 && !g.mega)) {
     throw Error(Error::Kind::Config, "layer=" + std::to_string(layer) + " is out of range [0, " +
                                          std::to_string(g.num_layers) + ") (num_layers=" +
@@ -230,7 +233,7 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](const std::string& device, int64_t num_layers, int64_t num_kv_heads,
                        int64_t head_dim, int64_t element_bytes, int64_t max_batch, int64_t max_seq,
                        size_t page_bytes, bool mega, int64_t budget_bytes, bool eager,
-                       int64_t lookahead_tokens) {
+                       int64_t lookahead_tokens, bool value_cache, std::vector<int64_t> windows) {
              vattention::CacheGeometry g;
              g.num_layers = num_layers;
              g.num_kv_heads = num_kv_heads;
@@ -240,6 +243,8 @@ PYBIND11_MODULE(_C, m) {
              g.max_seq = max_seq;
              g.page_bytes = page_bytes;
              g.mega = mega;
+             g.value_cache = value_cache;
+             g.windows = std::move(windows);
              g.validate();
              auto backend = vattention::make_backend(device, page_bytes);
              return std::make_shared<KVCacheCore>(
@@ -249,7 +254,8 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("device"), py::arg("num_layers"), py::arg("num_kv_heads"), py::arg("head_dim"),
            py::arg("element_bytes"), py::arg("max_batch"), py::arg("max_seq"), py::arg("page_bytes"),
-           py::arg("mega"), py::arg("budget_bytes"), py::arg("eager"), py::arg("lookahead_tokens"))
+           py::arg("mega"), py::arg("budget_bytes"), py::arg("eager"), py::arg("lookahead_tokens"),
+           py::arg("value_cache") = true, py::arg("windows") = std::vector<int64_t>{})
       .def("alloc", &KVCacheCore::alloc)
       .def("free", &KVCacheCore::free, py::arg("slot"), py::arg("stream") = 0,
            py::call_guard<py::gil_scoped_release>())
@@ -302,6 +308,7 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("set_swap_budget", &KVCacheCore::set_swap_budget, py::arg("budget_bytes"))
       .def("pick_victims", &KVCacheCore::pick_victims, py::arg("bytes_needed"))
+      .def("window_starts", &KVCacheCore::window_starts, py::arg("slot"))
       .def("close", &KVCacheCore::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("closed", &KVCacheCore::closed)
       .def_property_readonly("backend_name", [](KVCacheCore& c) { return c.backend().name(); })

@@ -6,11 +6,17 @@
 // are mapped per "page index" p of a slot: one page in every tensor at row offset p * page_bytes.
 // Tokens may straddle two pages when page_bytes is not a multiple of the token stride; mapping is
 // by bytes, so that is harmless.
+//
+// Model coverage (issue 14): value_cache=false drops the V tensors (MLA latents, K-only caches:
+// `layer` layout has L tensors, `mega` one). windows[l] > 0 makes layer l a sliding-window layer
+// of W = windows[l] tokens: positions stay absolute and step() releases the pages of its tensors
+// that lie wholly before the window (kv_cache_window.cpp).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "errors.h"
 
@@ -25,6 +31,8 @@ struct CacheGeometry {
   int64_t max_seq = 0;
   size_t page_bytes = 0;
   bool mega = false;
+  bool value_cache = true;        // false: K tensors only
+  std::vector<int64_t> windows;   // empty, or num_layers entries: 0 = full attention, else W tokens
 
   // Throws Error(Kind::Config) naming the bad value and the limit.
   void validate() const {
@@ -47,6 +55,24 @@ struct CacheGeometry {
           .with("page_bytes", static_cast<int64_t>(page_bytes))
           .with("token_bytes", static_cast<int64_t>(token_bytes()));
     }
+    if (!windows.empty() && static_cast<int64_t>(windows.size()) != num_layers) {
+      throw Error(Error::Kind::Config, "sliding_window has " + std::to_string(windows.size()) +
+                                           " entries; it needs one per layer (num_layers=" +
+                                           std::to_string(num_layers) + ")");
+    }
+    for (size_t l = 0; l < windows.size(); ++l) {
+      if (windows[l] < 0) {
+        throw Error(Error::Kind::Config, "sliding_window[" + std::to_string(l) + "]=" +
+                                             std::to_string(windows[l]) +
+                                             " must be >= 1 (or 0/None for full attention)");
+      }
+      if (mega && windows[l] != windows[0]) {
+        throw Error(Error::Kind::Config,
+                    "sliding_window differs between layers (layer 0: " + std::to_string(windows[0]) +
+                        ", layer " + std::to_string(l) + ": " + std::to_string(windows[l]) +
+                        "); per-layer windows need layout='layer'");
+      }
+    }
     // 2^46 bytes = 64 TiB: leaves room in the 47-bit user address space (and GPU VA space).
     const double virt = static_cast<double>(slot_bytes()) * max_batch * num_tensors();
     if (virt > static_cast<double>(int64_t{1} << 46)) {
@@ -56,7 +82,38 @@ struct CacheGeometry {
     }
   }
 
-  int num_tensors() const { return mega ? 2 : static_cast<int>(2 * num_layers); }
+  int kv_tensors() const { return value_cache ? 2 : 1; }
+  int num_tensors() const { return mega ? kv_tensors() : static_cast<int>(kv_tensors() * num_layers); }
+  // Window of tensor t in tokens (0 = full attention). Tensor t holds layer t % num_layers.
+  int64_t window(int t) const {
+    if (windows.empty()) return 0;
+    return mega ? windows[0] : windows[static_cast<size_t>(t % num_layers)];
+  }
+  bool any_window() const {
+    for (int64_t w : windows) {
+      if (w > 0) return true;
+    }
+    return false;
+  }
+  // Page indices of tensor t no query at position >= first_query can read: pages lying wholly
+  // before first_query - W + 1 (a query at q reads keys (q - W, q]). 0 for full-attention tensors.
+  size_t releasable_pages(int t, int64_t first_query) const {
+    const int64_t w = window(t);
+    const int64_t first_key = first_query - w + 1;
+    if (w <= 0 || first_key <= 0) return 0;
+    return static_cast<size_t>(first_key) * token_bytes() / page_bytes;
+  }
+  // Smallest first_query for which releasable_pages(t, .) >= pages (0 for pages == 0).
+  int64_t query_releasing(int t, size_t pages) const {
+    if (pages == 0) return 0;
+    const size_t tb = token_bytes();
+    return static_cast<int64_t>((pages * page_bytes + tb - 1) / tb) + window(t) - 1;
+  }
+  // First token whose bytes lie wholly in page indices >= pages (tokens may straddle pages).
+  int64_t first_token_at(size_t pages) const {
+    const size_t tb = token_bytes();
+    return static_cast<int64_t>((pages * page_bytes + tb - 1) / tb);
+  }
   // Bytes between consecutive tokens of one slot in one tensor.
   size_t token_bytes() const {
     const int64_t per_layer = num_kv_heads * head_dim * element_bytes;
@@ -77,8 +134,10 @@ struct CacheGeometry {
     const int64_t t = static_cast<int64_t>(pages * page_bytes / token_bytes());
     return t < max_seq ? t : max_seq;
   }
-  // Bytes of one token over all layers, K and V.
-  int64_t bytes_per_token() const { return 2 * num_layers * num_kv_heads * head_dim * element_bytes; }
+  // Bytes of one token over all layers, K and V (K only without a value cache).
+  int64_t bytes_per_token() const {
+    return kv_tensors() * num_layers * num_kv_heads * head_dim * element_bytes;
+  }
 };
 
 }  // namespace vattention

@@ -45,6 +45,7 @@ KVCacheCore::KVCacheCore(std::unique_ptr<Backend> backend, const CacheGeometry& 
   }
   pool_ = std::make_unique<PagePool>(*backend_, budget_bytes);
   slots_.resize(static_cast<size_t>(geo_.max_batch));
+  for (Slot& s : slots_) refresh_release_at(s);
   swap_ = std::make_unique<SwapStore>(*backend_, geo_.page_bytes);
   prefetcher_ = std::make_unique<Prefetcher>([this](const Prefetcher::Job& job) { run_prefetch(job); });
 }
@@ -173,6 +174,7 @@ int KVCacheCore::alloc() {
   if (best < 0) throw no_free_slot();
   Slot& s = slots_[static_cast<size_t>(best)];
   forget_sharing(s, best);  // before the fence goes: it may unmap
+  forget_window(s, best);   // the new request starts at token 0, which a window may have released
   scrub_pages(best, 0, s.mapped);  // the previous request's tokens must not reach the new one
   if (s.has_fence) {
     // The new owner's writes are ordered after the old owner's reads on the same stream; the
@@ -207,7 +209,7 @@ void KVCacheCore::free(int slot, uintptr_t stream) {
 
 // ---- step and growth ----------------------------------------------------------------------------
 
-bool KVCacheCore::step(const std::vector<int64_t>& lens, uintptr_t /*stream*/, bool fast_only) {
+bool KVCacheCore::step(const std::vector<int64_t>& lens, uintptr_t stream, bool fast_only) {
   if (fast_only) {
     // The decode hot path: nothing to map. One pass, no division (slot.backed is cached). Work
     // the prefetch thread still has queued is for later iterations: no need to wait for it.
@@ -223,7 +225,12 @@ bool KVCacheCore::step(const std::vector<int64_t>& lens, uintptr_t /*stream*/, b
       if (len < 0 || len > geo_.max_seq || slots_[i].state != Slot::State::Active) {
         validate_lens(lens, true);  // throws the precise error
       }
-      if (len > slots_[i].backed) return false;
+      const Slot& s = slots_[i];
+      if (len > s.backed) return false;
+      // A window page to release (release_at is INT64_MAX without windows), or a rewind to check.
+      if (std::min(s.seq_len, len - 1) >= s.release_at || (len < s.seq_len && !s.head.empty())) {
+        return false;
+      }
     }
     commit_step(lens);
     return true;
@@ -259,7 +266,14 @@ bool KVCacheCore::step(const std::vector<int64_t>& lens, uintptr_t /*stream*/, b
   }
   const uint64_t calls_before = vmm_calls();
   try {
-    grow(plan, false);
+    try {
+      grow(plan, false);
+    } catch (const Error& e) {
+      // Window pages no query of this step reads may cover the shortfall: release them, retry once.
+      if (e.kind() != Error::Kind::OutOfPages || release_windows(lens, old_lens, stream) == 0) throw;
+      --counters_.oom_events;  // not raised after all unless the retry fails too
+      grow(plan, false);
+    }
   } catch (...) {
     counters_.step_driver_calls += vmm_calls() - calls_before;
     for (size_t i = 0; i < lens.size(); ++i) slots_[i].seq_len = old_lens[i];
@@ -267,6 +281,7 @@ bool KVCacheCore::step(const std::vector<int64_t>& lens, uintptr_t /*stream*/, b
   }
   counters_.step_driver_calls += vmm_calls() - calls_before;
   commit_step(lens);
+  release_windows(lens, old_lens, stream);
   return true;
 }
 
@@ -293,6 +308,7 @@ std::vector<KVCacheCore::Growth> KVCacheCore::plan_step(const std::vector<int64_
   std::vector<Growth> plan;
   for (size_t i = 0; i < lens.size(); ++i) {
     if (lens[i] == kUnlisted) continue;
+    if (!slots_[i].head.empty()) check_window(static_cast<int>(i), lens[i], "seq_lens[slot]");
     const size_t need = geo_.pages_for(lens[i]);
     if (need > slots_[i].mapped) plan.push_back(Growth{static_cast<int>(i), slots_[i].mapped, need});
   }
@@ -346,49 +362,86 @@ void KVCacheCore::map_slot(int slot, size_t from, size_t to, const PageHandle* p
                            bool from_prefetch) {
   const int T = geo_.num_tensors();
   const size_t count = to - from;
+  const std::vector<size_t> first = first_pages(from, to, pages);
   map_pages(slot, from, to, pages);
-  counters_.map_calls += count * static_cast<size_t>(T);
-  (from_prefetch ? counters_.prefetch_map_calls : counters_.step_map_calls) += count * static_cast<size_t>(T);
-  counters_.set_access_calls += static_cast<size_t>(T);
-  if (!from_prefetch) {
-    for (int t = 0; t < T; ++t) backend_->prefault(page_va(t, slot, from), count * geo_.page_bytes);
+  bool holes = false;
+  for (int t = 0; t < T; ++t) {
+    const size_t begin = first[static_cast<size_t>(t)];
+    holes = holes || begin > from;
+    if (begin == to) continue;
+    counters_.map_calls += to - begin;
+    (from_prefetch ? counters_.prefetch_map_calls : counters_.step_map_calls) += to - begin;
+    ++counters_.set_access_calls;
+    // The prefetch thread populates after dropping the lock (prefetch_slot), not here.
+    if (!from_prefetch) backend_->prefault(page_va(t, slot, begin), (to - begin) * geo_.page_bytes);
   }
   Slot& s = slots_[static_cast<size_t>(slot)];
   s.pages.insert(s.pages.end(), pages, pages + count * static_cast<size_t>(T));
+  if (holes) {
+    // Holes only extend a prefix that is already all holes (from == head[t], e.g. a fresh slot).
+    if (s.head.empty()) s.head.assign(static_cast<size_t>(T), 0);
+    for (size_t t = 0; t < static_cast<size_t>(T); ++t) {
+      if (first[t] > from) s.head[t] = first[t];
+    }
+  }
   s.mapped = to;
   s.backed = geo_.tokens_in(to);
+  if (holes) refresh_release_at(s);
+}
+
+std::vector<size_t> KVCacheCore::first_pages(size_t from, size_t to,
+                                             const PageHandle* pages) const {
+  // Pages restored by fork or swap-in may hold released window pages (kNoPage) as a prefix of
+  // each tensor: tensor t maps [first[t], to) only.
+  const int T = geo_.num_tensors();
+  std::vector<size_t> first(static_cast<size_t>(T), from);
+  for (int t = 0; t < T; ++t) {
+    size_t& f = first[static_cast<size_t>(t)];
+    while (f < to && pages[(f - from) * static_cast<size_t>(T) + static_cast<size_t>(t)] == kNoPage) ++f;
+  }
+  return first;
 }
 
 size_t KVCacheCore::map_pages(int slot, size_t from, size_t to, const PageHandle* pages) const {
   const int T = geo_.num_tensors();
-  const size_t count = to - from;
-  const size_t run_bytes = count * geo_.page_bytes;
+  const std::vector<size_t> first = first_pages(from, to, pages);
+  size_t calls = 0;
   int tensors_done = 0;
   size_t pages_done = 0;  // in the tensor being mapped
   try {
     for (int t = 0; t < T; ++t) {
-      for (size_t p = from; p < to; ++p) {
+      const size_t begin = first[static_cast<size_t>(t)];
+      if (begin == to) {
+        tensors_done = t + 1;
+        continue;
+      }
+      for (size_t p = begin; p < to; ++p) {
         backend_->map(page_va(t, slot, p), pages[(p - from) * static_cast<size_t>(T) + static_cast<size_t>(t)]);
-        pages_done = p - from + 1;
+        pages_done = p - begin + 1;
       }
       // One access grant per contiguous run of new pages, not one per page.
-      backend_->set_access(page_va(t, slot, from), run_bytes);
+      backend_->set_access(page_va(t, slot, begin), (to - begin) * geo_.page_bytes);
+      calls += to - begin + 1;
       tensors_done = t + 1;
       pages_done = 0;
     }
   } catch (...) {
     try {
       // One unmap per contiguous run: the tensors done, then the part of the one that failed.
-      for (int t = 0; t < tensors_done; ++t) backend_->unmap(page_va(t, slot, from), run_bytes);
+      for (int t = 0; t < tensors_done; ++t) {
+        const size_t begin = first[static_cast<size_t>(t)];
+        if (begin < to) backend_->unmap(page_va(t, slot, begin), (to - begin) * geo_.page_bytes);
+      }
       if (pages_done > 0) {
-        backend_->unmap(page_va(tensors_done, slot, from), pages_done * geo_.page_bytes);
+        backend_->unmap(page_va(tensors_done, slot, first[static_cast<size_t>(tensors_done)]),
+                        pages_done * geo_.page_bytes);
       }
     } catch (...) {
       // Secondary failure while undoing: the first error is the one the caller needs.
     }
     throw;
   }
-  return count * static_cast<size_t>(T) + static_cast<size_t>(T);
+  return calls;
 }
 
 uint64_t KVCacheCore::vmm_calls() const {
@@ -427,7 +480,7 @@ std::vector<std::pair<std::string, int64_t>> KVCacheCore::stats() const {
   check_open();
   int64_t active = 0, idle = 0, free_slots = 0, tokens = 0, mappings = 0;
   for (const Slot& s : slots_) {
-    mappings += static_cast<int64_t>(s.pages.size());
+    mappings += static_cast<int64_t>(s.live_pages());
     if (s.state == Slot::State::Active) {
       ++active;
       tokens += s.seq_len;
@@ -473,6 +526,7 @@ std::vector<std::pair<std::string, int64_t>> KVCacheCore::stats() const {
       {"reclaimed_pages", u(counters_.reclaimed_pages)},
       {"fence_waits", u(counters_.fence_waits)},
       {"prefetch_shortfall_pages", u(counters_.prefetch_shortfall_pages)},
+      {"window_released_pages", u(window_released_pages_)},
   };
   sharing_stats(out);
   scrub_stats(out);
@@ -494,7 +548,12 @@ std::string KVCacheCore::check_invariants() const {
       return where + "active slot backs fewer tokens than its length";
     }
     if (s.backed != geo_.tokens_in(s.mapped)) return where + "cached backed tokens are stale";
-    for (PageHandle p : s.pages) ++seen[p];
+    if (!s.head.empty() && s.head.size() != T) return where + "head has the wrong size";
+    for (size_t k = 0; k < s.pages.size(); ++k) {
+      const bool hole = k / T < head_of(s, k % T);
+      if (hole != (s.pages[k] == kNoPage)) return where + "released pages are not a per-tensor prefix";
+      if (!hole) ++seen[s.pages[k]];
+    }
     if (in_flight(i) && s.mapped != inflight_.from) {
       return where + "mapped " + std::to_string(s.mapped) + " pages while pages from " +
              std::to_string(inflight_.from) + " are being mapped outside the lock";

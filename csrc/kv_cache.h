@@ -130,6 +130,10 @@ class KVCacheCore {
   // recently stepped first, ties by fewest tokens (cheapest to recompute), then lowest index.
   // Returns every active slot if even all of them are not enough.
   std::vector<int> pick_victims(size_t bytes_needed) const;
+  // ---- sliding windows (issue 14; kv_cache_window.cpp) -------------------------------------------
+  // Per layer, the first token of `slot` still backed: 0 on full-attention layers, on windowed
+  // layers the first token after the pages step() released. Positions below it read unmapped memory.
+  std::vector<int64_t> window_starts(int slot) const;
 
   // Unmaps everything, destroys pages, stops the prefetch thread. The virtual reservations live on
   // (PROT_NONE) until the object is destroyed, so a tensor outliving close() faults, never aliases.
@@ -162,6 +166,9 @@ class KVCacheCore {
   // set_access per tensor run); touches no cache state, so the prefetch thread runs it unlocked.
   // On failure unmaps what it mapped and rethrows. Returns the driver calls made.
   size_t map_pages(int slot, size_t from, size_t to, const PageHandle* pages) const;
+  // Per tensor, the first page index in [from, to) that is not a hole (kNoPage: a released
+  // window page restored by fork or swap-in); `to` when the whole range is holes.
+  std::vector<size_t> first_pages(size_t from, size_t to, const PageHandle* pages) const;
   // ---- the prefetch thread's mapping in flight (kv_cache_prefetch.cpp) --------------------------
   struct InFlight {
     int slot = -1;                   // -1: nothing in flight
@@ -225,6 +232,20 @@ class KVCacheCore {
   void copy_page_to_host(PageHandle page, void* dst, uintptr_t stream);
   std::string check_sharing(std::map<PageHandle, uint32_t>& seen) const;
   void sharing_stats(std::vector<std::pair<std::string, int64_t>>& out) const;
+  // Window helpers (kv_cache_window.cpp). Releases, for every listed slot, the pages its windowed
+  // tensors no query of this step can read; waits on a fence on `stream` before unmapping. Returns
+  // the pages that reached the free list.
+  size_t release_windows(const std::vector<int64_t>& lens, const std::vector<int64_t>& old_lens,
+                         uintptr_t stream);
+  // Releases page indices [head[t], releasable_pages(t, first_query)) of every windowed tensor.
+  size_t release_head(Slot& slot, int index, int64_t first_query);
+  void refresh_release_at(Slot& slot) const;
+  // Throws SequenceTooLong unless the window of a `len`-token sequence is still backed in `slot`.
+  void check_window(int slot, int64_t len, const char* what) const;
+  // alloc() of an idle slot with released head pages: the new owner starts at token 0, so unmap all.
+  void forget_window(Slot& slot, int index);
+  // First page index of tensor t that is mapped (head[t], or 0).
+  static size_t head_of(const Slot& slot, size_t t) { return slot.head.empty() ? 0 : slot.head[t]; }
 
   const CacheGeometry geo_;
   const ReclaimPolicy policy_;
@@ -236,6 +257,7 @@ class KVCacheCore {
   int64_t lookahead_tokens_;
   uint64_t free_counter_ = 0;
   uint64_t step_counter_ = 0;
+  uint64_t window_released_pages_ = 0;  // pages sliding windows returned to the pool
   std::vector<int> eager_pending_;  // eager policy: freed slots whose fence had not completed
   CacheCounters counters_;
   std::exception_ptr background_error_;

@@ -49,7 +49,7 @@ size_t KVCacheCore::spare_pages(const std::vector<Growth>& plan, bool allow_trim
     const Slot& s = slots_[i];
     if (in_flight(i)) continue;  // never shrunk while mapped outside the lock (rule R)
     if (s.state == Slot::State::Idle) {
-      spare += s.mapped * T;
+      spare += s.live_pages();
     } else if (allow_trim && s.state == Slot::State::Active) {
       bool growing = std::any_of(plan.begin(), plan.end(),
                                  [&](const Growth& g) { return g.slot == static_cast<int>(i); });
@@ -147,21 +147,24 @@ size_t KVCacheCore::unmap_tail(Slot& s, int index, size_t keep) {
   if (keep >= s.mapped) return 0;
   const int T = geo_.num_tensors();
   if (s.state == Slot::State::Idle) wait_fence(s);
-  const size_t bytes = (s.mapped - keep) * geo_.page_bytes;
+  // Tensor t maps [max(keep, head[t]), mapped): released window pages are not unmapped again.
+  auto begin = [&](int t) { return std::max(keep, head_of(s, static_cast<size_t>(t))); };
   int t = 0;
   try {
     for (; t < T; ++t) {
-      backend_->unmap(page_va(t, index, keep), bytes);
+      if (begin(t) >= s.mapped) continue;
+      backend_->unmap(page_va(t, index, begin(t)), (s.mapped - begin(t)) * geo_.page_bytes);
       ++counters_.unmap_calls;
     }
   } catch (...) {
     // Put back what this call unmapped so the slot's record stays true, then report.
     try {
       for (int u = 0; u < t; ++u) {
-        for (size_t p = keep; p < s.mapped; ++p) {
+        if (begin(u) >= s.mapped) continue;
+        for (size_t p = begin(u); p < s.mapped; ++p) {
           backend_->map(page_va(u, index, p), s.pages[p * static_cast<size_t>(T) + static_cast<size_t>(u)]);
         }
-        backend_->set_access(page_va(u, index, keep), bytes);
+        backend_->set_access(page_va(u, index, begin(u)), (s.mapped - begin(u)) * geo_.page_bytes);
       }
     } catch (...) {
     }
@@ -169,10 +172,21 @@ size_t KVCacheCore::unmap_tail(Slot& s, int index, size_t keep) {
   }
   // A shared page only loses a reference; count the pages that really reached the free list.
   const size_t free_before = pool_->free();
-  for (size_t i = keep * static_cast<size_t>(T); i < s.pages.size(); ++i) pool_->release(s.pages[i]);
+  for (size_t i = keep * static_cast<size_t>(T); i < s.pages.size(); ++i) {
+    if (s.pages[i] != kNoPage) pool_->release(s.pages[i]);
+  }
   s.pages.resize(keep * static_cast<size_t>(T));
   s.mapped = keep;
   s.backed = geo_.tokens_in(keep);
+  if (!s.head.empty()) {
+    bool any = false;
+    for (size_t& h : s.head) {
+      h = std::min(h, keep);
+      any = any || h > 0;
+    }
+    if (!any) s.head.clear();
+    refresh_release_at(s);
+  }
   if (s.state == Slot::State::Idle && keep == 0) s.state = Slot::State::Free;
   return pool_->free() - free_before;
 }
@@ -212,7 +226,7 @@ size_t KVCacheCore::reclaim() {
   for (size_t i = 0; i < slots_.size(); ++i) {
     Slot& s = slots_[i];
     if (s.state != Slot::State::Idle) continue;
-    released += s.mapped * static_cast<size_t>(geo_.num_tensors());  // mappings, as documented
+    released += s.live_pages();  // mappings, as documented
     counters_.reclaimed_pages += unmap_tail(s, static_cast<int>(i), 0);
   }
   return released;

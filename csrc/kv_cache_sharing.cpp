@@ -124,7 +124,7 @@ void KVCacheCore::forget_sharing(Slot& s, int index) {
   const size_t T = static_cast<size_t>(geo_.num_tensors());
   size_t keep = s.mapped;
   for (size_t i = 0; i < std::min(s.shared_pages, s.mapped) * T && keep == s.mapped; ++i) {
-    if (pool_->refs(s.pages[i]) > 1) keep = i / T;
+    if (s.pages[i] != kNoPage && pool_->refs(s.pages[i]) > 1) keep = i / T;
   }
   unmap_tail(s, index, keep);  // an idle slot waits for its fence inside
   s.shared_pages = 0;
@@ -145,7 +145,9 @@ size_t KVCacheCore::freeable_spare(const std::vector<Growth>& plan, bool allow_t
                             [&](const Growth& g) { return g.slot == static_cast<int>(i); })) {
       from = std::min(s.mapped, geo_.pages_for(s.seq_len));
     }
-    for (size_t k = from * T; k < s.pages.size(); ++k) ++reclaimable[s.pages[k]];
+    for (size_t k = from * T; k < s.pages.size(); ++k) {
+      if (s.pages[k] != kNoPage) ++reclaimable[s.pages[k]];
+    }
   }
   size_t spare = 0;
   for (const auto& entry : reclaimable) {
@@ -166,6 +168,8 @@ void KVCacheCore::check_share_args(int src, int64_t num_tokens) const {
         .with("num_tokens", num_tokens)
         .with("seq_len", s.seq_len);
   }
+  // A window may have released keys the prefix's last query reads: those cannot be shared.
+  if (!s.head.empty()) check_window(src, num_tokens, "num_tokens");
 }
 
 // ---- fork / share_prefix --------------------------------------------------------------------
@@ -239,7 +243,9 @@ void KVCacheCore::share_locked(int src, int dst, int64_t num_tokens, uintptr_t s
     for (PageHandle p : fresh) pool_->release(p);
     throw;
   }
-  for (size_t i = 0; i < full * T; ++i) pool_->share(handles[i]);
+  for (size_t i = 0; i < full * T; ++i) {
+    if (handles[i] != kNoPage) pool_->share(handles[i]);  // released window pages stay holes
+  }
   if (partial_bytes > 0) {
     try {
       scrub_pages(dst, full, need);  // the fresh page: zeros past the copied prefix
@@ -291,7 +297,7 @@ size_t KVCacheCore::ensure_private(int slot, int64_t start_token, uintptr_t stre
   const size_t first = static_cast<size_t>(start_token) * geo_.token_bytes() / P;
   std::vector<size_t> shared;  // indices into s.pages
   for (size_t i = first * T; i < s.pages.size(); ++i) {
-    if (pool_->refs(s.pages[i]) > 1) shared.push_back(i);
+    if (s.pages[i] != kNoPage && pool_->refs(s.pages[i]) > 1) shared.push_back(i);
   }
   if (!shared.empty()) {
     std::vector<PageHandle> fresh;
@@ -391,7 +397,7 @@ std::string KVCacheCore::check_sharing(std::map<PageHandle, uint32_t>& seen) con
   for (size_t i = 0; i < slots_.size(); ++i) {
     const Slot& s = slots_[i];
     for (size_t k = s.shared_pages * T; k < s.pages.size(); ++k) {
-      if (pool_->refs(s.pages[k]) > 1) {
+      if (s.pages[k] != kNoPage && pool_->refs(s.pages[k]) > 1) {
         return "slot " + std::to_string(i) + " maps shared page " + std::to_string(s.pages[k]) +
                " at page index " + std::to_string(k / T) + ", outside its read-only prefix of " +
                std::to_string(s.shared_pages) + " pages";
@@ -409,8 +415,10 @@ void KVCacheCore::sharing_stats(std::vector<std::pair<std::string, int64_t>>& ou
     std::unordered_map<PageHandle, uint32_t> mapped;
     int64_t mappings = 0;
     for (const Slot& s : slots_) {
-      for (PageHandle p : s.pages) ++mapped[p];
-      mappings += static_cast<int64_t>(s.pages.size());
+      for (PageHandle p : s.pages) {
+        if (p != kNoPage) ++mapped[p];
+      }
+      mappings += static_cast<int64_t>(s.live_pages());
     }
     for (const auto& entry : mapped) shared += entry.second > 1 ? 1 : 0;
     saved_pages = mappings - static_cast<int64_t>(mapped.size());

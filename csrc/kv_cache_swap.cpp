@@ -59,12 +59,13 @@ int64_t KVCacheCore::swap_out(int slot, uintptr_t stream) {
   std::unordered_map<PageHandle, uint32_t> active_maps;
   for (size_t i = 0; i < slots_.size(); ++i) {
     if (static_cast<int>(i) == slot || slots_[i].state != Slot::State::Active) continue;
-    for (PageHandle p : slots_[i].pages) ++active_maps[p];
+    for (PageHandle p : slots_[i].pages) ++active_maps[p];  // kNoPage entries match nothing below
   }
   std::map<PageHandle, std::shared_ptr<HostBlock>> copies;
   std::vector<std::pair<PageHandle, uintptr_t>> order;  // page, an address it is mapped at (0: none)
   for (size_t i = 0; i < n * T; ++i) {
     const PageHandle p = s.pages[i];
+    if (p == kNoPage) continue;  // released by a sliding window: nothing to save
     if (active_maps.count(p) == 0 && copies.emplace(p, nullptr).second) {
       order.emplace_back(p, page_va(static_cast<int>(i % T), slot, i / T));
     }
@@ -92,6 +93,10 @@ int64_t KVCacheCore::swap_out(int slot, uintptr_t stream) {
   record.shared_pages = std::min(s.shared_pages, n);
   record.entries.resize(n * T);
   for (size_t i = 0; i < n * T; ++i) {
+    if (s.pages[i] == kNoPage) {
+      record.entries[i].device = kNoPage;  // a hole: restored as one by swap_in
+      continue;
+    }
     auto it = copies.find(s.pages[i]);
     if (it != copies.end()) {
       record.entries[i].host = it->second;
@@ -104,7 +109,7 @@ int64_t KVCacheCore::swap_out(int slot, uintptr_t stream) {
     unmap_tail(s, slot, 0);
   } catch (...) {
     for (const SwapEntry& e : record.entries) {
-      if (!e.host) pool_->release(e.device);
+      if (!e.host && e.device != kNoPage) pool_->release(e.device);
     }
     throw;
   }
@@ -168,7 +173,7 @@ int KVCacheCore::swap_in(int64_t handle, uintptr_t stream) {
     sync_stream(stream);  // before the host blocks may be freed
   } catch (...) {
     for (const SwapEntry& e : rec.entries) {
-      if (!e.host) pool_->share(e.device);  // the record keeps its references
+      if (!e.host && e.device != kNoPage) pool_->share(e.device);  // the record keeps its references
     }
     try {
       unmap_tail(d, slot, 0);
@@ -194,7 +199,7 @@ void KVCacheCore::swap_drop(int64_t handle) {
   check_open();
   SwapRecord& rec = swap_->get(handle);
   for (const SwapEntry& e : rec.entries) {
-    if (!e.host) pool_->release(e.device);
+    if (!e.host && e.device != kNoPage) pool_->release(e.device);
   }
   swap_->erase(handle);
 }
@@ -216,7 +221,9 @@ std::vector<int> KVCacheCore::pick_victims(size_t bytes_needed) const {
   std::unordered_map<PageHandle, uint32_t> dropped;
   for (const Slot& s : slots_) {
     if (s.state == Slot::State::Idle) {
-      for (PageHandle p : s.pages) ++dropped[p];
+      for (PageHandle p : s.pages) {
+        if (p != kNoPage) ++dropped[p];
+      }
     }
   }
   std::vector<int> victims;
@@ -225,7 +232,7 @@ std::vector<int> KVCacheCore::pick_victims(size_t bytes_needed) const {
     if (freed_bytes >= bytes_needed) break;
     victims.push_back(v);
     for (PageHandle p : slots_[static_cast<size_t>(v)].pages) {
-      if (++dropped[p] == pool_->refs(p)) freed_bytes += geo_.page_bytes;
+      if (p != kNoPage && ++dropped[p] == pool_->refs(p)) freed_bytes += geo_.page_bytes;
     }
   }
   return victims;

@@ -2,11 +2,15 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "backend.h"
 
 namespace vattention {
+
+// A page index a sliding window released (Slot::pages entry; never a real handle).
+constexpr PageHandle kNoPage = std::numeric_limits<PageHandle>::max();
 
 struct Slot {
   enum class State : uint8_t {
@@ -28,6 +32,20 @@ struct Slot {
   // ensure_private, cleared when the slot is reallocated. Every page mapped more than once lies
   // below this boundary in each slot that maps it (KVCacheCore::check_invariants checks it).
   size_t shared_pages = 0;
+  // Sliding windows (issue 14): page indices [0, head[t]) of tensor t were released; their pages
+  // entries are kNoPage. Empty when nothing is released. head[t] < mapped for a windowed tensor.
+  std::vector<size_t> head;
+  // First query position at which step() can release another page (INT64_MAX: never).
+  int64_t release_at = std::numeric_limits<int64_t>::max();
+
+  // Page indices released in all tensors together.
+  size_t holes() const {
+    size_t n = 0;
+    for (size_t h : head) n += h;
+    return n;
+  }
+  // Pages this slot really maps (its references in the pool).
+  size_t live_pages() const { return pages.size() - holes(); }
 };
 
 }  // namespace vattention

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "errors.h"
+#include "slot.h"
 
 namespace vattention {
 
@@ -77,7 +78,7 @@ std::map<PageHandle, size_t> SwapStore::device_refs() const {
   std::map<PageHandle, size_t> refs;
   for (const auto& rec : records_) {
     for (const SwapEntry& e : rec.second.entries) {
-      if (!e.host) ++refs[e.device];
+      if (!e.host && e.device != kNoPage) ++refs[e.device];  // kNoPage: a released window page
     }
   }
   return refs;

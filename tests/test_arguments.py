@@ -218,6 +218,7 @@ CLOSED_CALLS = {
     "reserve": lambda c: c.reserve(1), "reclaim": lambda c: c.reclaim(),
     "shrink": lambda c: c.shrink(), "set_memory_budget": lambda c: c.set_memory_budget(None),
     "mapped_tokens": lambda c: c.mapped_tokens(0), "seq_len": lambda c: c.seq_len(0),
+    "window_start": lambda c: c.window_start(0, 0),
     "active_slots": lambda c: c.active_slots(), "stats": lambda c: c.stats(),
     "layer": lambda c: c.layer(0), "k_cache": lambda c: c.k_cache, "v_cache": lambda c: c.v_cache,
     "mega_tensors": lambda c: c.mega_tensors(), "layer_ptrs": lambda c: c.layer_ptrs(0),

@@ -323,3 +323,54 @@ def test_eager_reclaim_maps_only_what_running_requests_hold():
     assert report.meta["reclaim"] == "eager"
     assert result.finished == 20
     assert np.array_equal(result.mapped_bytes, result.held_bytes)
+
+
+# ---- issue 14: sliding-window and fp8 rows ------------------------------------------------------
+SMALL_WINDOW = ModelShape("small-window", num_layers=4, num_kv_heads=2, head_dim=64,
+                          dtype="float16", window=256, window_layers=3)
+
+
+def test_window_block_allocator_frees_blocks_before_the_window_once_decoding():
+    from vattention.bench.allocators import WindowBlockAllocator
+    a = WindowBlockAllocator("paged-16", 4 << 20, SMALL_WINDOW, block_tokens=16)
+    win, full = SMALL_WINDOW.windowed_bytes_per_token, 512   # K and V: 512 bytes per layer
+    assert (win, SMALL_WINDOW.bytes_per_token - win) == (3 * 512, full)
+    assert a.admit(0, 1000, 2000) and a.held_bytes() == 1008 * (win + full)   # prefill: all
+    assert a.grow({0: 1001})
+    freed = (1001 - 256) // 16 * 16                                         # whole blocks
+    assert a.held_bytes() == 1008 * full + (1008 - freed) * win
+    assert SMALL_WINDOW.kv_bytes(1001) == 1001 * full + 256 * win
+    assert SMALL_WINDOW.sliding_window() == (256, 256, 256, None)
+
+
+@pytest.mark.skipif("real" not in FACTORIES, reason="needs the built core")
+def test_window_rows_release_pages_and_hold_less_than_without_release():
+    names = ["paged-16", "ideal", "vattention-layer-64KB", "vattention-layer-64KB-norelease",
+             "vattention-mega-64KB"]
+    workload = _workload(n=24, seed=5, max_prefill=1500, max_decode=1500)
+    report = run_memory_benchmark(workload, SMALL_WINDOW, budget_bytes=24 * MiB,
+                                  max_seq_len=default_max_seq_len(workload), max_batch_size=16,
+                                  allocators=names, check=True, progress=False)
+    m = report.metrics
+    assert "per-layer windows need layout='layer'" in m["vattention-mega-64KB"]["error"]
+    for name in names[:4]:
+        assert report.results[name].finished == 24, name
+    release, keep = m["vattention-layer-64KB"], m["vattention-layer-64KB-norelease"]
+    assert release["efficiency_mean"] > keep["efficiency_mean"]
+    assert release["concurrency_mean"] >= keep["concurrency_mean"]
+    assert release["held_bytes_max"] <= keep["held_bytes_max"]
+    # Live bytes count only the window on windowed layers: the same series for every row.
+    live = report.results["ideal"].live_bytes
+    assert live is not None and report.meta["window"] == 256
+
+
+@pytest.mark.skipif("real" not in FACTORIES, reason="needs the built core")
+def test_fp8_row_holds_half_the_bytes_per_token():
+    fp8 = ModelShape("small-fp8", num_layers=4, num_kv_heads=2, head_dim=64, dtype="float8_e4m3fn")
+    assert fp8.bytes_per_token * 2 == ModelShape("s", 4, 2, 64, "float16").bytes_per_token
+    report = run_memory_benchmark(_workload(n=10, seed=6), fp8, budget_bytes=16 * MiB,
+                                  max_seq_len=4096, max_batch_size=16,
+                                  allocators=["ideal", "vattention-layer-64KB"], check=True,
+                                  progress=False)
+    assert report.results["vattention-layer-64KB"].finished == 10
+    assert report.meta["dtype"] == "float8_e4m3fn"

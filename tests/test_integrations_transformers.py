@@ -253,3 +253,77 @@ def test_non_contiguous_free_slots_are_refused_and_released():
         with pytest.raises(vattention.InvalidSlotError, match=r"not contiguous"):
             generate(model, ids, mask, VAttentionCache(kv), new=2)
         assert kv.active_slots() == [1, 3]
+
+
+# ---- sliding windows (issue 14) ---------------------------------------------------------------
+WINDOW = 8
+WINDOWED = {
+    # family: (config class, model class, extra config, attention implementation)
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM,
+                {"sliding_window": WINDOW}, "sdpa"),
+    "qwen2-mixed": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+                    {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
+                    "sdpa"),
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
+               {"sliding_window": WINDOW, "head_dim": 16}, "eager"),   # no SDPA for Gemma 2
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
+               {"sliding_window": WINDOW, "head_dim": 16,
+                "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+               "sdpa"),
+}
+
+
+def windowed_model(family: str) -> torch.nn.Module:
+    config_cls, model_cls, extra, attn = WINDOWED[family]
+    config = config_cls(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                        pad_token_id=0, bos_token_id=None, eos_token_id=None, **extra)
+    config._attn_implementation = attn
+    torch.manual_seed(0)
+    return model_cls(config).eval()
+
+
+@pytest.mark.parametrize("family", sorted(WINDOWED))
+def test_sliding_window_models_match_dynamic_cache_with_memory_bounded_by_the_window(family):
+    model = windowed_model(family)
+    ids, mask = prompts(batch=2, length=5 * WINDOW)   # prompt longer than the window, left padded
+    new = 60
+    expected = generate(model, ids, mask, transformers.DynamicCache(config=model.config), new=new)
+    with VAttentionCache.from_model(model, max_batch_size=2, max_seq_len=128,
+                                    page_size=PAGE) as cache:
+        windows = cache.config.layer_windows
+        assert [w > 0 for w in windows] == cache.is_sliding
+        if family != "mistral":
+            assert 0 in windows and WINDOW in windows   # mixed local/global layers
+        got = generate(model, ids, mask, cache, new=new)
+        seq = cache.get_seq_length()
+        assert seq == ids.shape[1] + new - 1
+        # Full layers hold every token; windowed ones only the pages of the last window (the
+        # last step's query at seq - 1 reads keys from seq - WINDOW on).
+        gone = (seq - WINDOW) // TOKENS_PER_PAGE
+        full_pages = -(-seq // TOKENS_PER_PAGE)
+        per_slot = sum(full_pages - (gone if w else 0) for w in windows) * 2     # K and V
+        stats = cache.kv_cache.stats()
+        assert stats["pages_mapped"] == 2 * per_slot
+        assert gone >= 2 and stats["window_released_pages"] == 2 * 2 * gone * windows.count(WINDOW)
+        for layer, w in enumerate(windows):
+            start = cache.kv_cache.window_start(cache.slots[0], layer)
+            assert start == (gone * TOKENS_PER_PAGE if w else 0)
+            assert cache.layers[layer].keys.shape[-2] == seq - start
+    assert torch.equal(got, expected)
+
+
+def test_from_model_reads_windows_and_refuses_models_it_cannot_serve():
+    from vattention.integrations.transformers import model_windows
+    assert model_windows(transformers.LlamaConfig()) is None
+    assert model_windows(transformers.MistralConfig(sliding_window=4096)) == 4096
+    assert model_windows(transformers.Gemma2Config(num_hidden_layers=4)) == (4096, None) * 2
+    mamba = transformers.MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2)
+    with pytest.raises(vattention.ConfigError, match="model_type='mamba'"):
+        model_kv_shape(mamba)
+    with pytest.raises(vattention.ConfigError, match="bidirectional"):
+        model_windows(transformers.Gemma3TextConfig(num_hidden_layers=2,
+                                                    use_bidirectional_attention=True))
+    with pytest.raises(vattention.ConfigError, match="per-layer windows need layout='layer'"):
+        VAttentionCache.from_model(windowed_model("gemma3"), max_batch_size=1, max_seq_len=64,
+                                   page_size=PAGE, layout="mega")

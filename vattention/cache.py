@@ -95,7 +95,8 @@ class KVCache(SharingMixin):
         self._core = _C.KVCacheCore(
             config.device, config.num_layers, config.num_kv_heads, config.head_dim,
             config.element_bytes, config.max_batch_size, config.max_seq_len, config.page_bytes,
-            config.layout == "mega", budget, config.reclaim == "eager", config.lookahead_tokens)
+            config.layout == "mega", budget, config.reclaim == "eager", config.lookahead_tokens,
+            config.value_cache, list(config.layer_windows) if config.sliding_window else [])
         if config.scrub:
             self._core.set_scrub(True)
         if swap_budget is not None:
@@ -136,7 +137,7 @@ class KVCache(SharingMixin):
     def _tensor(self, kv: int, layer: int) -> torch.Tensor:
         capsule = self._core.export_tensor(kv, layer, self._dl_code, self._dl_bits)
         try:
-            return torch.from_dlpack(capsule)
+            return self._as_dtype(torch.from_dlpack(capsule))
         # e.g. a CUDA cache with a CPU-only torch (torch raises AssertionError "not compiled
         # with CUDA enabled" there)
         except (RuntimeError, TypeError, AssertionError) as e:
@@ -144,11 +145,16 @@ class KVCache(SharingMixin):
                 f"torch {torch.__version__} cannot wrap this {self._config.device!r} memory: {e}"
             ) from e
 
-    def _all_layers(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    def _as_dtype(self, tensor: torch.Tensor) -> torch.Tensor:
+        # fp8 leaves the core as uint8 bytes (see config.DTYPES): a zero-copy view of the same memory.
+        return tensor if tensor.dtype == self._config.dtype else tensor.view(self._config.dtype)
+
+    def _all_layers(self) -> List[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
         if self._layers is None:
             if self.closed:
                 raise CacheClosedError("the KV cache is closed; create a new KVCache")
-            self._layers = [(self._tensor(0, i), self._tensor(1, i))
+            values = self._config.value_cache
+            self._layers = [(self._tensor(0, i), self._tensor(1, i) if values else None)
                             for i in range(self._config.num_layers)]
         return self._layers
 
@@ -157,7 +163,9 @@ class KVCache(SharingMixin):
 
         Zero-copy views of the virtual reservation; the same addresses on every call. Only the
         first :meth:`mapped_tokens` positions of a slot's row are backed: touching beyond them
-        faults (SIGSEGV on the host backend, an illegal-address error on CUDA).
+        faults (SIGSEGV on the host backend, an illegal-address error on CUDA). On a
+        sliding-window layer, positions below :meth:`window_start` are released and fault the same
+        way. V is ``None`` with ``value_cache=False``.
         """
         index = self._layer_index(index)
         return self._all_layers()[index]
@@ -179,16 +187,16 @@ class KVCache(SharingMixin):
         return [k for k, _ in self._all_layers()]
 
     @property
-    def v_cache(self) -> List[torch.Tensor]:
-        """V tensors of all layers."""
+    def v_cache(self) -> List[Optional[torch.Tensor]]:
+        """V tensors of all layers (``None`` entries with ``value_cache=False``)."""
         return [v for _, v in self._all_layers()]
 
-    def mega_tensors(self) -> Tuple[torch.Tensor, torch.Tensor]:
+    def mega_tensors(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``mega`` layout only: the whole K and V tensors ``[B, S, num_layers, H, D]``."""
         self._check_open()
         if self._config.layout != "mega":
             raise ConfigError("mega_tensors() needs layout='mega'")
-        return self._tensor(0, -1), self._tensor(1, -1)
+        return self._tensor(0, -1), self._tensor(1, -1) if self._config.value_cache else None
 
     def layer_ptrs(self, index: int) -> Tuple[int, int]:
         """Raw virtual addresses of layer ``index``'s K and V (element [0, 0, 0, 0])."""
@@ -196,9 +204,11 @@ class KVCache(SharingMixin):
         index = self._layer_index(index)
         self._check_open()  # the addresses stay reserved after close(), but nothing is behind them
         if cfg.layout == "layer":
-            return self._core.tensor_base(index), self._core.tensor_base(cfg.num_layers + index)
+            k = self._core.tensor_base(index)
+            return k, self._core.tensor_base(cfg.num_layers + index) if cfg.value_cache else 0
         offset = index * cfg.num_kv_heads * cfg.head_dim * cfg.element_bytes
-        return self._core.tensor_base(0) + offset, self._core.tensor_base(1) + offset
+        return (self._core.tensor_base(0) + offset,
+                self._core.tensor_base(1) + offset if cfg.value_cache else 0)
 
     def host_alias(self, index: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Layer ``index`` exported as CPU tensors whatever the device.
@@ -207,8 +217,9 @@ class KVCache(SharingMixin):
         driver emulation used in tests). Never use it with a real GPU.
         """
         index = self._layer_index(index)
-        return tuple(torch.from_dlpack(self._core.export_tensor(kv, index, self._dl_code,
-                                                                self._dl_bits, True))
+        return tuple(self._as_dtype(torch.from_dlpack(self._core.export_tensor(
+                         kv, index, self._dl_code, self._dl_bits, True)))
+                     if kv == 0 or self._config.value_cache else None
                      for kv in (0, 1))
 
     # ---- slots --------------------------------------------------------------------------------
@@ -307,6 +318,17 @@ class KVCache(SharingMixin):
     def mapped_tokens(self, slot: int) -> int:
         """Token positions of ``slot`` backed by physical pages."""
         return self._core.mapped_tokens(as_slot(slot, self._config.max_batch_size))
+
+    def window_start(self, slot: int, layer: int) -> int:
+        """First token of ``slot`` still backed on ``layer``: 0 on full-attention layers.
+
+        On a sliding-window layer (``KVCacheConfig(sliding_window=...)``), ``step()`` released
+        the pages lying wholly before the window; positions below this token read unmapped memory.
+        Attention over ``[window_start, seq_len)`` with absolute positions (a mask offset, or
+        FlashAttention's ``window_size``) reads only backed memory.
+        """
+        index = self._layer_index(layer)
+        return self._core.window_starts(as_slot(slot, self._config.max_batch_size))[index]
 
     def seq_len(self, slot: int) -> int:
         """Length given for ``slot`` by the last :meth:`step` (0 after :meth:`alloc`)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import re
-from typing import Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -20,6 +20,8 @@ __all__ = ["KVCacheConfig", "parse_size", "DTYPES"]
 Size = Union[int, str]
 
 # torch dtype -> (DLPack type code, bits). kDLInt = 0, kDLUInt = 1, kDLFloat = 2, kDLBfloat = 4.
+# fp8 tensors leave as uint8 bytes and are viewed as their dtype (zero-copy, same item size): torch
+# builds without DLPack's fp8 codes would refuse them, and the bytes are the same either way.
 DTYPES = {
     torch.float16: (2, 16),
     torch.bfloat16: (4, 16),
@@ -27,7 +29,11 @@ DTYPES = {
     torch.float64: (2, 64),
     torch.int8: (0, 8),
     torch.uint8: (1, 8),
+    torch.float8_e4m3fn: (1, 8),
+    torch.float8_e5m2: (1, 8),
 }
+
+Window = Optional[Union[int, Sequence[Optional[int]]]]
 
 LAYOUTS = ("layer", "mega")
 RECLAIM_POLICIES = ("deferred", "eager")
@@ -80,6 +86,32 @@ def _normalize_dtype(dtype) -> torch.dtype:
     return dtype
 
 
+def _normalize_window(window: Window, num_layers: int, layout: str) -> Union[None, int, tuple]:
+    """None, an int W >= 1 for every layer, or a tuple of num_layers entries (None = full)."""
+    def check(value, where):
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{where}={value!r} must be an int >= 1 (tokens) or None "
+                              "(full attention)")
+        return value
+
+    if window is None or isinstance(window, (int, bool)):
+        return check(window, "sliding_window")
+    if isinstance(window, (str, bytes)) or not isinstance(window, Sequence):
+        raise ConfigError(f"sliding_window={window!r} must be an int, None, or a sequence of "
+                          f"{num_layers} ints/None (one per layer)")
+    if len(window) != num_layers:
+        raise ConfigError(f"sliding_window has {len(window)} entries; it needs one per layer "
+                          f"(num_layers={num_layers})")
+    per_layer = tuple(check(w, f"sliding_window[{i}]") for i, w in enumerate(window))
+    if layout == "mega" and len(set(per_layer)) > 1:
+        raise ConfigError(f"sliding_window differs between layers ({sorted(set(per_layer), key=str)}"
+                          "); per-layer windows need layout='layer' (the mega layout maps all "
+                          "layers of a token with one page)")
+    return per_layer
+
+
 def _normalize_device(device) -> str:
     text = str(device) if isinstance(device, torch.device) else device
     if not isinstance(text, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", text):
@@ -100,7 +132,8 @@ class KVCacheConfig:
     max_seq_len : int
         Tokens per slot (virtual); physical pages are mapped only for tokens really used.
     dtype : torch.dtype or str
-        Element type of K and V (float16, bfloat16, float32, float64, int8, uint8).
+        Element type of K and V (float16, bfloat16, float32, float64, int8, uint8,
+        float8_e4m3fn, float8_e5m2).
     device : str
         ``"cpu"`` (host backend) or ``"cuda"`` / ``"cuda:N"`` (CUDA driver backend).
     page_size : int or str
@@ -125,6 +158,16 @@ class KVCacheConfig:
         pool, fresh driver pages). Default ``False``: a kernel that reads only ``[0, seq_len)``
         never sees another request's K/V, but one with padded reads, or a multi-tenant server
         that must not leak data between requests, should set it (docs/guide.md, "Scrubbing").
+    sliding_window : int, sequence of int/None, or None
+        Window ``W`` in tokens of sliding-window attention (a query at ``q`` reads keys
+        ``(q - W, q]``). An int applies to every layer; a sequence gives one entry per layer, with
+        ``None`` for full-attention layers (Gemma 2/3, Qwen2 ``max_window_layers``); per-layer
+        windows need ``layout="layer"``. Positions stay absolute; ``step()`` unmaps the pages
+        of windowed layers that lie wholly before the window, so a request holds ``O(W)`` memory
+        on them. ``None`` (default): every layer keeps all tokens.
+    value_cache : bool
+        ``False`` reserves K tensors only (MLA latent caches such as DeepSeek's
+        ``[B, S, 1, kv_lora_rank + rope_dim]``, K-only caches); ``layer(i)`` returns ``(k, None)``.
 
     Examples
     --------
@@ -147,6 +190,8 @@ class KVCacheConfig:
     lookahead_tokens: int = 0
     reclaim: str = "deferred"
     scrub: bool = False
+    sliding_window: Window = None
+    value_cache: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "max_batch_size", "max_seq_len"):
@@ -161,6 +206,10 @@ class KVCacheConfig:
             raise ConfigError(f"reclaim={self.reclaim!r} must be one of {RECLAIM_POLICIES}")
         if not isinstance(self.scrub, bool):
             raise ConfigError(f"scrub={self.scrub!r} must be True or False")
+        if not isinstance(self.value_cache, bool):
+            raise ConfigError(f"value_cache={self.value_cache!r} must be True or False")
+        object.__setattr__(self, "sliding_window",
+                           _normalize_window(self.sliding_window, self.num_layers, self.layout))
         if (isinstance(self.lookahead_tokens, bool) or not isinstance(self.lookahead_tokens, int)
                 or self.lookahead_tokens < 0):
             raise ConfigError(f"lookahead_tokens={self.lookahead_tokens!r} must be an int >= 0")
@@ -180,19 +229,35 @@ class KVCacheConfig:
         return parse_size(self.page_size, name="page_size")
 
     @property
+    def layer_windows(self) -> Tuple[int, ...]:
+        """Window of each layer in tokens, 0 for full attention."""
+        w = self.sliding_window
+        if w is None or isinstance(w, int):
+            return (w or 0,) * self.num_layers
+        return tuple(x or 0 for x in w)
+
+    @property
+    def kv_tensors(self) -> int:
+        """Tensors per layer: 2 (K and V), or 1 with ``value_cache=False``."""
+        return 2 if self.value_cache else 1
+
+    @property
     def element_bytes(self) -> int:
         """Bytes per element of ``dtype``."""
         return DTYPES[self.dtype][1] // 8
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes one token occupies across all layers, K and V: ``2 * L * H * D * element``."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.element_bytes
+        """Bytes one token occupies across all layers, K and V: ``2 * L * H * D * element``
+        (``L * H * D * element`` with ``value_cache=False``)."""
+        return (self.kv_tensors * self.num_layers * self.num_kv_heads * self.head_dim
+                * self.element_bytes)
 
     @property
     def num_tensors(self) -> int:
-        """Virtual tensors reserved: ``2 * num_layers`` (layer layout) or 2 (mega layout)."""
-        return 2 * self.num_layers if self.layout == "layer" else 2
+        """Virtual tensors reserved: ``2 * num_layers`` (layer layout) or 2 (mega layout);
+        half as many with ``value_cache=False``."""
+        return self.kv_tensors * (self.num_layers if self.layout == "layer" else 1)
 
     @property
     def tensor_token_bytes(self) -> int:

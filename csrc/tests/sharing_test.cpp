@@ -3,7 +3,10 @@
 // reclaim / pick_victims against one KVCacheCore on the host backend, under tight page and swap
 // budgets; then the invariants hold, and freeing everything leaves no page in use. Each thread
 // writes a byte pattern into its slots and checks it after every fork and swap-in, so a page
-// freed while still mapped, or a wrong copy, is caught by data and by ASan.
+// freed while still mapped, or a wrong copy, is caught by data and by ASan. The windowed runs
+// (issue 14) add sliding-window release: only tokens from window_starts() on are written and
+// checked, and forks of a released prefix are typed errors.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -30,7 +33,7 @@ void check(bool ok, const std::string& what) {
   }
 }
 
-std::unique_ptr<KVCacheCore> make_core(bool mega) {
+std::unique_ptr<KVCacheCore> make_core(bool mega, int64_t window) {
   CacheGeometry g;
   g.num_layers = 2;
   g.num_kv_heads = 1;
@@ -40,6 +43,7 @@ std::unique_ptr<KVCacheCore> make_core(bool mega) {
   g.max_seq = 2048;
   g.page_bytes = 64 << 10;
   g.mega = mega;
+  if (window > 0) g.windows = {window, mega ? window : 0};  // layer layout: layer 1 is global
   auto core = std::make_unique<KVCacheCore>(std::make_unique<HostBackend>(g.page_bytes), g,
                                             int64_t{40} << 20, ReclaimPolicy::Deferred, 0);
   core->set_swap_budget(int64_t{8} << 20);
@@ -55,6 +59,11 @@ struct Seq {
   uint8_t tag_at(int64_t k) const { return std::prev(segs.upper_bound(k))->second; }
 };
 
+// First token of tensor t of the slot still backed (a window may have released the ones below).
+int64_t readable(KVCacheCore& core, int slot, int t) {
+  return core.window_starts(slot)[static_cast<size_t>(t % core.geometry().num_layers)];
+}
+
 void write(KVCacheCore& core, Seq& s, int64_t from, int64_t to, uint8_t tag) {
   if (from >= to) return;
   const uint8_t after = s.segs.empty() || to >= s.len ? tag : s.tag_at(to);
@@ -63,7 +72,7 @@ void write(KVCacheCore& core, Seq& s, int64_t from, int64_t to, uint8_t tag) {
   if (to < s.len) s.segs[to] = after;
   const CacheGeometry& g = core.geometry();
   for (int t = 0; t < g.num_tensors(); ++t) {
-    for (int64_t k = from; k < to; ++k) {
+    for (int64_t k = std::max(from, readable(core, s.slot, t)); k < to; ++k) {
       auto* p = reinterpret_cast<uint8_t*>(core.tensor_base(t) + static_cast<size_t>(s.slot) * g.slot_bytes() +
                                            static_cast<size_t>(k) * g.token_bytes());
       std::memset(p, (tag + k) % 251, g.token_bytes());
@@ -74,7 +83,7 @@ void write(KVCacheCore& core, Seq& s, int64_t from, int64_t to, uint8_t tag) {
 bool intact(KVCacheCore& core, const Seq& s) {
   const CacheGeometry& g = core.geometry();
   for (int t = 0; t < g.num_tensors(); ++t) {
-    for (int64_t k = 0; k < s.len; k += 7) {
+    for (int64_t k = readable(core, s.slot, t); k < s.len; k += 7) {
       auto* p = reinterpret_cast<const uint8_t*>(core.tensor_base(t) + static_cast<size_t>(s.slot) * g.slot_bytes() +
                                                  static_cast<size_t>(k) * g.token_bytes());
       const int want = (s.tag_at(k) + k) % 251;
@@ -167,7 +176,8 @@ void hammer(KVCacheCore& core, unsigned seed, std::chrono::steady_clock::time_po
     } catch (const Error& e) {
       const bool expected = e.kind() == Error::Kind::OutOfPages ||
                             e.kind() == Error::Kind::SwapSpace ||
-                            e.kind() == Error::Kind::InvalidSlot;
+                            e.kind() == Error::Kind::InvalidSlot ||
+                            e.kind() == Error::Kind::SequenceTooLong;  // fork of a released prefix
       check(expected, std::string("unexpected error: ") + e.what());
     }
   }
@@ -178,8 +188,8 @@ void hammer(KVCacheCore& core, unsigned seed, std::chrono::steady_clock::time_po
   for (const auto& h : swapped) core.swap_drop(h.first);
 }
 
-void run(bool mega) {
-  auto core = make_core(mega);
+void run(bool mega, int64_t window) {
+  auto core = make_core(mega, window);
   const auto stop = std::chrono::steady_clock::now() + std::chrono::milliseconds(1500);
   std::vector<std::thread> threads;
   for (unsigned i = 0; i < 3; ++i) threads.emplace_back(hammer, std::ref(*core), 100 + i, stop);
@@ -192,14 +202,17 @@ void run(bool mega) {
   check(st["pages_mapped"] == 0, "pages still in use: " + std::to_string(st["pages_mapped"]));
   check(st["swap_host_bytes"] == 0, "host bytes still held");
   check(st["cow_pages_copied"] > 0 && st["swap_out_pages"] > 0, "sharing/swap never exercised");
+  check(window == 0 || st["window_released_pages"] > 0, "windows never released a page");
   core->close();
 }
 
 }  // namespace
 
 int main() {
-  run(false);
-  run(true);
+  run(false, 0);
+  run(true, 0);
+  run(false, 200);
+  run(true, 200);
   if (failures) {
     std::fprintf(stderr, "%d failure(s)\n", failures.load());
     return 1;

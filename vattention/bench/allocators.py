@@ -4,6 +4,10 @@
   final length, when admitted, and never grows (FasterTransformer / Orca style).
 * ``paged-16``: vLLM-style blocks of 16 tokens. **Block arithmetic**, not vLLM itself.
 * ``ideal``: the physical limit, holding exactly the live tokens (blocks of one token).
+* On a sliding-window model (``ModelShape.window``), ``paged-16`` and ``ideal`` free the blocks
+  of windowed layers that lie wholly before the window as a request decodes (vLLM's
+  sliding-window block freeing), and the vattention rows release window pages in ``step()``;
+  ``vattention-<layout>-<page>-norelease`` is the same cache without ``sliding_window``.
 * ``vattention-<layout>-<page>``: the real :class:`vattention.KVCache` on the host backend
   (``device="cpu"``), with ``memory_budget`` = the KV budget and deferred reclamation (the
   default). Two measured figures: bytes mapped to running requests' slots (pages backing
@@ -60,6 +64,8 @@ class Allocator:
         self.budget_bytes = int(budget_bytes)
         self.bytes_per_token = int(bytes_per_token)
         self.note = ALLOCATOR_NOTES.get(name, "")
+        # Bytes a request of n tokens really needs (ModelShape.kv_bytes on window models).
+        self.kv_bytes: Callable[[int], int] = lambda n: n * self.bytes_per_token
 
     def admit(self, rid: int, num_tokens: int, final_tokens: int) -> bool:
         """Give request ``rid`` room for ``num_tokens``; False (no change) if it does not fit."""
@@ -197,19 +203,76 @@ class BlockAllocator(Allocator):
         return self._used_blocks * self.block_tokens * self.bytes_per_token
 
 
+class WindowBlockAllocator(Allocator):
+    """Block arithmetic on a sliding-window model: windowed layers free their blocks lying
+    wholly before ``length - window`` once the request decodes (a prefill holds every block: its
+    first queries read the first keys), full layers keep every block.
+
+    Examples
+    --------
+    >>> from vattention.bench.workload import ModelShape
+    >>> m = ModelShape("toy", 2, 1, 1, "uint8", window=16, window_layers=1)   # 2 + 2 bytes/token
+    >>> a = WindowBlockAllocator("paged-16", 1000, m, block_tokens=16)
+    >>> a.admit(0, 64, 100), a.held_bytes(), a.grow({0: 65}), a.held_bytes()
+    (True, 256, True, 224)
+    """
+
+    def __init__(self, name: str, budget_bytes: int, model: ModelShape, *,
+                 block_tokens: int) -> None:
+        super().__init__(name, budget_bytes, model.bytes_per_token)
+        self.block_tokens = int(block_tokens)
+        self.window = model.window
+        self.win_bpt = model.windowed_bytes_per_token
+        self.full_bpt = model.bytes_per_token - self.win_bpt
+        self._held: Dict[int, int] = {}  # rid -> bytes
+        self._total = 0
+
+    def _bytes(self, tokens: int, decoding: bool) -> int:
+        bt = self.block_tokens
+        blocks = -(-tokens // bt)
+        freed = max(0, tokens - self.window) // bt if decoding else 0
+        return blocks * bt * self.full_bpt + (blocks - freed) * bt * self.win_bpt
+
+    def admit(self, rid: int, num_tokens: int, final_tokens: int) -> bool:
+        need = self._bytes(num_tokens, False)
+        if self._total + need > self.budget_bytes:
+            return False
+        self._held[rid] = need
+        self._total += need
+        return True
+
+    def grow(self, lengths: Dict[int, int]) -> bool:
+        new = {rid: self._bytes(n, True) for rid, n in lengths.items()}
+        total = self._total + sum(new[rid] - self._held[rid] for rid in new)
+        if total > self.budget_bytes:
+            return False
+        self._held.update(new)
+        self._total = total
+        return True
+
+    def release(self, rid: int) -> None:
+        self._total -= self._held.pop(rid)
+
+    def held_bytes(self) -> int:
+        return self._total
+
+
 def real_cache_factory(model: ModelShape, layout: str, page_size: str, max_batch_size: int,
-                       max_seq_len: int, budget_bytes: int, *, reclaim: str = "deferred"):
+                       max_seq_len: int, budget_bytes: int, *, reclaim: str = "deferred",
+                       release: bool = True):
     """Create the real :class:`vattention.KVCache` on the host backend (``device="cpu"``).
 
     ``reclaim`` is the cache's policy for pages of freed slots: ``"deferred"`` (the default:
-    kept until another request needs them) or ``"eager"`` (unmapped at ``free``).
+    kept until another request needs them) or ``"eager"`` (unmapped at ``free``). ``release``:
+    give the cache the model's sliding windows (``False``: keep every token on every layer).
     """
     import vattention  # imported late: needs the built core and torch
 
     cfg = vattention.KVCacheConfig(
         num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
         max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=model.dtype,
-        device="cpu", page_size=page_size, layout=layout, reclaim=reclaim)
+        device="cpu", page_size=page_size, layout=layout, reclaim=reclaim,
+        sliding_window=model.sliding_window() if release else None)
     return vattention.KVCache(cfg, memory_budget=budget_bytes)
 
 
@@ -239,11 +302,18 @@ class VAttentionAllocator(Allocator):
 
     def __init__(self, model: ModelShape, *, layout: str, page_size: str, max_batch_size: int,
                  max_seq_len: int, budget_bytes: int,
-                 cache_factory: Optional[Callable] = None, verify: bool = False) -> None:
-        super().__init__(f"vattention-{layout}-{page_size}", budget_bytes,
-                         model.bytes_per_token)
+                 cache_factory: Optional[Callable] = None, verify: bool = False,
+                 release: bool = True) -> None:
+        super().__init__(f"vattention-{layout}-{page_size}" + ("" if release else "-norelease"),
+                         budget_bytes, model.bytes_per_token)
         factory = cache_factory or real_cache_factory
-        self.cache = factory(model, layout, page_size, max_batch_size, max_seq_len, budget_bytes)
+        extra = {} if release else {"release": False}
+        self.cache = factory(model, layout, page_size, max_batch_size, max_seq_len, budget_bytes,
+                             **extra)
+        # Windowed layers (the first window_layers ones, see ModelShape.sliding_window) release
+        # the same pages: one window_start per slot tells how many.
+        windowed = model.window_layers if (release and model.window) else 0
+        self._window_tensors = 2 * windowed if layout == "layer" else (2 if windowed else 0)
         self.layout, self.page_size, self.verify = layout, page_size, verify
         self.max_batch_size = max_batch_size
         self._geometry = page_geometry(model, layout, page_size)
@@ -283,9 +353,14 @@ class VAttentionAllocator(Allocator):
         # Deferred reclamation: the slot keeps its pages; the next step must not list it.
 
     def _slot_pages(self, slot: int) -> int:
-        """Pages (all tensors) mapped in ``slot``: exact inverse of ``mapped_tokens``."""
+        """Pages (all tensors) mapped in ``slot``: exact inverse of ``mapped_tokens`` and, on
+        windowed tensors, ``window_start``."""
         tensors, token_bytes, page_bytes = self._geometry
-        return tensors * -(-self.cache.mapped_tokens(slot) * token_bytes // page_bytes)
+        pages = tensors * -(-self.cache.mapped_tokens(slot) * token_bytes // page_bytes)
+        if self._window_tensors:
+            pages -= self._window_tensors * (self.cache.window_start(slot, 0) * token_bytes
+                                             // page_bytes)
+        return pages
 
     def held_bytes(self) -> int:
         pages = sum(self._slot_pages(slot) for slot in self._slot.values())
@@ -342,20 +417,32 @@ def make_allocator(name: str, model: ModelShape, *, budget_bytes: int, max_seq_l
     ...                max_seq_len=4096, max_batch_size=8).num_blocks
     512
     """
+    allocator = _make(name, model, budget_bytes=budget_bytes, max_seq_len=max_seq_len,
+                      max_batch_size=max_batch_size, cache_factory=cache_factory, verify=verify)
+    if model.window and model.window_layers:
+        allocator.kv_bytes = model.kv_bytes
+    return allocator
+
+
+def _make(name: str, model: ModelShape, *, budget_bytes: int, max_seq_len: int,
+          max_batch_size: int, cache_factory: Optional[Callable], verify: bool) -> Allocator:
     bpt = model.bytes_per_token
+    windowed = bool(model.window and model.window_layers)
     if name in ("static-max", "static-oracle"):
         return StaticAllocator(name, budget_bytes, bpt, reserve=name.split("-")[1],
                                max_seq_len=max_seq_len)
-    if name == "paged-16":
-        return BlockAllocator(name, budget_bytes, bpt, block_tokens=16)
-    if name == "ideal":
-        return BlockAllocator(name, budget_bytes, bpt, block_tokens=1)
+    if name in ("paged-16", "ideal"):
+        tokens = 16 if name == "paged-16" else 1
+        if windowed:
+            return WindowBlockAllocator(name, budget_bytes, model, block_tokens=tokens)
+        return BlockAllocator(name, budget_bytes, bpt, block_tokens=tokens)
     parts = name.split("-")
-    if len(parts) == 3 and parts[0] == "vattention" and parts[1] in ("layer", "mega"):
+    if (len(parts) in (3, 4) and parts[0] == "vattention" and parts[1] in ("layer", "mega")
+            and parts[3:] in ([], ["norelease"])):
         return VAttentionAllocator(model, layout=parts[1], page_size=parts[2],
                                    max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                                    budget_bytes=budget_bytes, cache_factory=cache_factory,
-                                   verify=verify)
+                                   verify=verify, release=len(parts) == 3)
     raise ValueError(f"allocator {name!r} is not one of {', '.join(ALL_ALLOCATORS)} "
-                     "(or vattention-<layer|mega>-<page size>)")
+                     "(or vattention-<layer|mega>-<page size>[-norelease])")
 

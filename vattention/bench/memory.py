@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
-from vattention.errors import DriverError
+from vattention.errors import ConfigError, DriverError
 
 from .allocators import ALL_ALLOCATORS, Allocator, make_allocator, real_cache_factory
 from ..progress import Progress
@@ -69,6 +69,7 @@ class SimResult:
     counters_start: Dict[str, int]
     counters_end: Dict[str, int]
     wall_seconds: float
+    live_bytes: Optional[np.ndarray] = None  # per step; None: live_tokens * bytes_per_token
 
     @property
     def steps(self) -> int:
@@ -111,7 +112,7 @@ def simulate(allocator: Allocator, workload: Workload, *, max_batch_size: int,
     queue = collections.deque(range(n))
     running: List[int] = []            # admission order: youngest last
     length: Dict[int, int] = {}        # rid -> KV tokens
-    conc, live, held, mapped = [], [], [], []
+    conc, live, held, mapped, need = [], [], [], [], []
     finished = preemptions = prefilled = decoded = recomputed = 0
     counters_start = allocator.counters()
     started = time.perf_counter()
@@ -150,13 +151,14 @@ def simulate(allocator: Allocator, workload: Workload, *, max_batch_size: int,
                                "tokens) does not fit even alone; raise the budget")
         conc.append(len(running))  # 3. record this iteration
         live.append(sum(length.values()))
+        need.append(sum(allocator.kv_bytes(n) for n in length.values()))
         held.append(allocator.held_bytes())
         mapped.append(allocator.mapped_bytes())
         if check:
             allocator.check()
-            if not live[-1] * bpt <= held[-1] <= mapped[-1] <= allocator.budget_bytes:
+            if not need[-1] <= held[-1] <= mapped[-1] <= allocator.budget_bytes:
                 raise AssertionError(f"{allocator.name} step {len(conc)}: live "
-                                     f"{live[-1] * bpt} held {held[-1]} mapped {mapped[-1]} "
+                                     f"{need[-1]} held {held[-1]} mapped {mapped[-1]} "
                                      f"budget {allocator.budget_bytes}")
         done = [rid for rid in running if length[rid] >= total[rid]]  # 4. finish
         for rid in done:
@@ -174,7 +176,8 @@ def simulate(allocator: Allocator, workload: Workload, *, max_batch_size: int,
         mapped_bytes=np.asarray(mapped, dtype=np.int64), finished=finished,
         preemptions=preemptions, prefill_tokens=prefilled, decode_tokens=decoded,
         recomputed_tokens=recomputed, counters_start=counters_start,
-        counters_end=allocator.counters(), wall_seconds=time.perf_counter() - started)
+        counters_end=allocator.counters(), wall_seconds=time.perf_counter() - started,
+        live_bytes=np.asarray(need, dtype=np.int64))
 
 
 def summarize(result: SimResult) -> Dict[str, object]:
@@ -187,7 +190,8 @@ def summarize(result: SimResult) -> Dict[str, object]:
     ``efficiency_mapped_peak`` divide by all mapped bytes instead. vattention rows add
     ``map_calls_per_step`` and ``unmap_calls_per_step``.
     """
-    live_bytes = result.live_tokens * result.bytes_per_token
+    live_bytes = (result.live_tokens * result.bytes_per_token if result.live_bytes is None
+                  else result.live_bytes)
     efficiency = live_bytes / np.maximum(result.held_bytes, 1)
     peak = int(np.argmax(result.live_tokens))
     metrics: Dict[str, object] = {
@@ -292,6 +296,7 @@ def run_memory_benchmark(workload: Workload, model: ModelShape, *, budget_bytes:
         "prefill_tokens": int(workload.prefill_tokens.sum()),
         "decode_tokens": int(workload.decode_tokens.sum()),
         "model": model.name, "num_layers": model.num_layers,
+        "window": model.window, "window_layers": model.window_layers,
         "num_kv_heads": model.num_kv_heads, "head_dim": model.head_dim, "dtype": model.dtype,
         "bytes_per_token": model.bytes_per_token, "budget_bytes": int(budget_bytes),
         "max_seq_len": int(max_seq_len), "max_batch_size": int(max_batch_size),
@@ -319,6 +324,10 @@ def run_memory_benchmark(workload: Workload, model: ModelShape, *, budget_bytes:
             allocator = make_allocator(name, model, budget_bytes=budget_bytes,
                                        max_seq_len=max_seq_len, max_batch_size=max_batch_size,
                                        cache_factory=factory, verify=check)
+        except ConfigError as exc:  # e.g. per-layer windows in the mega layout
+            metrics[name] = {"error": str(exc)}
+            logger.warning("%s skipped: %s", name, exc)
+            continue
         except DriverError as exc:
             metrics[name] = {"error": _explain_driver_error(exc)}
             logger.warning("%s failed: %s", name, metrics[name]["error"])

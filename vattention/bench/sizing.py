@@ -37,7 +37,7 @@ def min_bytes_for_request(name: str, model: ModelShape, num_tokens: int,
         return -(-num_tokens // 16) * 16 * bpt
     if not name.startswith("vattention-"):
         return num_tokens * bpt
-    _, layout, page = name.split("-")
+    _, layout, page = name.split("-")[:3]
     tensors, token_bytes, page_bytes = page_geometry(model, layout, page)
     return tensors * -(-num_tokens * token_bytes // page_bytes) * page_bytes
 
@@ -76,7 +76,7 @@ def host_mapping_problem(name: str, model: ModelShape, budget_bytes: int) -> Opt
     from vattention import _C
 
     limit = _C.host_mapping_limit()
-    _, layout, page = name.split("-")
+    _, layout, page = name.split("-")[:3]
     _, _, page_bytes = page_geometry(model, layout, page)
     pages = budget_bytes // page_bytes
     if pages <= limit:

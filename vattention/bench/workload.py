@@ -18,7 +18,8 @@ __all__ = ["ModelShape", "MODELS", "parse_model", "Workload", "load_workload",
 
 logger = logging.getLogger(__name__)
 
-_ELEMENT_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int8": 1, "uint8": 1}
+_ELEMENT_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int8": 1, "uint8": 1,
+                  "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +46,15 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     dtype: str = "bfloat16"
+    # Sliding-window attention (issue 14): `window_layers` of the layers attend to the last
+    # `window` tokens only (0: none). Which layers does not matter to the byte counts.
+    window: int = 0
+    window_layers: int = 0
 
     def __post_init__(self) -> None:
+        if self.window < 0 or not 0 <= self.window_layers <= self.num_layers:
+            raise ValueError(f"window={self.window}, window_layers={self.window_layers}: need "
+                             f"window >= 0 and 0 <= window_layers <= num_layers={self.num_layers}")
         if self.dtype not in _ELEMENT_BYTES:
             raise ValueError(f"dtype={self.dtype!r} is not one of {sorted(_ELEMENT_BYTES)}")
         for field in ("num_layers", "num_kv_heads", "head_dim"):
@@ -63,12 +71,38 @@ class ModelShape:
         """KV bytes of one token over all layers, K and V."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.element_bytes
 
+    @property
+    def windowed_bytes_per_token(self) -> int:
+        """The part of :attr:`bytes_per_token` in sliding-window layers."""
+        if not self.window:
+            return 0
+        return 2 * self.window_layers * self.num_kv_heads * self.head_dim * self.element_bytes
+
+    def kv_bytes(self, num_tokens: int) -> int:
+        """Bytes a request of ``num_tokens`` tokens really needs: all tokens on full layers, the
+        last ``window`` on windowed ones."""
+        win = self.windowed_bytes_per_token
+        kept = min(num_tokens, self.window) if self.window else num_tokens
+        return num_tokens * (self.bytes_per_token - win) + kept * win
+
+    def sliding_window(self):
+        """``KVCacheConfig(sliding_window=...)`` for this shape (windowed layers first)."""
+        if not self.window or not self.window_layers:
+            return None
+        if self.window_layers == self.num_layers:
+            return self.window
+        return (self.window,) * self.window_layers + (None,) * (self.num_layers - self.window_layers)
+
 
 MODELS = {
     "llama3-8b": ModelShape("llama3-8b", 32, 8, 128),
     "yi-6b": ModelShape("yi-6b", 32, 4, 128),
     "llama3-70b-tp8": ModelShape("llama3-70b-tp8", 80, 1, 128),
     "qwen2.5-7b": ModelShape("qwen2.5-7b", 28, 4, 128),
+    # issue 14: an fp8 KV cache, and sliding-window models with their real windows
+    "llama3-8b-fp8": ModelShape("llama3-8b-fp8", 32, 8, 128, "float8_e4m3fn"),
+    "mistral-7b": ModelShape("mistral-7b", 32, 8, 128, window=4096, window_layers=32),
+    "gemma3-12b": ModelShape("gemma3-12b", 48, 8, 256, window=1024, window_layers=40),
 }
 
 

@@ -49,7 +49,11 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .. import KVCache, KVCacheConfig
 from ..errors import ConfigError, InvalidSlotError
 
-__all__ = ["VAttentionCache", "VAttentionLayer", "model_kv_shape"]
+__all__ = ["VAttentionCache", "VAttentionLayer", "model_kv_shape", "model_windows"]
+
+# transformers layer types this cache can hold; anything else (Mamba/linear attention state,
+# chunked attention, ...) is refused by name.
+_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 logger = logging.getLogger(__name__)
 
@@ -75,13 +79,60 @@ def model_kv_shape(model_or_config: Any) -> dict:
     >>> model_kv_shape(cfg)
     {'num_layers': 3, 'num_kv_heads': 2, 'head_dim': 16}
     """
-    config = getattr(model_or_config, "config", model_or_config)
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config(decoder=True)
+    config = _text_config(model_or_config)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return {"num_layers": config.num_hidden_layers, "num_kv_heads": kv_heads, "head_dim": head_dim}
+
+
+def _text_config(model_or_config: Any) -> Any:
+    """The decoder text config, after refusing what a dense K/V cache cannot hold."""
+    config = getattr(model_or_config, "config", model_or_config)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    model_type = getattr(config, "model_type", type(config).__name__)
+    if not hasattr(config, "num_attention_heads") or getattr(config, "is_encoder_decoder", False):
+        raise ConfigError(f"model_type={model_type!r} has no decoder self-attention K/V cache that "
+                          "vattention can hold (state-space, recurrent or encoder-decoder models "
+                          "are not supported)")
+    bad = sorted(set(getattr(config, "layer_types", None) or ()) - set(_ATTENTION_LAYER_TYPES))
+    if bad:
+        raise ConfigError(f"model_type={model_type!r} has layer types {bad}; vattention serves "
+                          f"only {list(_ATTENTION_LAYER_TYPES)} layers")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ConfigError(f"model_type={model_type!r} uses bidirectional attention "
+                          "(use_bidirectional_attention=True); vattention serves causal models only")
+    return config
+
+
+def model_windows(model_or_config: Any) -> Union[None, int, tuple]:
+    """The model's sliding windows, as ``KVCacheConfig(sliding_window=...)`` takes them.
+
+    ``None`` when every layer attends to all tokens; an int when every layer uses the same window
+    (Mistral's ``sliding_window``); else one entry per layer, ``None`` on full-attention layers
+    (Gemma 2/3 alternating layers, Qwen2 with ``use_sliding_window`` and ``max_window_layers``,
+    read from ``config.layer_types``).
+
+    Examples
+    --------
+    >>> import transformers
+    >>> cfg = transformers.Qwen2Config(hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+    ...                                use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    >>> model_windows(cfg)
+    (None, 8, 8)
+    >>> model_windows(transformers.MistralConfig(sliding_window=4096))
+    4096
+    """
+    config = _text_config(model_or_config)
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if window is None:
+        return None
+    if not layer_types:
+        return int(window)
+    per_layer = tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+    return per_layer if any(w is not None for w in per_layer) else None
 
 
 class VAttentionLayer(CacheLayerMixin):
@@ -108,6 +159,10 @@ class VAttentionLayer(CacheLayerMixin):
         self._owner = weakref.proxy(owner)
         self.layer_idx = layer_idx
         self.seq_len = 0
+        # A sliding-window layer: views start at the first token the KVCache still backs (it
+        # released the pages before the window), and the mask is told that offset.
+        self.sliding_window = owner.config.layer_windows[layer_idx]
+        self.is_sliding = self.sliding_window > 0
 
     # -- transformers layer API ---------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor,
@@ -137,10 +192,21 @@ class VAttentionLayer(CacheLayerMixin):
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: Union[int, torch.Tensor]) -> tuple[int, int]:
-        """``(kv_length, kv_offset)`` for the mask: past + query keys from offset 0 (as DynamicCache)."""
+        """``(kv_length, kv_offset)`` for the mask: past + query keys from the first backed one.
+
+        Offset 0 (as DynamicCache) on full-attention layers. On sliding-window layers the pages
+        for this forward pass are mapped here, before the mask is built, because mapping them
+        also releases the pages before the window: the offset is the first token still backed,
+        which :meth:`update` then starts its views at.
+        """
         if isinstance(query_length, torch.Tensor):  # transformers 4.57-5.0 pass cache_position
             query_length = query_length.shape[0]
-        return self.seq_len + int(query_length), 0
+        end = self.seq_len + int(query_length)
+        start = 0
+        if self.is_sliding and self._owner.slots:
+            self._owner._ensure_backed(end)
+            start = min(self._owner._window_start(self.layer_idx), self.seq_len)
+        return end - start, start
 
     def get_seq_length(self) -> int:
         """Tokens cached in this layer."""
@@ -170,9 +236,9 @@ class VAttentionLayer(CacheLayerMixin):
             return
         k_rows, v_rows = self._owner._rows(self.layer_idx)
         idx = beam_idx.to(k_rows.device)
-        n = self.seq_len
-        k_rows[:, :n].copy_(k_rows[:, :n].index_select(0, idx))
-        v_rows[:, :n].copy_(v_rows[:, :n].index_select(0, idx))
+        a, n = self._start(), self.seq_len  # released window pages must not be touched
+        k_rows[:, a:n].copy_(k_rows[:, a:n].index_select(0, idx))
+        v_rows[:, a:n].copy_(v_rows[:, a:n].index_select(0, idx))
 
     def offload(self) -> None:  # the KV cache lives in fixed virtual memory: nothing to move
         return None
@@ -184,8 +250,12 @@ class VAttentionLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         k_rows, v_rows = self._owner._rows(self.layer_idx)
-        self.keys = k_rows[:, : self.seq_len].transpose(1, 2)
-        self.values = v_rows[:, : self.seq_len].transpose(1, 2)
+        start = self._start()
+        self.keys = k_rows[:, start:self.seq_len].transpose(1, 2)
+        self.values = v_rows[:, start:self.seq_len].transpose(1, 2)
+
+    def _start(self) -> int:
+        return min(self._owner._window_start(self.layer_idx), self.seq_len) if self.is_sliding else 0
 
 
 class VAttentionCache(Cache):
@@ -218,6 +288,7 @@ class VAttentionCache(Cache):
         self.slots: list[int] = []
         self._row_slice: Optional[slice] = None
         self._backed_len = 0
+        self._starts = [0] * self.config.num_layers  # per layer: first token still backed
         layers = [VAttentionLayer(self, i) for i in range(self.config.num_layers)]
         super().__init__(layers=layers)
 
@@ -228,10 +299,17 @@ class VAttentionCache(Cache):
                    memory_budget: Union[int, str, None] = None) -> "VAttentionCache":
         """Build a cache sized for ``model`` with its own ``KVCache``.
 
+        Sliding windows come from the model config (:func:`model_windows`): Mistral's
+        ``sliding_window``, Gemma 2/3 alternating local/global layers, Qwen2's
+        ``use_sliding_window``/``max_window_layers``. Windowed layers then hold ``O(window)``
+        pages however long the generation. Models without a dense causal K/V cache (Mamba,
+        linear/chunked attention layers, encoder-decoders) raise :class:`ConfigError` naming
+        the model type.
+
         Parameters
         ----------
         model : transformers.PreTrainedModel
-            A decoder-only model (Llama, Qwen2, Mistral, ... families).
+            A decoder-only model (Llama, Qwen2, Mistral, Gemma 2/3, ... families).
         max_batch_size : int
             Largest batch passed to ``generate`` (rows x ``num_return_sequences`` x beams).
         max_seq_len : int
@@ -240,7 +318,8 @@ class VAttentionCache(Cache):
             Physical page size in bytes or as ``"4KB"``/``"2MB"`` (host: a multiple of the OS page;
             CUDA: a multiple of 2 MB).
         layout : {"layer", "mega"}
-            vattention layout (see :class:`vattention.KVCacheConfig`).
+            vattention layout (see :class:`vattention.KVCacheConfig`); models mixing window and
+            full-attention layers need ``"layer"``.
         dtype, device : optional
             Default to the model's parameter dtype and device.
         memory_budget : int or str, optional
@@ -259,7 +338,7 @@ class VAttentionCache(Cache):
         cfg = KVCacheConfig(**model_kv_shape(model), max_batch_size=max_batch_size,
                             max_seq_len=max_seq_len, dtype=dtype or param.dtype,
                             device=device or str(param.device), page_size=page_size,
-                            layout=layout)
+                            layout=layout, sliding_window=model_windows(model))
         return cls(KVCache(cfg, memory_budget=memory_budget), owns_cache=True)
 
     # -- slot management ----------------------------------------------------------------------
@@ -291,12 +370,19 @@ class VAttentionCache(Cache):
         self.slots = slots
         self._row_slice = slice(slots[0], slots[0] + batch)
         self._backed_len = 0
+        self._starts = [0] * self.config.num_layers
 
     def _ensure_backed(self, seq_len: int) -> None:
         """Map pages so every slot backs ``seq_len`` tokens (one ``step`` per forward pass)."""
         if seq_len > self._backed_len:
             self.kv_cache.step({slot: seq_len for slot in self.slots})
             self._backed_len = seq_len
+            if self.config.sliding_window:
+                self._starts = [max(self.kv_cache.window_start(s, layer) for s in self.slots)
+                                for layer in range(self.config.num_layers)]
+
+    def _window_start(self, layer_idx: int) -> int:
+        return self._starts[layer_idx]
 
     def _rows(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.kv_cache.layer(layer_idx)
@@ -308,6 +394,7 @@ class VAttentionCache(Cache):
         for slot in self.slots:
             self.kv_cache.free(slot)
         self.slots, self._row_slice, self._backed_len = [], None, 0
+        self._starts = [0] * self.config.num_layers
         for layer in self.layers:
             layer.reset()
 
