@@ -96,7 +96,7 @@ def runs(workdir, models):
             VLLM_ENABLE_V1_MULTIPROCESSING="1"),
         "fail-fast": Inline(["-c", fail_fast_code(models["llama"])], workdir, "fail-fast",
                             plugin=True),
-        "server": start_server(models["mistral"], workdir),
+        "server": Server(models["mistral"], workdir),
         "doc-blocks": start_doc_blocks(workdir),
         "example": Inline([str(ROOT / "examples" / "vllm_offline.py")], workdir, "example",
                           plugin=True, VLLM_ENABLE_V1_MULTIPROCESSING="1"),
@@ -267,10 +267,6 @@ class Server:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-
-
-def start_server(model: str, workdir: pathlib.Path) -> Server:
-    return Server(model, workdir)
 
 
 def test_openai_server_completions(runs):

@@ -23,10 +23,6 @@ from typing import Any, Dict, List
 __all__ = ["main", "run"]
 
 
-def _sampling(vllm, params: Dict[str, Any]):
-    return vllm.SamplingParams(**params)
-
-
 def run(spec: Dict[str, Any]) -> Dict[str, Any]:
     """Run ``spec`` (see the module docstring) and return the result document."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -39,7 +35,7 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
     peak = _track_running(llm)
     requests = spec["requests"]
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
-    params = [_sampling(vllm, r.get("sampling", {})) for r in requests]
+    params = [vllm.SamplingParams(**r.get("sampling", {})) for r in requests]
     rss_before = _peak_rss()
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)

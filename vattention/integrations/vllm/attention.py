@@ -50,6 +50,7 @@ class VAttentionMetadataBuilder(AttentionMetadataBuilder[VAttentionMetadata]):
 
     reorder_batch_threshold: ClassVar[int] = 1    # vLLM moves one-token (decode) rows first
 
+    # vLLM declares the base __init__ abstract: a builder must define one even if it adds nothing.
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
 
