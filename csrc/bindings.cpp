@@ -140,12 +140,15 @@ py::capsule export_tensor(const std::shared_ptr<KVCacheCore>& core, int kv, int 
   if (core->closed()) throw Error(Error::Kind::Closed, "the KV cache is closed; create a new KVCache");
   auto* ex = new Export();
   ex->owner = core;
-  const int64_t E = g.element_bytes, H = g.num_kv_heads, D = g.head_dim, L = g.num_layers;
-  const auto slot_stride = static_cast<int64_t>(g.slot_bytes()) / E;
+  const int64_t E = g.element_bytes, L = g.num_layers;
+  // Per-layer shapes exist only in the layer layout (validate()); mega uses layer 0's.
+  const int64_t H = g.kv_heads(layer < 0 ? 0 : layer), D = g.head_dim_of(layer < 0 ? 0 : layer);
+  const int tensor = g.mega ? kv : kv * static_cast<int>(L) + layer;
+  const auto slot_stride = static_cast<int64_t>(g.slot_bytes(tensor)) / E;
   uintptr_t data;
   int ndim = 4;
   if (!g.mega) {
-    data = core->tensor_base(kv * static_cast<int>(L) + layer);
+    data = core->tensor_base(tensor);
     const int64_t shape[4] = {g.max_batch, g.max_seq, H, D};
     const int64_t strides[4] = {slot_stride, H * D, D, 1};
     std::memcpy(ex->shape, shape, sizeof shape);
@@ -233,7 +236,8 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](const std::string& device, int64_t num_layers, int64_t num_kv_heads,
                        int64_t head_dim, int64_t element_bytes, int64_t max_batch, int64_t max_seq,
                        size_t page_bytes, bool mega, int64_t budget_bytes, bool eager,
-                       int64_t lookahead_tokens, bool value_cache, std::vector<int64_t> windows) {
+                       int64_t lookahead_tokens, bool value_cache, std::vector<int64_t> windows,
+                       std::vector<int64_t> layer_kv_heads, std::vector<int64_t> layer_head_dims) {
              vattention::CacheGeometry g;
              g.num_layers = num_layers;
              g.num_kv_heads = num_kv_heads;
@@ -245,6 +249,8 @@ PYBIND11_MODULE(_C, m) {
              g.mega = mega;
              g.value_cache = value_cache;
              g.windows = std::move(windows);
+             g.layer_kv_heads = std::move(layer_kv_heads);
+             g.layer_head_dims = std::move(layer_head_dims);
              g.validate();
              auto backend = vattention::make_backend(device, page_bytes);
              return std::make_shared<KVCacheCore>(
@@ -255,7 +261,9 @@ PYBIND11_MODULE(_C, m) {
            py::arg("device"), py::arg("num_layers"), py::arg("num_kv_heads"), py::arg("head_dim"),
            py::arg("element_bytes"), py::arg("max_batch"), py::arg("max_seq"), py::arg("page_bytes"),
            py::arg("mega"), py::arg("budget_bytes"), py::arg("eager"), py::arg("lookahead_tokens"),
-           py::arg("value_cache") = true, py::arg("windows") = std::vector<int64_t>{})
+           py::arg("value_cache") = true, py::arg("windows") = std::vector<int64_t>{},
+           py::arg("layer_kv_heads") = std::vector<int64_t>{},
+           py::arg("layer_head_dims") = std::vector<int64_t>{})
       .def("alloc", &KVCacheCore::alloc)
       .def("free", &KVCacheCore::free, py::arg("slot"), py::arg("stream") = 0,
            py::call_guard<py::gil_scoped_release>())
@@ -314,6 +322,15 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("backend_name", [](KVCacheCore& c) { return c.backend().name(); })
       .def_property_readonly("granularity", [](KVCacheCore& c) { return c.backend().granularity(); })
       .def("tensor_base", &KVCacheCore::tensor_base, py::arg("tensor"))
+      .def(
+          "index_pages",
+          [](const KVCacheCore& c, int tensor) {
+            if (tensor < 0 || tensor >= c.geometry().num_tensors()) throw py::index_error("tensor");
+            return c.geometry().index_pages(tensor);
+          },
+          py::arg("tensor"), "Physical pages tensor `tensor` maps per page index (geometry.h).")
+      .def_property_readonly("columns", [](const KVCacheCore& c) { return c.geometry().columns(); },
+                             "Physical pages per page index over all tensors.")
       .def(
           "export_tensor",
           [](const std::shared_ptr<KVCacheCore>& core, int kv, int layer, int dl_code, int bits,

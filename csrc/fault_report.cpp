@@ -57,14 +57,14 @@ bool describe(uintptr_t addr) {
     if (!r) continue;
     for (size_t t = 0; t < r->bases.size(); ++t) {
       const uintptr_t base = r->bases[t];
-      if (addr < base || addr >= base + r->geo.tensor_bytes) continue;
+      if (addr < base || addr >= base + r->geo.tensor_bytes[t]) continue;
       const FaultGeometry& g = r->geo;
       const size_t off = addr - base;
-      const uint64_t slot_index = off / g.slot_bytes;
-      const size_t in_row = off % g.slot_bytes;
-      const uint64_t token = in_row / g.token_bytes;
+      const uint64_t slot_index = off / g.slot_bytes[t];
+      const size_t in_row = off % g.slot_bytes[t];
+      const uint64_t token = in_row / g.token_bytes[t];
       const bool is_v = g.mega ? t == 1 : static_cast<int64_t>(t) >= g.num_layers;
-      const uint64_t layer = g.mega ? (in_row % g.token_bytes) / g.layer_bytes
+      const uint64_t layer = g.mega ? (in_row % g.token_bytes[t]) / g.layer_bytes
                                     : static_cast<uint64_t>(t) % static_cast<uint64_t>(g.num_layers);
       Out o;
       o.str("\nvattention: fatal memory access to KV cache #");

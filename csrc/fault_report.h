@@ -31,10 +31,10 @@ struct FaultGeometry {
   int64_t max_batch = 0;
   int64_t max_seq = 0;
   bool mega = false;
-  size_t slot_bytes = 0;        // row stride
-  size_t token_bytes = 0;       // token stride within a row
-  size_t layer_bytes = 0;       // one layer of one token (mega: layer stride within a token)
-  size_t tensor_bytes = 0;      // each reservation's length
+  std::vector<size_t> slot_bytes;    // per tensor: row stride
+  std::vector<size_t> token_bytes;   // per tensor: token stride within a row
+  size_t layer_bytes = 0;            // mega: one layer of one token (layer stride within a token)
+  std::vector<size_t> tensor_bytes;  // per tensor: the reservation's length
 };
 
 // One registered cache. Registers on construction (installing the handler once per process),

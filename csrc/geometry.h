@@ -1,11 +1,10 @@
 // CacheGeometry: where every byte of a KV cache lives in virtual memory.
 //
 // Tensors: `layer` layout has 2*L of them (K of layer l is tensor l, V is tensor L + l), each
-// [B, S, H, D]; `mega` layout has 2 (K, V), each [B, S, L, H, D]. A slot's row in a tensor is
-// slot_bytes long, padded up to a page multiple so no alignment rule falls on max_seq_len. Pages
-// are mapped per "page index" p of a slot: one page in every tensor at row offset p * page_bytes.
-// Tokens may straddle two pages when page_bytes is not a multiple of the token stride; mapping is
-// by bytes, so that is harmless.
+// [B, S, H_l, D_l]; `mega` layout has 2 (K, V), each [B, S, L, H, D]. A slot's row in a tensor is
+// slot_bytes(t) long, a whole number of page indices, so no alignment rule falls on max_seq_len.
+// Pages are mapped per "page index" p of a slot: index_pages(t) pages in every tensor t (one
+// when every layer has the same shape; see "page indices" below for per-layer shapes).
 //
 // Model coverage (issue 14): value_cache=false drops the V tensors (MLA latents, K-only caches:
 // `layer` layout has L tensors, `mega` one). windows[l] > 0 makes layer l a sliding-window layer
@@ -24,8 +23,8 @@ namespace vattention {
 
 struct CacheGeometry {
   int64_t num_layers = 0;
-  int64_t num_kv_heads = 0;
-  int64_t head_dim = 0;
+  int64_t num_kv_heads = 0;       // every layer's, unless layer_kv_heads is given
+  int64_t head_dim = 0;           // every layer's, unless layer_head_dims is given
   int64_t element_bytes = 0;
   int64_t max_batch = 0;
   int64_t max_seq = 0;
@@ -33,12 +32,16 @@ struct CacheGeometry {
   bool mega = false;
   bool value_cache = true;        // false: K tensors only
   std::vector<int64_t> windows;   // empty, or num_layers entries: 0 = full attention, else W tokens
+  // Per-layer shapes (hybrid models): empty, or num_layers entries overriding num_kv_heads /
+  // head_dim for each layer. `layer` layout only (a mega tensor has one [L, H, D] token row).
+  std::vector<int64_t> layer_kv_heads;
+  std::vector<int64_t> layer_head_dims;
 
   // Throws Error(Kind::Config) naming the bad value and the limit.
   void validate() const {
-    auto positive = [](const char* name, int64_t v) {
+    auto positive = [](const std::string& name, int64_t v) {
       if (v < 1) {
-        throw Error(Error::Kind::Config, std::string(name) + "=" + std::to_string(v) +
+        throw Error(Error::Kind::Config, name + "=" + std::to_string(v) +
                                              " must be a positive integer (>= 1)");
       }
     };
@@ -48,18 +51,31 @@ struct CacheGeometry {
     positive("element_bytes", element_bytes);
     positive("max_batch_size", max_batch);
     positive("max_seq_len", max_seq);
-    if (token_bytes() > page_bytes) {
+    per_layer("num_kv_heads", layer_kv_heads);
+    per_layer("head_dim", layer_head_dims);
+    for (size_t l = 0; l < layer_kv_heads.size(); ++l) {
+      positive("num_kv_heads[" + std::to_string(l) + "]", layer_kv_heads[l]);
+    }
+    for (size_t l = 0; l < layer_head_dims.size(); ++l) {
+      positive("head_dim[" + std::to_string(l) + "]", layer_head_dims[l]);
+    }
+    if (mega && !uniform_layers()) {
+      throw Error(Error::Kind::Config,
+                  "num_kv_heads/head_dim differ between layers; per-layer shapes need "
+                  "layout='layer' (a mega tensor has one [num_layers, heads, head_dim] token row)");
+    }
+    for (int t = 0; t < num_tensors(); ++t) {
+      if (token_bytes(t) <= page_bytes) continue;
       throw Error(Error::Kind::Config,
                   "page_size=" + std::to_string(page_bytes) + " bytes holds less than one token (" +
-                      std::to_string(token_bytes()) + " bytes per token row): tokens_per_page < 1")
+                      std::to_string(token_bytes(t)) + " bytes per token row" +
+                      (uniform_layers() ? std::string()
+                                        : " in layer " + std::to_string(t % num_layers)) +
+                      "): tokens_per_page < 1")
           .with("page_bytes", static_cast<int64_t>(page_bytes))
-          .with("token_bytes", static_cast<int64_t>(token_bytes()));
+          .with("token_bytes", static_cast<int64_t>(token_bytes(t)));
     }
-    if (!windows.empty() && static_cast<int64_t>(windows.size()) != num_layers) {
-      throw Error(Error::Kind::Config, "sliding_window has " + std::to_string(windows.size()) +
-                                           " entries; it needs one per layer (num_layers=" +
-                                           std::to_string(num_layers) + ")");
-    }
+    per_layer("sliding_window", windows);
     for (size_t l = 0; l < windows.size(); ++l) {
       if (windows[l] < 0) {
         throw Error(Error::Kind::Config, "sliding_window[" + std::to_string(l) + "]=" +
@@ -74,7 +90,8 @@ struct CacheGeometry {
       }
     }
     // 2^46 bytes = 64 TiB: leaves room in the 47-bit user address space (and GPU VA space).
-    const double virt = static_cast<double>(slot_bytes()) * max_batch * num_tensors();
+    const double virt = static_cast<double>(max_indices()) * static_cast<double>(page_bytes) *
+                        static_cast<double>(columns()) * static_cast<double>(max_batch);
     if (virt > static_cast<double>(int64_t{1} << 46)) {
       throw Error(Error::Kind::Config, "the cache needs " + std::to_string(virt / (1 << 30)) +
                                            " GiB of virtual address space; the limit is 65536 GiB "
@@ -82,8 +99,82 @@ struct CacheGeometry {
     }
   }
 
+  // Fills the tables the accessors below would otherwise recompute on every call (KVCacheCore
+  // calls it once; a geometry that never ran it still answers, only more slowly).
+  void derive() {
+    unit_ = compute_unit();
+    first_column_.assign(static_cast<size_t>(num_tensors()) + 1, 0);
+    column_tensor_.clear();
+    for (int t = 0; t < num_tensors(); ++t) {
+      const size_t n = token_bytes(t) / unit_;
+      first_column_[static_cast<size_t>(t) + 1] = first_column_[static_cast<size_t>(t)] + n;
+      column_tensor_.insert(column_tensor_.end(), n, t);
+    }
+  }
+
   int kv_tensors() const { return value_cache ? 2 : 1; }
   int num_tensors() const { return mega ? kv_tensors() : static_cast<int>(kv_tensors() * num_layers); }
+  int64_t kv_heads(int64_t layer) const {
+    return layer_kv_heads.empty() ? num_kv_heads : layer_kv_heads[static_cast<size_t>(layer)];
+  }
+  int64_t head_dim_of(int64_t layer) const {
+    return layer_head_dims.empty() ? head_dim : layer_head_dims[static_cast<size_t>(layer)];
+  }
+  bool uniform_layers() const {
+    for (int64_t l = 1; l < num_layers; ++l) {
+      if (kv_heads(l) != kv_heads(0) || head_dim_of(l) != head_dim_of(0)) return false;
+    }
+    return true;
+  }
+  // Bytes of one token of one layer (K or V).
+  size_t layer_token_bytes(int64_t layer) const {
+    return static_cast<size_t>(kv_heads(layer) * head_dim_of(layer) * element_bytes);
+  }
+  // Bytes between consecutive tokens of one slot in tensor t.
+  size_t token_bytes(int t) const {
+    if (mega) return layer_token_bytes(0) * static_cast<size_t>(num_layers);
+    return layer_token_bytes(t % num_layers);
+  }
+
+  // ---- page indices ---------------------------------------------------------------------------
+  // A slot grows by page indices. Page index p covers the same tokens in every tensor: tensor t
+  // maps index_pages(t) consecutive physical pages for it, at bytes [p, p + 1) * index_bytes(t) of
+  // its row. unit_bytes() is the gcd of the tensors' token strides, so one page index holds
+  // page_bytes / unit_bytes() tokens everywhere and each tensor's pages are exactly proportional to
+  // its token stride (a layer with 4x the KV heads maps 4 pages per index). With one shape for
+  // every layer unit_bytes() is the token stride and index_pages(t) is 1: one page per tensor.
+  // Tokens may straddle two page indices when page_bytes is not a multiple of unit_bytes(); mapping
+  // is by bytes, so that is harmless.
+  size_t unit_bytes() const { return unit_ ? unit_ : compute_unit(); }
+  size_t index_pages(int t) const { return token_bytes(t) / unit_bytes(); }
+  size_t index_bytes(int t) const { return index_pages(t) * page_bytes; }
+  // Physical pages per page index over all tensors ("columns"): column c of page index p is page
+  // column_sub(c) of tensor column_tensor(c)'s run at p. Slot::pages holds columns() per index.
+  size_t columns() const {
+    if (!first_column_.empty()) return first_column_.back();
+    size_t n = 0;
+    for (int t = 0; t < num_tensors(); ++t) n += index_pages(t);
+    return n;
+  }
+  size_t first_column(int t) const {
+    if (!first_column_.empty()) return first_column_[static_cast<size_t>(t)];
+    size_t n = 0;
+    for (int u = 0; u < t; ++u) n += index_pages(u);
+    return n;
+  }
+  int column_tensor(size_t c) const {
+    if (!column_tensor_.empty()) return column_tensor_[c];
+    int t = 0;
+    while (first_column(t + 1) <= c) ++t;
+    return t;
+  }
+  size_t column_sub(size_t c) const { return c - first_column(column_tensor(c)); }
+  // Page indices that cover max_seq tokens: every slot row is this many indices long.
+  size_t max_indices() const {
+    const size_t raw = static_cast<size_t>(max_seq) * unit_bytes();
+    return (raw + page_bytes - 1) / page_bytes;
+  }
+
   // Window of tensor t in tokens (0 = full attention). Tensor t holds layer t % num_layers.
   int64_t window(int t) const {
     if (windows.empty()) return 0;
@@ -101,43 +192,67 @@ struct CacheGeometry {
     const int64_t w = window(t);
     const int64_t first_key = first_query - w + 1;
     if (w <= 0 || first_key <= 0) return 0;
-    return static_cast<size_t>(first_key) * token_bytes() / page_bytes;
+    return static_cast<size_t>(first_key) * unit_bytes() / page_bytes;
   }
   // Smallest first_query for which releasable_pages(t, .) >= pages (0 for pages == 0).
   int64_t query_releasing(int t, size_t pages) const {
     if (pages == 0) return 0;
-    const size_t tb = token_bytes();
-    return static_cast<int64_t>((pages * page_bytes + tb - 1) / tb) + window(t) - 1;
+    const size_t ub = unit_bytes();
+    return static_cast<int64_t>((pages * page_bytes + ub - 1) / ub) + window(t) - 1;
   }
   // First token whose bytes lie wholly in page indices >= pages (tokens may straddle pages).
   int64_t first_token_at(size_t pages) const {
-    const size_t tb = token_bytes();
-    return static_cast<int64_t>((pages * page_bytes + tb - 1) / tb);
+    const size_t ub = unit_bytes();
+    return static_cast<int64_t>((pages * page_bytes + ub - 1) / ub);
   }
-  // Bytes between consecutive tokens of one slot in one tensor.
-  size_t token_bytes() const {
-    const int64_t per_layer = num_kv_heads * head_dim * element_bytes;
-    return static_cast<size_t>(mega ? per_layer * num_layers : per_layer);
+  // Tokens of one page index.
+  size_t tokens_per_page() const { return page_bytes / unit_bytes(); }
+  // Bytes of one slot's row in tensor t (a whole number of page indices).
+  size_t slot_bytes(int t) const { return max_indices() * index_bytes(t); }
+  size_t tensor_bytes(int t) const { return slot_bytes(t) * static_cast<size_t>(max_batch); }
+  size_t virtual_bytes() const {
+    return max_indices() * page_bytes * columns() * static_cast<size_t>(max_batch);
   }
-  size_t tokens_per_page() const { return page_bytes / token_bytes(); }
-  size_t slot_bytes() const {
-    const size_t raw = static_cast<size_t>(max_seq) * token_bytes();
-    return (raw + page_bytes - 1) / page_bytes * page_bytes;
-  }
-  size_t tensor_bytes() const { return slot_bytes() * static_cast<size_t>(max_batch); }
   // Page indices a slot needs to back `tokens` tokens.
   size_t pages_for(int64_t tokens) const {
-    return (static_cast<size_t>(tokens) * token_bytes() + page_bytes - 1) / page_bytes;
+    return (static_cast<size_t>(tokens) * unit_bytes() + page_bytes - 1) / page_bytes;
   }
   // Tokens fully backed by `pages` page indices.
   int64_t tokens_in(size_t pages) const {
-    const int64_t t = static_cast<int64_t>(pages * page_bytes / token_bytes());
+    const int64_t t = static_cast<int64_t>(pages * page_bytes / unit_bytes());
     return t < max_seq ? t : max_seq;
   }
   // Bytes of one token over all layers, K and V (K only without a value cache).
   int64_t bytes_per_token() const {
-    return kv_tensors() * num_layers * num_kv_heads * head_dim * element_bytes;
+    int64_t sum = 0;
+    for (int64_t l = 0; l < num_layers; ++l) sum += static_cast<int64_t>(layer_token_bytes(l));
+    return kv_tensors() * sum;
   }
+
+ private:
+  static size_t gcd(size_t a, size_t b) {
+    while (b != 0) {
+      const size_t r = a % b;
+      a = b;
+      b = r;
+    }
+    return a;
+  }
+  size_t compute_unit() const {
+    size_t g = 0;
+    for (int t = 0; t < num_tensors(); ++t) g = gcd(g, token_bytes(t));
+    return g;
+  }
+  void per_layer(const char* name, const std::vector<int64_t>& values) const {
+    if (values.empty() || static_cast<int64_t>(values.size()) == num_layers) return;
+    throw Error(Error::Kind::Config, std::string(name) + " has " + std::to_string(values.size()) +
+                                         " entries; it needs one per layer (num_layers=" +
+                                         std::to_string(num_layers) + ")");
+  }
+
+  size_t unit_ = 0;                    // derive(): unit_bytes()
+  std::vector<size_t> first_column_;   // derive(): first column of each tensor, then columns()
+  std::vector<int> column_tensor_;     // derive(): tensor of each column
 };
 
 }  // namespace vattention

@@ -10,13 +10,17 @@ namespace {
 
 std::string slot_range(int64_t max_batch) { return "[0, " + std::to_string(max_batch) + ")"; }
 
+CacheGeometry checked(CacheGeometry g) {
+  g.validate();
+  g.derive();
+  return g;
+}
 
 }  // namespace
 
 KVCacheCore::KVCacheCore(std::unique_ptr<Backend> backend, const CacheGeometry& geometry,
                          int64_t budget_bytes, ReclaimPolicy policy, int64_t lookahead_tokens)
-    : geo_(geometry), policy_(policy), backend_(std::move(backend)), lookahead_tokens_(0) {
-  geo_.validate();
+    : geo_(checked(geometry)), policy_(policy), backend_(std::move(backend)), lookahead_tokens_(0) {
   if (geo_.page_bytes != backend_->page_bytes()) {
     throw Error(Error::Kind::Config, "geometry page_bytes=" + std::to_string(geo_.page_bytes) +
                                          " differs from the backend's " +
@@ -24,11 +28,12 @@ KVCacheCore::KVCacheCore(std::unique_ptr<Backend> backend, const CacheGeometry& 
   }
   set_lookahead(lookahead_tokens);
   backend_->bind_thread();
-  const size_t bytes = geo_.tensor_bytes();
   try {
-    for (int t = 0; t < geo_.num_tensors(); ++t) bases_.push_back(backend_->reserve(bytes));
+    for (int t = 0; t < geo_.num_tensors(); ++t) bases_.push_back(backend_->reserve(geo_.tensor_bytes(t)));
   } catch (...) {
-    for (uintptr_t base : bases_) backend_->release_va(base, bytes);
+    for (size_t t = 0; t < bases_.size(); ++t) {
+      backend_->release_va(bases_[t], geo_.tensor_bytes(static_cast<int>(t)));
+    }
     throw;
   }
   if (backend_->name() == "host") {
@@ -37,10 +42,12 @@ KVCacheCore::KVCacheCore(std::unique_ptr<Backend> backend, const CacheGeometry& 
     fg.max_batch = geo_.max_batch;
     fg.max_seq = geo_.max_seq;
     fg.mega = geo_.mega;
-    fg.slot_bytes = geo_.slot_bytes();
-    fg.token_bytes = geo_.token_bytes();
-    fg.layer_bytes = static_cast<size_t>(geo_.num_kv_heads * geo_.head_dim * geo_.element_bytes);
-    fg.tensor_bytes = geo_.tensor_bytes();
+    for (int t = 0; t < geo_.num_tensors(); ++t) {
+      fg.slot_bytes.push_back(geo_.slot_bytes(t));
+      fg.token_bytes.push_back(geo_.token_bytes(t));
+      fg.tensor_bytes.push_back(geo_.tensor_bytes(t));
+    }
+    fg.layer_bytes = geo_.layer_token_bytes(0);
     fault_report_ = std::make_unique<FaultReport>(fg, bases_);
   }
   pool_ = std::make_unique<PagePool>(*backend_, budget_bytes);
@@ -63,9 +70,9 @@ KVCacheCore::~KVCacheCore() {
   }
   if (staged_) staging_.va = 0;  // still mapped: leak the staging range too
   fault_report_.reset();  // before the ranges go: they may be reused by anything
-  for (uintptr_t base : bases_) {
+  for (size_t t = 0; t < bases_.size(); ++t) {
     try {
-      backend_->release_va(base, geo_.tensor_bytes());
+      backend_->release_va(bases_[t], geo_.tensor_bytes(static_cast<int>(t)));
     } catch (...) {
     }
   }
@@ -142,8 +149,12 @@ void KVCacheCore::validate_lens(const std::vector<int64_t>& lens, bool require_a
 }
 
 uintptr_t KVCacheCore::page_va(int tensor, int slot, size_t page) const {
-  return bases_[static_cast<size_t>(tensor)] + static_cast<size_t>(slot) * geo_.slot_bytes() +
-         page * geo_.page_bytes;
+  return bases_[static_cast<size_t>(tensor)] + static_cast<size_t>(slot) * geo_.slot_bytes(tensor) +
+         page * geo_.index_bytes(tensor);
+}
+
+uintptr_t KVCacheCore::column_va(size_t column, int slot, size_t page) const {
+  return page_va(geo_.column_tensor(column), slot, page) + geo_.column_sub(column) * geo_.page_bytes;
 }
 
 // ---- slots --------------------------------------------------------------------------------------
@@ -247,7 +258,7 @@ bool KVCacheCore::step(const std::vector<int64_t>& lens, uintptr_t stream, bool 
     size_t need = 0;
     for (const Growth& g : plan) {
       wait = wait || in_flight(static_cast<size_t>(g.slot));
-      need += (g.to - g.from) * static_cast<size_t>(geo_.num_tensors());
+      need += (g.to - g.from) * geo_.columns();
     }
     if ((inflight_.slot >= 0 || pool_->creating() > 0) && need > 0 &&
         pool_->headroom() != std::numeric_limits<size_t>::max() &&
@@ -326,9 +337,9 @@ void KVCacheCore::commit_step(const std::vector<int64_t>& lens) {
 }
 
 void KVCacheCore::grow(const std::vector<Growth>& plan, bool from_prefetch) {
-  const size_t T = static_cast<size_t>(geo_.num_tensors());
+  const size_t C = geo_.columns();
   size_t need = 0;
-  for (const Growth& g : plan) need += (g.to - g.from) * T;
+  for (const Growth& g : plan) need += (g.to - g.from) * C;
   if (need == 0) return;
   std::vector<PageHandle> pages;
   try {
@@ -342,7 +353,7 @@ void KVCacheCore::grow(const std::vector<Growth>& plan, bool from_prefetch) {
   try {
     for (const Growth& g : plan) {
       map_slot(g.slot, g.from, g.to, pages.data() + used, from_prefetch);
-      used += (g.to - g.from) * T;
+      used += (g.to - g.from) * C;
       ++done;
       scrub_pages(g.slot, g.from, g.to);  // a failure unmaps this slot's growth too
     }
@@ -369,14 +380,15 @@ void KVCacheCore::map_slot(int slot, size_t from, size_t to, const PageHandle* p
     const size_t begin = first[static_cast<size_t>(t)];
     holes = holes || begin > from;
     if (begin == to) continue;
-    counters_.map_calls += to - begin;
-    (from_prefetch ? counters_.prefetch_map_calls : counters_.step_map_calls) += to - begin;
+    const size_t mapped = (to - begin) * geo_.index_pages(t);
+    counters_.map_calls += mapped;
+    (from_prefetch ? counters_.prefetch_map_calls : counters_.step_map_calls) += mapped;
     ++counters_.set_access_calls;
     // The prefetch thread populates after dropping the lock (prefetch_slot), not here.
-    if (!from_prefetch) backend_->prefault(page_va(t, slot, begin), (to - begin) * geo_.page_bytes);
+    if (!from_prefetch) backend_->prefault(page_va(t, slot, begin), (to - begin) * geo_.index_bytes(t));
   }
   Slot& s = slots_[static_cast<size_t>(slot)];
-  s.pages.insert(s.pages.end(), pages, pages + count * static_cast<size_t>(T));
+  s.pages.insert(s.pages.end(), pages, pages + count * geo_.columns());
   if (holes) {
     // Holes only extend a prefix that is already all holes (from == head[t], e.g. a fresh slot).
     if (s.head.empty()) s.head.assign(static_cast<size_t>(T), 0);
@@ -392,22 +404,25 @@ void KVCacheCore::map_slot(int slot, size_t from, size_t to, const PageHandle* p
 std::vector<size_t> KVCacheCore::first_pages(size_t from, size_t to,
                                              const PageHandle* pages) const {
   // Pages restored by fork or swap-in may hold released window pages (kNoPage) as a prefix of
-  // each tensor: tensor t maps [first[t], to) only.
+  // each tensor (all of a tensor's columns together): tensor t maps [first[t], to) only.
   const int T = geo_.num_tensors();
+  const size_t C = geo_.columns();
   std::vector<size_t> first(static_cast<size_t>(T), from);
   for (int t = 0; t < T; ++t) {
     size_t& f = first[static_cast<size_t>(t)];
-    while (f < to && pages[(f - from) * static_cast<size_t>(T) + static_cast<size_t>(t)] == kNoPage) ++f;
+    while (f < to && pages[(f - from) * C + geo_.first_column(t)] == kNoPage) ++f;
   }
   return first;
 }
 
 size_t KVCacheCore::map_pages(int slot, size_t from, size_t to, const PageHandle* pages) const {
   const int T = geo_.num_tensors();
+  const size_t C = geo_.columns();
+  const size_t P = geo_.page_bytes;
   const std::vector<size_t> first = first_pages(from, to, pages);
   size_t calls = 0;
   int tensors_done = 0;
-  size_t pages_done = 0;  // in the tensor being mapped
+  size_t pages_done = 0;  // physical pages mapped in the tensor being mapped
   try {
     for (int t = 0; t < T; ++t) {
       const size_t begin = first[static_cast<size_t>(t)];
@@ -415,13 +430,18 @@ size_t KVCacheCore::map_pages(int slot, size_t from, size_t to, const PageHandle
         tensors_done = t + 1;
         continue;
       }
+      // Tensor t's pages for [begin, to) form one contiguous run of index_pages(t) per index.
+      const size_t n = geo_.index_pages(t), column = geo_.first_column(t);
+      const uintptr_t va = page_va(t, slot, begin);
       for (size_t p = begin; p < to; ++p) {
-        backend_->map(page_va(t, slot, p), pages[(p - from) * static_cast<size_t>(T) + static_cast<size_t>(t)]);
-        pages_done = p - begin + 1;
+        for (size_t j = 0; j < n; ++j) {
+          backend_->map(va + pages_done * P, pages[(p - from) * C + column + j]);
+          ++pages_done;
+        }
       }
       // One access grant per contiguous run of new pages, not one per page.
-      backend_->set_access(page_va(t, slot, begin), (to - begin) * geo_.page_bytes);
-      calls += to - begin + 1;
+      backend_->set_access(va, pages_done * P);
+      calls += pages_done + 1;
       tensors_done = t + 1;
       pages_done = 0;
     }
@@ -430,11 +450,11 @@ size_t KVCacheCore::map_pages(int slot, size_t from, size_t to, const PageHandle
       // One unmap per contiguous run: the tensors done, then the part of the one that failed.
       for (int t = 0; t < tensors_done; ++t) {
         const size_t begin = first[static_cast<size_t>(t)];
-        if (begin < to) backend_->unmap(page_va(t, slot, begin), (to - begin) * geo_.page_bytes);
+        if (begin < to) backend_->unmap(page_va(t, slot, begin), (to - begin) * geo_.index_bytes(t));
       }
       if (pages_done > 0) {
         backend_->unmap(page_va(tensors_done, slot, first[static_cast<size_t>(tensors_done)]),
-                        pages_done * geo_.page_bytes);
+                        pages_done * P);
       }
     } catch (...) {
       // Secondary failure while undoing: the first error is the one the caller needs.
@@ -480,7 +500,7 @@ std::vector<std::pair<std::string, int64_t>> KVCacheCore::stats() const {
   check_open();
   int64_t active = 0, idle = 0, free_slots = 0, tokens = 0, mappings = 0;
   for (const Slot& s : slots_) {
-    mappings += static_cast<int64_t>(s.live_pages());
+    mappings += static_cast<int64_t>(s.live_pages(geo_));
     if (s.state == Slot::State::Active) {
       ++active;
       tokens += s.seq_len;
@@ -504,7 +524,7 @@ std::vector<std::pair<std::string, int64_t>> KVCacheCore::stats() const {
       {"bytes_mapped", in_use * P},
       {"bytes_reserved", total * P},
       {"bytes_used_by_tokens", tokens * geo_.bytes_per_token()},
-      {"virtual_bytes", static_cast<int64_t>(geo_.tensor_bytes()) * geo_.num_tensors()},
+      {"virtual_bytes", static_cast<int64_t>(geo_.virtual_bytes())},
       {"committed_bytes", backend_->committed_bytes()},
       {"memory_budget", pool_->budget_bytes()},
       {"lookahead_tokens", lookahead_tokens_},
@@ -537,11 +557,12 @@ std::string KVCacheCore::check_invariants() const {
   Lock lock(mu_);
   if (closed_) return "";
   const size_t T = static_cast<size_t>(geo_.num_tensors());
+  const size_t C = geo_.columns();
   std::map<PageHandle, uint32_t> seen;
   for (size_t i = 0; i < slots_.size(); ++i) {
     const Slot& s = slots_[i];
     const std::string where = "slot " + std::to_string(i) + ": ";
-    if (s.pages.size() != s.mapped * T) return where + "page list does not match mapped count";
+    if (s.pages.size() != s.mapped * C) return where + "page list does not match mapped count";
     if (s.state == Slot::State::Free && s.mapped != 0) return where + "free slot holds pages";
     if (s.state == Slot::State::Idle && s.mapped == 0) return where + "idle slot without pages";
     if (s.state == Slot::State::Active && geo_.pages_for(s.seq_len) > s.mapped) {
@@ -550,7 +571,7 @@ std::string KVCacheCore::check_invariants() const {
     if (s.backed != geo_.tokens_in(s.mapped)) return where + "cached backed tokens are stale";
     if (!s.head.empty() && s.head.size() != T) return where + "head has the wrong size";
     for (size_t k = 0; k < s.pages.size(); ++k) {
-      const bool hole = k / T < head_of(s, k % T);
+      const bool hole = k / C < head_of(s, static_cast<size_t>(geo_.column_tensor(k % C)));
       if (hole != (s.pages[k] == kNoPage)) return where + "released pages are not a per-tensor prefix";
       if (!hole) ++seen[s.pages[k]];
     }

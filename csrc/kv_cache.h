@@ -58,7 +58,8 @@ class KVCacheCore {
 
   const CacheGeometry& geometry() const { return geo_; }
   Backend& backend() { return *backend_; }
-  // Base address of virtual tensor t (see geometry.h for the numbering). Valid until destruction.
+  // Base address of virtual tensor t (see geometry.h for the numbering and per-tensor sizes).
+  // Valid until destruction.
   uintptr_t tensor_base(int t) const { return bases_.at(static_cast<size_t>(t)); }
   bool closed() const;
 
@@ -210,7 +211,10 @@ class KVCacheCore {
   void drain_eager();
   void run_prefetch(const Prefetcher::Job& job);
   void rethrow_background_error();
+  // Address of page index `page` of `slot` in `tensor` (the first of its index_pages(tensor)).
   uintptr_t page_va(int tensor, int slot, size_t page) const;
+  // Address of column `column` of page index `page` of `slot` (Slot::pages[page * columns + column]).
+  uintptr_t column_va(size_t column, int slot, size_t page) const;
   // Sharing helpers (kv_cache_sharing.cpp).
   void share_locked(int src, int dst, int64_t num_tokens, uintptr_t stream);
   void check_share_args(int src, int64_t num_tokens) const;

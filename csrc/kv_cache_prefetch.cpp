@@ -69,6 +69,7 @@ void KVCacheCore::run_prefetch(const Prefetcher::Job& job) {
 
 bool KVCacheCore::prefetch_slot(int slot, int64_t target_tokens) {
   const size_t T = static_cast<size_t>(geo_.num_tensors());
+  const size_t C = geo_.columns();  // pages per page index
   Slot& s = slots_[static_cast<size_t>(slot)];
   size_t from = 0, to = 0;
   bool scrub = false;             // scrub_, read under the lock
@@ -81,7 +82,7 @@ bool KVCacheCore::prefetch_slot(int slot, int64_t target_tokens) {
     to = geo_.pages_for(target_tokens);
     from = s.mapped;
     if (to <= from) return true;
-    if (pool_->free() < (to - from) * T && !create_unlocked(lock, (to - from) * T - pool_->free())) {
+    if (pool_->free() < (to - from) * C && !create_unlocked(lock, (to - from) * C - pool_->free())) {
       return false;
     }
     // The lock was dropped while creating: everything may have changed.
@@ -95,12 +96,12 @@ bool KVCacheCore::prefetch_slot(int slot, int64_t target_tokens) {
     try {
       if (scrub) prepare_scrub();
       // Creates pages itself only if another caller took the ones just created.
-      inflight_.pages = obtain((to - from) * T, plan, false);
+      inflight_.pages = obtain((to - from) * C, plan, false);
     } catch (const Error& e) {
       counters_.prefetch_driver_calls += vmm_calls() - calls_before;
       if (e.kind() == Error::Kind::OutOfPages) {
         // Not an error yet: step() raises only if the current need cannot be met.
-        counters_.prefetch_shortfall_pages += (to - from) * T;
+        counters_.prefetch_shortfall_pages += (to - from) * C;
       } else {
         record_background_error(std::current_exception());
       }
@@ -132,7 +133,7 @@ bool KVCacheCore::prefetch_slot(int slot, int64_t target_tokens) {
       error = std::current_exception();
       try {
         for (int t = 0; t < geo_.num_tensors(); ++t) {
-          backend_->unmap(page_va(t, slot, from), (to - from) * geo_.page_bytes);
+          backend_->unmap(page_va(t, slot, from), (to - from) * geo_.index_bytes(t));
         }
       } catch (...) {
         // Secondary failure while undoing: the first error is the one to report.
@@ -158,18 +159,18 @@ bool KVCacheCore::prefetch_slot(int slot, int64_t target_tokens) {
     s.state = Slot::State::Idle;
     if (policy_ == ReclaimPolicy::Eager) eager_pending_.push_back(slot);
   }
-  counters_.map_calls += (to - from) * T;
-  counters_.prefetch_map_calls += (to - from) * T;
+  counters_.map_calls += (to - from) * C;
+  counters_.prefetch_map_calls += (to - from) * C;
   counters_.set_access_calls += T;
   counters_.prefetch_driver_calls += calls;
-  if (scrub) scrubbed_pages_ += (to - from) * T;
+  if (scrub) scrubbed_pages_ += (to - from) * C;
   const bool keep_going = !closed_;
   lock.unlock();
   // Populating is the slow part on the host (~0.5 ms per 2 MB page) and needs no cache state:
   // do it unlocked so step() never waits behind it. The range may be unmapped by then; the
   // backend tolerates that.
   for (int t = 0; t < geo_.num_tensors(); ++t) {
-    backend_->prefault(page_va(t, slot, from), (to - from) * geo_.page_bytes);
+    backend_->prefault(page_va(t, slot, from), (to - from) * geo_.index_bytes(t));
   }
   return keep_going;
 }

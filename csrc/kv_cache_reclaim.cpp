@@ -43,25 +43,25 @@ void KVCacheCore::drain_eager() {
 
 size_t KVCacheCore::spare_pages(const std::vector<Growth>& plan, bool allow_trim) const {
   if (any_sharing()) return freeable_spare(plan, allow_trim);
-  const size_t T = static_cast<size_t>(geo_.num_tensors());
+  const size_t C = geo_.columns();
   size_t spare = 0;
   for (size_t i = 0; i < slots_.size(); ++i) {
     const Slot& s = slots_[i];
     if (in_flight(i)) continue;  // never shrunk while mapped outside the lock (rule R)
     if (s.state == Slot::State::Idle) {
-      spare += s.live_pages();
+      spare += s.live_pages(geo_);
     } else if (allow_trim && s.state == Slot::State::Active) {
       bool growing = std::any_of(plan.begin(), plan.end(),
                                  [&](const Growth& g) { return g.slot == static_cast<int>(i); });
       const size_t keep = geo_.pages_for(s.seq_len);
-      if (!growing && s.mapped > keep) spare += (s.mapped - keep) * T;
+      if (!growing && s.mapped > keep) spare += (s.mapped - keep) * C;
     }
   }
   return spare;
 }
 
 size_t KVCacheCore::release_spare(size_t n, const std::vector<Growth>& plan, bool allow_trim) {
-  const size_t T = static_cast<size_t>(geo_.num_tensors());
+  const size_t C = geo_.columns();
   size_t released = 0;
   while (released < n) {
     // Idle slots first, least recently freed first.
@@ -95,7 +95,7 @@ size_t KVCacheCore::release_spare(size_t n, const std::vector<Growth>& plan, boo
     }
     if (victim < 0) break;
     Slot& s = slots_[static_cast<size_t>(victim)];
-    const size_t want = (n - released + T - 1) / T;
+    const size_t want = (n - released + C - 1) / C;
     const size_t keep = std::max(keep_floor, s.mapped > want ? s.mapped - want : 0);
     released += unmap_tail(s, victim, keep);
   }
@@ -146,6 +146,7 @@ void KVCacheCore::wait_fence(Slot& s) {
 size_t KVCacheCore::unmap_tail(Slot& s, int index, size_t keep) {
   if (keep >= s.mapped) return 0;
   const int T = geo_.num_tensors();
+  const size_t C = geo_.columns();
   if (s.state == Slot::State::Idle) wait_fence(s);
   // Tensor t maps [max(keep, head[t]), mapped): released window pages are not unmapped again.
   auto begin = [&](int t) { return std::max(keep, head_of(s, static_cast<size_t>(t))); };
@@ -153,7 +154,7 @@ size_t KVCacheCore::unmap_tail(Slot& s, int index, size_t keep) {
   try {
     for (; t < T; ++t) {
       if (begin(t) >= s.mapped) continue;
-      backend_->unmap(page_va(t, index, begin(t)), (s.mapped - begin(t)) * geo_.page_bytes);
+      backend_->unmap(page_va(t, index, begin(t)), (s.mapped - begin(t)) * geo_.index_bytes(t));
       ++counters_.unmap_calls;
     }
   } catch (...) {
@@ -161,10 +162,13 @@ size_t KVCacheCore::unmap_tail(Slot& s, int index, size_t keep) {
     try {
       for (int u = 0; u < t; ++u) {
         if (begin(u) >= s.mapped) continue;
+        const size_t first = geo_.first_column(u), n = geo_.index_pages(u);
         for (size_t p = begin(u); p < s.mapped; ++p) {
-          backend_->map(page_va(u, index, p), s.pages[p * static_cast<size_t>(T) + static_cast<size_t>(u)]);
+          for (size_t j = 0; j < n; ++j) {
+            backend_->map(column_va(first + j, index, p), s.pages[p * C + first + j]);
+          }
         }
-        backend_->set_access(page_va(u, index, begin(u)), (s.mapped - begin(u)) * geo_.page_bytes);
+        backend_->set_access(page_va(u, index, begin(u)), (s.mapped - begin(u)) * geo_.index_bytes(u));
       }
     } catch (...) {
     }
@@ -172,10 +176,10 @@ size_t KVCacheCore::unmap_tail(Slot& s, int index, size_t keep) {
   }
   // A shared page only loses a reference; count the pages that really reached the free list.
   const size_t free_before = pool_->free();
-  for (size_t i = keep * static_cast<size_t>(T); i < s.pages.size(); ++i) {
+  for (size_t i = keep * C; i < s.pages.size(); ++i) {
     if (s.pages[i] != kNoPage) pool_->release(s.pages[i]);
   }
-  s.pages.resize(keep * static_cast<size_t>(T));
+  s.pages.resize(keep * C);
   s.mapped = keep;
   s.backed = geo_.tokens_in(keep);
   if (!s.head.empty()) {
@@ -199,7 +203,7 @@ void KVCacheCore::reserve(size_t bytes) {
   rethrow_background_error();
   // Overflow-safe rounding up; no cache can use more pages than its virtual tensors hold.
   const size_t pages = bytes / geo_.page_bytes + (bytes % geo_.page_bytes != 0 ? 1 : 0);
-  const size_t usable = geo_.tensor_bytes() / geo_.page_bytes * static_cast<size_t>(geo_.num_tensors());
+  const size_t usable = geo_.virtual_bytes() / geo_.page_bytes;
   if (pages > usable) {
     throw Error(Error::Kind::Config,
                 "reserve of " + std::to_string(bytes) + " bytes (" + std::to_string(pages) +
@@ -226,7 +230,7 @@ size_t KVCacheCore::reclaim() {
   for (size_t i = 0; i < slots_.size(); ++i) {
     Slot& s = slots_[i];
     if (s.state != Slot::State::Idle) continue;
-    released += s.live_pages();  // mappings, as documented
+    released += s.live_pages(geo_);  // mappings, as documented
     counters_.reclaimed_pages += unmap_tail(s, static_cast<int>(i), 0);
   }
   return released;

@@ -29,7 +29,7 @@ void KVCacheCore::scrub_pages(int slot, size_t from, size_t to) {
   if (!scrub_ || to <= from) return;
   prepare_scrub();
   zero_pages(slot, from, to);
-  scrubbed_pages_ += (to - from) * static_cast<size_t>(geo_.num_tensors());
+  scrubbed_pages_ += (to - from) * geo_.columns();
 }
 
 void KVCacheCore::prepare_scrub() {
@@ -51,10 +51,11 @@ void KVCacheCore::zero_pages(int slot, size_t from, size_t to) const {
   const bool host_memory = backend_->device().dl_device_type == 1;
   for (int t = 0; t < geo_.num_tensors(); ++t) {
     const uintptr_t va = page_va(t, slot, from);
+    const size_t pages = (to - from) * geo_.index_pages(t);
     if (host_memory) {
-      std::memset(reinterpret_cast<void*>(va), 0, (to - from) * P);
+      std::memset(reinterpret_cast<void*>(va), 0, pages * P);
     } else {
-      for (size_t p = 0; p < to - from; ++p) backend_->copy_from_host(va + p * P, zero_block_, P, 0);
+      for (size_t p = 0; p < pages; ++p) backend_->copy_from_host(va + p * P, zero_block_, P, 0);
     }
   }
 }

@@ -121,10 +121,10 @@ int KVCacheCore::pick_fresh_slot() const {
 
 void KVCacheCore::forget_sharing(Slot& s, int index) {
   if (s.shared_pages == 0) return;
-  const size_t T = static_cast<size_t>(geo_.num_tensors());
+  const size_t C = geo_.columns();
   size_t keep = s.mapped;
-  for (size_t i = 0; i < std::min(s.shared_pages, s.mapped) * T && keep == s.mapped; ++i) {
-    if (s.pages[i] != kNoPage && pool_->refs(s.pages[i]) > 1) keep = i / T;
+  for (size_t i = 0; i < std::min(s.shared_pages, s.mapped) * C && keep == s.mapped; ++i) {
+    if (s.pages[i] != kNoPage && pool_->refs(s.pages[i]) > 1) keep = i / C;
   }
   unmap_tail(s, index, keep);  // an idle slot waits for its fence inside
   s.shared_pages = 0;
@@ -132,7 +132,7 @@ void KVCacheCore::forget_sharing(Slot& s, int index) {
 
 size_t KVCacheCore::freeable_spare(const std::vector<Growth>& plan, bool allow_trim) const {
   // A page returns to the pool only if every reference to it is a reclaimable mapping.
-  const size_t T = static_cast<size_t>(geo_.num_tensors());
+  const size_t C = geo_.columns();
   std::unordered_map<PageHandle, uint32_t> reclaimable;
   for (size_t i = 0; i < slots_.size(); ++i) {
     const Slot& s = slots_[i];
@@ -145,7 +145,7 @@ size_t KVCacheCore::freeable_spare(const std::vector<Growth>& plan, bool allow_t
                             [&](const Growth& g) { return g.slot == static_cast<int>(i); })) {
       from = std::min(s.mapped, geo_.pages_for(s.seq_len));
     }
-    for (size_t k = from * T; k < s.pages.size(); ++k) {
+    for (size_t k = from * C; k < s.pages.size(); ++k) {
       if (s.pages[k] != kNoPage) ++reclaimable[s.pages[k]];
     }
   }
@@ -213,12 +213,14 @@ void KVCacheCore::share_prefix(int src, int dst, int64_t num_tokens, uintptr_t s
 }
 
 void KVCacheCore::share_locked(int src, int dst, int64_t num_tokens, uintptr_t stream) {
-  const size_t T = static_cast<size_t>(geo_.num_tensors());
+  const int T = geo_.num_tensors();
+  const size_t C = geo_.columns();
   const size_t P = geo_.page_bytes;
-  const size_t used_bytes = static_cast<size_t>(num_tokens) * geo_.token_bytes();
-  const size_t full = used_bytes / P;                 // pages wholly inside the prefix: shared
+  // In page-index units: tensor t holds index_pages(t) times these bytes (geometry.h).
+  const size_t used_bytes = static_cast<size_t>(num_tokens) * geo_.unit_bytes();
+  const size_t full = used_bytes / P;                 // page indices wholly inside the prefix: shared
   const size_t need = geo_.pages_for(num_tokens);     // full, or full + 1 with a partial page
-  const size_t partial_bytes = used_bytes - full * P;  // prefix bytes of the partial page
+  const size_t partial_bytes = used_bytes - full * P;  // prefix bytes of the partial page index
   Slot& s = slots_[static_cast<size_t>(src)];
   Slot& d = slots_[static_cast<size_t>(dst)];
 
@@ -227,13 +229,13 @@ void KVCacheCore::share_locked(int src, int dst, int64_t num_tokens, uintptr_t s
   std::vector<PageHandle> fresh;
   if (need > full) {
     try {
-      fresh = obtain((need - full) * T, {}, true);
+      fresh = obtain((need - full) * C, {}, true);
     } catch (const Error& e) {
       if (e.kind() == Error::Kind::OutOfPages) ++counters_.oom_events;
       throw;
     }
   }
-  std::vector<PageHandle> handles(s.pages.begin(), s.pages.begin() + static_cast<long>(full * T));
+  std::vector<PageHandle> handles(s.pages.begin(), s.pages.begin() + static_cast<long>(full * C));
   handles.insert(handles.end(), fresh.begin(), fresh.end());
   try {
     sync_stream(stream);  // kernels queued before may still read dst's old pages
@@ -243,15 +245,15 @@ void KVCacheCore::share_locked(int src, int dst, int64_t num_tokens, uintptr_t s
     for (PageHandle p : fresh) pool_->release(p);
     throw;
   }
-  for (size_t i = 0; i < full * T; ++i) {
+  for (size_t i = 0; i < full * C; ++i) {
     if (handles[i] != kNoPage) pool_->share(handles[i]);  // released window pages stay holes
   }
   if (partial_bytes > 0) {
     try {
       scrub_pages(dst, full, need);  // the fresh page: zeros past the copied prefix
-      for (size_t t = 0; t < T; ++t) {
-        backend_->copy(page_va(static_cast<int>(t), dst, full),
-                       page_va(static_cast<int>(t), src, full), partial_bytes, stream);
+      for (int t = 0; t < T; ++t) {
+        backend_->copy(page_va(t, dst, full), page_va(t, src, full),
+                       partial_bytes * geo_.index_pages(t), stream);
       }
       sync_stream(stream);
     } catch (...) {
@@ -261,7 +263,9 @@ void KVCacheCore::share_locked(int src, int dst, int64_t num_tokens, uintptr_t s
       }
       throw;
     }
-    counters_.cow_pages_copied += T;
+    for (int t = 0; t < T; ++t) {  // pages the partial copies touched
+      counters_.cow_pages_copied += (partial_bytes * geo_.index_pages(t) + P - 1) / P;
+    }
   }
   if (d.has_fence) {
     backend_->fence_release(d.fence);
@@ -292,11 +296,11 @@ size_t KVCacheCore::ensure_private(int slot, int64_t start_token, uintptr_t stre
         .with("start_token", start_token)
         .with("seq_len", s.seq_len);
   }
-  const size_t T = static_cast<size_t>(geo_.num_tensors());
+  const size_t C = geo_.columns();
   const size_t P = geo_.page_bytes;
-  const size_t first = static_cast<size_t>(start_token) * geo_.token_bytes() / P;
+  const size_t first = static_cast<size_t>(start_token) * geo_.unit_bytes() / P;  // page index
   std::vector<size_t> shared;  // indices into s.pages
-  for (size_t i = first * T; i < s.pages.size(); ++i) {
+  for (size_t i = first * C; i < s.pages.size(); ++i) {
     if (s.pages[i] != kNoPage && pool_->refs(s.pages[i]) > 1) shared.push_back(i);
   }
   if (!shared.empty()) {
@@ -314,7 +318,7 @@ size_t KVCacheCore::ensure_private(int slot, int64_t start_token, uintptr_t stre
     try {
       for (; done < shared.size(); ++done) {
         const size_t i = shared[done];
-        const uintptr_t va = page_va(static_cast<int>(i % T), slot, i / T);
+        const uintptr_t va = column_va(i % C, slot, i / C);
         const PageHandle old = s.pages[i], page = fresh[done];
         // Copy through the staging address, then swap the slot's mapping to the copy.
         stage(page);
@@ -357,7 +361,7 @@ size_t KVCacheCore::ensure_private(int slot, int64_t start_token, uintptr_t stre
       // contents are the same), so the slot, the pool and the sharing stats are as before.
       for (size_t k = done; k-- > 0;) {
         const size_t i = shared[k];
-        const uintptr_t va = page_va(static_cast<int>(i % T), slot, i / T);
+        const uintptr_t va = column_va(i % C, slot, i / C);
         const PageHandle copy = s.pages[i], old = olds[k];
         try {
           retry_once([&] { backend_->unmap(va, P); });
@@ -385,7 +389,7 @@ size_t KVCacheCore::ensure_private(int slot, int64_t start_token, uintptr_t stre
 // ---- invariants and stats -------------------------------------------------------------------
 
 std::string KVCacheCore::check_sharing(std::map<PageHandle, uint32_t>& seen) const {
-  const size_t T = static_cast<size_t>(geo_.num_tensors());
+  const size_t C = geo_.columns();
   if (staged_) {
     if (pool_->refs(staged_page_) == 0) {
       return "page " + std::to_string(staged_page_) +
@@ -396,10 +400,10 @@ std::string KVCacheCore::check_sharing(std::map<PageHandle, uint32_t>& seen) con
   for (const auto& entry : swap_->device_refs()) seen[entry.first] += static_cast<uint32_t>(entry.second);
   for (size_t i = 0; i < slots_.size(); ++i) {
     const Slot& s = slots_[i];
-    for (size_t k = s.shared_pages * T; k < s.pages.size(); ++k) {
+    for (size_t k = s.shared_pages * C; k < s.pages.size(); ++k) {
       if (s.pages[k] != kNoPage && pool_->refs(s.pages[k]) > 1) {
         return "slot " + std::to_string(i) + " maps shared page " + std::to_string(s.pages[k]) +
-               " at page index " + std::to_string(k / T) + ", outside its read-only prefix of " +
+               " at page index " + std::to_string(k / C) + ", outside its read-only prefix of " +
                std::to_string(s.shared_pages) + " pages";
       }
     }
@@ -418,7 +422,7 @@ void KVCacheCore::sharing_stats(std::vector<std::pair<std::string, int64_t>>& ou
       for (PageHandle p : s.pages) {
         if (p != kNoPage) ++mapped[p];
       }
-      mappings += static_cast<int64_t>(s.live_pages());
+      mappings += static_cast<int64_t>(s.live_pages(geo_));
     }
     for (const auto& entry : mapped) shared += entry.second > 1 ? 1 : 0;
     saved_pages = mappings - static_cast<int64_t>(mapped.size());

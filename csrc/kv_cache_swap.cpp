@@ -50,7 +50,7 @@ int64_t KVCacheCore::swap_out(int slot, uintptr_t stream) {
   rethrow_background_error();
   require_active(slot, "slot", "is not an active slot: only active slots can be swapped out");
   Slot& s = slots_[static_cast<size_t>(slot)];
-  const size_t T = static_cast<size_t>(geo_.num_tensors());
+  const size_t C = geo_.columns();
   const size_t P = geo_.page_bytes;
   const size_t n = geo_.pages_for(s.seq_len);
 
@@ -63,11 +63,11 @@ int64_t KVCacheCore::swap_out(int slot, uintptr_t stream) {
   }
   std::map<PageHandle, std::shared_ptr<HostBlock>> copies;
   std::vector<std::pair<PageHandle, uintptr_t>> order;  // page, an address it is mapped at (0: none)
-  for (size_t i = 0; i < n * T; ++i) {
+  for (size_t i = 0; i < n * C; ++i) {
     const PageHandle p = s.pages[i];
     if (p == kNoPage) continue;  // released by a sliding window: nothing to save
     if (active_maps.count(p) == 0 && copies.emplace(p, nullptr).second) {
-      order.emplace_back(p, page_va(static_cast<int>(i % T), slot, i / T));
+      order.emplace_back(p, column_va(i % C, slot, i / C));
     }
   }
   for (const auto& entry : swap_->device_refs()) {
@@ -91,8 +91,8 @@ int64_t KVCacheCore::swap_out(int slot, uintptr_t stream) {
   record.seq_len = s.seq_len;
   record.pages = n;
   record.shared_pages = std::min(s.shared_pages, n);
-  record.entries.resize(n * T);
-  for (size_t i = 0; i < n * T; ++i) {
+  record.entries.resize(n * C);
+  for (size_t i = 0; i < n * C; ++i) {
     if (s.pages[i] == kNoPage) {
       record.entries[i].device = kNoPage;  // a hole: restored as one by swap_in
       continue;
@@ -140,7 +140,7 @@ int KVCacheCore::swap_in(int64_t handle, uintptr_t stream) {
   rethrow_background_error();
   drain_eager();
   SwapRecord& rec = swap_->get(handle);
-  const size_t T = static_cast<size_t>(geo_.num_tensors());
+  const size_t C = geo_.columns();
   const int slot = pick_fresh_slot();
   Slot& d = slots_[static_cast<size_t>(slot)];
   size_t from_host = 0;
@@ -167,7 +167,7 @@ int KVCacheCore::swap_in(int64_t handle, uintptr_t stream) {
   try {
     for (size_t i = 0; i < handles.size(); ++i) {
       if (!rec.entries[i].host) continue;
-      backend_->copy_from_host(page_va(static_cast<int>(i % T), slot, i / T),
+      backend_->copy_from_host(column_va(i % C, slot, i / C),
                                rec.entries[i].host->data(), geo_.page_bytes, stream);
     }
     sync_stream(stream);  // before the host blocks may be freed

@@ -12,7 +12,7 @@
 // pages wholly before len - W.
 //
 // Released page indices stay in Slot::pages as kNoPage below Slot::head[t] (a per-tensor prefix),
-// so page index arithmetic (p * num_tensors + t) is unchanged everywhere; every path that walks a
+// so page index arithmetic (p * columns + column) is unchanged everywhere; every path that walks a
 // slot's pages skips them (fork shares only what is mapped, swap saves only the mapped window).
 //
 // Ordering (CUDA): unmapping is not stream-ordered and kernels of earlier steps may still read the
@@ -37,19 +37,24 @@ void KVCacheCore::refresh_release_at(Slot& s) const {
 size_t KVCacheCore::release_head(Slot& s, int index, int64_t first_query) {
   if (first_query < s.release_at) return 0;
   const size_t T = static_cast<size_t>(geo_.num_tensors());
+  const size_t C = geo_.columns();
   if (s.head.empty()) s.head.assign(T, 0);
   const size_t free_before = pool_->free();
   for (size_t t = 0; t < T; ++t) {
+    const int tensor = static_cast<int>(t);
     const size_t from = s.head[t];
     // Never beyond the mapped range: a windowed tensor keeps at least the page being written.
-    const size_t to = std::min(geo_.releasable_pages(static_cast<int>(t), first_query), s.mapped);
+    const size_t to = std::min(geo_.releasable_pages(tensor, first_query), s.mapped);
     if (to <= from) continue;
-    backend_->unmap(page_va(static_cast<int>(t), index, from), (to - from) * geo_.page_bytes);
+    backend_->unmap(page_va(tensor, index, from), (to - from) * geo_.index_bytes(tensor));
     ++counters_.unmap_calls;
+    const size_t first = geo_.first_column(tensor), n = geo_.index_pages(tensor);
     for (size_t p = from; p < to; ++p) {
-      PageHandle& page = s.pages[p * T + t];
-      pool_->release(page);
-      page = kNoPage;
+      for (size_t j = 0; j < n; ++j) {
+        PageHandle& page = s.pages[p * C + first + j];
+        pool_->release(page);
+        page = kNoPage;
+      }
     }
     s.head[t] = to;
   }
@@ -96,7 +101,7 @@ void KVCacheCore::check_window(int slot, int64_t len, const char* what) const {
 }
 
 void KVCacheCore::forget_window(Slot& s, int index) {
-  if (s.holes() == 0) {
+  if (s.holes(geo_) == 0) {
     s.head.clear();
     refresh_release_at(s);
     return;

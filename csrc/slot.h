@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "backend.h"
+#include "geometry.h"
 
 namespace vattention {
 
@@ -22,7 +23,8 @@ struct Slot {
   int64_t seq_len = 0;               // length given by the last step() (tokens)
   size_t mapped = 0;                 // page indices [0, mapped) are mapped in every tensor
   int64_t backed = 0;                // tokens those pages back (geometry.tokens_in(mapped))
-  std::vector<PageHandle> pages;     // mapped * num_tensors handles, index p * num_tensors + t
+  std::vector<PageHandle> pages;     // mapped * columns handles, index p * columns + column
+                                     // (geometry.h; column = tensor with one shape per layer)
   uint64_t freed_at = 0;             // free() order, for least-recently-freed-first reclamation
   uint64_t last_step = 0;            // step() counter when last listed, for eviction policies
   uint64_t fence = 0;                // event recorded at free(): unmap only after it completed
@@ -33,19 +35,19 @@ struct Slot {
   // below this boundary in each slot that maps it (KVCacheCore::check_invariants checks it).
   size_t shared_pages = 0;
   // Sliding windows (issue 14): page indices [0, head[t]) of tensor t were released; their pages
-  // entries are kNoPage. Empty when nothing is released. head[t] < mapped for a windowed tensor.
+  // entries (every column of tensor t) are kNoPage. Empty when nothing is released. head[t] < mapped for a windowed tensor.
   std::vector<size_t> head;
   // First query position at which step() can release another page (INT64_MAX: never).
   int64_t release_at = std::numeric_limits<int64_t>::max();
 
-  // Page indices released in all tensors together.
-  size_t holes() const {
+  // Physical pages released in all tensors together (kNoPage entries of `pages`).
+  size_t holes(const CacheGeometry& g) const {
     size_t n = 0;
-    for (size_t h : head) n += h;
+    for (size_t t = 0; t < head.size(); ++t) n += head[t] * g.index_pages(static_cast<int>(t));
     return n;
   }
   // Pages this slot really maps (its references in the pool).
-  size_t live_pages() const { return pages.size() - holes(); }
+  size_t live_pages(const CacheGeometry& g) const { return pages.size() - holes(g); }
 };
 
 }  // namespace vattention

@@ -68,7 +68,7 @@ struct SwapRecord {
   int64_t seq_len = 0;        // tokens the slot held (its last step() length)
   size_t pages = 0;           // page indices saved: [0, pages), pages_for(seq_len)
   size_t shared_pages = 0;    // the slot's read-only prefix, restored by swap-in
-  std::vector<SwapEntry> entries;  // pages * num_tensors, index p * num_tensors + t (as Slot::pages)
+  std::vector<SwapEntry> entries;  // pages * columns, index p * columns + column (as Slot::pages)
 };
 
 class SwapStore {

@@ -40,8 +40,9 @@ def fill_pattern(cache, slot, start, end, seed):
     written = []
     for layer in range(cfg.num_layers):
         k, v = kv_views(cache, layer)
-        kd = torch.randn(end - start, cfg.num_kv_heads, cfg.head_dim, generator=gen).to(cfg.dtype)
-        vd = torch.randn(end - start, cfg.num_kv_heads, cfg.head_dim, generator=gen).to(cfg.dtype)
+        shape = (end - start, cfg.layer_kv_heads[layer], cfg.layer_head_dims[layer])
+        kd = torch.randn(*shape, generator=gen).to(cfg.dtype)
+        vd = torch.randn(*shape, generator=gen).to(cfg.dtype)
         k[slot, start:end] = kd.to(k.device)
         v[slot, start:end] = vd.to(v.device)
         written.append((kd, vd))

@@ -26,11 +26,11 @@ def _pool(dtype, numel):
 def fast_fill(cache, slot, start, end, seed):
     """Write data unique to (seed, layer, K/V, start) into tokens [start, end) of `slot`."""
     cfg = cache.config
-    shape = (end - start, cfg.num_kv_heads, cfg.head_dim)
-    numel = shape[0] * shape[1] * shape[2]
-    pool = _pool(cfg.dtype, numel + 100_003)
     written = []
     for layer in range(cfg.num_layers):
+        shape = (end - start, cfg.layer_kv_heads[layer], cfg.layer_head_dims[layer])
+        numel = shape[0] * shape[1] * shape[2]
+        pool = _pool(cfg.dtype, numel + 100_003)
         k, v = kv_views(cache, layer)
         pair = []
         for kv, tensor in enumerate((k, v)):

@@ -24,7 +24,8 @@ def fill(cache, slot, start, end, seed):
             if tensor is None:
                 pair.append(None)
                 continue
-            raw = torch.randint(0, 127, (end - start, cfg.num_kv_heads, cfg.head_dim),
+            raw = torch.randint(0, 127, (end - start, cfg.layer_kv_heads[layer],
+                                         cfg.layer_head_dims[layer]),
                                 generator=gen, dtype=torch.uint8)  # no NaN bit patterns
             data = raw.view(cfg.dtype) if cfg.element_bytes == 1 else raw.to(cfg.dtype)
             tensor[slot, start:end] = data.to(tensor.device)

@@ -92,11 +92,14 @@ class KVCache(SharingMixin):
                 f"ever be mapped; give at least {config.page_bytes} bytes or None for no cap")
         self._config = config
         self._dl_code, self._dl_bits = DTYPES[config.dtype]
+        per_layer = config.per_layer_shapes
         self._core = _C.KVCacheCore(
-            config.device, config.num_layers, config.num_kv_heads, config.head_dim,
+            config.device, config.num_layers, config.layer_kv_heads[0], config.layer_head_dims[0],
             config.element_bytes, config.max_batch_size, config.max_seq_len, config.page_bytes,
             config.layout == "mega", budget, config.reclaim == "eager", config.lookahead_tokens,
-            config.value_cache, list(config.layer_windows) if config.sliding_window else [])
+            config.value_cache, list(config.layer_windows) if config.sliding_window else [],
+            list(config.layer_kv_heads) if per_layer else [],
+            list(config.layer_head_dims) if per_layer else [])
         if config.scrub:
             self._core.set_scrub(True)
         if swap_budget is not None:
@@ -159,7 +162,8 @@ class KVCache(SharingMixin):
         return self._layers
 
     def layer(self, index: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer: tensors ``[max_batch_size, max_seq_len, num_kv_heads, head_dim]``.
+        """K and V of one layer: tensors ``[max_batch_size, max_seq_len, num_kv_heads, head_dim]``
+        (that layer's ``num_kv_heads[index]`` and ``head_dim[index]`` with per-layer shapes).
 
         Zero-copy views of the virtual reservation; the same addresses on every call. Only the
         first :meth:`mapped_tokens` positions of a slot's row are backed: touching beyond them

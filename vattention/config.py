@@ -7,6 +7,7 @@ config is a plain value that can be printed, compared and hashed.
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 import re
 from typing import Optional, Sequence, Tuple, Union
@@ -34,6 +35,7 @@ DTYPES = {
 }
 
 Window = Optional[Union[int, Sequence[Optional[int]]]]
+PerLayer = Union[int, Sequence[int]]
 
 LAYOUTS = ("layer", "mega")
 RECLAIM_POLICIES = ("deferred", "eager")
@@ -112,6 +114,25 @@ def _normalize_window(window: Window, num_layers: int, layout: str) -> Union[Non
     return per_layer
 
 
+def _normalize_per_layer(value: PerLayer, name: str, num_layers: int) -> Union[int, tuple]:
+    """An int >= 1, or a sequence of num_layers of them (collapsed to an int when all equal)."""
+    def check(v, where):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{where}={v!r} must be a positive int (>= 1)")
+        return v
+
+    if isinstance(value, (str, bytes)) or not isinstance(value, (int, Sequence)):
+        raise ConfigError(f"{name}={value!r} must be a positive int, or a sequence of "
+                          f"{num_layers} positive ints (one per layer)")
+    if not isinstance(value, Sequence):
+        return check(value, name)
+    if len(value) != num_layers:
+        raise ConfigError(f"{name} has {len(value)} entries; it needs one per layer "
+                          f"(num_layers={num_layers})")
+    per_layer = tuple(check(v, f"{name}[{i}]") for i, v in enumerate(value))
+    return per_layer[0] if len(set(per_layer)) == 1 else per_layer
+
+
 def _normalize_device(device) -> str:
     text = str(device) if isinstance(device, torch.device) else device
     if not isinstance(text, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", text):
@@ -127,6 +148,10 @@ class KVCacheConfig:
     ----------
     num_layers, num_kv_heads, head_dim : int
         Model dimensions (per tensor-parallel shard: pass the KV heads this process holds).
+        ``num_kv_heads`` and ``head_dim`` may also be sequences with one entry per layer, for
+        hybrid models whose layers differ (``layout="layer"`` only): layer ``i``'s tensors are
+        ``[B, S, num_kv_heads[i], head_dim[i]]`` and all layers draw on one page pool. A sequence
+        whose entries are all equal is stored as that int.
     max_batch_size : int
         Number of slots (rows); one request occupies one slot.
     max_seq_len : int
@@ -179,8 +204,8 @@ class KVCacheConfig:
     """
 
     num_layers: int
-    num_kv_heads: int
-    head_dim: int
+    num_kv_heads: PerLayer
+    head_dim: PerLayer
     max_batch_size: int
     max_seq_len: int
     dtype: torch.dtype
@@ -194,14 +219,22 @@ class KVCacheConfig:
     value_cache: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "max_batch_size", "max_seq_len"):
+        for name in ("num_layers", "max_batch_size", "max_seq_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive int (>= 1)")
+        for name in ("num_kv_heads", "head_dim"):
+            object.__setattr__(self, name,
+                               _normalize_per_layer(getattr(self, name), name, self.num_layers))
         object.__setattr__(self, "dtype", _normalize_dtype(self.dtype))
         object.__setattr__(self, "device", _normalize_device(self.device))
         if self.layout not in LAYOUTS:
             raise ConfigError(f"layout={self.layout!r} must be one of {LAYOUTS}")
+        if self.per_layer_shapes and self.layout == "mega":
+            raise ConfigError(
+                f"num_kv_heads={self.num_kv_heads!r}, head_dim={self.head_dim!r} differ between "
+                "layers; per-layer shapes need layout='layer' (a mega tensor has one "
+                "[num_layers, heads, head_dim] row per token)")
         if self.reclaim not in RECLAIM_POLICIES:
             raise ConfigError(f"reclaim={self.reclaim!r} must be one of {RECLAIM_POLICIES}")
         if not isinstance(self.scrub, bool):
@@ -247,11 +280,32 @@ class KVCacheConfig:
         return DTYPES[self.dtype][1] // 8
 
     @property
+    def per_layer_shapes(self) -> bool:
+        """True when layers differ in ``num_kv_heads`` or ``head_dim``."""
+        return not (isinstance(self.num_kv_heads, int) and isinstance(self.head_dim, int))
+
+    @property
+    def layer_kv_heads(self) -> Tuple[int, ...]:
+        """KV heads of each layer."""
+        h = self.num_kv_heads
+        return (h,) * self.num_layers if isinstance(h, int) else h
+
+    @property
+    def layer_head_dims(self) -> Tuple[int, ...]:
+        """Head dim of each layer."""
+        d = self.head_dim
+        return (d,) * self.num_layers if isinstance(d, int) else d
+
+    def layer_token_bytes(self, layer: int) -> int:
+        """Bytes of one token of one layer's K (or V): ``num_kv_heads * head_dim * element``."""
+        return self.layer_kv_heads[layer] * self.layer_head_dims[layer] * self.element_bytes
+
+    @property
     def bytes_per_token(self) -> int:
         """Bytes one token occupies across all layers, K and V: ``2 * L * H * D * element``
-        (``L * H * D * element`` with ``value_cache=False``)."""
-        return (self.kv_tensors * self.num_layers * self.num_kv_heads * self.head_dim
-                * self.element_bytes)
+        (``L * H * D * element`` with ``value_cache=False``; summed over layers when their
+        shapes differ)."""
+        return self.kv_tensors * sum(self.layer_token_bytes(i) for i in range(self.num_layers))
 
     @property
     def num_tensors(self) -> int:
@@ -261,30 +315,58 @@ class KVCacheConfig:
 
     @property
     def tensor_token_bytes(self) -> int:
-        """Bytes of one token's row in one virtual tensor (the token stride, in bytes)."""
-        per_layer = self.num_kv_heads * self.head_dim * self.element_bytes
+        """Bytes of one token's row in one virtual tensor (the token stride, in bytes); the
+        largest layer's with per-layer shapes."""
+        per_layer = max(self.layer_token_bytes(i) for i in range(self.num_layers))
         return per_layer if self.layout == "layer" else per_layer * self.num_layers
 
     @property
-    def tokens_per_page(self) -> int:
-        """Whole tokens one page holds in one tensor (tokens may straddle pages when not exact)."""
-        return self.page_bytes // self.tensor_token_bytes
+    def unit_bytes(self) -> int:
+        """Bytes per token of the page-index arithmetic: the gcd of the tensors' token strides
+        (``tensor_token_bytes`` when every layer has the same shape). A slot grows by page
+        indices of ``tokens_per_page`` tokens; layer ``i``'s tensors map
+        :meth:`index_pages` ``(i)`` pages per index, exactly in proportion to their size."""
+        if self.layout == "mega":
+            return self.tensor_token_bytes
+        return math.gcd(*(self.layer_token_bytes(i) for i in range(self.num_layers)))
+
+    def index_pages(self, layer: int) -> int:
+        """Physical pages one page index takes in each of layer ``layer``'s tensors (1 unless
+        layers differ in shape: then a layer with 4x the bytes per token maps 4)."""
+        if self.layout == "mega":
+            return 1
+        return self.layer_token_bytes(layer) // self.unit_bytes
 
     @property
-    def slot_bytes(self) -> int:
-        """Virtual bytes of one slot's row in one tensor, padded up to a page multiple."""
-        raw = self.max_seq_len * self.tensor_token_bytes
-        return -(-raw // self.page_bytes) * self.page_bytes
+    def pages_per_index(self) -> int:
+        """Physical pages one page index takes over all tensors (``num_tensors`` when every
+        layer has the same shape)."""
+        if self.layout == "mega":
+            return self.num_tensors
+        return self.kv_tensors * sum(self.index_pages(i) for i in range(self.num_layers))
+
+    @property
+    def tokens_per_page(self) -> int:
+        """Whole tokens one page index holds (with one shape for every layer: one page of one
+        tensor; tokens may straddle pages when not exact)."""
+        return self.page_bytes // self.unit_bytes
 
     @property
     def pages_per_slot(self) -> int:
-        """Pages that back a full ``max_seq_len`` row of one tensor."""
-        return self.slot_bytes // self.page_bytes
+        """Page indices that back a full ``max_seq_len`` row."""
+        return -(-self.max_seq_len * self.unit_bytes // self.page_bytes)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Virtual bytes of one slot's row in one tensor, padded up to a page multiple (with
+        per-layer shapes: in a tensor of one page per index; layer ``i``'s row is
+        ``index_pages(i)`` times that)."""
+        return self.pages_per_slot * self.page_bytes
 
     @property
     def virtual_bytes(self) -> int:
         """Virtual address space reserved by the cache (no physical memory)."""
-        return self.num_tensors * self.max_batch_size * self.slot_bytes
+        return self.pages_per_index * self.max_batch_size * self.slot_bytes
 
     @property
     def static_bytes(self) -> int:
@@ -293,5 +375,5 @@ class KVCacheConfig:
 
     def pages_for_tokens(self, num_tokens: int) -> int:
         """Pages (over all tensors) needed to back ``num_tokens`` tokens of one slot."""
-        per_tensor = -(-num_tokens * self.tensor_token_bytes // self.page_bytes)
-        return per_tensor * self.num_tensors
+        indices = -(-num_tokens * self.unit_bytes // self.page_bytes)
+        return indices * self.pages_per_index
