@@ -13,7 +13,9 @@ same state runs the call with the k-th call of that entry point failing. Afterwa
   and no driver rule was violated.
 
 Configurations are small (one layer, 64 KB pages, a few pages per call) so the sweep stays a few
-seconds per backend.
+seconds per backend. The scenarios that map, copy or restore pages also run on a per-layer-shape
+cache (two layers of 512 and 256 bytes a token: 2 + 1 pages per page index and tensor), where one
+page index is a run of several pages per tensor.
 """
 
 from __future__ import annotations
@@ -43,13 +45,15 @@ STATE_EXEMPT = {"map_calls", "unmap_calls", "set_access_calls", "step_map_calls"
                 "prefetch_driver_calls", "prefetch_errors"}
 
 
-def _config(device, layout="layer"):
-    return vattention.KVCacheConfig(num_layers=1, num_kv_heads=2, head_dim=64, max_batch_size=3,
-                                    max_seq_len=2048, dtype=torch.float16, device=device,
-                                    page_size="64KB", layout=layout)
+def _config(device, shapes="uniform"):
+    heads = dict(uniform=dict(num_layers=1, num_kv_heads=2),
+                 per_layer=dict(num_layers=2, num_kv_heads=(4, 2)))[shapes]
+    return vattention.KVCacheConfig(**heads, head_dim=64, max_batch_size=3, max_seq_len=2048,
+                                    dtype=torch.float16, device=device, page_size="64KB")
 
 
-TPP = 256  # tokens per 64 KB page: 2 heads x 64 x fp16 = 256 bytes a token
+TPP = 256  # tokens per 64 KB page index: 2 heads x 64 x fp16 = 256 bytes a token (the gcd of 512
+           # and 256 bytes with per-layer shapes)
 
 
 # Each scenario: setup(cache) -> ctx (a dict), then call(cache, ctx). ctx["live"] lists the
@@ -201,15 +205,15 @@ def _state(cache, name):
     return stats
 
 
-def _prepare(device, setup):
-    cache = vattention.KVCache(_config(device))
+def _prepare(device, setup, shapes):
+    cache = vattention.KVCache(_config(device, shapes))
     ctx = setup(cache)
     ctx["data"] = [(slot, n, fill_pattern(cache, slot, 0, n, seed=slot + 1))
                    for slot, n in ctx["live"]]
     return cache, ctx
 
 
-def _sweep(device, name):
+def _sweep(device, name, shapes="uniform"):
     if device == "cuda:0":
         if CUDA_MODE != "emulated":
             pytest.skip("faults are injected through the CUDA emulation only")
@@ -220,7 +224,7 @@ def _sweep(device, name):
     faults = Faults(device)
     setup, call = SCENARIOS[name]
 
-    cache, ctx = _prepare(device, setup)
+    cache, ctx = _prepare(device, setup, shapes)
     before = faults.counts(cache)
     call(cache, ctx)
     after = faults.counts(cache)
@@ -232,7 +236,7 @@ def _sweep(device, name):
         pytest.skip(f"{name} makes no call to this backend")
 
     for entry, k in plan:
-        cache, ctx = _prepare(device, setup)
+        cache, ctx = _prepare(device, setup, shapes)
         state = _state(cache, name)
         faults.inject(cache, entry, k)
         try:
@@ -267,3 +271,10 @@ def _sweep(device, name):
 @pytest.mark.parametrize("device", ["cpu", "cuda:0"])
 def test_fault_at_every_call_index(device, name):
     _sweep(device, name)
+
+
+@pytest.mark.parametrize("name", ["step_grow", "step_reclaiming_idle", "prefetch_wait",
+                                  "share_prefix", "ensure_private", "swap_in"])
+@pytest.mark.parametrize("device", ["cpu", "cuda:0"])
+def test_fault_at_every_call_index_with_per_layer_shapes(device, name):
+    _sweep(device, name, "per_layer")

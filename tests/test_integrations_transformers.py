@@ -313,6 +313,57 @@ def test_sliding_window_models_match_dynamic_cache_with_memory_bounded_by_the_wi
     assert torch.equal(got, expected)
 
 
+# ---- per-layer KV shapes (issue 14, item 4) ----------------------------------------------------
+def gemma4_model(**extra) -> torch.nn.Module:
+    """Tiny Gemma 4: sliding layers 2 KV heads x 16, global layers 4 KV heads x 32 (its
+    ``global_head_dim`` and, with ``attention_k_eq_v``, ``num_global_key_value_heads``)."""
+    args = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+                attention_k_eq_v=True, num_global_key_value_heads=4, sliding_window=WINDOW,
+                layer_types=["sliding_attention", "full_attention"] * 2,
+                hidden_size_per_layer_input=16, vocab_size_per_layer_input=96,
+                max_position_embeddings=512, pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    args.update(extra)
+    config = transformers.Gemma4TextConfig(**args)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.Gemma4ForCausalLM(config).eval()
+
+
+def test_per_layer_shapes_match_dynamic_cache_with_each_layer_sized_for_itself():
+    model = gemma4_model()
+    assert model_kv_shape(model) == {"num_layers": 4, "num_kv_heads": (2, 4, 2, 4),
+                                     "head_dim": (16, 32, 16, 32)}
+    ids, mask = prompts(batch=2, length=5 * WINDOW)
+    new = 60
+    expected = generate(model, ids, mask, transformers.DynamicCache(config=model.config), new=new)
+    with VAttentionCache.from_model(model, max_batch_size=2, max_seq_len=128,
+                                    page_size=PAGE) as cache:
+        cfg = cache.config
+        assert cfg.layer_windows == (WINDOW, 0, WINDOW, 0)
+        # fp32 token rows of 128 and 512 bytes: a page index is 32 tokens, 1 and 4 pages a tensor.
+        assert cfg.tokens_per_page == TOKENS_PER_PAGE
+        assert [cfg.index_pages(i) for i in range(4)] == [1, 4, 1, 4]
+        got = generate(model, ids, mask, cache, new=new)
+        seq = cache.get_seq_length()
+        indices = -(-seq // TOKENS_PER_PAGE)
+        gone = (seq - WINDOW) // TOKENS_PER_PAGE
+        for layer in range(4):
+            k = cache.layers[layer].keys
+            assert tuple(k.shape[1::2]) == (cfg.layer_kv_heads[layer], cfg.layer_head_dims[layer])
+        per_slot = 2 * (2 * 4 * indices + 2 * 1 * (indices - gone))   # K and V
+        assert cache.kv_cache.stats()["pages_mapped"] == 2 * per_slot
+        assert gone >= 2
+    assert torch.equal(got, expected)
+
+
+def test_models_sharing_kv_between_layers_are_refused():
+    with pytest.raises(vattention.ConfigError,
+                       match=r"model_type='gemma4_text' shares K/V between layers "
+                             r"\(num_kv_shared_layers=2\)"):
+        model_kv_shape(transformers.Gemma4TextConfig(num_hidden_layers=4, num_kv_shared_layers=2))
+
+
 def test_from_model_reads_windows_and_refuses_models_it_cannot_serve():
     from vattention.integrations.transformers import model_windows
     assert model_windows(transformers.LlamaConfig()) is None

@@ -33,7 +33,8 @@ void check(bool ok, const std::string& what) {
   }
 }
 
-std::unique_ptr<KVCacheCore> make_core(bool mega, int64_t window) {
+// per_layer: layer 0 has twice layer 1's KV heads, so a page index is 2 + 1 pages per K/V.
+std::unique_ptr<KVCacheCore> make_core(bool mega, int64_t window, bool per_layer) {
   CacheGeometry g;
   g.num_layers = 2;
   g.num_kv_heads = 1;
@@ -44,6 +45,7 @@ std::unique_ptr<KVCacheCore> make_core(bool mega, int64_t window) {
   g.page_bytes = 64 << 10;
   g.mega = mega;
   if (window > 0) g.windows = {window, mega ? window : 0};  // layer layout: layer 1 is global
+  if (per_layer) g.layer_kv_heads = {2, 1};
   auto core = std::make_unique<KVCacheCore>(std::make_unique<HostBackend>(g.page_bytes), g,
                                             int64_t{40} << 20, ReclaimPolicy::Deferred, 0);
   core->set_swap_budget(int64_t{8} << 20);
@@ -188,8 +190,8 @@ void hammer(KVCacheCore& core, unsigned seed, std::chrono::steady_clock::time_po
   for (const auto& h : swapped) core.swap_drop(h.first);
 }
 
-void run(bool mega, int64_t window) {
-  auto core = make_core(mega, window);
+void run(bool mega, int64_t window, bool per_layer = false) {
+  auto core = make_core(mega, window, per_layer);
   const auto stop = std::chrono::steady_clock::now() + std::chrono::milliseconds(1500);
   std::vector<std::thread> threads;
   for (unsigned i = 0; i < 3; ++i) threads.emplace_back(hammer, std::ref(*core), 100 + i, stop);
@@ -213,6 +215,8 @@ int main() {
   run(true, 0);
   run(false, 200);
   run(true, 200);
+  run(false, 0, true);
+  run(false, 200, true);
   if (failures) {
     std::fprintf(stderr, "%d failure(s)\n", failures.load());
     return 1;

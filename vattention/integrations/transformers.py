@@ -69,7 +69,10 @@ def model_kv_shape(model_or_config: Any) -> dict:
     Returns
     -------
     dict
-        ``{"num_layers": int, "num_kv_heads": int, "head_dim": int}``.
+        ``{"num_layers": int, "num_kv_heads": int, "head_dim": int}``; for models whose layers
+        differ (transformers' heterogeneous configs, ``config.per_layer_config``, e.g. Gemma 4's
+        global layers with ``global_head_dim``), ``num_kv_heads``/``head_dim`` are tuples with one
+        entry per layer, as :class:`vattention.KVCacheConfig` takes them.
 
     Examples
     --------
@@ -80,10 +83,24 @@ def model_kv_shape(model_or_config: Any) -> dict:
     {'num_layers': 3, 'num_kv_heads': 2, 'head_dim': 16}
     """
     config = _text_config(model_or_config)
+    layers = config.num_hidden_layers
+    per_layer = getattr(config, "per_layer_config", None) if getattr(
+        config, "is_heterogeneous", False) else None
+    shapes = [_layer_shape(c) for c in per_layer] if per_layer else [_layer_shape(config)] * layers
+    if len(shapes) != layers:
+        raise ConfigError(f"model_type={config.model_type!r} describes {len(shapes)} layers in "
+                          f"per_layer_config but has num_hidden_layers={layers}")
+    heads, dims = (tuple(x) for x in zip(*shapes))
+    return {"num_layers": layers,
+            "num_kv_heads": heads[0] if len(set(heads)) == 1 else heads,
+            "head_dim": dims[0] if len(set(dims)) == 1 else dims}
+
+
+def _layer_shape(config: Any) -> tuple:
+    """(KV heads, head dim) of a (layer) config, with transformers' defaults."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return {"num_layers": config.num_hidden_layers, "num_kv_heads": kv_heads, "head_dim": head_dim}
+    return kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
 
 
 def _text_config(model_or_config: Any) -> Any:
@@ -103,6 +120,12 @@ def _text_config(model_or_config: Any) -> Any:
     if getattr(config, "use_bidirectional_attention", False):
         raise ConfigError(f"model_type={model_type!r} uses bidirectional attention "
                           "(use_bidirectional_attention=True); vattention serves causal models only")
+    if getattr(config, "num_kv_shared_layers", 0):
+        # Layers that reuse another layer's K/V never call the cache: a KVCache tensor per layer
+        # would map pages for them that nothing reads.
+        raise ConfigError(f"model_type={model_type!r} shares K/V between layers "
+                          f"(num_kv_shared_layers={config.num_kv_shared_layers}); vattention "
+                          "serves models whose every attention layer keeps its own K/V")
     return config
 
 
@@ -167,8 +190,11 @@ class VAttentionLayer(CacheLayerMixin):
     # -- transformers layer API ---------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor,
                             value_states: Optional[torch.Tensor] = None) -> None:
-        """Check shapes/dtype against the ``KVCache`` and claim slots for the batch (first layer)."""
-        self._owner._claim_slots(key_states, key_states if value_states is None else value_states)
+        """Check shapes/dtype against this layer of the ``KVCache`` and claim slots for the batch
+        (first layer)."""
+        values = key_states if value_states is None else value_states
+        self._owner._check_states(self.layer_idx, key_states, values)
+        self._owner._claim_slots(key_states)
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
@@ -300,11 +326,13 @@ class VAttentionCache(Cache):
         """Build a cache sized for ``model`` with its own ``KVCache``.
 
         Sliding windows come from the model config (:func:`model_windows`): Mistral's
-        ``sliding_window``, Gemma 2/3 alternating local/global layers, Qwen2's
+        ``sliding_window``, Gemma 2/3/4 alternating local/global layers, Qwen2's
         ``use_sliding_window``/``max_window_layers``. Windowed layers then hold ``O(window)``
-        pages however long the generation. Models without a dense causal K/V cache (Mamba,
-        linear/chunked attention layers, encoder-decoders) raise :class:`ConfigError` naming
-        the model type.
+        pages however long the generation. Per-layer KV shapes come from it too
+        (:func:`model_kv_shape`: Gemma 4's global layers have ``global_head_dim``), each layer's
+        tensors shaped for it. Models without a dense causal K/V cache (Mamba, linear/chunked
+        attention layers, encoder-decoders, layers that share another layer's K/V) raise
+        :class:`ConfigError` naming the model type.
 
         Parameters
         ----------
@@ -342,17 +370,23 @@ class VAttentionCache(Cache):
         return cls(KVCache(cfg, memory_budget=memory_budget), owns_cache=True)
 
     # -- slot management ----------------------------------------------------------------------
-    def _claim_slots(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def _check_states(self, layer_idx: int, key_states: torch.Tensor,
+                      value_states: torch.Tensor) -> None:
         cfg = self.config
-        batch, heads, _, head_dim = key_states.shape
-        if (heads, head_dim) != (cfg.num_kv_heads, cfg.head_dim) or \
-                value_states.shape[-1] != cfg.head_dim:
+        _, heads, _, head_dim = key_states.shape
+        want = (cfg.layer_kv_heads[layer_idx], cfg.layer_head_dims[layer_idx])
+        if (heads, head_dim) != want or tuple(value_states.shape[1::2]) != want:
             raise ConfigError(
-                f"key/value states have kv_heads={heads}, head_dim={head_dim}; the KVCache was "
-                f"configured with num_kv_heads={cfg.num_kv_heads}, head_dim={cfg.head_dim}")
+                f"key/value states of layer {layer_idx} have kv_heads={heads}, "
+                f"head_dim={head_dim}; the KVCache was configured with num_kv_heads={want[0]}, "
+                f"head_dim={want[1]} there")
         if key_states.dtype != cfg.dtype:
             raise ConfigError(f"key states are {key_states.dtype}; the KVCache holds {cfg.dtype} "
                               "(build it with dtype=model.dtype)")
+
+    def _claim_slots(self, key_states: torch.Tensor) -> None:
+        cfg = self.config
+        batch = key_states.shape[0]
         if self.slots:
             if batch != len(self.slots):
                 raise ConfigError(f"batch size changed from {len(self.slots)} to {batch}; call "
