@@ -18,7 +18,8 @@ from vattention.bench import cli
 from vattention.bench.allocators import (ALL_ALLOCATORS, BASELINES, VATTENTION_VARIANTS,
                                          BlockAllocator, StaticAllocator, make_allocator)
 from vattention.bench.memory import run_memory_benchmark, simulate
-from vattention.bench.workload import ModelShape, Workload, default_max_seq_len, load_workload
+from vattention.bench.workload import (MODELS, ModelShape, Workload, default_max_seq_len,
+                                       load_workload)
 
 SMALL = ModelShape("small", num_layers=4, num_kv_heads=2, head_dim=64)  # 2 KB per token
 MiB = 1 << 20
@@ -374,3 +375,42 @@ def test_fp8_row_holds_half_the_bytes_per_token():
                                   progress=False)
     assert report.results["vattention-layer-64KB"].finished == 10
     assert report.meta["dtype"] == "float8_e4m3fn"
+
+
+# ---- issue 14: per-layer shapes -----------------------------------------------------------------
+# Gemma-4-like: 3 windowed layers of 2 x 64, one full-attention layer of 2 x 128 (fp16).
+SMALL_HYBRID = ModelShape("small-hybrid", num_layers=4, num_kv_heads=2, head_dim=64,
+                          dtype="float16", window=256, window_layers=3, full_head_dim=128)
+
+
+def test_model_shape_counts_each_layers_own_bytes():
+    from vattention.bench.sizing import min_bytes_for_request, page_geometry
+    assert SMALL_HYBRID.layer_shapes() == ((2, 64),) * 3 + ((2, 128),)
+    assert SMALL_HYBRID.bytes_per_token == 2 * (3 * 256 + 512)
+    assert SMALL_HYBRID.windowed_bytes_per_token == 2 * 3 * 256
+    assert SMALL_HYBRID.padded().layer_shapes() == ((2, 128),) * 4
+    # A 64 KB page index: 256 tokens, 1 page in a windowed layer's tensors, 2 in the full one's.
+    assert page_geometry(SMALL_HYBRID, "layer", "64KB") == (2 * (3 + 2), 256, 64 << 10)
+    assert min_bytes_for_request("vattention-layer-64KB", SMALL_HYBRID, 1, 4096) == 10 * (64 << 10)
+    assert min_bytes_for_request("vattention-layer-64KB-padded", SMALL_HYBRID, 1, 4096) == \
+        2 * 4 * (64 << 10)   # 512 bytes a token everywhere: 128 tokens per page
+    gemma4 = MODELS["gemma4-defaults"]
+    assert gemma4.bytes_per_token == 2 * 2 * (25 * 4 * 256 + 5 * 4 * 512)
+
+
+@pytest.mark.skipif("real" not in FACTORIES, reason="needs the built core")
+def test_per_layer_rows_hold_each_layers_bytes_and_beat_padding():
+    names = ["ideal", "vattention-layer-64KB", "vattention-layer-64KB-padded",
+             "vattention-mega-64KB"]
+    workload = _workload(n=24, seed=7, max_prefill=1500, max_decode=1500)
+    report = run_memory_benchmark(workload, SMALL_HYBRID, budget_bytes=24 * MiB,
+                                  max_seq_len=default_max_seq_len(workload), max_batch_size=16,
+                                  allocators=names, check=True, progress=False)
+    m = report.metrics
+    assert "per-layer shapes need layout='layer'" in m["vattention-mega-64KB"]["error"]
+    for name in names[:3]:
+        assert report.results[name].finished == 24, name
+    exact, padded = m["vattention-layer-64KB"], m["vattention-layer-64KB-padded"]
+    assert exact["efficiency_mean"] > padded["efficiency_mean"]
+    assert exact["concurrency_mean"] > padded["concurrency_mean"]
+    assert report.meta["full_head_dim"] == 128

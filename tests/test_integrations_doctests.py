@@ -1,4 +1,5 @@
-"""The docstring examples of the integration modules run and print what they claim."""
+"""The docstring examples of the integration, benchmark and core API modules run and print what
+they claim."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ import pytest
                                     "vattention.integrations.vllm.plugin",
                                     "vattention.integrations.vllm.stats_writer",
                                     "vattention.integrations.vllm.slots",
-                                    "vattention.bench.tiny_models"])
+                                    "vattention.bench.tiny_models",
+                                    "vattention.bench.workload", "vattention.bench.sizing",
+                                    "vattention.bench.allocators", "vattention.config",
+                                    "vattention.cache", "vattention.sharing"])
 def test_docstring_examples(module):
     if module.endswith("transformers"):
         pytest.importorskip("transformers")

@@ -201,6 +201,15 @@ class KVCacheConfig:
     ...                                max_batch_size=8, max_seq_len=4096, dtype=torch.bfloat16)
     >>> cfg.bytes_per_token, cfg.tokens_per_page
     (131072, 1024)
+
+    Per-layer shapes (a Gemma-4-like model: global layers with twice the head dim). A page index
+    then holds 1024 tokens and takes 1 page in a local layer's tensors, 2 in a global one's:
+
+    >>> cfg = vattention.KVCacheConfig(num_layers=6, num_kv_heads=4,
+    ...                                head_dim=[256, 256, 256, 256, 256, 512],
+    ...                                max_batch_size=8, max_seq_len=4096, dtype=torch.bfloat16)
+    >>> cfg.tokens_per_page, [cfg.index_pages(i) for i in range(6)], cfg.pages_per_index
+    (1024, [1, 1, 1, 1, 1, 2], 14)
     """
 
     num_layers: int

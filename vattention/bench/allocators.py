@@ -8,6 +8,9 @@
   of windowed layers that lie wholly before the window as a request decodes (vLLM's
   sliding-window block freeing), and the vattention rows release window pages in ``step()``;
   ``vattention-<layout>-<page>-norelease`` is the same cache without ``sliding_window``.
+* On a model whose full-attention layers have a shape of their own (``ModelShape.full_head_dim``,
+  Gemma 4), ``vattention-<layout>-<page>-padded`` is one cache with every layer at the largest
+  shape: what a config with one ``num_kv_heads``/``head_dim`` could hold the model in.
 * ``vattention-<layout>-<page>``: the real :class:`vattention.KVCache` on the host backend
   (``device="cpu"``), with ``memory_budget`` = the KV budget and deferred reclamation (the
   default). Two measured figures: bytes mapped to running requests' slots (pages backing
@@ -28,7 +31,7 @@ from typing import Callable, Dict, Optional
 
 from vattention.errors import InvalidSlotError, OutOfPagesError
 
-from .sizing import page_geometry
+from .sizing import page_geometry, window_pages_per_index
 from .workload import ModelShape
 
 __all__ = ["Allocator", "StaticAllocator", "BlockAllocator", "VAttentionAllocator",
@@ -268,8 +271,9 @@ def real_cache_factory(model: ModelShape, layout: str, page_size: str, max_batch
     """
     import vattention  # imported late: needs the built core and torch
 
+    heads, dims = zip(*model.layer_shapes())
     cfg = vattention.KVCacheConfig(
-        num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+        num_layers=model.num_layers, num_kv_heads=heads, head_dim=dims,
         max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=model.dtype,
         device="cpu", page_size=page_size, layout=layout, reclaim=reclaim,
         sliding_window=model.sliding_window() if release else None)
@@ -303,20 +307,23 @@ class VAttentionAllocator(Allocator):
     def __init__(self, model: ModelShape, *, layout: str, page_size: str, max_batch_size: int,
                  max_seq_len: int, budget_bytes: int,
                  cache_factory: Optional[Callable] = None, verify: bool = False,
-                 release: bool = True) -> None:
-        super().__init__(f"vattention-{layout}-{page_size}" + ("" if release else "-norelease"),
-                         budget_bytes, model.bytes_per_token)
+                 release: bool = True, padded: bool = False) -> None:
+        suffix = ("" if release else "-norelease") + ("-padded" if padded else "")
+        super().__init__(f"vattention-{layout}-{page_size}{suffix}", budget_bytes,
+                         model.bytes_per_token)
         factory = cache_factory or real_cache_factory
         extra = {} if release else {"release": False}
-        self.cache = factory(model, layout, page_size, max_batch_size, max_seq_len, budget_bytes,
-                             **extra)
+        # padded: every layer at the largest shape, the one cache a uniform config can build for
+        # a per-layer-shape model; efficiency still counts the model's real bytes per token.
+        cache_model = model.padded() if padded else model
+        self.cache = factory(cache_model, layout, page_size, max_batch_size, max_seq_len,
+                             budget_bytes, **extra)
         # Windowed layers (the first window_layers ones, see ModelShape.sliding_window) release
-        # the same pages: one window_start per slot tells how many.
-        windowed = model.window_layers if (release and model.window) else 0
-        self._window_tensors = 2 * windowed if layout == "layer" else (2 if windowed else 0)
+        # the same page indices: one window_start per slot tells how many.
+        self._window_pages = window_pages_per_index(cache_model, layout) if release else 0
         self.layout, self.page_size, self.verify = layout, page_size, verify
         self.max_batch_size = max_batch_size
-        self._geometry = page_geometry(model, layout, page_size)
+        self._geometry = page_geometry(cache_model, layout, page_size)
         self._slot: Dict[int, int] = {}     # rid -> slot
         self._length: Dict[int, int] = {}   # rid -> tokens backed by the last step
         self.failed_steps = 0  # step() calls refused with OutOfPagesError (nothing changed)
@@ -355,11 +362,11 @@ class VAttentionAllocator(Allocator):
     def _slot_pages(self, slot: int) -> int:
         """Pages (all tensors) mapped in ``slot``: exact inverse of ``mapped_tokens`` and, on
         windowed tensors, ``window_start``."""
-        tensors, token_bytes, page_bytes = self._geometry
-        pages = tensors * -(-self.cache.mapped_tokens(slot) * token_bytes // page_bytes)
-        if self._window_tensors:
-            pages -= self._window_tensors * (self.cache.window_start(slot, 0) * token_bytes
-                                             // page_bytes)
+        pages_per_index, unit_bytes, page_bytes = self._geometry
+        pages = pages_per_index * -(-self.cache.mapped_tokens(slot) * unit_bytes // page_bytes)
+        if self._window_pages:
+            pages -= self._window_pages * (self.cache.window_start(slot, 0) * unit_bytes
+                                           // page_bytes)
         return pages
 
     def held_bytes(self) -> int:
@@ -438,11 +445,12 @@ def _make(name: str, model: ModelShape, *, budget_bytes: int, max_seq_len: int,
         return BlockAllocator(name, budget_bytes, bpt, block_tokens=tokens)
     parts = name.split("-")
     if (len(parts) in (3, 4) and parts[0] == "vattention" and parts[1] in ("layer", "mega")
-            and parts[3:] in ([], ["norelease"])):
+            and parts[3:] in ([], ["norelease"], ["padded"])):
         return VAttentionAllocator(model, layout=parts[1], page_size=parts[2],
                                    max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                                    budget_bytes=budget_bytes, cache_factory=cache_factory,
-                                   verify=verify, release=len(parts) == 3)
+                                   verify=verify, release=parts[3:] != ["norelease"],
+                                   padded=parts[3:] == ["padded"])
     raise ValueError(f"allocator {name!r} is not one of {', '.join(ALL_ALLOCATORS)} "
-                     "(or vattention-<layer|mega>-<page size>[-norelease])")
+                     "(or vattention-<layer|mega>-<page size>[-norelease|-padded])")
 

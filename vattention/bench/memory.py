@@ -298,6 +298,7 @@ def run_memory_benchmark(workload: Workload, model: ModelShape, *, budget_bytes:
         "model": model.name, "num_layers": model.num_layers,
         "window": model.window, "window_layers": model.window_layers,
         "num_kv_heads": model.num_kv_heads, "head_dim": model.head_dim, "dtype": model.dtype,
+        "full_kv_heads": model.full_kv_heads, "full_head_dim": model.full_head_dim,
         "bytes_per_token": model.bytes_per_token, "budget_bytes": int(budget_bytes),
         "max_seq_len": int(max_seq_len), "max_batch_size": int(max_batch_size),
         "reclaim": reclaim,

@@ -33,14 +33,23 @@ def format_bytes(num_bytes: int) -> str:
     return f"{num_bytes}B"
 
 
+def _full_shape(meta: Dict[str, object]) -> str:
+    """The full-attention layers' shape when it differs (per-layer shapes), else ''."""
+    h, d = meta.get("full_kv_heads") or 0, meta.get("full_head_dim") or 0
+    if not (h or d):
+        return ""
+    return (f"; the {int(meta['num_layers']) - int(meta['window_layers'])} full-attention layers "
+            f"H={h or meta['num_kv_heads']}, D={d or meta['head_dim']}")
+
+
 def _header(meta: Dict[str, object]) -> List[str]:
     sampled = " (sampled with replacement)" if meta["sampled_with_replacement"] else ""
     return [
         f"Trace `{meta['trace']}`: {meta['num_requests']} requests{sampled} "
         f"({meta['prefill_tokens']} prefill + {meta['decode_tokens']} decode tokens); "
         f"model {meta['model']} (L={meta['num_layers']}, H={meta['num_kv_heads']}, "
-        f"D={meta['head_dim']}, {meta['dtype']}: {format_bytes(meta['bytes_per_token'])}"
-        "/token);",
+        f"D={meta['head_dim']}{_full_shape(meta)}, {meta['dtype']}: "
+        f"{format_bytes(meta['bytes_per_token'])}/token);",
         f"KV budget {format_bytes(meta['budget_bytes'])}, max_seq_len {meta['max_seq_len']}, "
         f"max_batch_size {meta['max_batch_size']}, vattention reclaim "
         f"{meta.get('reclaim', 'deferred')}. paged-16 and the static rows are block "

@@ -1,17 +1,20 @@
 """What one request or one budget needs under each allocator (page arithmetic, OS limits).
 
 Mirrors ``KVCacheConfig``: a ``layer`` cache has ``2 * L`` tensors with ``H * D * elem`` bytes
-per token, a ``mega`` cache 2 tensors with ``L * H * D * elem`` bytes per token; each tensor of
-a slot rounds up to whole pages.
+per token, a ``mega`` cache 2 tensors with ``L * H * D * elem`` bytes per token; a slot grows by
+page indices, one page per tensor (with per-layer shapes: ``token_bytes / unit_bytes`` pages per
+tensor, ``unit_bytes`` the gcd of the layers' token bytes).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 from .workload import ModelShape
 
-__all__ = ["page_geometry", "min_bytes_for_request", "host_mapping_problem"]
+__all__ = ["page_geometry", "window_pages_per_index", "min_bytes_for_request",
+           "host_mapping_problem"]
 
 
 def min_bytes_for_request(name: str, model: ModelShape, num_tokens: int,
@@ -37,24 +40,46 @@ def min_bytes_for_request(name: str, model: ModelShape, num_tokens: int,
         return -(-num_tokens // 16) * 16 * bpt
     if not name.startswith("vattention-"):
         return num_tokens * bpt
-    _, layout, page = name.split("-")[:3]
-    tensors, token_bytes, page_bytes = page_geometry(model, layout, page)
-    return tensors * -(-num_tokens * token_bytes // page_bytes) * page_bytes
+    parts = name.split("-")
+    if parts[3:] == ["padded"]:
+        model = model.padded()
+    pages_per_index, unit_bytes, page_bytes = page_geometry(model, parts[1], parts[2])
+    return pages_per_index * -(-num_tokens * unit_bytes // page_bytes) * page_bytes
 
 
 def page_geometry(model: ModelShape, layout: str, page_size: str):
-    """``(num_tensors, tensor_token_bytes, page_bytes)`` of a vattention cache, as in
-    ``KVCacheConfig``.
+    """``(pages_per_index, unit_bytes, page_bytes)`` of a vattention cache, as in
+    ``KVCacheConfig``: one page index holds ``page_bytes // unit_bytes`` tokens and takes
+    ``pages_per_index`` pages (``2 * L`` or 2 with one shape for every layer).
 
     >>> from vattention.bench.workload import MODELS
     >>> page_geometry(MODELS["llama3-8b"], "mega", "2MB")
     (2, 65536, 2097152)
+    >>> page_geometry(MODELS["gemma4-defaults"], "layer", "2MB")   # 25 x 1 + 5 x 2 pages, K and V
+    (70, 2048, 2097152)
     """
     page_bytes = int(page_size[:-2]) << {"KB": 10, "MB": 20, "GB": 30}[page_size[-2:].upper()]
-    per_layer = model.num_kv_heads * model.head_dim * model.element_bytes
+    per_layer = model.layer_token_bytes()
     if layout == "layer":
-        return 2 * model.num_layers, per_layer, page_bytes
-    return 2, per_layer * model.num_layers, page_bytes
+        unit = math.gcd(*per_layer)
+        return 2 * sum(b // unit for b in per_layer), unit, page_bytes
+    return 2, sum(per_layer), page_bytes
+
+
+def window_pages_per_index(model: ModelShape, layout: str) -> int:
+    """Pages of one page index that lie in sliding-window tensors (what a released index frees).
+
+    >>> from vattention.bench.workload import MODELS
+    >>> window_pages_per_index(MODELS["gemma4-defaults"], "layer")
+    50
+    """
+    if not (model.window and model.window_layers):
+        return 0
+    if layout == "mega":
+        return 2
+    per_layer = model.layer_token_bytes()
+    unit = math.gcd(*per_layer)
+    return 2 * sum(b // unit for b in per_layer[:model.window_layers])
 
 
 def host_mapping_problem(name: str, model: ModelShape, budget_bytes: int) -> Optional[str]:

@@ -1,15 +1,17 @@
 """Workload of the memory benchmark: model shapes and request lengths from a trace.
 
 A request is a pair ``(prefill_tokens, decode_tokens)``. Model shapes give the bytes one token
-of KV cache takes over all layers, K and V (``2 * L * H * D * element_bytes``).
+of KV cache takes over all layers, K and V (``2 * L * H * D * element_bytes``, summed over layers
+when the full-attention layers have a shape of their own).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
-from typing import Optional
+from typing import Optional, Tuple
 
 import numpy as np
 
@@ -50,6 +52,11 @@ class ModelShape:
     # `window` tokens only (0: none). Which layers does not matter to the byte counts.
     window: int = 0
     window_layers: int = 0
+    # Per-layer shapes (issue 14): the layers after the first `window_layers` (the full-attention
+    # ones) have `full_kv_heads` x `full_head_dim` when set (0: num_kv_heads x head_dim), as
+    # Gemma 4's global layers have their own head dim.
+    full_kv_heads: int = 0
+    full_head_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.window < 0 or not 0 <= self.window_layers <= self.num_layers:
@@ -60,23 +67,52 @@ class ModelShape:
         for field in ("num_layers", "num_kv_heads", "head_dim"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field}={getattr(self, field)} must be >= 1")
+        for field in ("full_kv_heads", "full_head_dim"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"{field}={getattr(self, field)} must be >= 0 (0: same shape)")
 
     @property
     def element_bytes(self) -> int:
         """Bytes per element of ``dtype``."""
         return _ELEMENT_BYTES[self.dtype]
 
+    def layer_shapes(self) -> Tuple[Tuple[int, int], ...]:
+        """``(kv_heads, head_dim)`` of each layer: the ``window_layers`` first, then the others.
+
+        >>> MODELS["gemma4-defaults"].layer_shapes()[-6:]
+        ((4, 256), (4, 512), (4, 512), (4, 512), (4, 512), (4, 512))
+        """
+        full = (self.full_kv_heads or self.num_kv_heads, self.full_head_dim or self.head_dim)
+        window = (self.num_kv_heads, self.head_dim)
+        return (window,) * self.window_layers + (full,) * (self.num_layers - self.window_layers)
+
+    @property
+    def per_layer_shapes(self) -> bool:
+        """True when the full-attention layers' shape differs from the windowed layers'."""
+        return len(set(self.layer_shapes())) > 1
+
+    def layer_token_bytes(self) -> Tuple[int, ...]:
+        """Bytes of one token of each layer's K (or V)."""
+        return tuple(h * d * self.element_bytes for h, d in self.layer_shapes())
+
+    def padded(self) -> "ModelShape":
+        """The same model with every layer at its largest shape: the one cache a uniform
+        ``KVCacheConfig`` could hold it in."""
+        h, d = max(self.layer_shapes(), key=lambda s: s[0] * s[1])
+        return dataclasses.replace(self, name=f"{self.name}-padded", num_kv_heads=h, head_dim=d,
+                                   full_kv_heads=0, full_head_dim=0)
+
     @property
     def bytes_per_token(self) -> int:
         """KV bytes of one token over all layers, K and V."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.element_bytes
+        return 2 * sum(self.layer_token_bytes())
 
     @property
     def windowed_bytes_per_token(self) -> int:
         """The part of :attr:`bytes_per_token` in sliding-window layers."""
         if not self.window:
             return 0
-        return 2 * self.window_layers * self.num_kv_heads * self.head_dim * self.element_bytes
+        return 2 * sum(self.layer_token_bytes()[:self.window_layers])
 
     def kv_bytes(self, num_tokens: int) -> int:
         """Bytes a request of ``num_tokens`` tokens really needs: all tokens on full layers, the
@@ -103,6 +139,10 @@ MODELS = {
     "llama3-8b-fp8": ModelShape("llama3-8b-fp8", 32, 8, 128, "float8_e4m3fn"),
     "mistral-7b": ModelShape("mistral-7b", 32, 8, 128, window=4096, window_layers=32),
     "gemma3-12b": ModelShape("gemma3-12b", 48, 8, 256, window=1024, window_layers=40),
+    # issue 14, per-layer shapes: transformers' Gemma4TextConfig defaults (30 layers, 5 local :
+    # 1 global, 4 KV heads, head_dim 256 local / global_head_dim 512, window 512), no KV sharing
+    "gemma4-defaults": ModelShape("gemma4-defaults", 30, 4, 256, window=512, window_layers=25,
+                                  full_head_dim=512),
 }
 
 
