@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 SETUP = """
 import ctypes, torch, vattention
-cfg = vattention.KVCacheConfig(num_layers=2, num_kv_heads=2, head_dim=64, max_batch_size=4,
+cfg = vattention.KVCacheConfig(num_layers=2, num_kv_heads={heads}, head_dim=64, max_batch_size=4,
                                max_seq_len=8192, dtype=torch.float16, page_size="64KB",
                                layout={layout!r})
 cache = vattention.KVCache(cfg)
@@ -29,8 +29,8 @@ k, v = cache.layer(1)
 """
 
 
-def _run(layout, action):
-    code = textwrap.dedent(SETUP.format(layout=layout)) + textwrap.dedent(action) + \
+def _run(layout, action, heads=2):
+    code = textwrap.dedent(SETUP.format(layout=layout, heads=heads)) + textwrap.dedent(action) + \
         "\nprint('survived')\n"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("PYTHONFAULTHANDLER", None)
@@ -45,6 +45,13 @@ def test_reading_beyond_the_mapped_length_names_slot_and_token(layout):
     assert "vattention: fatal memory access to KV cache #" in proc.stderr, proc.stderr
     assert "V of layer 1, slot 1, token 5000." in proc.stderr, proc.stderr
     assert "cache.mapped_tokens(1)" in proc.stderr and "cache.step({1: length})" in proc.stderr
+
+
+def test_per_layer_shapes_name_the_position_in_each_layers_own_rows():
+    # Layer 1 has 4x layer 0's KV heads: its rows are 4x as long, and the handler must use them.
+    proc = _run("layer", "float(v[2, 3000, 7, 3])", heads=(2, 8))
+    assert proc.returncode != 0 and "survived" not in proc.stdout
+    assert "V of layer 1, slot 2, token 3000." in proc.stderr, proc.stderr
 
 
 def test_printing_a_whole_layer_tensor_names_the_first_unbacked_position():

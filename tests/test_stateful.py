@@ -24,7 +24,7 @@ LENGTHS = [0, 1, 255, 256, 257, 511, 512, 513, 1024, 1500, 2048]
 class Model:
     def __init__(self, cfg: vattention.KVCacheConfig, budget_pages):
         self.cfg = cfg
-        self.T = cfg.num_tensors
+        self.T = cfg.pages_per_index  # pages of one page index over all tensors
         self.cap = budget_pages  # None = no budget
         self.state = ["free"] * cfg.max_batch_size
         self.mapped = [0] * cfg.max_batch_size   # page indices
@@ -34,7 +34,7 @@ class Model:
         self.total = 0
 
     def idx(self, tokens):
-        return -(-tokens * self.cfg.tensor_token_bytes // self.cfg.page_bytes)
+        return -(-tokens * self.cfg.unit_bytes // self.cfg.page_bytes)
 
     @property
     def in_use(self):
@@ -142,14 +142,17 @@ class Model:
 class CacheMachine(RuleBasedStateMachine):
     DEVICE = "cpu"   # test_cuda_backend.py runs the same machine on the emulated CUDA backend
 
-    @initialize(layout=st.sampled_from(["layer", "mega"]),
+    @initialize(layout=st.sampled_from(["layer", "mega", "per-layer"]),
                 budget=st.one_of(st.integers(min_value=2, max_value=12), st.none()))
     def setup(self, layout, budget):
-        self.cfg = vattention.KVCacheConfig(num_layers=2, num_kv_heads=1, head_dim=64,
+        # per-layer: layer 1 has twice layer 0's KV heads (1 + 2 pages per page index and K/V).
+        heads = (1, 2) if layout == "per-layer" else 1
+        self.cfg = vattention.KVCacheConfig(num_layers=2, num_kv_heads=heads, head_dim=64,
                                             max_batch_size=4, max_seq_len=2048,
-                                            dtype=torch.float16, page_size=PAGE, layout=layout,
+                                            dtype=torch.float16, page_size=PAGE,
+                                            layout="layer" if layout == "per-layer" else layout,
                                             device=self.DEVICE)
-        budget_pages = None if budget is None else budget * self.cfg.num_tensors
+        budget_pages = None if budget is None else budget * self.cfg.pages_per_index
         self.cache = vattention.KVCache(
             self.cfg, memory_budget=None if budget is None else budget_pages * PAGE)
         self.model = Model(self.cfg, budget_pages)
@@ -255,7 +258,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert stats["pages_total"] <= m.cap
         for s in range(self.cfg.max_batch_size):
             assert self.cache.mapped_tokens(s) == min(
-                self.cfg.max_seq_len, m.mapped[s] * PAGE // self.cfg.tensor_token_bytes)
+                self.cfg.max_seq_len, m.mapped[s] * PAGE // self.cfg.unit_bytes)
             if m.state[s] == "active":
                 assert self.cache.mapped_tokens(s) >= m.seq[s] == self.cache.seq_len(s)
         assert sorted(self.cache.active_slots()) == [i for i, s in enumerate(m.state)

@@ -234,7 +234,7 @@ def num_free_kvblocks() -> int:
     for slot in range(cfg.max_batch_size):
         needed = cache.seq_len(slot) if slot in active else 0
         surplus += cfg.pages_for_tokens(cache.mapped_tokens(slot)) - cfg.pages_for_tokens(needed)
-    return (int(cache.stats()["pages_free"]) + max(surplus, 0)) // cfg.num_tensors
+    return (int(cache.stats()["pages_free"]) + max(surplus, 0)) // cfg.pages_per_index
 
 
 def set_deferred_reclamation(flag: bool) -> None:
@@ -265,7 +265,7 @@ def show_allocator_state() -> str:
     """Print (and return) the free KV blocks and a ``reqId : seqlen : mapped : required`` table."""
     state = _require()
     cache, cfg = state.cache, state.cache.config
-    per_block = cfg.num_tensors
+    per_block = cfg.pages_per_index  # pages of one KV block (page index) over all tensors
     lines = [f"Free pool: {int(cache.stats()['pages_free']) // per_block} KV blocks",
              "reqId : seqlen: mapped: required"]
     for slot in range(cfg.max_batch_size):
