@@ -103,6 +103,22 @@ def test_bad_per_layer_shapes_are_config_errors(kwargs, message):
         vattention.KVCacheConfig(**args)
 
 
+def test_coarse_page_indices_are_reported(caplog):
+    # 576 and 512 bytes a token (fp8 latents): gcd 64, so 9 and 8 pages per index and tensor.
+    cfg = vattention.KVCacheConfig(num_layers=2, num_kv_heads=1, head_dim=(576, 512),
+                                   max_batch_size=1, max_seq_len=64, dtype=torch.float8_e4m3fn,
+                                   page_size="4KB", value_cache=False)
+    with caplog.at_level("WARNING", logger="vattention.cache"):
+        vattention.KVCache(cfg).close()
+    assert "gcd of 64 bytes, so one page index holds 64 tokens and takes 17 pages" in caplog.text
+    caplog.clear()
+    fine = vattention.KVCacheConfig(**HYBRID, max_batch_size=1, max_seq_len=64,
+                                    dtype=torch.float16, page_size="64KB")
+    with caplog.at_level("WARNING", logger="vattention.cache"):
+        vattention.KVCache(fine).close()
+    assert caplog.text == ""
+
+
 def test_the_core_checks_per_layer_shapes_itself():
     # The Python config normalizes first; the core must not trust its caller either.
     with pytest.raises(vattention.ConfigError, match=r"num_kv_heads has 3 entries"):

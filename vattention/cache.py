@@ -48,6 +48,24 @@ def _lens_error(error: Exception, seq_lens, max_batch: int, max_seq: int) -> Exc
     return ArgumentTypeError(str(error))
 
 
+# Largest index_pages(i) before the cache says its page indices got coarse (see models.md).
+COARSE_INDEX_PAGES = 8
+
+
+def _warn_if_coarse(config: KVCacheConfig) -> None:
+    """Per-layer shapes whose token bytes have a small gcd make every page index long: say so."""
+    most = max(config.index_pages(i) for i in range(config.num_layers))
+    if most > COARSE_INDEX_PAGES:
+        logger.warning(
+            "per-layer shapes: token rows of %s bytes have a gcd of %d bytes, so one page index "
+            "holds %d tokens and takes %d pages (%d bytes) over all layers, %dx the pages of the "
+            "largest layer alone; a request rounds up to that. A smaller page_size (now %d bytes) "
+            "makes indices finer", sorted({config.layer_token_bytes(i)
+                                           for i in range(config.num_layers)}),
+            config.unit_bytes, config.tokens_per_page, config.pages_per_index,
+            config.pages_per_index * config.page_bytes, most, config.page_bytes)
+
+
 class KVCache(SharingMixin):
     """Virtual KV tensors with physical pages mapped on demand.
 
@@ -93,6 +111,8 @@ class KVCache(SharingMixin):
         self._config = config
         self._dl_code, self._dl_bits = DTYPES[config.dtype]
         per_layer = config.per_layer_shapes
+        if per_layer:
+            _warn_if_coarse(config)
         self._core = _C.KVCacheCore(
             config.device, config.num_layers, config.layer_kv_heads[0], config.layer_head_dims[0],
             config.element_bytes, config.max_batch_size, config.max_seq_len, config.page_bytes,
