@@ -44,7 +44,10 @@ def fill_pattern(cache, slot, start, end, seed):
         kd = torch.randn(*shape, generator=gen).to(cfg.dtype)
         vd = torch.randn(*shape, generator=gen).to(cfg.dtype)
         k[slot, start:end] = kd.to(k.device)
-        v[slot, start:end] = vd.to(v.device)
+        if v is None:  # value_cache=False
+            vd = None
+        else:
+            v[slot, start:end] = vd.to(v.device)
         written.append((kd, vd))
     return written
 
@@ -53,7 +56,8 @@ def check_pattern(cache, slot, start, end, written):
     for layer, (kd, vd) in enumerate(written):
         k, v = kv_views(cache, layer)
         assert torch.equal(k[slot, start:end].cpu(), kd), f"K of layer {layer} slot {slot} changed"
-        assert torch.equal(v[slot, start:end].cpu(), vd), f"V of layer {layer} slot {slot} changed"
+        if vd is not None:
+            assert torch.equal(v[slot, start:end].cpu(), vd), f"V of layer {layer} slot {slot} changed"
 
 
 PAGE_STATE_KEYS = ("pages_total", "pages_free", "pages_mapped", "mappings", "bytes_mapped",

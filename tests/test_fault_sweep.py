@@ -14,8 +14,8 @@ same state runs the call with the k-th call of that entry point failing. Afterwa
 
 Configurations are small (one layer, 64 KB pages, a few pages per call) so the sweep stays a few
 seconds per backend. The scenarios that map, copy or restore pages also run on a per-layer-shape
-cache (two layers of 512 and 256 bytes a token: 2 + 1 pages per page index and tensor), where one
-page index is a run of several pages per tensor.
+cache (two K-only layers of 512 and 256 bytes a token: 2 + 1 pages per page index), where one page
+index is a run of several pages in a tensor.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ STATE_EXEMPT = {"map_calls", "unmap_calls", "set_access_calls", "step_map_calls"
 
 def _config(device, shapes="uniform"):
     heads = dict(uniform=dict(num_layers=1, num_kv_heads=2),
-                 per_layer=dict(num_layers=2, num_kv_heads=(4, 2)))[shapes]
+                 per_layer=dict(num_layers=2, num_kv_heads=(4, 2), value_cache=False))[shapes]
     return vattention.KVCacheConfig(**heads, head_dim=64, max_batch_size=3, max_seq_len=2048,
                                     dtype=torch.float16, device=device, page_size="64KB")
 
@@ -274,7 +274,8 @@ def test_fault_at_every_call_index(device, name):
 
 
 # ensure_private copies page by page (a staging map, a copy and a sync each): its emulated sweep
-# over 6 pages per index takes ~25 s, so it runs on the host backend only here.
+# takes ~12 s even here, so it runs on the host backend only (the uniform sweep covers its
+# rollback on the emulation; test_per_layer_shapes its per-layer addresses).
 PER_LAYER_SCENARIOS = [(device, name) for device in ("cpu", "cuda:0")
                        for name in ("step_grow", "step_reclaiming_idle", "prefetch_wait",
                                     "share_prefix", "ensure_private", "swap_in")
