@@ -323,15 +323,6 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("granularity", [](KVCacheCore& c) { return c.backend().granularity(); })
       .def("tensor_base", &KVCacheCore::tensor_base, py::arg("tensor"))
       .def(
-          "index_pages",
-          [](const KVCacheCore& c, int tensor) {
-            if (tensor < 0 || tensor >= c.geometry().num_tensors()) throw py::index_error("tensor");
-            return c.geometry().index_pages(tensor);
-          },
-          py::arg("tensor"), "Physical pages tensor `tensor` maps per page index (geometry.h).")
-      .def_property_readonly("columns", [](const KVCacheCore& c) { return c.geometry().columns(); },
-                             "Physical pages per page index over all tensors.")
-      .def(
           "export_tensor",
           [](const std::shared_ptr<KVCacheCore>& core, int kv, int layer, int dl_code, int bits,
              bool host_alias) { return export_tensor(core, kv, layer, dl_code, bits, host_alias); },

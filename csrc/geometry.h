@@ -150,12 +150,7 @@ struct CacheGeometry {
   size_t index_bytes(int t) const { return index_pages(t) * page_bytes; }
   // Physical pages per page index over all tensors ("columns"): column c of page index p is page
   // column_sub(c) of tensor column_tensor(c)'s run at p. Slot::pages holds columns() per index.
-  size_t columns() const {
-    if (!first_column_.empty()) return first_column_.back();
-    size_t n = 0;
-    for (int t = 0; t < num_tensors(); ++t) n += index_pages(t);
-    return n;
-  }
+  size_t columns() const { return first_column(num_tensors()); }
   size_t first_column(int t) const {
     if (!first_column_.empty()) return first_column_[static_cast<size_t>(t)];
     size_t n = 0;

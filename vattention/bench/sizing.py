@@ -59,11 +59,17 @@ def page_geometry(model: ModelShape, layout: str, page_size: str):
     (70, 2048, 2097152)
     """
     page_bytes = int(page_size[:-2]) << {"KB": 10, "MB": 20, "GB": 30}[page_size[-2:].upper()]
-    per_layer = model.layer_token_bytes()
     if layout == "layer":
-        unit = math.gcd(*per_layer)
-        return 2 * sum(b // unit for b in per_layer), unit, page_bytes
-    return 2, sum(per_layer), page_bytes
+        unit, pages = _layer_index_pages(model)
+        return 2 * sum(pages), unit, page_bytes
+    return 2, sum(model.layer_token_bytes()), page_bytes
+
+
+def _layer_index_pages(model: ModelShape):
+    """``layer`` layout: the gcd of the layers' token bytes, and each layer's pages per index."""
+    per_layer = model.layer_token_bytes()
+    unit = math.gcd(*per_layer)
+    return unit, [b // unit for b in per_layer]
 
 
 def window_pages_per_index(model: ModelShape, layout: str) -> int:
@@ -77,9 +83,7 @@ def window_pages_per_index(model: ModelShape, layout: str) -> int:
         return 0
     if layout == "mega":
         return 2
-    per_layer = model.layer_token_bytes()
-    unit = math.gcd(*per_layer)
-    return 2 * sum(b // unit for b in per_layer[:model.window_layers])
+    return 2 * sum(_layer_index_pages(model)[1][:model.window_layers])
 
 
 def host_mapping_problem(name: str, model: ModelShape, budget_bytes: int) -> Optional[str]:

@@ -86,11 +86,6 @@ class ModelShape:
         window = (self.num_kv_heads, self.head_dim)
         return (window,) * self.window_layers + (full,) * (self.num_layers - self.window_layers)
 
-    @property
-    def per_layer_shapes(self) -> bool:
-        """True when the full-attention layers' shape differs from the windowed layers'."""
-        return len(set(self.layer_shapes())) > 1
-
     def layer_token_bytes(self) -> Tuple[int, ...]:
         """Bytes of one token of each layer's K (or V)."""
         return tuple(h * d * self.element_bytes for h, d in self.layer_shapes())
