@@ -430,17 +430,7 @@ size_t KVCacheCore::map_pages(int slot, size_t from, size_t to, const PageHandle
         tensors_done = t + 1;
         continue;
       }
-      // Tensor t's pages for [begin, to) form one contiguous run of index_pages(t) per index.
-      const size_t n = geo_.index_pages(t), column = geo_.first_column(t);
-      const uintptr_t va = page_va(t, slot, begin);
-      for (size_t p = begin; p < to; ++p) {
-        for (size_t j = 0; j < n; ++j) {
-          backend_->map(va + pages_done * P, pages[(p - from) * C + column + j]);
-          ++pages_done;
-        }
-      }
-      // One access grant per contiguous run of new pages, not one per page.
-      backend_->set_access(va, pages_done * P);
+      map_run(t, slot, begin, to, pages + (begin - from) * C, pages_done);
       calls += pages_done + 1;
       tensors_done = t + 1;
       pages_done = 0;
@@ -462,6 +452,22 @@ size_t KVCacheCore::map_pages(int slot, size_t from, size_t to, const PageHandle
     throw;
   }
   return calls;
+}
+
+void KVCacheCore::map_run(int t, int slot, size_t begin, size_t end, const PageHandle* row,
+                          size_t& mapped) const {
+  // Tensor t's pages for [begin, end) form one contiguous run of index_pages(t) per index.
+  const size_t C = geo_.columns(), P = geo_.page_bytes;
+  const size_t n = geo_.index_pages(t), column = geo_.first_column(t);
+  const uintptr_t va = page_va(t, slot, begin);
+  for (size_t p = 0; p < end - begin; ++p) {
+    for (size_t j = 0; j < n; ++j) {
+      backend_->map(va + mapped * P, row[p * C + column + j]);
+      ++mapped;
+    }
+  }
+  // One access grant per contiguous run of new pages, not one per page.
+  backend_->set_access(va, mapped * P);
 }
 
 uint64_t KVCacheCore::vmm_calls() const {

@@ -167,6 +167,11 @@ class KVCacheCore {
   // set_access per tensor run); touches no cache state, so the prefetch thread runs it unlocked.
   // On failure unmaps what it mapped and rethrows. Returns the driver calls made.
   size_t map_pages(int slot, size_t from, size_t to, const PageHandle* pages) const;
+  // Maps tensor t's pages for page indices [begin, end) of `slot` as one run and grants access to
+  // it; the handles of index p are row[(p - begin) * columns + first_column(t) + j]. `mapped`
+  // counts the pages mapped so far, so a caller can unmap exactly those if a call fails.
+  void map_run(int t, int slot, size_t begin, size_t end, const PageHandle* row,
+               size_t& mapped) const;
   // Per tensor, the first page index in [from, to) that is not a hole (kNoPage: a released
   // window page restored by fork or swap-in); `to` when the whole range is holes.
   std::vector<size_t> first_pages(size_t from, size_t to, const PageHandle* pages) const;

@@ -161,14 +161,8 @@ size_t KVCacheCore::unmap_tail(Slot& s, int index, size_t keep) {
     // Put back what this call unmapped so the slot's record stays true, then report.
     try {
       for (int u = 0; u < t; ++u) {
-        if (begin(u) >= s.mapped) continue;
-        const size_t first = geo_.first_column(u), n = geo_.index_pages(u);
-        for (size_t p = begin(u); p < s.mapped; ++p) {
-          for (size_t j = 0; j < n; ++j) {
-            backend_->map(column_va(first + j, index, p), s.pages[p * C + first + j]);
-          }
-        }
-        backend_->set_access(page_va(u, index, begin(u)), (s.mapped - begin(u)) * geo_.index_bytes(u));
+        size_t mapped = 0;
+        if (begin(u) < s.mapped) map_run(u, index, begin(u), s.mapped, &s.pages[begin(u) * C], mapped);
       }
     } catch (...) {
     }
