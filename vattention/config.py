@@ -352,7 +352,9 @@ class KVCacheConfig:
         layer has the same shape)."""
         if self.layout == "mega":
             return self.num_tensors
-        return self.kv_tensors * sum(self.index_pages(i) for i in range(self.num_layers))
+        unit = self.unit_bytes  # once: index_pages() would take the gcd again for every layer
+        return self.kv_tensors * sum(self.layer_token_bytes(i) // unit
+                                     for i in range(self.num_layers))
 
     @property
     def tokens_per_page(self) -> int:

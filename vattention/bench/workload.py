@@ -8,8 +8,8 @@ when the full-attention layers have a shape of their own).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-import math
 import os
 from typing import Optional, Tuple
 
@@ -97,12 +97,12 @@ class ModelShape:
         return dataclasses.replace(self, name=f"{self.name}-padded", num_kv_heads=h, head_dim=d,
                                    full_kv_heads=0, full_head_dim=0)
 
-    @property
+    @functools.cached_property  # a frozen value; kv_bytes() needs it per request and step
     def bytes_per_token(self) -> int:
         """KV bytes of one token over all layers, K and V."""
         return 2 * sum(self.layer_token_bytes())
 
-    @property
+    @functools.cached_property
     def windowed_bytes_per_token(self) -> int:
         """The part of :attr:`bytes_per_token` in sliding-window layers."""
         if not self.window:
