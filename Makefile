@@ -9,7 +9,8 @@ PY := $(VENV)/bin/python
 DEPS_STAMP := $(VENV)/.deps-stamp
 TEST_DEPS_STAMP := $(VENV)/.test-deps-stamp
 BUILD_STAMP := $(VENV)/.build-stamp
-CORE_SOURCES := $(wildcard csrc/*.cpp csrc/*.h) setup.py pyproject.toml
+# Folders are build units (DESIGN.md section 2): core, host and python always, cuda with cuda.h.
+CORE_SOURCES := $(wildcard csrc/*/*.cpp csrc/*/*.h) setup.py pyproject.toml
 
 # vLLM's CPU build in a venv of its own (it pins transformers < 5.20; the main venv tests 5.23).
 # torchvision/torchaudio/torchcodec come with it but do not load beside this torch: removed.
@@ -22,12 +23,10 @@ VLLM_PLUGIN_STAMP := $(VLLM_VENV)/.plugin-stamp
 
 CXX ?= g++
 SAN_DIR := build-sanitize
-SAN_SOURCES := csrc/host_backend.cpp csrc/page_pool.cpp csrc/kv_cache.cpp csrc/prefetcher.cpp \
-               csrc/kv_cache_reclaim.cpp csrc/kv_cache_prefetch.cpp \
-               csrc/kv_cache_sharing.cpp csrc/kv_cache_swap.cpp csrc/swap_store.cpp \
-               csrc/kv_cache_scrub.cpp csrc/fault_report.cpp \
-               csrc/kv_cache_window.cpp \
-               csrc/tests/core_threads_test.cpp
+# The C++ tests (csrc/tests/<name>_test.cpp) link the core and the host backend, no Python.
+SAN_LIB := $(wildcard csrc/core/*.cpp csrc/host/*.cpp)
+SAN_HEADERS := $(wildcard csrc/*/*.h)
+SAN_TESTS := core_threads sharing prefetch_race
 SAN_FLAGS := -std=c++17 -O1 -g -fno-omit-frame-pointer -Icsrc -pthread
 
 all: build
@@ -74,53 +73,34 @@ vllm: build $(VLLM_PLUGIN_STAMP)
 demo: build
 	$(PY) -m vattention demo
 
-# The C++ core's thread and rollback tests under ThreadSanitizer and AddressSanitizer/UBSan.
-# Any report fails the run (halt_on_error, non-zero exit codes).
-$(SAN_DIR)/core_tsan: $(SAN_SOURCES) $(wildcard csrc/*.h)
-	@echo "sanitizers: building $@ (ThreadSanitizer, about a minute on 2 cores)"
-	mkdir -p $(SAN_DIR)
-	$(CXX) $(SAN_FLAGS) -fsanitize=thread $(SAN_SOURCES) -o $@
+# The C++ tests under ThreadSanitizer and AddressSanitizer/UBSan: the core and the host backend
+# are compiled once per sanitizer, each test links them. Any report fails the run (halt_on_error,
+# non-zero exit codes).
+TSAN_FLAGS := -fsanitize=thread
+ASAN_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=all
 
-$(SAN_DIR)/core_asan: $(SAN_SOURCES) $(wildcard csrc/*.h)
-	@echo "sanitizers: building $@ (AddressSanitizer + UBSan, about a minute on 2 cores)"
-	mkdir -p $(SAN_DIR)
-	$(CXX) $(SAN_FLAGS) -fsanitize=address,undefined -fno-sanitize-recover=all $(SAN_SOURCES) -o $@
+$(SAN_DIR)/tsan/%.o: csrc/%.cpp $(SAN_HEADERS)
+	@mkdir -p $(dir $@)
+	$(CXX) $(SAN_FLAGS) $(TSAN_FLAGS) -c $< -o $@
 
-# Prefix sharing and swap (issue 7): the same core sources with their own threaded test.
-SHARE_SAN_SOURCES := $(filter-out csrc/tests/core_threads_test.cpp,$(SAN_SOURCES)) csrc/tests/sharing_test.cpp
+$(SAN_DIR)/asan/%.o: csrc/%.cpp $(SAN_HEADERS)
+	@mkdir -p $(dir $@)
+	$(CXX) $(SAN_FLAGS) $(ASAN_FLAGS) -c $< -o $@
 
-$(SAN_DIR)/sharing_tsan: $(SHARE_SAN_SOURCES) $(wildcard csrc/*.h)
-	@echo "sanitizers: building $@ (ThreadSanitizer, about a minute on 2 cores)"
-	mkdir -p $(SAN_DIR)
-	$(CXX) $(SAN_FLAGS) -fsanitize=thread $(SHARE_SAN_SOURCES) -o $@
+$(SAN_DIR)/%_tsan: $(SAN_DIR)/tsan/tests/%_test.o $(patsubst csrc/%.cpp,$(SAN_DIR)/tsan/%.o,$(SAN_LIB))
+	$(CXX) $(SAN_FLAGS) $(TSAN_FLAGS) $^ -o $@
 
-$(SAN_DIR)/sharing_asan: $(SHARE_SAN_SOURCES) $(wildcard csrc/*.h)
-	@echo "sanitizers: building $@ (AddressSanitizer + UBSan, about a minute on 2 cores)"
-	mkdir -p $(SAN_DIR)
-	$(CXX) $(SAN_FLAGS) -fsanitize=address,undefined -fno-sanitize-recover=all $(SHARE_SAN_SOURCES) -o $@
+$(SAN_DIR)/%_asan: $(SAN_DIR)/asan/tests/%_test.o $(patsubst csrc/%.cpp,$(SAN_DIR)/asan/%.o,$(SAN_LIB))
+	$(CXX) $(SAN_FLAGS) $(ASAN_FLAGS) $^ -o $@
 
-# The prefetch thread mapping outside the cache lock (issue 13): races held open at map().
-RACE_SAN_SOURCES := $(filter-out csrc/tests/core_threads_test.cpp,$(SAN_SOURCES)) csrc/tests/prefetch_race_test.cpp
-
-$(SAN_DIR)/race_tsan: $(RACE_SAN_SOURCES) $(wildcard csrc/*.h)
-	@echo "sanitizers: building $@ (ThreadSanitizer, about a minute on 2 cores)"
-	mkdir -p $(SAN_DIR)
-	$(CXX) $(SAN_FLAGS) -fsanitize=thread $(RACE_SAN_SOURCES) -o $@
-
-$(SAN_DIR)/race_asan: $(RACE_SAN_SOURCES) $(wildcard csrc/*.h)
-	@echo "sanitizers: building $@ (AddressSanitizer + UBSan, about a minute on 2 cores)"
-	mkdir -p $(SAN_DIR)
-	$(CXX) $(SAN_FLAGS) -fsanitize=address,undefined -fno-sanitize-recover=all $(RACE_SAN_SOURCES) -o $@
-
-SAN_BINS := core_tsan core_asan sharing_tsan sharing_asan race_tsan race_asan
+SAN_BINS := $(foreach t,$(SAN_TESTS),$(t)_tsan $(t)_asan)
 
 sanitize: $(addprefix $(SAN_DIR)/,$(SAN_BINS))
-	TSAN_OPTIONS="halt_on_error=1 exitcode=66" $(SAN_DIR)/core_tsan
-	ASAN_OPTIONS="detect_leaks=1 halt_on_error=1" UBSAN_OPTIONS="halt_on_error=1" $(SAN_DIR)/core_asan
-	TSAN_OPTIONS="halt_on_error=1 exitcode=66" $(SAN_DIR)/sharing_tsan
-	ASAN_OPTIONS="detect_leaks=1 halt_on_error=1" UBSAN_OPTIONS="halt_on_error=1" $(SAN_DIR)/sharing_asan
-	TSAN_OPTIONS="halt_on_error=1 exitcode=66" $(SAN_DIR)/race_tsan
-	ASAN_OPTIONS="detect_leaks=1 halt_on_error=1" UBSAN_OPTIONS="halt_on_error=1" $(SAN_DIR)/race_asan
+	@echo "sanitizers: running $(words $(SAN_BINS)) test binaries"
+	@set -e; for t in $(SAN_TESTS); do \
+	  TSAN_OPTIONS="halt_on_error=1 exitcode=66" $(SAN_DIR)/$${t}_tsan; \
+	  ASAN_OPTIONS="detect_leaks=1 halt_on_error=1" UBSAN_OPTIONS="halt_on_error=1" $(SAN_DIR)/$${t}_asan; \
+	done
 
 test-deps: $(TEST_DEPS_STAMP)
 
@@ -132,7 +112,7 @@ test: build $(TEST_DEPS_STAMP) $(VLLM_PLUGIN_STAMP)
 	if printf 'int main(){return 0;}' | $(CXX) -fsanitize=thread -x c++ - -o /dev/null 2>/dev/null && \
 	    printf 'int main(){return 0;}' | $(CXX) -fsanitize=address,undefined -x c++ - -o /dev/null 2>/dev/null; \
 	then \
-	  if $(MAKE) -s sanitize; then san="$(words $(SAN_BINS)) of $(words $(SAN_BINS)) passed"; \
+	  if $(MAKE) -s -j2 sanitize; then san="$(words $(SAN_BINS)) of $(words $(SAN_BINS)) passed"; \
 	  else san="FAILED (see above)"; fi; \
 	else san="skipped (no sanitizer runtimes)"; fi; \
 	set -o pipefail; $(PY) -m pytest -q 2>&1 | tee $(SAN_DIR)/pytest.log; pytest_rc=$$?; \

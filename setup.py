@@ -20,16 +20,20 @@ def cuda_include_dir():
     return None
 
 
-sources = sorted(glob.glob("csrc/*.cpp"))
+def folder(name):
+    """Every source of one build unit (a folder of csrc/, DESIGN.md section 2)."""
+    return sorted(glob.glob(os.path.join("csrc", name, "*.cpp")))
+
+
+# core: the cache (no Python, no driver); host: the Linux backend; python: bindings and DLPack.
+sources = folder("core") + folder("host") + folder("python")
 include_dirs = ["csrc"]
 macros = []
 cuda_include = cuda_include_dir()
-has_cuda_backend = os.path.exists(os.path.join("csrc", "cuda_backend.cpp"))
-if cuda_include and has_cuda_backend and os.environ.get("VATTENTION_NO_CUDA") != "1":
+if cuda_include and folder("cuda") and os.environ.get("VATTENTION_NO_CUDA") != "1":
+    sources += folder("cuda")  # the CUDA backend: needs cuda.h only, libcuda is loaded at run time
     include_dirs.append(cuda_include)
     macros.append(("VATTENTION_WITH_CUDA", "1"))
-else:
-    sources = [s for s in sources if not os.path.basename(s).startswith("cuda_")]
 
 # VATTENTION_EXT=none: register the package (e.g. the vLLM plugin's entry point in a second venv)
 # without compiling; the editable install then uses the extension already built in place.

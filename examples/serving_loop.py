@@ -3,9 +3,9 @@
 A toy scheduler serves synthetic requests (prompt and output lengths drawn from a seeded RNG) under
 a physical memory budget small enough that the batch runs out of pages. Each iteration:
 
-1. **admit** waiting requests while a slot is free: ``alloc()`` and one ``step()`` backing the
-   prompt and one more page of growth for every running request (transactional: on ``OutOfPagesError``
-   nothing was mapped, the request waits);
+1. **admit** waiting requests while a slot is free and ``capacity()`` says the prompt fits with
+   one more page of growth for every running request (it runs ``step()``'s accounting and maps
+   nothing; otherwise the request waits), then ``alloc()`` and one ``step()``;
 2. **grow** every running request by one token with one ``step()``; on ``OutOfPagesError`` the
    newest request is **preempted** (slot freed, progress dropped, requeued first) and the step is
    retried -- the error is recoverable because the failed step changed nothing;
@@ -62,19 +62,17 @@ class Server:
     def admit(self, waiting: collections.deque) -> None:
         while waiting and len(self.running) < self.cfg.max_batch_size:
             req = waiting[0]
-            slot = self.cache.alloc()
             # Admit only if the prompt fits AND every running request can still grow by a page
-            # (a watermark): one transactional step, so a refusal maps nothing, and admission
-            # rarely forces the preemption of a request that was already running.
+            # (a watermark), so admission rarely forces the preemption of a running request.
+            # capacity() runs step()'s accounting and maps nothing.
             ahead = self.cfg.tokens_per_page
             lengths = {s: min(r.seq_len + ahead, r.prompt_len + r.output_len)
                        for s, r in self.running.items()}
-            lengths[slot] = req.prompt_len
-            try:
-                self.cache.step(lengths)
-            except vattention.OutOfPagesError:
-                self.cache.free(slot)
+            if not self.cache.capacity(lengths, new_requests=[req.prompt_len]).fits:
                 return
+            slot = self.cache.alloc()
+            lengths[slot] = req.prompt_len
+            self.cache.step(lengths)   # fits: capacity() said so, and nothing ran in between
             waiting.popleft()
             req.slot, req.generated = slot, 0
             self.running[slot] = req

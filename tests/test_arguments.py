@@ -76,6 +76,8 @@ FLOAT_CALLS = {
     "mapped_tokens": lambda c, a, b, h: c.mapped_tokens(0.0),
     "seq_len": lambda c, a, b, h: c.seq_len(True),
     "swap_out": lambda c, a, b, h: c.swap_out(1.0),
+    "capacity_lens": lambda c, a, b, h: c.capacity({a: 800.0}),
+    "capacity_new": lambda c, a, b, h: c.capacity({a: 800}, new_requests=[10.5]),
 }
 
 
@@ -89,7 +91,8 @@ def test_floats_and_bools_are_refused_not_truncated(busy, call):
     assert isinstance(info.value, ArgumentTypeError)
     message = str(info.value)
     assert any(word in message for word in ("slot", "handle", "num_tokens", "start_token",
-                                            "lookahead_tokens", "seq_lens", "layer", "src_slot")), message
+                                            "lookahead_tokens", "seq_lens", "layer", "src_slot",
+                                            "new_requests")), message
     unchanged(cache, before, written)
 
 
@@ -137,6 +140,9 @@ HUGE_CALLS = {
     "set_swap_budget": (lambda c, a, h: c.set_swap_budget(HUGE), ConfigError),
     "pick_victims": (lambda c, a, h: c.pick_victims(HUGE), ConfigError),
     "layer_ptrs": (lambda c, a, h: c.layer_ptrs(HUGE), ConfigError),
+    "capacity_len": (lambda c, a, h: c.capacity({a: HUGE}), SequenceTooLongError),
+    "capacity_new": (lambda c, a, h: c.capacity(new_requests=[HUGE]), SequenceTooLongError),
+    "capacity_slot": (lambda c, a, h: c.capacity({HUGE: 5}), InvalidSlotError),
     "stream": (lambda c, a, h: c.free(a, stream=HUGE), ConfigError),
 }
 
@@ -226,7 +232,7 @@ CLOSED_CALLS = {
     "share_prefix": lambda c: c.share_prefix(0, 1, 1), "ensure_private": lambda c: c.ensure_private(0, 0),
     "swap_out": lambda c: c.swap_out(0), "swap_in": lambda c: c.swap_in(1),
     "swap_drop": lambda c: c.swap_drop(1), "set_swap_budget": lambda c: c.set_swap_budget(None),
-    "pick_victims": lambda c: c.pick_victims(0),
+    "pick_victims": lambda c: c.pick_victims(0), "capacity": lambda c: c.capacity(),
 }
 
 

@@ -1,4 +1,4 @@
-"""The Backend primitives (csrc/backend.h) behave the same on every backend.
+"""The Backend primitives (csrc/core/backend.h) behave the same on every backend.
 
 Runs on "cpu" (host backend) and "cuda" (the CUDA backend: through the strict driver emulation here,
 on the real driver where there is a GPU); the cuda parameter's fixture also asserts that the

@@ -120,16 +120,15 @@ def test_coarse_page_indices_are_reported(caplog):
 
 
 def test_the_core_checks_per_layer_shapes_itself():
-    # The Python config normalizes first; the core must not trust its caller either.
+    # The Python config normalizes first; the core's geometry must not trust its caller either.
+    base = dict(num_layers=4, num_kv_heads=1, head_dim=64, element_bytes=2, max_batch=2,
+                max_seq=64, page_bytes=65536)
     with pytest.raises(vattention.ConfigError, match=r"num_kv_heads has 3 entries"):
-        vattention._C.KVCacheCore("cpu", 4, 1, 64, 2, 2, 64, 65536, False, -1, False, 0, True, [],
-                                  [4, 1, 2], [])
+        vattention._C.CacheGeometry(**base, layer_kv_heads=[4, 1, 2])
     with pytest.raises(vattention.ConfigError, match=r"head_dim\[2\]=0 must be a positive"):
-        vattention._C.KVCacheCore("cpu", 4, 1, 64, 2, 2, 64, 65536, False, -1, False, 0, True, [],
-                                  [], [64, 64, 0, 64])
+        vattention._C.CacheGeometry(**base, layer_head_dims=[64, 64, 0, 64])
     with pytest.raises(vattention.ConfigError, match=r"per-layer shapes need layout='layer'"):
-        vattention._C.KVCacheCore("cpu", 4, 1, 64, 2, 2, 64, 65536, True, -1, False, 0, True, [],
-                                  [4, 1, 2, 1], [])
+        vattention._C.CacheGeometry(**base, mega=True, layer_kv_heads=[4, 1, 2, 1])
 
 
 # ---- tensors and pages ------------------------------------------------------------------------

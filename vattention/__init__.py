@@ -12,7 +12,7 @@ memory grows with the tokens really held.
 """
 
 from . import ops  # compile-safe append ops (torch.library custom ops: vattention::append)
-from .cache import KVCache
+from .cache import Capacity, KVCache
 from .config import KVCacheConfig, parse_size
 from .errors import (ArgumentTypeError, BackendUnavailableError, CacheClosedError, ConfigError,
                      DriverError, InvalidSlotError, OutOfPagesError, SequenceTooLongError,
@@ -21,7 +21,7 @@ from .errors import (ArgumentTypeError, BackendUnavailableError, CacheClosedErro
 __version__ = "0.1.0"
 
 __all__ = [
-    "KVCache", "KVCacheConfig", "parse_size", "VAttentionError", "ConfigError", "InvalidSlotError",
+    "KVCache", "KVCacheConfig", "Capacity", "parse_size", "VAttentionError", "ConfigError", "InvalidSlotError",
     "SequenceTooLongError", "OutOfPagesError", "DriverError", "BackendUnavailableError",
     "CacheClosedError", "SwapSpaceError", "ArgumentTypeError", "ops", "__version__",
 ]

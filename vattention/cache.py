@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -15,7 +16,7 @@ from .errors import (ArgumentTypeError, BackendUnavailableError, CacheClosedErro
                      InvalidSlotError, SequenceTooLongError)
 from .sharing import SharingMixin
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "Capacity"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,27 @@ def _lens_error(error: Exception, seq_lens, max_batch: int, max_seq: int) -> Exc
                 return SequenceTooLongError(f"seq_lens[slot={slot}]={length} is outside "
                                             f"[0, {max_seq}] (max_seq_len={max_seq})")
     return ArgumentTypeError(str(error))
+
+
+@dataclasses.dataclass(frozen=True)
+class Capacity:
+    """What a step would need and could get, in physical pages (:meth:`KVCache.capacity`).
+
+    ``pages_short`` is what is missing: 0 when the step would not run out of pages.
+    ``pages_creatable`` is ``None`` without a memory budget (the backend is the only limit then,
+    and ``pages_short`` is 0: a refusal by the driver itself is not foreseeable).
+    """
+
+    pages_needed: int
+    pages_free: int
+    pages_creatable: Optional[int]
+    pages_reclaimable: int
+    pages_short: int
+
+    @property
+    def fits(self) -> bool:
+        """True when ``pages_short`` is 0."""
+        return self.pages_short == 0
 
 
 # Largest index_pages(i) before the cache says its page indices got coarse (see models.md).
@@ -110,16 +132,10 @@ class KVCache(SharingMixin):
                 f"ever be mapped; give at least {config.page_bytes} bytes or None for no cap")
         self._config = config
         self._dl_code, self._dl_bits = DTYPES[config.dtype]
-        per_layer = config.per_layer_shapes
-        if per_layer:
+        if config.per_layer_shapes:
             _warn_if_coarse(config)
-        self._core = _C.KVCacheCore(
-            config.device, config.num_layers, config.layer_kv_heads[0], config.layer_head_dims[0],
-            config.element_bytes, config.max_batch_size, config.max_seq_len, config.page_bytes,
-            config.layout == "mega", budget, config.reclaim == "eager", config.lookahead_tokens,
-            config.value_cache, list(config.layer_windows) if config.sliding_window else [],
-            list(config.layer_kv_heads) if per_layer else [],
-            list(config.layer_head_dims) if per_layer else [])
+        self._core = _C.KVCacheCore(config.device, config.geometry, budget,
+                                    config.reclaim == "eager", config.lookahead_tokens)
         if config.scrub:
             self._core.set_scrub(True)
         if swap_budget is not None:
@@ -284,6 +300,60 @@ class KVCache(SharingMixin):
                 raise
             cfg = self._config
             raise _lens_error(e, seq_lens, cfg.max_batch_size, cfg.max_seq_len) from None
+
+    def capacity(self, seq_lens: SeqLens = None, *,
+                 new_requests: Sequence[int] = ()) -> Capacity:
+        """What :meth:`step` ``(seq_lens)`` would need, plus admitting requests of
+        ``new_requests`` tokens each, and what it could get. Maps nothing, changes nothing.
+
+        The same accounting :meth:`step` uses: pages it must map, against free pages, pages
+        creatable within the budget, and reclaimable ones (idle slots, look-ahead beyond active
+        lengths, window pages the step would release; a page also mapped or kept elsewhere is not
+        reclaimable). Use it to admit requests or plan preemption before stepping;
+        :class:`OutOfPagesError` is then left for shortfalls nobody planned for.
+
+        Parameters
+        ----------
+        seq_lens : dict, sequence or 1-D tensor, optional
+            As for :meth:`step` (active slots only). Default: no slot listed.
+        new_requests : sequence of int
+            Tokens of requests not admitted yet (each would take a slot from :meth:`alloc`).
+
+        Examples
+        --------
+        >>> import torch, vattention
+        >>> cfg = vattention.KVCacheConfig(num_layers=1, num_kv_heads=1, head_dim=64,
+        ...                                max_batch_size=4, max_seq_len=1024,
+        ...                                dtype=torch.float32, page_size="4KB")
+        >>> with vattention.KVCache(cfg, memory_budget="32KB") as cache:   # 8 pages
+        ...     a = cache.alloc()
+        ...     cache.step({a: 40})                  # 3 page indices x 2 tensors = 6 pages
+        ...     cap = cache.capacity({a: 41}, new_requests=[16])
+        ...     cap.pages_needed, cap.pages_short, cap.fits
+        (2, 0, True)
+        >>> with vattention.KVCache(cfg, memory_budget="32KB") as cache:
+        ...     a = cache.alloc()
+        ...     cache.step({a: 40})
+        ...     cache.capacity({a: 60}, new_requests=[16]).pages_short
+        2
+        """
+        lens = {} if seq_lens is None else seq_lens
+        if type(lens) is not dict:
+            lens = _as_lens(lens)
+        new = [as_int(n, "new_requests") for n in new_requests]
+        limit = self._config.max_seq_len
+        for i, n in enumerate(new):
+            if not 0 <= n <= limit:
+                raise SequenceTooLongError(f"new_requests[{i}]={n} is outside [0, {limit}] "
+                                           f"(max_seq_len={limit})")
+        try:
+            c = self._core.capacity(lens, new)
+        except (TypeError, OverflowError) as e:
+            if isinstance(e, ArgumentTypeError):
+                raise
+            cfg = self._config
+            raise _lens_error(e, lens, cfg.max_batch_size, cfg.max_seq_len) from None
+        return Capacity(**c)
 
     def prefetch(self, seq_lens: SeqLens, *, lookahead_tokens: Optional[int] = None) -> None:
         """Map pages for the next iteration in the background; returns at once.

@@ -227,14 +227,11 @@ def num_free_kvblocks() -> int:
     2
     >>> vattn.cleanup()
     """
-    state = _require()
-    cache, cfg = state.cache, state.cache.config
-    active = set(cache.active_slots())
-    surplus = 0
-    for slot in range(cfg.max_batch_size):
-        needed = cache.seq_len(slot) if slot in active else 0
-        surplus += cfg.pages_for_tokens(cache.mapped_tokens(slot)) - cfg.pages_for_tokens(needed)
-    return (int(cache.stats()["pages_free"]) + max(surplus, 0)) // cfg.pages_per_index
+    cache = _require().cache
+    # Free pool pages plus what reclaiming idle slots and look-ahead would give (the core's own
+    # accounting, the one step() uses).
+    capacity = cache.capacity()
+    return (capacity.pages_free + capacity.pages_reclaimable) // cache.config.pages_per_index
 
 
 def set_deferred_reclamation(flag: bool) -> None:

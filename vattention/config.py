@@ -1,19 +1,22 @@
 """KVCacheConfig: the shape, dtype, device and paging policy of one KV cache.
 
-All derived sizes (bytes per token, tokens per page, virtual bytes, ...) are properties, so a
-config is a plain value that can be printed, compared and hashed.
+A config normalizes its arguments (types, dtypes, device strings, per-layer sequences) and hands
+the numbers to the core's geometry (``vattention._C.CacheGeometry``, ``csrc/core/geometry.h``),
+which checks them and computes every derived size (bytes per token, tokens per page, virtual
+bytes, ...): each size and each check is written once, in C++. A config is a plain value that can
+be printed, compared, hashed and pickled.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import operator
 import re
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
+from . import _C
 from .errors import ConfigError
 
 __all__ = ["KVCacheConfig", "parse_size", "DTYPES"]
@@ -41,6 +44,7 @@ LAYOUTS = ("layer", "mega")
 RECLAIM_POLICIES = ("deferred", "eager")
 
 MAX_SIZE = 2**63 - 1  # bytes: sizes cross into the core as int64/size_t
+MAX_INT = 2**63 - 1   # every count crosses into the core as int64
 _UNITS = {"": 1, "b": 1, "kb": 1 << 10, "kib": 1 << 10, "mb": 1 << 20, "mib": 1 << 20,
           "gb": 1 << 30, "gib": 1 << 30, "tb": 1 << 40, "tib": 1 << 40}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
@@ -88,7 +92,7 @@ def _normalize_dtype(dtype) -> torch.dtype:
     return dtype
 
 
-def _normalize_window(window: Window, num_layers: int, layout: str) -> Union[None, int, tuple]:
+def _normalize_window(window: Window, num_layers: int) -> Union[None, int, tuple]:
     """None, an int W >= 1 for every layer, or a tuple of num_layers entries (None = full)."""
     def check(value, where):
         if value is None:
@@ -96,7 +100,7 @@ def _normalize_window(window: Window, num_layers: int, layout: str) -> Union[Non
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{where}={value!r} must be an int >= 1 (tokens) or None "
                               "(full attention)")
-        return value
+        return _int64(value, where)
 
     if window is None or isinstance(window, (int, bool)):
         return check(window, "sliding_window")
@@ -106,20 +110,16 @@ def _normalize_window(window: Window, num_layers: int, layout: str) -> Union[Non
     if len(window) != num_layers:
         raise ConfigError(f"sliding_window has {len(window)} entries; it needs one per layer "
                           f"(num_layers={num_layers})")
-    per_layer = tuple(check(w, f"sliding_window[{i}]") for i, w in enumerate(window))
-    if layout == "mega" and len(set(per_layer)) > 1:
-        raise ConfigError(f"sliding_window differs between layers ({sorted(set(per_layer), key=str)}"
-                          "); per-layer windows need layout='layer' (the mega layout maps all "
-                          "layers of a token with one page)")
-    return per_layer
+    # Whether the layout allows per-layer windows is the core's check (geometry.h).
+    return tuple(check(w, f"sliding_window[{i}]") for i, w in enumerate(window))
 
 
 def _normalize_per_layer(value: PerLayer, name: str, num_layers: int) -> Union[int, tuple]:
     """An int >= 1, or a sequence of num_layers of them (collapsed to an int when all equal)."""
     def check(v, where):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        if isinstance(v, bool) or not isinstance(v, int):
             raise ConfigError(f"{where}={v!r} must be a positive int (>= 1)")
-        return v
+        return _int64(v, where)
 
     if isinstance(value, (str, bytes)) or not isinstance(value, (int, Sequence)):
         raise ConfigError(f"{name}={value!r} must be a positive int, or a sequence of "
@@ -131,6 +131,13 @@ def _normalize_per_layer(value: PerLayer, name: str, num_layers: int) -> Union[i
                           f"(num_layers={num_layers})")
     per_layer = tuple(check(v, f"{name}[{i}]") for i, v in enumerate(value))
     return per_layer[0] if len(set(per_layer)) == 1 else per_layer
+
+
+def _int64(value: int, name: str) -> int:
+    if value > MAX_INT:
+        raise ConfigError(f"{name}={value} exceeds the largest value the core accepts, "
+                          f"{MAX_INT} (2**63 - 1)")
+    return value
 
 
 def _normalize_device(device) -> str:
@@ -230,8 +237,11 @@ class KVCacheConfig:
     def __post_init__(self) -> None:
         for name in ("num_layers", "max_batch_size", "max_seq_len"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"{name}={value!r} must be a positive int (>= 1)")
+            _int64(value, name)
+        if self.num_layers < 1:  # the per-layer sequences below are checked against it
+            raise ConfigError(f"num_layers={self.num_layers!r} must be a positive int (>= 1)")
         for name in ("num_kv_heads", "head_dim"):
             object.__setattr__(self, name,
                                _normalize_per_layer(getattr(self, name), name, self.num_layers))
@@ -239,11 +249,6 @@ class KVCacheConfig:
         object.__setattr__(self, "device", _normalize_device(self.device))
         if self.layout not in LAYOUTS:
             raise ConfigError(f"layout={self.layout!r} must be one of {LAYOUTS}")
-        if self.per_layer_shapes and self.layout == "mega":
-            raise ConfigError(
-                f"num_kv_heads={self.num_kv_heads!r}, head_dim={self.head_dim!r} differ between "
-                "layers; per-layer shapes need layout='layer' (a mega tensor has one "
-                "[num_layers, heads, head_dim] row per token)")
         if self.reclaim not in RECLAIM_POLICIES:
             raise ConfigError(f"reclaim={self.reclaim!r} must be one of {RECLAIM_POLICIES}")
         if not isinstance(self.scrub, bool):
@@ -251,24 +256,35 @@ class KVCacheConfig:
         if not isinstance(self.value_cache, bool):
             raise ConfigError(f"value_cache={self.value_cache!r} must be True or False")
         object.__setattr__(self, "sliding_window",
-                           _normalize_window(self.sliding_window, self.num_layers, self.layout))
+                           _normalize_window(self.sliding_window, self.num_layers))
         if (isinstance(self.lookahead_tokens, bool) or not isinstance(self.lookahead_tokens, int)
                 or self.lookahead_tokens < 0):
             raise ConfigError(f"lookahead_tokens={self.lookahead_tokens!r} must be an int >= 0")
+        _int64(self.lookahead_tokens, "lookahead_tokens")
         page_bytes = parse_size(self.page_size, name="page_size")
         if page_bytes < 1:
             raise ConfigError(f"page_size={self.page_size!r} must be > 0 bytes")
-        if self.tensor_token_bytes > page_bytes:
-            raise ConfigError(
-                f"page_size={self.page_size!r} ({page_bytes} bytes) holds less than one token: "
-                f"a token row of one {self.layout!r}-layout tensor is {self.tensor_token_bytes} "
-                f"bytes, so tokens_per_page would be < 1; use a page of at least that size")
+        per_layer = self.per_layer_shapes
+        # The core checks every value and computes every size (csrc/core/geometry.h).
+        object.__setattr__(self, "_geometry", _C.CacheGeometry(
+            num_layers=self.num_layers, num_kv_heads=self.layer_kv_heads[0],
+            head_dim=self.layer_head_dims[0], element_bytes=self.element_bytes,
+            max_batch=self.max_batch_size, max_seq=self.max_seq_len, page_bytes=page_bytes,
+            mega=self.layout == "mega", value_cache=self.value_cache,
+            windows=list(self.layer_windows) if self.sliding_window else [],
+            layer_kv_heads=list(self.layer_kv_heads) if per_layer else [],
+            layer_head_dims=list(self.layer_head_dims) if per_layer else []))
+
+    @property
+    def geometry(self) -> "_C.CacheGeometry":
+        """The core's geometry of this cache: every derived size below comes from it."""
+        return self._geometry
 
     # ---- derived sizes (bytes) -------------------------------------------------------------
     @property
     def page_bytes(self) -> int:
         """Bytes per physical page."""
-        return parse_size(self.page_size, name="page_size")
+        return self._geometry.page_bytes
 
     @property
     def layer_windows(self) -> Tuple[int, ...]:
@@ -281,7 +297,7 @@ class KVCacheConfig:
     @property
     def kv_tensors(self) -> int:
         """Tensors per layer: 2 (K and V), or 1 with ``value_cache=False``."""
-        return 2 if self.value_cache else 1
+        return self._geometry.kv_tensors
 
     @property
     def element_bytes(self) -> int:
@@ -307,27 +323,26 @@ class KVCacheConfig:
 
     def layer_token_bytes(self, layer: int) -> int:
         """Bytes of one token of one layer's K (or V): ``num_kv_heads * head_dim * element``."""
-        return self.layer_kv_heads[layer] * self.layer_head_dims[layer] * self.element_bytes
+        return self._geometry.layer_token_bytes(layer)
 
     @property
     def bytes_per_token(self) -> int:
         """Bytes one token occupies across all layers, K and V: ``2 * L * H * D * element``
         (``L * H * D * element`` with ``value_cache=False``; summed over layers when their
         shapes differ)."""
-        return self.kv_tensors * sum(self.layer_token_bytes(i) for i in range(self.num_layers))
+        return self._geometry.bytes_per_token
 
     @property
     def num_tensors(self) -> int:
         """Virtual tensors reserved: ``2 * num_layers`` (layer layout) or 2 (mega layout);
         half as many with ``value_cache=False``."""
-        return self.kv_tensors * (self.num_layers if self.layout == "layer" else 1)
+        return self._geometry.num_tensors
 
     @property
     def tensor_token_bytes(self) -> int:
         """Bytes of one token's row in one virtual tensor (the token stride, in bytes); the
         largest layer's with per-layer shapes."""
-        per_layer = max(self.layer_token_bytes(i) for i in range(self.num_layers))
-        return per_layer if self.layout == "layer" else per_layer * self.num_layers
+        return max(self._geometry.token_bytes(i) for i in range(self.num_layers))
 
     @property
     def unit_bytes(self) -> int:
@@ -335,37 +350,29 @@ class KVCacheConfig:
         (``tensor_token_bytes`` when every layer has the same shape). A slot grows by page
         indices of ``tokens_per_page`` tokens; layer ``i``'s tensors map
         :meth:`index_pages` ``(i)`` pages per index, exactly in proportion to their size."""
-        if self.layout == "mega":
-            return self.tensor_token_bytes
-        return math.gcd(*(self.layer_token_bytes(i) for i in range(self.num_layers)))
+        return self._geometry.unit_bytes
 
     def index_pages(self, layer: int) -> int:
         """Physical pages one page index takes in each of layer ``layer``'s tensors (1 unless
         layers differ in shape: then a layer with 4x the bytes per token maps 4)."""
-        if self.layout == "mega":
-            return 1
-        return self.layer_token_bytes(layer) // self.unit_bytes
+        return self._geometry.index_pages(layer)
 
     @property
     def pages_per_index(self) -> int:
         """Physical pages one page index takes over all tensors (``num_tensors`` when every
         layer has the same shape)."""
-        if self.layout == "mega":
-            return self.num_tensors
-        unit = self.unit_bytes  # once: index_pages() would take the gcd again for every layer
-        return self.kv_tensors * sum(self.layer_token_bytes(i) // unit
-                                     for i in range(self.num_layers))
+        return self._geometry.columns
 
     @property
     def tokens_per_page(self) -> int:
         """Whole tokens one page index holds (with one shape for every layer: one page of one
         tensor; tokens may straddle pages when not exact)."""
-        return self.page_bytes // self.unit_bytes
+        return self._geometry.tokens_per_page
 
     @property
     def pages_per_slot(self) -> int:
         """Page indices that back a full ``max_seq_len`` row."""
-        return -(-self.max_seq_len * self.unit_bytes // self.page_bytes)
+        return self._geometry.max_indices
 
     @property
     def slot_bytes(self) -> int:
@@ -377,7 +384,7 @@ class KVCacheConfig:
     @property
     def virtual_bytes(self) -> int:
         """Virtual address space reserved by the cache (no physical memory)."""
-        return self.pages_per_index * self.max_batch_size * self.slot_bytes
+        return self._geometry.virtual_bytes
 
     @property
     def static_bytes(self) -> int:
@@ -386,5 +393,4 @@ class KVCacheConfig:
 
     def pages_for_tokens(self, num_tokens: int) -> int:
         """Pages (over all tensors) needed to back ``num_tokens`` tokens of one slot."""
-        indices = -(-num_tokens * self.unit_bytes // self.page_bytes)
-        return indices * self.pages_per_index
+        return self._geometry.pages_for(num_tokens) * self._geometry.columns

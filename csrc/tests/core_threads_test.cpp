@@ -13,21 +13,14 @@
 #include <thread>
 #include <vector>
 
-#include "../host_backend.h"
-#include "../kv_cache.h"
+#include "core/kv_cache.h"
+#include "host/host_backend.h"
+#include "tests/harness.h"
 
 using namespace vattention;
+using vattention::testing::check;
 
 namespace {
-
-int failures = 0;
-
-void check(bool ok, const std::string& what) {
-  if (!ok) {
-    std::fprintf(stderr, "FAIL: %s\n", what.c_str());
-    ++failures;
-  }
-}
 
 std::unique_ptr<KVCacheCore> make_core(bool mega, int64_t budget, ReclaimPolicy policy) {
   CacheGeometry g;
@@ -61,7 +54,7 @@ void hammer(KVCacheCore& core, unsigned seed, std::chrono::steady_clock::time_po
       } else if (op < 60 && !mine.empty()) {
         const int64_t extra = 1 + static_cast<int64_t>(rng() % 300);
         std::vector<int64_t> lens = lens_of(extra);
-        core.step(lens, 0, false);
+        core.step(lens, 0);
         for (auto& [s, n] : mine) n = lens[static_cast<size_t>(s)];
         ++steps;
       } else if (op < 75 && !mine.empty()) {
@@ -108,13 +101,13 @@ void test_rollback_through_faults() {
     std::vector<int64_t> lens(16, KVCacheCore::kUnlisted);
     const int a = core->alloc(), b = core->alloc();
     lens[static_cast<size_t>(a)] = 600;
-    core->step(lens, 0, false);
+    core->step(lens, 0);
     core->free(a, 0);
     host.inject_fault(op, 2, false);
     lens.assign(16, KVCacheCore::kUnlisted);
     lens[static_cast<size_t>(b)] = 3000;
     try {
-      core->step(lens, 0, false);
+      core->step(lens, 0);
       core->reclaim();
     } catch (const Error& e) {
       check(e.kind() == Error::Kind::Driver, std::string("fault kind for ") + op);
@@ -122,7 +115,7 @@ void test_rollback_through_faults() {
     check(core->check_invariants().empty(), std::string("invariants after ") + op + ": " +
                                                 core->check_invariants());
     host.inject_fault(op, 0, false);
-    core->step(lens, 0, false);
+    core->step(lens, 0);
     core->close();
   }
 }
@@ -134,10 +127,5 @@ int main() {
   test_threads(true, ReclaimPolicy::Deferred);
   test_threads(false, ReclaimPolicy::Eager);
   test_rollback_through_faults();
-  if (failures) {
-    std::fprintf(stderr, "%d failure(s)\n", failures);
-    return 1;
-  }
-  std::printf("core thread/rollback tests: all passed\n");
-  return 0;
+  return vattention::testing::report("core thread/rollback tests");
 }

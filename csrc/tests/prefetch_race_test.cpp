@@ -19,22 +19,15 @@
 #include <thread>
 #include <vector>
 
-#include "../host_backend.h"
-#include "../kv_cache.h"
+#include "core/kv_cache.h"
+#include "host/host_backend.h"
+#include "tests/harness.h"
 
 using namespace vattention;
+using vattention::testing::check;
 using namespace std::chrono_literals;
 
 namespace {
-
-std::atomic<int> failures{0};
-
-void check(bool ok, const std::string& what) {
-  if (!ok) {
-    std::fprintf(stderr, "FAIL: %s\n", what.c_str());
-    ++failures;
-  }
-}
 
 // Host backend whose map() can be held open (gate) or slowed (latency). Everything else forwards.
 class GatedBackend final : public Backend {
@@ -165,11 +158,11 @@ struct Fixture {
 void test_step_of_other_slots_does_not_wait() {
   Fixture f;
   const int a = f.core->alloc(), b = f.core->alloc();
-  f.core->step(f.lens({{a, 1}, {b, 1}}), 0, false);
+  f.core->step(f.lens({{a, 1}, {b, 1}}), 0);
   f.hold_prefetch(a, 5 * f.tpp);
   auto other = std::async(std::launch::async, [&] {
-    f.core->step(f.lens({{b, 3 * f.tpp}}), 0, false);  // maps b: its own driver calls only
-    return f.core->step(f.lens({{a, 1}, {b, 3 * f.tpp}}), 0, true);  // nothing to map
+    f.core->step(f.lens({{b, 3 * f.tpp}}), 0);  // maps b: its own driver calls only
+    return f.core->try_step(f.lens({{a, 1}, {b, 3 * f.tpp}}));  // nothing to map
   });
   const bool done = other.wait_for(5s) == std::future_status::ready;
   check(done, "step() of other slots waited for the held prefetch map");
@@ -184,10 +177,10 @@ void test_step_of_other_slots_does_not_wait() {
 void test_step_of_the_slot_in_flight_waits() {
   Fixture f;
   const int a = f.core->alloc();
-  f.core->step(f.lens({{a, 1}}), 0, false);
+  f.core->step(f.lens({{a, 1}}), 0);
   f.hold_prefetch(a, 4 * f.tpp);
   const int64_t step_maps = f.stat("step_map_calls");
-  auto st = std::async(std::launch::async, [&] { f.core->step(f.lens({{a, 4 * f.tpp}}), 0, false); });
+  auto st = std::async(std::launch::async, [&] { f.core->step(f.lens({{a, 4 * f.tpp}}), 0); });
   check(st.wait_for(100ms) == std::future_status::timeout, "step() did not wait for the range in flight");
   f.gate->open();
   check(st.wait_for(5s) == std::future_status::ready, "step() never finished");
@@ -204,7 +197,7 @@ void test_free_during_flight(ReclaimPolicy policy, bool had_pages) {
                            (had_pages ? ", had pages)" : ", no pages)");
   Fixture f(policy);
   const int a = f.core->alloc();
-  if (had_pages) f.core->step(f.lens({{a, 1}}), 0, false);
+  if (had_pages) f.core->step(f.lens({{a, 1}}), 0);
   f.hold_prefetch(a, 3 * f.tpp);
   f.core->free(a, 0);
   check(f.core->check_invariants().empty(), what + ": invariants in flight: " + f.core->check_invariants());
@@ -217,7 +210,7 @@ void test_free_during_flight(ReclaimPolicy policy, bool had_pages) {
   check(f.stat("pages_free") == f.stat("pages_total"), what + ": pages not back in the pool");
   // The slot is usable again.
   const int b = f.core->alloc();
-  f.core->step(f.lens({{b, 2 * f.tpp}}), 0, false);
+  f.core->step(f.lens({{b, 2 * f.tpp}}), 0);
   f.expect_all_pages_return(what);
 }
 
@@ -225,7 +218,7 @@ void test_free_during_flight(ReclaimPolicy policy, bool had_pages) {
 void test_free_then_alloc_during_flight() {
   Fixture f;
   const int a = f.core->alloc();
-  f.core->step(f.lens({{a, 1}}), 0, false);
+  f.core->step(f.lens({{a, 1}}), 0);
   f.hold_prefetch(a, 3 * f.tpp);
   f.core->free(a, 0);
   auto al = std::async(std::launch::async, [&] { return f.core->alloc(); });
@@ -233,7 +226,7 @@ void test_free_then_alloc_during_flight() {
   f.gate->open();
   const int b = al.get();
   check(b == a, "alloc() should prefer the idle slot holding pages");
-  f.core->step(f.lens({{b, 3 * f.tpp}}), 0, false);
+  f.core->step(f.lens({{b, 3 * f.tpp}}), 0);
   f.finish("free then alloc");
   f.expect_all_pages_return("free then alloc");
 }
@@ -243,7 +236,7 @@ void test_fork_and_swap_during_flight() {
   Fixture f;
   f.core->set_swap_budget(int64_t{16} << 20);
   const int a = f.core->alloc();
-  f.core->step(f.lens({{a, 2 * f.tpp + 3}}), 0, false);
+  f.core->step(f.lens({{a, 2 * f.tpp + 3}}), 0);
   f.hold_prefetch(a, 6 * f.tpp);
   auto fk = std::async(std::launch::async, [&] { return f.core->fork(a, -1, 0); });
   check(fk.wait_for(100ms) == std::future_status::timeout, "fork() did not settle");
@@ -266,7 +259,7 @@ void test_fork_and_swap_during_flight() {
 void test_map_failure_outside_the_lock() {
   Fixture f;
   const int a = f.core->alloc();
-  f.core->step(f.lens({{a, 1}}), 0, false);
+  f.core->step(f.lens({{a, 1}}), 0);
   f.gate->inner().inject_fault("map", 3, false);
   f.core->prefetch(f.lens({{a, 4 * f.tpp}}), 0);
   bool raised = false;
@@ -278,7 +271,7 @@ void test_map_failure_outside_the_lock() {
   check(raised, "map failure not reported by wait()");
   check(f.core->check_invariants().empty(), "invariants after failure: " + f.core->check_invariants());
   check(f.core->mapped_tokens(a) == f.tpp, "slot changed by a failed background mapping");
-  f.core->step(f.lens({{a, 4 * f.tpp}}), 0, false);  // the range is free to map again
+  f.core->step(f.lens({{a, 4 * f.tpp}}), 0);  // the range is free to map again
   f.expect_all_pages_return("map failure");
 }
 
@@ -286,11 +279,11 @@ void test_map_failure_outside_the_lock() {
 void test_pool_dry_while_pages_in_flight() {
   Fixture f(ReclaimPolicy::Deferred, int64_t{12} * (64 << 10) * 4);  // 12 page indices x 4 tensors
   const int a = f.core->alloc(), b = f.core->alloc();
-  f.core->step(f.lens({{a, 1}, {b, 1}}), 0, false);
+  f.core->step(f.lens({{a, 1}, {b, 1}}), 0);
   f.hold_prefetch(a, 8 * f.tpp);  // 7 more page indices in flight; 3 left
   auto st = std::async(std::launch::async, [&] {
     // Needs 4 more for b: only after a's look-ahead is published can it be trimmed.
-    f.core->step(f.lens({{a, 1}, {b, 5 * f.tpp}}), 0, false);
+    f.core->step(f.lens({{a, 1}, {b, 5 * f.tpp}}), 0);
   });
   check(st.wait_for(100ms) == std::future_status::timeout, "step() did not wait for pages in flight");
   f.gate->open();
@@ -311,7 +304,7 @@ void test_page_creation_outside_the_lock() {
     Fixture f;
     const int a = f.core->alloc(), b = f.core->alloc();
     f.hold_prefetch(a, 3 * f.tpp, "create_page");
-    auto st = std::async(std::launch::async, [&] { f.core->step(f.lens({{b, 2 * f.tpp}}), 0, false); });
+    auto st = std::async(std::launch::async, [&] { f.core->step(f.lens({{b, 2 * f.tpp}}), 0); });
     check(st.wait_for(5s) == std::future_status::ready, "step() waited for the prefetch thread's cuMemCreate");
     st.get();
     f.finish("create, no budget");
@@ -322,7 +315,7 @@ void test_page_creation_outside_the_lock() {
     Fixture f(ReclaimPolicy::Deferred, int64_t{6} * (64 << 10) * 4);  // 6 page indices x 4 tensors
     const int a = f.core->alloc(), b = f.core->alloc();
     f.hold_prefetch(a, 4 * f.tpp, "create_page");  // counts 16 of the 24 pages against the budget
-    auto st = std::async(std::launch::async, [&] { f.core->step(f.lens({{b, 3 * f.tpp}}), 0, false); });
+    auto st = std::async(std::launch::async, [&] { f.core->step(f.lens({{b, 3 * f.tpp}}), 0); });
     check(st.wait_for(100ms) == std::future_status::timeout,
           "step() did not wait for pages being created under the budget");
     f.gate->open();
@@ -360,7 +353,11 @@ void test_hammer_with_latency() {
           mine.emplace_back(f.core->alloc(), 0);
         } else if (op < 45 && !mine.empty()) {
           auto v = lens_of(1 + static_cast<int64_t>(rng() % 200));
-          f.core->step(v, 0, rng() % 2 == 0);
+          if (rng() % 2 == 0) {
+            f.core->try_step(v);  // the fast path: may refuse (nothing changed then)
+          } else {
+            f.core->step(v, 0);
+          }
           for (auto& [s, n] : mine) n = std::max(n, v[static_cast<size_t>(s)]);
         } else if (op < 70 && !mine.empty()) {
           f.core->prefetch(lens_of(static_cast<int64_t>(rng() % 300)), -1);
@@ -427,10 +424,5 @@ int main() {
   test_pool_dry_while_pages_in_flight();
   test_page_creation_outside_the_lock();
   test_hammer_with_latency();
-  if (failures) {
-    std::fprintf(stderr, "%d failure(s)\n", failures.load());
-    return 1;
-  }
-  std::printf("prefetch race tests (map outside the lock): all passed\n");
-  return 0;
+  return vattention::testing::report("prefetch race tests (map outside the lock)");
 }

@@ -17,21 +17,14 @@
 #include <thread>
 #include <vector>
 
-#include "../host_backend.h"
-#include "../kv_cache.h"
+#include "core/kv_cache.h"
+#include "host/host_backend.h"
+#include "tests/harness.h"
 
 using namespace vattention;
+using vattention::testing::check;
 
 namespace {
-
-std::atomic<int> failures{0};
-
-void check(bool ok, const std::string& what) {
-  if (!ok) {
-    std::fprintf(stderr, "FAIL: %s\n", what.c_str());
-    ++failures;
-  }
-}
 
 // per_layer: layer 0 has twice layer 1's KV heads, so a page index is 2 + 1 pages per K/V.
 std::unique_ptr<KVCacheCore> make_core(bool mega, int64_t window, bool per_layer) {
@@ -103,7 +96,7 @@ void hammer(KVCacheCore& core, unsigned seed, std::chrono::steady_clock::time_po
   auto step_one = [&](const Seq& s, int64_t len) {
     std::vector<int64_t> lens(static_cast<size_t>(B), KVCacheCore::kUnlisted);
     lens[static_cast<size_t>(s.slot)] = len;
-    core.step(lens, 0, false);
+    core.step(lens, 0);
   };
   while (std::chrono::steady_clock::now() < stop) {
     const unsigned op = rng() % 100;
@@ -217,10 +210,5 @@ int main() {
   run(true, 200);
   run(false, 0, true);
   run(false, 200, true);
-  if (failures) {
-    std::fprintf(stderr, "%d failure(s)\n", failures.load());
-    return 1;
-  }
-  std::printf("sharing/swap thread tests: all passed\n");
-  return 0;
+  return vattention::testing::report("sharing/swap thread tests");
 }

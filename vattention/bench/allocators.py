@@ -31,7 +31,7 @@ from typing import Callable, Dict, Optional
 
 from vattention.errors import InvalidSlotError, OutOfPagesError
 
-from .sizing import page_geometry, window_pages_per_index
+from .sizing import cache_config, page_geometry, window_pages_per_index
 from .workload import ModelShape
 
 __all__ = ["Allocator", "StaticAllocator", "BlockAllocator", "VAttentionAllocator",
@@ -271,12 +271,8 @@ def real_cache_factory(model: ModelShape, layout: str, page_size: str, max_batch
     """
     import vattention  # imported late: needs the built core and torch
 
-    heads, dims = zip(*model.layer_shapes())
-    cfg = vattention.KVCacheConfig(
-        num_layers=model.num_layers, num_kv_heads=heads, head_dim=dims,
-        max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=model.dtype,
-        device="cpu", page_size=page_size, layout=layout, reclaim=reclaim,
-        sliding_window=model.sliding_window() if release else None)
+    cfg = cache_config(model, layout, page_size, max_batch_size=max_batch_size,
+                       max_seq_len=max_seq_len, release=release, reclaim=reclaim)
     return vattention.KVCache(cfg, memory_budget=budget_bytes)
 
 

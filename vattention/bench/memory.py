@@ -309,7 +309,12 @@ def run_memory_benchmark(workload: Workload, model: ModelShape, *, budget_bytes:
     results: Dict[str, SimResult] = {}
     metrics: Dict[str, Dict[str, object]] = {}
     for name in allocators:
-        need = min_bytes_for_request(name, model, int(total.max()), max_seq_len)
+        try:
+            need = min_bytes_for_request(name, model, int(total.max()), max_seq_len)
+        except ConfigError as exc:  # e.g. per-layer shapes in the mega layout
+            metrics[name] = {"error": str(exc)}
+            logger.warning("%s skipped: %s", name, exc)
+            continue
         if need > budget_bytes:
             metrics[name] = {"error": f"the longest request ({int(total.max())} tokens) needs "
                                       f"{need} bytes alone, over the budget of {budget_bytes} "

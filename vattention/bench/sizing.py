@@ -1,20 +1,40 @@
 """What one request or one budget needs under each allocator (page arithmetic, OS limits).
 
-Mirrors ``KVCacheConfig``: a ``layer`` cache has ``2 * L`` tensors with ``H * D * elem`` bytes
-per token, a ``mega`` cache 2 tensors with ``L * H * D * elem`` bytes per token; a slot grows by
-page indices, one page per tensor (with per-layer shapes: ``token_bytes / unit_bytes`` pages per
-tensor, ``unit_bytes`` the gcd of the layers' token bytes).
+Every vattention number comes from the :class:`vattention.KVCacheConfig` of the cache the
+benchmark builds (:func:`cache_config`), whose sizes come from the core's one geometry: nothing
+here re-derives page arithmetic.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
+from ..config import KVCacheConfig
 from .workload import ModelShape
 
-__all__ = ["page_geometry", "window_pages_per_index", "min_bytes_for_request",
+__all__ = ["cache_config", "page_geometry", "window_pages_per_index", "min_bytes_for_request",
            "host_mapping_problem"]
+
+
+def cache_config(model: ModelShape, layout: str, page_size: str, *, max_batch_size: int = 1,
+                 max_seq_len: int = 1, release: bool = True,
+                 reclaim: str = "deferred") -> KVCacheConfig:
+    """The host-backend ``KVCacheConfig`` that holds ``model`` in ``layout`` with ``page_size``.
+
+    ``release``: give the cache the model's sliding windows (``False``: every layer keeps every
+    token). Raises :class:`vattention.ConfigError` for what the cache cannot hold (e.g. per-layer
+    shapes or windows in the ``mega`` layout).
+
+    >>> from vattention.bench.workload import MODELS
+    >>> cache_config(MODELS["llama3-8b"], "mega", "2MB").tokens_per_page
+    32
+    """
+    heads, dims = zip(*model.layer_shapes())
+    return KVCacheConfig(
+        num_layers=model.num_layers, num_kv_heads=heads, head_dim=dims,
+        max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=model.dtype,
+        device="cpu", page_size=page_size, layout=layout, reclaim=reclaim,
+        sliding_window=model.sliding_window() if release else None)
 
 
 def min_bytes_for_request(name: str, model: ModelShape, num_tokens: int,
@@ -43,14 +63,13 @@ def min_bytes_for_request(name: str, model: ModelShape, num_tokens: int,
     parts = name.split("-")
     if parts[3:] == ["padded"]:
         model = model.padded()
-    pages_per_index, unit_bytes, page_bytes = page_geometry(model, parts[1], parts[2])
-    return pages_per_index * -(-num_tokens * unit_bytes // page_bytes) * page_bytes
+    cfg = cache_config(model, parts[1], parts[2], release=False)
+    return cfg.pages_for_tokens(num_tokens) * cfg.page_bytes
 
 
 def page_geometry(model: ModelShape, layout: str, page_size: str):
-    """``(pages_per_index, unit_bytes, page_bytes)`` of a vattention cache, as in
-    ``KVCacheConfig``: one page index holds ``page_bytes // unit_bytes`` tokens and takes
-    ``pages_per_index`` pages (``2 * L`` or 2 with one shape for every layer).
+    """``(pages_per_index, unit_bytes, page_bytes)`` of the vattention cache for ``model``: one
+    page index holds ``page_bytes // unit_bytes`` tokens and takes ``pages_per_index`` pages.
 
     >>> from vattention.bench.workload import MODELS
     >>> page_geometry(MODELS["llama3-8b"], "mega", "2MB")
@@ -58,18 +77,8 @@ def page_geometry(model: ModelShape, layout: str, page_size: str):
     >>> page_geometry(MODELS["gemma4-defaults"], "layer", "2MB")   # 25 x 1 + 5 x 2 pages, K and V
     (70, 2048, 2097152)
     """
-    page_bytes = int(page_size[:-2]) << {"KB": 10, "MB": 20, "GB": 30}[page_size[-2:].upper()]
-    if layout == "layer":
-        unit, pages = _layer_index_pages(model)
-        return 2 * sum(pages), unit, page_bytes
-    return 2, sum(model.layer_token_bytes()), page_bytes
-
-
-def _layer_index_pages(model: ModelShape):
-    """``layer`` layout: the gcd of the layers' token bytes, and each layer's pages per index."""
-    per_layer = model.layer_token_bytes()
-    unit = math.gcd(*per_layer)
-    return unit, [b // unit for b in per_layer]
+    cfg = cache_config(model, layout, page_size, release=False)
+    return cfg.pages_per_index, cfg.unit_bytes, cfg.page_bytes
 
 
 def window_pages_per_index(model: ModelShape, layout: str) -> int:
@@ -81,9 +90,10 @@ def window_pages_per_index(model: ModelShape, layout: str) -> int:
     """
     if not (model.window and model.window_layers):
         return 0
+    cfg = cache_config(model, layout, "2MB", release=False)
     if layout == "mega":
-        return 2
-    return 2 * sum(_layer_index_pages(model)[1][:model.window_layers])
+        return cfg.pages_per_index  # one page per tensor holds every layer, windowed ones too
+    return cfg.kv_tensors * sum(cfg.index_pages(i) for i in range(model.window_layers))
 
 
 def host_mapping_problem(name: str, model: ModelShape, budget_bytes: int) -> Optional[str]:

@@ -12,7 +12,9 @@ A page must also be a multiple of the backend's mapping granularity (the OS page
 2 MB for CUDA), which may force a larger block: :func:`aligned_block_size` gives the smallest
 multiple of the requested block size that satisfies it.
 
-This module is pure arithmetic (no vLLM import), so it is tested without vLLM.
+Every size comes from the :class:`vattention.KVCacheConfig` of the cache (and so from the core's
+one geometry); this module adds only vLLM's side of the bargain. It imports no vLLM, so it is
+tested without vLLM.
 """
 
 from __future__ import annotations
@@ -20,18 +22,36 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import torch
+
+from ...config import KVCacheConfig
+
 __all__ = ["KVGeometry", "aligned_block_size", "tensor_token_bytes"]
 
 LAYOUTS = ("mega", "layer")
+# An element type of each size: the geometry depends on the bytes only.
+_BY_SIZE = {1: torch.uint8, 2: torch.float16, 4: torch.float32, 8: torch.float64}
+_LARGE_PAGE = 1 << 30  # bytes: holds any token row, to ask a config for its token stride
+
+
+def _config(layout: str, num_layers: int, num_kv_heads: int, head_dim: int, element_bytes: int,
+            page_bytes: int, max_seq_len: int = 1) -> KVCacheConfig:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} must be one of {LAYOUTS}")
+    return KVCacheConfig(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                         max_batch_size=1, max_seq_len=max_seq_len,
+                         dtype=_BY_SIZE[element_bytes], page_size=page_bytes, layout=layout)
 
 
 def tensor_token_bytes(layout: str, num_layers: int, num_kv_heads: int, head_dim: int,
                        element_bytes: int) -> int:
-    """Bytes one token occupies in one virtual tensor (``mega``: all layers; ``layer``: one)."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} must be one of {LAYOUTS}")
-    per_layer = num_kv_heads * head_dim * element_bytes
-    return per_layer * num_layers if layout == "mega" else per_layer
+    """Bytes one token occupies in one virtual tensor (``mega``: all layers; ``layer``: one).
+
+    >>> tensor_token_bytes("mega", 2, 2, 32, 4), tensor_token_bytes("layer", 2, 2, 32, 4)
+    (512, 256)
+    """
+    return _config(layout, num_layers, num_kv_heads, head_dim, element_bytes,
+                   _LARGE_PAGE).tensor_token_bytes
 
 
 def aligned_block_size(block_size: int, token_bytes: int, granularity: int) -> int:
@@ -82,22 +102,29 @@ class KVGeometry:
     layout: str = "mega"
 
     @property
+    def config(self) -> KVCacheConfig:
+        """A one-slot, one-block ``KVCacheConfig`` of this geometry (its sizes are the cache's)."""
+        token = tensor_token_bytes(self.layout, self.num_layers, self.num_kv_heads,
+                                   self.head_dim, self.element_bytes)
+        return _config(self.layout, self.num_layers, self.num_kv_heads, self.head_dim,
+                       self.element_bytes, self.block_size * token, self.block_size)
+
+    @property
     def token_bytes(self) -> int:
         """Bytes of one token in one virtual tensor."""
-        return tensor_token_bytes(self.layout, self.num_layers, self.num_kv_heads, self.head_dim,
-                                  self.element_bytes)
+        return self.config.tensor_token_bytes
 
     @property
     def page_bytes(self) -> int:
         """One page holds one block of one tensor."""
-        return self.block_size * self.token_bytes
+        return self.config.page_bytes
 
     @property
     def pages_per_block(self) -> int:
         """Pages backing one vLLM block: one per virtual tensor (2 for mega, 2 x layers else)."""
-        return 2 if self.layout == "mega" else 2 * self.num_layers
+        return self.config.pages_per_index
 
     @property
     def memory_budget(self) -> int:
         """Bytes of the ``num_blocks`` blocks vLLM would have allocated up front."""
-        return self.num_blocks * self.pages_per_block * self.page_bytes
+        return self.num_blocks * self.config.pages_for_tokens(self.block_size) * self.page_bytes

@@ -1,0 +1,131 @@
+// The Backend interface: the physical/virtual memory primitives the KV cache is built on.
+//
+// Why an interface: the same cache logic (slots, layouts, transactions, reclamation) runs on the
+// CUDA driver's VMM API and on Linux host memory. Both expose the same model: reserve a virtual
+// range with no memory behind it, create fixed-size physical pages, map a page at a page-aligned
+// address inside a reservation, grant access to a run of mapped pages, unmap whole runs.
+//
+// Contract shared by every implementation (the CUDA rules, which the host backend also obeys so
+// that host tests catch misuse the driver would reject):
+//  - all sizes and addresses are multiples of page_bytes(), itself a multiple of granularity();
+//  - map() puts exactly one page at va; the range must be inside a reservation and unmapped;
+//  - set_access() covers only fully mapped ranges, and may span several adjacent pages;
+//  - unmap() covers whole mappings exactly;
+//  - failures throw vattention::Error (Kind::OutOfPages from create_page when memory is exhausted,
+//    Kind::Driver otherwise) and leave the backend as it was.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/cache_watch.h"
+
+namespace vattention {
+
+using PageHandle = uint64_t;
+struct CacheGeometry;
+
+// DLPack device codes (kDLCPU = 1, kDLCUDA = 2), so bindings can export tensors without a table.
+struct DeviceId {
+  int32_t dl_device_type = 1;
+  int32_t ordinal = 0;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  Backend() = default;
+  Backend(const Backend&) = delete;
+  Backend& operator=(const Backend&) = delete;
+
+  // Smallest legal page size in bytes (host: the OS page size; CUDA: MINIMUM granularity).
+  virtual size_t granularity() const = 0;
+  // Size of the pages create_page() makes, fixed at construction.
+  virtual size_t page_bytes() const = 0;
+  virtual DeviceId device() const = 0;
+  // "host" or "cuda".
+  virtual std::string name() const = 0;
+
+  // Reserve bytes of virtual address space with no access and no memory behind it.
+  virtual uintptr_t reserve(size_t bytes) = 0;
+  // Give back a whole reservation. Precondition: nothing in it is mapped.
+  virtual void release_va(uintptr_t va, size_t bytes) = 0;
+
+  // Create one committed physical page of page_bytes(). Slow (CUDA: ~190 us per 2 MB page).
+  virtual PageHandle create_page() = 0;
+  // Return a page to the OS/driver. Legal while mapped (memory goes when the last mapping does).
+  virtual void destroy_page(PageHandle page) = 0;
+
+  // Map one page at va (page_bytes() long). The new mapping has no access until set_access().
+  virtual void map(uintptr_t va, PageHandle page) = 0;
+  // Grant read/write access to [va, va + bytes), which must be fully mapped.
+  virtual void set_access(uintptr_t va, size_t bytes) = 0;
+  // Make [va, va + bytes) resident now instead of at first touch (host: fault the page tables in;
+  // device memory is resident once mapped). An optimization only: callers may invoke it without the
+  // cache lock on a range unmapped meanwhile, so it must tolerate that and never throw.
+  virtual void prefault(uintptr_t /*va*/, size_t /*bytes*/) noexcept {}
+  // Unmap [va, va + bytes), which must cover whole mappings; the range stays reserved.
+  virtual void unmap(uintptr_t va, size_t bytes) = 0;
+
+  // Make the calling thread able to call this backend (CUDA: make the primary context current).
+  // Called by every thread, including the prefetch thread, before its first backend call.
+  virtual void bind_thread() {}
+
+  // Stream-ordered fences for deferred unmapping (DESIGN.md section 3, "Unmapping is not
+  // stream-ordered"). record_fence() records an event on `stream` (0 = legacy default stream) and
+  // returns an id; fence_done() polls it; fence_wait() blocks; fence_release() frees it.
+  // The host backend has nothing in flight: ids are 0 and always done.
+  virtual uint64_t record_fence(uintptr_t /*stream*/) { return 0; }
+  virtual bool fence_done(uint64_t /*fence*/) { return true; }
+  virtual void fence_wait(uint64_t /*fence*/) {}
+  virtual void fence_release(uint64_t /*fence*/) {}
+
+  // Called by the cache's close() after every page is destroyed: give back whatever still holds
+  // physical memory or OS resources for pages (host: the memfd arenas' descriptors). No page is
+  // created afterwards; reservations stay valid until release_va().
+  virtual void release_physical() noexcept {}
+
+  // Bytes the OS/driver really holds for this backend's pages (host: memfd blocks). -1 if unknown.
+  virtual int64_t committed_bytes() const { return -1; }
+
+  // Called once per cache after its tensors are reserved at `bases` (one per tensor, as
+  // geometry.h numbers them). nullptr: nothing to keep.
+  virtual std::unique_ptr<CacheWatch> watch_cache(const CacheGeometry& /*geometry*/,
+                                                  const std::vector<uintptr_t>& /*bases*/) {
+    return nullptr;
+  }
+
+  // ---- copies (prefix sharing and swap, issue 7) ------------------------------------------------
+  // Every copy is ordered on `stream` (0 = legacy default stream) after work already queued there,
+  // and may still be running when the call returns: before unmapping either range, freeing a host
+  // buffer or reading it on the host, the caller records a fence on `stream` and waits for it.
+  // The host backend copies synchronously with memcpy, so its fences are trivially done.
+  // CUDA must implement these with the driver (cuMemcpyAsync / cuMemcpyDtoDAsync for copy(),
+  // cuMemcpyDtoHAsync / cuMemcpyHtoDAsync for the host copies) on `stream`; the defaults below are
+  // only correct where device memory is host memory.
+  //
+  // Device-to-device copy of `bytes` from src to dst; both ranges mapped with access.
+  virtual void copy(uintptr_t dst, uintptr_t src, size_t bytes, uintptr_t /*stream*/) {
+    std::memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes);
+  }
+  // Device range [src, src + bytes) into host buffer dst (from alloc_host()).
+  virtual void copy_to_host(void* dst, uintptr_t src, size_t bytes, uintptr_t /*stream*/) {
+    std::memcpy(dst, reinterpret_cast<const void*>(src), bytes);
+  }
+  // Host buffer src (from alloc_host()) into device range [dst, dst + bytes).
+  virtual void copy_from_host(uintptr_t dst, const void* src, size_t bytes, uintptr_t /*stream*/) {
+    std::memcpy(reinterpret_cast<void*>(dst), src, bytes);
+  }
+  // Host staging memory for swap. CUDA: page-locked (cuMemHostAlloc / cuMemFreeHost) so the
+  // copies above are true asynchronous DMA. alloc_host returns nullptr when the allocation fails;
+  // free_host is called from destructors and should not throw.
+  virtual void* alloc_host(size_t bytes) { return std::malloc(bytes); }
+  virtual void free_host(void* ptr) { std::free(ptr); }
+};
+
+}  // namespace vattention

@@ -1,0 +1,19 @@
+#include "core/host_block.h"
+
+namespace vattention {
+
+HostBlock::HostBlock(Backend& backend, void* data, size_t bytes, size_t* live_bytes)
+    : backend_(backend), data_(data), bytes_(bytes), live_bytes_(live_bytes) {
+  *live_bytes_ += bytes_;
+}
+
+HostBlock::~HostBlock() {
+  *live_bytes_ -= bytes_;
+  try {
+    backend_.free_host(data_);
+  } catch (...) {
+    // A destructor must not throw; at worst one host block leaks.
+  }
+}
+
+}  // namespace vattention

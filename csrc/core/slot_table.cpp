@@ -1,0 +1,112 @@
+#include "core/slot_table.h"
+
+namespace vattention {
+namespace {
+
+std::string slot_range(int64_t max_batch) { return "[0, " + std::to_string(max_batch) + ")"; }
+
+}  // namespace
+
+SlotTable::SlotTable(int64_t max_batch, int64_t max_seq)
+    : max_batch_(max_batch), max_seq_(max_seq), slots_(static_cast<size_t>(max_batch)) {}
+
+void SlotTable::validate(int64_t slot) const {
+  if (slot < 0 || slot >= max_batch_) {
+    throw Error(Error::Kind::InvalidSlot, "slot=" + std::to_string(slot) + " is out of range " +
+                                              slot_range(max_batch_) + " (max_batch_size=" +
+                                              std::to_string(max_batch_) + ")")
+        .with("slot", slot)
+        .with("max_batch_size", max_batch_);
+  }
+}
+
+void SlotTable::require_active(int slot, const char* role, const char* why) const {
+  validate(slot);
+  if (slots_[static_cast<size_t>(slot)].state != Slot::State::Active) {
+    throw Error(Error::Kind::InvalidSlot, std::string(role) + "=" + std::to_string(slot) + " " + why)
+        .with("slot", slot);
+  }
+}
+
+Error SlotTable::no_free_slot() const {
+  return Error(Error::Kind::InvalidSlot, "no free slot: all max_batch_size=" +
+                                             std::to_string(max_batch_) +
+                                             " slots are active; free one first")
+      .with("max_batch_size", max_batch_);
+}
+
+void SlotTable::validate_lens(const std::vector<int64_t>& lens, bool require_active) const {
+  if (static_cast<int64_t>(lens.size()) != max_batch_) {
+    throw Error(Error::Kind::InvalidSlot, "seq_lens has " + std::to_string(lens.size()) +
+                                              " entries; a sequence must have max_batch_size=" +
+                                              std::to_string(max_batch_));
+  }
+  for (size_t i = 0; i < lens.size(); ++i) {
+    const int64_t len = lens[i];
+    if (len == kUnlisted) continue;
+    if (len < 0 || len > max_seq_) {
+      throw Error(Error::Kind::SequenceTooLong,
+                  "seq_lens[slot=" + std::to_string(i) + "]=" + std::to_string(len) +
+                      (len < 0 ? " is negative" : " exceeds max_seq_len") +
+                      "; lengths must be in [0, " + std::to_string(max_seq_) +
+                      "] (max_seq_len=" + std::to_string(max_seq_) + ")")
+          .with("slot", static_cast<int64_t>(i))
+          .with("seq_len", len)
+          .with("max_seq_len", max_seq_);
+    }
+    if (require_active && slots_[i].state != Slot::State::Active) {
+      throw Error(Error::Kind::InvalidSlot, "slot=" + std::to_string(i) + " has length " +
+                                                std::to_string(len) +
+                                                " but is not allocated (call alloc() first)")
+          .with("slot", static_cast<int64_t>(i));
+    }
+  }
+}
+
+int SlotTable::pick_for_alloc() const {
+  int best = -1;
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    const Slot& s = slots_[i];
+    if (s.state == Slot::State::Idle) {
+      const Slot* b = best < 0 ? nullptr : &slots_[static_cast<size_t>(best)];
+      if (!b || b->state != Slot::State::Idle || s.mapped > b->mapped) best = static_cast<int>(i);
+    } else if (s.state == Slot::State::Free && best < 0) {
+      best = static_cast<int>(i);
+    }
+  }
+  if (best < 0) throw no_free_slot();
+  return best;
+}
+
+int SlotTable::pick_fresh() const {
+  int best = -1;
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    const Slot& s = slots_[i];
+    if (s.state == Slot::State::Free) return static_cast<int>(i);
+    if (s.state == Slot::State::Idle &&
+        (best < 0 || s.freed_at < slots_[static_cast<size_t>(best)].freed_at)) {
+      best = static_cast<int>(i);
+    }
+  }
+  if (best < 0) throw no_free_slot();
+  return best;
+}
+
+std::vector<int> SlotTable::active() const {
+  std::vector<int> out;
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    if (slots_[i].state == Slot::State::Active) out.push_back(static_cast<int>(i));
+  }
+  return out;
+}
+
+void SlotTable::commit(const std::vector<int64_t>& lens) {
+  ++step_counter_;
+  for (size_t i = 0; i < lens.size(); ++i) {
+    if (lens[i] == kUnlisted) continue;
+    slots_[i].seq_len = lens[i];
+    slots_[i].last_step = step_counter_;
+  }
+}
+
+}  // namespace vattention

@@ -1,0 +1,277 @@
+#include "host/host_backend.h"
+
+#include <fcntl.h>
+#include <linux/falloc.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "core/errors.h"
+#include "core/geometry.h"
+#include "host/fault_report.h"
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+namespace vattention {
+namespace {
+
+// Sparse size of one memfd arena. Address space of a file costs nothing until pages are committed.
+constexpr size_t kArenaBytes = size_t{1} << 36;  // 64 GiB
+
+std::string hex(uintptr_t value) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "0x%zx", static_cast<size_t>(value));
+  return buf;
+}
+
+Error os_error(const char* call, int err, size_t bytes, uintptr_t va = 0) {
+  std::string msg = std::string(call) + " failed: " + std::strerror(err) + " (errno " +
+                    std::to_string(err) + ", bytes=" + std::to_string(bytes);
+  if (va != 0) msg += ", va=" + hex(va);
+  Error e(Error::Kind::Driver, msg + ")");
+  e.with("call", std::string(call)).with("code", err).with("error_string", std::strerror(err));
+  e.with("bytes", static_cast<int64_t>(bytes));
+  return e;
+}
+
+std::atomic<int64_t> g_live_mappings{0};  // process-wide, over every HostBackend
+
+int64_t read_mapping_limit() {
+  if (const char* env = std::getenv("VATTENTION_HOST_MAX_MAPPINGS")) return std::atoll(env);
+  int64_t max_map_count = 65530;
+  if (FILE* f = std::fopen("/proc/sys/vm/max_map_count", "r")) {
+    long long v = 0;
+    if (std::fscanf(f, "%lld", &v) == 1 && v > 0) max_map_count = v;
+    std::fclose(f);
+  }
+  // Leave room for everything else in the process (libraries, allocator arenas, thread stacks).
+  const int64_t reserve_for_others = 8192;
+  return max_map_count > 2 * reserve_for_others ? (max_map_count - reserve_for_others) / 2
+                                                : max_map_count / 4;
+}
+
+}  // namespace
+
+int64_t HostBackend::mapping_limit() {
+  static const int64_t limit = read_mapping_limit();
+  return limit;
+}
+
+HostBackend::HostBackend(size_t page_bytes)
+    : granularity_(static_cast<size_t>(sysconf(_SC_PAGESIZE))),
+      page_bytes_(page_bytes),
+      pages_per_arena_(page_bytes ? kArenaBytes / page_bytes : 0) {
+  if (page_bytes == 0 || page_bytes % granularity_ != 0) {
+    throw Error(Error::Kind::Config,
+                "page_size=" + std::to_string(page_bytes) +
+                    " bytes is not a positive multiple of the host backend granularity (" +
+                    std::to_string(granularity_) + " bytes, the OS page size)")
+        .with("page_bytes", static_cast<int64_t>(page_bytes))
+        .with("granularity", static_cast<int64_t>(granularity_));
+  }
+}
+
+HostBackend::~HostBackend() {
+  for (Arena& a : arenas_) close(a.fd);
+}
+
+void HostBackend::inject_fault(const std::string& op, int nth, bool out_of_memory) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (nth <= 0) {
+    faults_.erase(op);
+  } else {
+    faults_[op] = Fault{nth, out_of_memory};
+  }
+}
+
+int64_t HostBackend::calls(const std::string& op) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = calls_.find(op);
+  return it == calls_.end() ? 0 : it->second;
+}
+
+void HostBackend::maybe_fail(const char* op) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++calls_[op];
+  auto it = faults_.find(op);
+  if (it == faults_.end() || --it->second.countdown > 0) return;
+  bool oom = it->second.out_of_memory;
+  faults_.erase(it);
+  if (oom) {
+    throw Error(Error::Kind::OutOfPages, std::string("injected out-of-memory in ") + op)
+        .with("pages_needed", 1)
+        .with("pages_available", 0);
+  }
+  throw Error(Error::Kind::Driver, std::string("injected fault in host backend call ") + op)
+      .with("call", std::string(op))
+      .with("code", -1)
+      .with("error_string", std::string("injected fault"));
+}
+
+uintptr_t HostBackend::reserve(size_t bytes) {
+  maybe_fail("reserve");
+  // Over-reserve by one page and trim, so the base is page_bytes aligned as it is on CUDA.
+  const size_t span = bytes + page_bytes_;
+  void* raw = mmap(nullptr, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (raw == MAP_FAILED) throw os_error("mmap(PROT_NONE reserve)", errno, bytes);
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(raw);
+  const uintptr_t base = (begin + page_bytes_ - 1) / page_bytes_ * page_bytes_;
+  if (base > begin) munmap(raw, base - begin);
+  const uintptr_t end = begin + span;
+  if (end > base + bytes) munmap(reinterpret_cast<void*>(base + bytes), end - (base + bytes));
+  return base;
+}
+
+void HostBackend::release_va(uintptr_t va, size_t bytes) {
+  if (munmap(reinterpret_cast<void*>(va), bytes) != 0) throw os_error("munmap", errno, bytes, va);
+}
+
+PageHandle HostBackend::create_page() {
+  maybe_fail("create_page");
+  std::lock_guard<std::mutex> lock(mu_);
+  PageHandle page;
+  bool reused = !free_extents_.empty();
+  if (reused) {
+    page = free_extents_.back();
+  } else {
+    if (arenas_.empty() || arenas_.back().next_unused == pages_per_arena_) {
+      int fd = memfd_create("vattention-kv", MFD_CLOEXEC);
+      if (fd < 0) throw os_error("memfd_create", errno, page_bytes_);
+      if (ftruncate(fd, static_cast<off_t>(kArenaBytes)) != 0) {
+        int err = errno;
+        close(fd);
+        throw os_error("ftruncate(memfd arena)", err, kArenaBytes);
+      }
+      arenas_.push_back(Arena{fd, 0});
+    }
+    page = (arenas_.size() - 1) * pages_per_arena_ + arenas_.back().next_unused;
+  }
+  const int fd = arenas_[page / pages_per_arena_].fd;
+  const off_t offset = static_cast<off_t>((page % pages_per_arena_) * page_bytes_);
+  if (fallocate(fd, 0, offset, static_cast<off_t>(page_bytes_)) != 0) {
+    int err = errno;
+    if (err == ENOSPC || err == ENOMEM) {
+      throw Error(Error::Kind::OutOfPages,
+                  "host memory exhausted: fallocate of a " + std::to_string(page_bytes_) +
+                      "-byte page failed (" + std::strerror(err) + ")")
+          .with("pages_needed", 1)
+          .with("pages_available", 0);
+    }
+    throw os_error("fallocate(memfd page)", err, page_bytes_);
+  }
+  if (reused) {
+    free_extents_.pop_back();
+  } else {
+    arenas_.back().next_unused++;
+  }
+  return page;
+}
+
+void HostBackend::destroy_page(PageHandle page) {
+  maybe_fail("destroy_page");
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t offset = 0;
+  const int fd = arena_fd(page, &offset);
+  // Punching the hole frees the memory now if unmapped, else when the last mapping goes.
+  if (fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(offset),
+                static_cast<off_t>(page_bytes_)) != 0) {
+    throw os_error("fallocate(PUNCH_HOLE)", errno, page_bytes_);
+  }
+  free_extents_.push_back(page);
+}
+
+int HostBackend::arena_fd(PageHandle page, size_t* offset) const {
+  *offset = (page % pages_per_arena_) * page_bytes_;
+  return arenas_.at(page / pages_per_arena_).fd;
+}
+
+void HostBackend::map(uintptr_t va, PageHandle page) {
+  maybe_fail("map");
+  if (g_live_mappings.fetch_add(1) + 1 > mapping_limit()) {
+    g_live_mappings.fetch_sub(1);
+    throw Error(Error::Kind::OutOfPages,
+                "host backend: a page mapping beyond this process's limit of " +
+                    std::to_string(mapping_limit()) +
+                    " (half of vm.max_map_count minus 8192 for the rest of the process): use larger "
+                    "pages, a smaller budget, or raise vm.max_map_count")
+        .with("pages_needed", 1)
+        .with("pages_available", 0)
+        .with("mapping_limit", mapping_limit());
+  }
+  size_t offset = 0;
+  int fd;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    fd = arena_fd(page, &offset);
+  }
+  void* got = mmap(reinterpret_cast<void*>(va), page_bytes_, PROT_NONE, MAP_SHARED | MAP_FIXED, fd,
+                   static_cast<off_t>(offset));
+  if (got == MAP_FAILED) {
+    g_live_mappings.fetch_sub(1);
+    throw os_error("mmap(MAP_FIXED|MAP_SHARED page)", errno, page_bytes_, va);
+  }
+}
+
+void HostBackend::set_access(uintptr_t va, size_t bytes) {
+  maybe_fail("set_access");
+  if (mprotect(reinterpret_cast<void*>(va), bytes, PROT_READ | PROT_WRITE) != 0) {
+    throw os_error("mprotect", errno, bytes, va);
+  }
+}
+
+void HostBackend::prefault(uintptr_t va, size_t bytes) noexcept {
+  // Failure is harmless: old kernels lack MADV_POPULATE_WRITE (pages then fault in on first
+  // touch), and a range unmapped meanwhile (PROT_NONE) simply is not populated.
+  (void)madvise(reinterpret_cast<void*>(va), bytes, MADV_POPULATE_WRITE);
+}
+
+void HostBackend::unmap(uintptr_t va, size_t bytes) {
+  maybe_fail("unmap");
+  void* got = mmap(reinterpret_cast<void*>(va), bytes, PROT_NONE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+  if (got == MAP_FAILED) throw os_error("mmap(PROT_NONE unmap)", errno, bytes, va);
+  g_live_mappings.fetch_sub(static_cast<int64_t>(bytes / page_bytes_));
+}
+
+void HostBackend::release_physical() noexcept {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (Arena& a : arenas_) close(a.fd);
+  arenas_.clear();
+  free_extents_.clear();
+}
+
+int64_t HostBackend::committed_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t total = 0;
+  for (const Arena& a : arenas_) {
+    struct stat st;
+    if (fstat(a.fd, &st) == 0) total += static_cast<int64_t>(st.st_blocks) * 512;
+  }
+  return total;
+}
+
+std::unique_ptr<CacheWatch> HostBackend::watch_cache(const CacheGeometry& geo,
+                                                     const std::vector<uintptr_t>& bases) {
+  FaultGeometry fg;
+  fg.num_layers = geo.num_layers;
+  fg.max_batch = geo.max_batch;
+  fg.max_seq = geo.max_seq;
+  fg.mega = geo.mega;
+  for (int t = 0; t < geo.num_tensors(); ++t) {
+    fg.slot_bytes.push_back(geo.slot_bytes(t));
+    fg.token_bytes.push_back(geo.token_bytes(t));
+    fg.tensor_bytes.push_back(geo.tensor_bytes(t));
+  }
+  fg.layer_bytes = geo.layer_token_bytes(0);
+  return std::make_unique<FaultReport>(fg, bases);
+}
+
+}  // namespace vattention

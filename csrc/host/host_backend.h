@@ -1,0 +1,84 @@
+// HostBackend: the Backend primitives on Linux host memory.
+//
+// Why this shape: it mirrors the CUDA VMM model closely enough that the cache logic, the tests and
+// the faults are the same on both backends.
+//  - A reservation is mmap(PROT_NONE, MAP_NORESERVE): address space only, touching it faults.
+//  - Physical pages are page_bytes extents of a few large memfd "arenas" (one fd per page would need
+//    131,072 descriptors for 8 GB of 64 KB pages). A page is committed with fallocate() when
+//    created, so creating pages really reserves memory, and handed back with PUNCH_HOLE.
+//  - map() is mmap(MAP_FIXED|MAP_SHARED) of the page's extent at its arena offset, with no access,
+//    like cuMemMap; set_access() is mprotect(RW); prefault() is MADV_POPULATE_WRITE, so mapped
+//    memory is resident like device memory (the prefetch thread runs it outside the cache lock:
+//    populating a 2 MB page costs ~0.5 ms); unmap() re-establishes the PROT_NONE reservation.
+#pragma once
+
+#include <atomic>
+#include <map>
+#include <mutex>
+#include <vector>
+
+#include "core/backend.h"
+
+namespace vattention {
+
+class HostBackend final : public Backend {
+ public:
+  // Throws Error(Kind::Config) if page_bytes is not a positive multiple of the OS page size.
+  explicit HostBackend(size_t page_bytes);
+  ~HostBackend() override;
+
+  size_t granularity() const override { return granularity_; }
+  size_t page_bytes() const override { return page_bytes_; }
+  DeviceId device() const override { return DeviceId{1, 0}; }
+  std::string name() const override { return "host"; }
+
+  uintptr_t reserve(size_t bytes) override;
+  void release_va(uintptr_t va, size_t bytes) override;
+  PageHandle create_page() override;
+  void destroy_page(PageHandle page) override;
+  void map(uintptr_t va, PageHandle page) override;
+  void set_access(uintptr_t va, size_t bytes) override;
+  void prefault(uintptr_t va, size_t bytes) noexcept override;
+  void unmap(uintptr_t va, size_t bytes) override;
+  int64_t committed_bytes() const override;
+  void release_physical() noexcept override;  // closes the memfd arenas
+  // The fault report (fault_report.h): a SIGSEGV/SIGBUS in the cache's tensors names the cache,
+  // tensor, slot and token instead of dying silently.
+  std::unique_ptr<CacheWatch> watch_cache(const CacheGeometry& geometry,
+                                          const std::vector<uintptr_t>& bases) override;
+
+  // Page mappings this process may hold across all host caches. Linux caps a process's memory
+  // mappings at vm.max_map_count (65,530 by default), and each mapped page can cost two (itself
+  // and a split of the PROT_NONE reservation around it); at the cap even unmapping fails, because
+  // re-reserving the range is an mmap. So map() refuses beyond (max_map_count - 8,192) / 2 with
+  // Error(OutOfPages): recoverable and transactional. $VATTENTION_HOST_MAX_MAPPINGS overrides it.
+  static int64_t mapping_limit();
+
+  // Test hook: the nth next call (1 = the very next) of `op` ("create_page", "map", "set_access",
+  // "unmap", "reserve", "destroy_page") fails with Error(Kind::Driver), or Kind::OutOfPages for create_page when
+  // out_of_memory is set. Lets tests prove rollback without exhausting real memory.
+  void inject_fault(const std::string& op, int nth, bool out_of_memory);
+  // Test hook: how often `op` (a name as above, or "destroy_page") has been called, so a fault
+  // sweep can fail every call index of a public call.
+  int64_t calls(const std::string& op) const;
+
+ private:
+  struct Arena {
+    int fd = -1;
+    size_t next_unused = 0;  // pages [0, next_unused) of this arena have been handed out before
+  };
+  void maybe_fail(const char* op);
+  int arena_fd(PageHandle page, size_t* offset) const;
+
+  const size_t granularity_;
+  const size_t page_bytes_;
+  const size_t pages_per_arena_;
+  mutable std::mutex mu_;  // guards arenas_, free_extents_, faults_ (leaf lock: nothing taken inside)
+  std::vector<Arena> arenas_;
+  std::vector<PageHandle> free_extents_;  // punched extents ready for reuse
+  struct Fault { int countdown; bool out_of_memory; };
+  std::map<std::string, Fault> faults_;
+  std::map<std::string, int64_t> calls_;
+};
+
+}  // namespace vattention
