@@ -93,3 +93,25 @@ def test_page_size_not_multiple_of_granularity_rejected():
                         max_seq_len=64, dtype=torch.float16, page_size=6000)
     with pytest.raises(ConfigError, match=r"page_size=6000 bytes is not a positive multiple.*4096"):
         vattention.KVCache(cfg)
+
+
+@pytest.mark.parametrize("field", ["num_layers", "num_kv_heads", "head_dim", "max_batch_size",
+                                   "max_seq_len", "lookahead_tokens"])
+def test_values_beyond_the_core_are_config_errors_naming_field_and_limit(field):
+    # Once pybind11's "incompatible constructor arguments" TypeError leaked through here.
+    with pytest.raises(ConfigError, match=rf"{field}=1180591620717411303424 exceeds.*2\*\*63 - 1"):
+        KVCacheConfig(**{**BASE, field: 2**70})
+
+
+def test_a_cache_too_large_for_the_address_space_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"max_batch_size=4611686018427387904.*limit is 65536 GiB"):
+        KVCacheConfig(**{**BASE, "max_batch_size": 2**62})
+
+
+def test_config_pickles_and_compares_by_value():
+    import pickle
+
+    cfg = KVCacheConfig(**BASE)
+    again = pickle.loads(pickle.dumps(cfg))
+    assert again == cfg and hash(again) == hash(cfg)
+    assert again.geometry.virtual_bytes == cfg.virtual_bytes

@@ -6,11 +6,13 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 
 #include "core/backend.h"
 #include "core/errors.h"
+#include "core/page_pool.h"
 #include "host/host_backend.h"
 #include "python/backend_factory.h"
 #include "python/bindings.h"
@@ -86,6 +88,35 @@ PYBIND11_MODULE(_C, m) {
       .def("set_access", &vattention::Backend::set_access, py::arg("va"), py::arg("bytes"))
       .def("unmap", &vattention::Backend::unmap, py::arg("va"), py::arg("bytes"))
       .def("committed_bytes", &vattention::Backend::committed_bytes);
+
+  // The page pool over such a backend, for the pool's own contract tests (tests/test_page_pool.py).
+  using vattention::PagePool;
+  py::class_<PagePool>(m, "PagePool")
+      .def(py::init<vattention::Backend&, int64_t>(), py::arg("backend"),
+           py::arg("budget_bytes") = PagePool::kNoBudget, py::keep_alive<1, 2>())
+      .def_property_readonly("page_bytes", &PagePool::page_bytes)
+      .def_property_readonly("total", &PagePool::total)
+      .def_property_readonly("free", &PagePool::free)
+      .def_property_readonly("in_use", &PagePool::in_use)
+      .def_property_readonly("budget_bytes", &PagePool::budget_bytes)
+      .def_property_readonly("headroom", [](const PagePool& p) {
+        return p.headroom() == SIZE_MAX ? py::object(py::none()) : py::object(py::int_(p.headroom()));
+      })
+      .def_property_readonly("pages_created", &PagePool::pages_created)
+      .def_property_readonly("pages_destroyed", &PagePool::pages_destroyed)
+      .def_property_readonly("extra_refs", &PagePool::extra_refs)
+      .def_property_readonly("creating", &PagePool::creating)
+      .def("refs", &PagePool::refs, py::arg("page"))
+      .def("reserve", &PagePool::reserve, py::arg("num_pages"))
+      .def("take", &PagePool::take, py::arg("num_pages"))
+      .def("untake", &PagePool::untake, py::arg("pages"), py::arg("num_created"))
+      .def("share", &PagePool::share, py::arg("page"))
+      .def("release", &PagePool::release, py::arg("page"))
+      .def("shrink", &PagePool::shrink, py::arg("keep_bytes"))
+      .def("destroy_all", &PagePool::destroy_all)
+      .def("set_budget", &PagePool::set_budget, py::arg("budget_bytes"))
+      .def("begin_create", &PagePool::begin_create, py::arg("n"))
+      .def("end_create", &PagePool::end_create, py::arg("reserved"), py::arg("made"));
 
   vattention::python::bind_geometry(m);
   vattention::python::bind_cache(m);

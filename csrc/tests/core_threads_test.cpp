@@ -23,17 +23,7 @@ using vattention::testing::check;
 namespace {
 
 std::unique_ptr<KVCacheCore> make_core(bool mega, int64_t budget, ReclaimPolicy policy) {
-  CacheGeometry g;
-  g.num_layers = 2;
-  g.num_kv_heads = 4;
-  g.head_dim = 64;
-  g.element_bytes = 2;
-  g.max_batch = 16;
-  g.max_seq = 4096;
-  g.page_bytes = 64 << 10;
-  g.mega = mega;
-  return std::make_unique<KVCacheCore>(std::make_unique<HostBackend>(g.page_bytes), g, budget,
-                                       policy, 0);
+  return testing::host_core(testing::small_geometry(4, 16, 4096, mega), budget, policy);
 }
 
 void hammer(KVCacheCore& core, unsigned seed, std::chrono::steady_clock::time_point stop,

@@ -4,8 +4,13 @@
 #pragma once
 
 #include <atomic>
+#include <cstdint>
 #include <cstdio>
+#include <memory>
 #include <string>
+
+#include "core/kv_cache.h"
+#include "host/host_backend.h"
 
 namespace vattention {
 namespace testing {
@@ -21,6 +26,28 @@ inline void check(bool ok, const std::string& what) {
     std::fprintf(stderr, "FAIL: %s\n", what.c_str());
     ++failures();
   }
+}
+
+// The tests' usual shape: 2 layers of fp16 64-dim heads, 64 KB pages; the rest is the caller's.
+inline CacheGeometry small_geometry(int64_t kv_heads, int64_t max_batch, int64_t max_seq,
+                                    bool mega = false) {
+  CacheGeometry g;
+  g.num_layers = 2;
+  g.num_kv_heads = kv_heads;
+  g.head_dim = 64;
+  g.element_bytes = 2;
+  g.max_batch = max_batch;
+  g.max_seq = max_seq;
+  g.page_bytes = 64 << 10;
+  g.mega = mega;
+  return g;
+}
+
+// A cache of geometry g on the host backend (no look-ahead).
+inline std::unique_ptr<KVCacheCore> host_core(const CacheGeometry& g, int64_t budget_bytes,
+                                              ReclaimPolicy policy) {
+  return std::make_unique<KVCacheCore>(std::make_unique<HostBackend>(g.page_bytes), g,
+                                       budget_bytes, policy, 0);
 }
 
 // main()'s return value: prints the outcome of the binary named `suite`.

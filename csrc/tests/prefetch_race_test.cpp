@@ -103,14 +103,7 @@ struct Fixture {
   int64_t tpp = 0;  // tokens per page
 
   explicit Fixture(ReclaimPolicy policy = ReclaimPolicy::Deferred, int64_t budget = -1) {
-    CacheGeometry g;
-    g.num_layers = 2;
-    g.num_kv_heads = 1;
-    g.head_dim = 64;
-    g.element_bytes = 2;
-    g.max_batch = B;
-    g.max_seq = 8192;
-    g.page_bytes = 64 << 10;
+    CacheGeometry g = testing::small_geometry(1, B, 8192);
     auto backend = std::make_unique<GatedBackend>(g.page_bytes);
     gate = backend.get();
     core = std::make_unique<KVCacheCore>(std::move(backend), g, budget, policy, 0);

@@ -28,19 +28,10 @@ namespace {
 
 // per_layer: layer 0 has twice layer 1's KV heads, so a page index is 2 + 1 pages per K/V.
 std::unique_ptr<KVCacheCore> make_core(bool mega, int64_t window, bool per_layer) {
-  CacheGeometry g;
-  g.num_layers = 2;
-  g.num_kv_heads = 1;
-  g.head_dim = 64;
-  g.element_bytes = 2;
-  g.max_batch = 12;
-  g.max_seq = 2048;
-  g.page_bytes = 64 << 10;
-  g.mega = mega;
+  CacheGeometry g = testing::small_geometry(1, 12, 2048, mega);
   if (window > 0) g.windows = {window, mega ? window : 0};  // layer layout: layer 1 is global
   if (per_layer) g.layer_kv_heads = {2, 1};
-  auto core = std::make_unique<KVCacheCore>(std::make_unique<HostBackend>(g.page_bytes), g,
-                                            int64_t{40} << 20, ReclaimPolicy::Deferred, 0);
+  auto core = testing::host_core(g, int64_t{40} << 20, ReclaimPolicy::Deferred);
   core->set_swap_budget(int64_t{8} << 20);
   return core;
 }
