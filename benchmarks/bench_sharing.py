@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 import vattention
-from vattention.traces import load_trace
+from vattention.bench.traces import load_trace
 
 GiB = 1 << 30
 

@@ -245,7 +245,7 @@ def test_plots_are_written_with_matplotlib(tmp_path):
 
 
 def test_progress_fallback_without_tqdm(monkeypatch, capsys):
-    from vattention.progress import Progress
+    from vattention.bench.progress import Progress
     monkeypatch.setitem(sys.modules, "tqdm", None)
     with Progress(4, "ideal") as bar:
         for _ in range(4):

@@ -204,7 +204,7 @@ def _read_trace(trace: str) -> np.ndarray:
     if os.path.exists(trace):
         rows = np.loadtxt(trace, delimiter=",", skiprows=1, usecols=(0, 1), ndmin=2)
         return rows.astype(np.int64)
-    from vattention.traces import load_trace  # packaged seeded samples (core)
+    from .traces import load_trace  # packaged seeded samples
     return np.asarray(load_trace(trace), dtype=np.int64)
 
 

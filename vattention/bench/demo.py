@@ -16,9 +16,9 @@ from typing import Deque, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
-from .cache import KVCache
-from .config import KVCacheConfig
-from .errors import OutOfPagesError
+from ..cache import KVCache
+from ..config import KVCacheConfig
+from ..errors import OutOfPagesError
 from .progress import Progress
 from .traces import load_trace
 
@@ -153,7 +153,7 @@ def run(num_requests: int = 48, max_batch_size: int = 16, max_seq_len: int = 102
 
 
 def _parse_budget(budget) -> int:
-    from .config import parse_size
+    from ..config import parse_size
     return parse_size(budget, name="budget")
 
 

@@ -1,12 +1,12 @@
 """Request-length traces: (prefill tokens, decode tokens) per request, from real workloads.
 
-The package ships a seeded 4,000-row sample of each trace in ``vattention/data`` (see its README
+The package ships a seeded 4,000-row sample of each trace in ``vattention/bench/data`` (see its README
 for sources and licenses), so demos and benchmarks run from an installed package. Pass a CSV path
 (``num_prefill_tokens,num_decode_tokens,...`` columns) for the full trace.
 
 Example
 -------
->>> from vattention.traces import load_trace
+>>> from vattention.bench.traces import load_trace
 >>> trace = load_trace("sharegpt")
 >>> trace.shape[1], bool((trace > 0).all())
 (2, True)
@@ -35,7 +35,7 @@ def load_trace(name_or_path: str) -> np.ndarray:
         ``num_prefill_tokens`` and ``num_decode_tokens``.
     """
     if name_or_path in TRACE_NAMES:
-        text = resources.files("vattention.data").joinpath(f"{name_or_path}.csv").read_text()
+        text = resources.files("vattention.bench.data").joinpath(f"{name_or_path}.csv").read_text()
         rows = list(csv.DictReader(text.splitlines()))
     elif os.path.exists(name_or_path):
         with open(name_or_path, newline="") as f:
