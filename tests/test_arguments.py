@@ -12,7 +12,7 @@ import torch
 import vattention
 from vattention import (ArgumentTypeError, CacheClosedError, ConfigError, InvalidSlotError,
                         SequenceTooLongError, VAttentionError)
-from helpers import check_pattern, fill_pattern, page_state
+from support.helpers import check_pattern, fill_pattern, page_state
 
 HUGE = 2**70
 

@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 import pytest
-from fake_kvcache import FakeKVCache  # tests/ is on sys.path (pytest rootdir-relative import)
+from support.fake_kvcache import FakeKVCache
 
 from vattention.bench import cli
 from vattention.bench.allocators import (ALL_ALLOCATORS, BASELINES, VATTENTION_VARIANTS,

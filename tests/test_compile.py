@@ -1,6 +1,6 @@
 """torch.compile over vattention caches, and the compile-safe append op (vattention.ops).
 
-The compiled decode (tests/compile_decode_check.py) runs in a subprocess: a graph that read
+The compiled decode (tests/support/compile_decode_check.py) runs in a subprocess: a graph that read
 unmapped cache memory would die of SIGSEGV there. CUDA-graph capture and replay is a GPU check
 (tests/gpu/test_gpu_cuda_graph.py).
 """
@@ -27,7 +27,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def test_compiled_decode_equals_eager_without_graph_breaks_recompiles_or_unmapped_reads():
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "compile_decode_check.py")],
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "compile_decode_check.py")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode == -signal.SIGSEGV:
         pytest.fail("the compiled decode read unmapped cache memory (SIGSEGV)\n" + proc.stderr[-3000:])

@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import initialize
 
 import vattention
-from cuda_testing import PAGE, E, emu, make, needs_emulation, pages_state  # noqa: F401 (fixture)
-from helpers import fill_pattern, check_pattern
+from support.cuda_testing import PAGE, E, emu, make, needs_emulation, pages_state  # noqa: F401 (fixture)
+from support.helpers import fill_pattern, check_pattern
 from test_stateful import CacheMachine
 
 pytestmark = needs_emulation

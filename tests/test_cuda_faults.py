@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 
 import vattention
-from cuda_testing import (PAGE, E, assert_clean, emu, make, needs_emulation,  # noqa: F401
+from support.cuda_testing import (PAGE, E, assert_clean, emu, make, needs_emulation,  # noqa: F401
                           pages_state)
-from helpers import check_pattern, fill_pattern
+from support.helpers import check_pattern, fill_pattern
 
 pytestmark = needs_emulation
 

@@ -8,7 +8,7 @@ import torch
 import vattention
 from vattention import (CacheClosedError, ConfigError, InvalidSlotError, OutOfPagesError,
                         SequenceTooLongError)
-from helpers import check_pattern, fill_pattern, inject_backend_fault, page_state
+from support.helpers import check_pattern, fill_pattern, inject_backend_fault, page_state
 
 
 @pytest.fixture

@@ -26,8 +26,8 @@ import pytest
 import torch
 
 import vattention
-from cuda_setup import CUDA_MODE, cuda_emu
-from helpers import check_pattern, fill_pattern
+from support.cuda_setup import CUDA_MODE, cuda_emu
+from support.helpers import check_pattern, fill_pattern
 
 HOST_OPS = ("reserve", "create_page", "destroy_page", "map", "set_access", "unmap")
 CUDA_ENTRIES = ("cuMemCreate", "cuMemRelease", "cuMemMap", "cuMemUnmap", "cuMemSetAccess",

@@ -7,8 +7,8 @@ import torch
 
 import vattention
 import vattention.compat as vattn
-from helpers import kv_views
-from share_helpers import bits
+from support.helpers import kv_views
+from support.share_helpers import bits
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from cuda_setup import CUDA_MODE, CUDA_REASON
+from support.cuda_setup import CUDA_MODE, CUDA_REASON
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 KIT = ROOT / "benchmarks" / "gpu" / "run_all.py"

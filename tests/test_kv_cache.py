@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import vattention
-from helpers import check_pattern, fill_pattern, kv_views
+from support.helpers import check_pattern, fill_pattern, kv_views
 
 
 def _all_layers(cache):

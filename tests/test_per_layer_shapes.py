@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import vattention
-from helpers import PAGE_STATE_KEYS, check_pattern, kv_views
-from share_helpers import bits, fast_fill
+from support.helpers import PAGE_STATE_KEYS, check_pattern, kv_views
+from support.share_helpers import bits, fast_fill
 
 # fp16 token strides 512, 128, 256, 256 bytes: gcd 128, so 4, 1, 2, 2 pages per index and layer.
 HYBRID = dict(num_layers=4, num_kv_heads=(4, 1, 2, 1), head_dim=(64, 64, 64, 128))

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import vattention
-from helpers import kv_views, page_state
-from share_helpers import check_pattern
-from share_helpers import fast_fill as fill_pattern
-from share_helpers import paged_cache, prefix
+from support.helpers import kv_views, page_state
+from support.share_helpers import check_pattern
+from support.share_helpers import fast_fill as fill_pattern
+from support.share_helpers import paged_cache, prefix
 
 
 def full_pages(cache, num_tokens):

@@ -18,8 +18,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from hypothesis.stateful import run_state_machine_as_test
 
 import vattention
-from helpers import kv_views, page_state
-from share_helpers import bits
+from support.helpers import kv_views, page_state
+from support.share_helpers import bits
 
 FAILURES = (vattention.OutOfPagesError, vattention.SwapSpaceError, vattention.InvalidSlotError)
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import vattention
-from helpers import inject_backend_fault, page_state
-from share_helpers import check_pattern
-from share_helpers import fast_fill, paged_cache
+from support.helpers import inject_backend_fault, page_state
+from support.share_helpers import check_pattern
+from support.share_helpers import fast_fill, paged_cache
 
 
 def slot_pages(cache, num_tokens):

@@ -11,7 +11,7 @@ import time
 import torch
 
 import vattention
-from helpers import kv_views
+from support.helpers import kv_views
 from test_sparse import rss_shmem_bytes
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import vattention
-from helpers import kv_views
+from support.helpers import kv_views
 
 H, D = 2, 64  # float32 (marks up to 2^24 are exact): 512 bytes per token row, layer layout
 

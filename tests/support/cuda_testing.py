@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import vattention
-from cuda_setup import CUDA_MODE, CUDA_REASON, cuda_emu as E
-from helpers import page_state
+from .cuda_setup import CUDA_MODE, CUDA_REASON, cuda_emu as E
+from .helpers import page_state
 
 needs_emulation = pytest.mark.skipif(
     CUDA_MODE != "emulated", reason=f"needs the CUDA emulation ({CUDA_REASON or 'real GPU in use'})")

@@ -18,7 +18,7 @@ def inject_backend_fault(cache, op, nth):
     if cache.config.device == "cpu":
         cache._core.inject_host_fault(op, nth)
         return op, "injected fault"
-    from cuda_setup import CUDA_MODE, cuda_emu
+    from .cuda_setup import CUDA_MODE, cuda_emu
     if CUDA_MODE != "emulated":
         pytest.skip("faults are injected through the host hook or the CUDA emulation only")
     cuda_emu.Emulator.load().inject_fault(_DRIVER_ENTRY[op], nth, cuda_emu.CUDA_ERROR_UNKNOWN)
