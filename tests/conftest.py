@@ -14,7 +14,12 @@ import pytest
 import torch
 
 import vattention
+
 from support.cuda_setup import CUDA_MODE, CUDA_REASON, GPU_MIN_PAGE, cuda_emu
+
+# The emulation-only tests' `emu` fixture (test_cuda_backend.py, test_cuda_faults.py,
+# test_prefetch_races.py): a plugin, so that no test module imports a fixture by name.
+pytest_plugins = ["support.cuda_testing"]
 
 DEVICES = ["cpu", "cuda"]
 LAYOUTS = ["layer", "mega"]

@@ -12,6 +12,7 @@ import ctypes
 import pytest
 
 import vattention
+
 from support.cuda_setup import CUDA_MODE
 
 C = vattention._C

@@ -6,8 +6,14 @@ import pytest
 import torch
 
 import vattention
-from vattention import (CacheClosedError, ConfigError, InvalidSlotError, OutOfPagesError,
-                        SequenceTooLongError)
+from vattention import (
+    CacheClosedError,
+    ConfigError,
+    InvalidSlotError,
+    OutOfPagesError,
+    SequenceTooLongError,
+)
+
 from support.helpers import check_pattern, fill_pattern, inject_backend_fault, page_state
 
 

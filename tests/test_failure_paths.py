@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 import vattention
+
 from support.helpers import check_pattern, fill_pattern, inject_backend_fault, page_state
 
 

@@ -7,6 +7,7 @@ import torch
 
 import vattention
 import vattention.compat as vattn
+
 from support.helpers import kv_views
 from support.share_helpers import bits
 
@@ -39,7 +40,8 @@ def check(cache, slot, start, end, written):
         for tensor, data in zip(kv_views(cache, layer), pair):
             assert (tensor is None) == (data is None)
             if tensor is not None:
-                assert torch.equal(bits(tensor[slot, start:end].cpu()), bits(data)), f"layer {layer}"
+                got = bits(tensor[slot, start:end].cpu())
+                assert torch.equal(got, bits(data)), f"layer {layer}"
 
 
 @pytest.mark.parametrize("dtype", FP8, ids=str)

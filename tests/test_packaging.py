@@ -51,6 +51,7 @@ def test_wheel_ships_the_licence_of_the_bundled_traces(tmp_path):
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     data = tmp_path / "out" / "vattention" / "bench" / "data"
-    assert (data / "README.md").read_text() == (ROOT / "vattention/bench/data/README.md").read_text()
+    source = ROOT / "vattention" / "bench" / "data"
+    assert (data / "README.md").read_text() == (source / "README.md").read_text()
     assert sorted(p.name for p in data.glob("*.csv")) == sorted(
-        p.name for p in (ROOT / "vattention/bench/data").glob("*.csv"))
+        p.name for p in source.glob("*.csv"))

@@ -8,6 +8,7 @@ import pytest
 
 import vattention
 from vattention import DriverError, OutOfPagesError
+
 from support.helpers import check_pattern, fill_pattern, inject_backend_fault
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import vattention
+
 from support.helpers import fill_pattern, kv_views
 
 

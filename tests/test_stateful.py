@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import vattention
+
 from support.helpers import kv_views
 
 PAGE = 64 << 10

@@ -57,7 +57,8 @@ def check_pattern(cache, slot, start, end, written):
         k, v = kv_views(cache, layer)
         assert torch.equal(k[slot, start:end].cpu(), kd), f"K of layer {layer} slot {slot} changed"
         if vd is not None:
-            assert torch.equal(v[slot, start:end].cpu(), vd), f"V of layer {layer} slot {slot} changed"
+            assert torch.equal(v[slot, start:end].cpu(), vd), \
+                f"V of layer {layer} slot {slot} changed"
 
 
 PAGE_STATE_KEYS = ("pages_total", "pages_free", "pages_mapped", "mappings", "bytes_mapped",

@@ -92,7 +92,7 @@ class ModelShape:
         """Bytes of one token of each layer's K (or V)."""
         return tuple(h * d * self.element_bytes for h, d in self.layer_shapes())
 
-    def padded(self) -> "ModelShape":
+    def padded(self) -> ModelShape:
         """The same model with every layer at its largest shape: the one cache a uniform
         ``KVCacheConfig`` could hold it in."""
         h, d = max(self.layer_shapes(), key=lambda s: s[0] * s[1])
@@ -124,7 +124,8 @@ class ModelShape:
             return None
         if self.window_layers == self.num_layers:
             return self.window
-        return (self.window,) * self.window_layers + (None,) * (self.num_layers - self.window_layers)
+        full_layers = self.num_layers - self.window_layers
+        return (self.window,) * self.window_layers + (None,) * full_layers
 
 
 MODELS = {
