@@ -14,7 +14,8 @@ def per_call_seconds(fn: Callable[[], object], calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def compare(candidates: Dict[str, Callable[[], object]], *, calls: int, repeats: int = 7) -> Dict[str, float]:
+def compare(candidates: Dict[str, Callable[[], object]], *, calls: int,
+            repeats: int = 7) -> Dict[str, float]:
     """Median per-call seconds of each candidate, measured in interleaved rounds so that machine
     noise (other processes, frequency changes) hits every candidate alike."""
     for fn in candidates.values():

@@ -52,7 +52,8 @@ def run(layout: str, page: str, prefetch: bool, iterations: int, gap_s: float, s
             cache.step(lens)
             blocked.append(time.perf_counter() - t0)
             if prefetch:
-                cache.prefetch({s: n + 1 for s, n in lens.items()}, lookahead_tokens=lookahead_tokens)
+                cache.prefetch({s: n + 1 for s, n in lens.items()},
+                               lookahead_tokens=lookahead_tokens)
             time.sleep(gap_s)
         stats = cache.stats()
     blocked.sort()

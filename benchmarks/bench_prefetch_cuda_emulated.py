@@ -78,7 +78,8 @@ def main() -> None:
                         help="per-call latency for 2 MB pages (repeatable); default: A100 figures")
     parser.add_argument("--lookahead-tokens", type=int, default=16,
                         help="prefetch look-ahead beyond the next iteration's lengths")
-    parser.add_argument("--rows", default="", help="comma list of layout/page to run, e.g. layer/2MB")
+    parser.add_argument("--rows", default="",
+                        help="comma list of layout/page to run, e.g. layer/2MB")
     args = parser.parse_args()
     latency = parse_latency(args.latency_us)
     reason = emu.unavailable_reason()

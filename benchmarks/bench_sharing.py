@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 import vattention
-from vattention.traces import load_trace
+from vattention.bench.traces import load_trace
 
 GiB = 1 << 30
 
@@ -72,7 +72,7 @@ def vllm_scheme(model: Model, block_tokens: int = 16) -> Scheme:
                   block_tokens * model.bytes_per_token)
 
 
-# ---- the arithmetic: sequences as lists of unit ids with reference counts --------------------------
+# ---- the arithmetic: sequences as lists of unit ids with reference counts ------------------------
 
 class UnitPool:
     def __init__(self, tokens_per_unit: int, share: bool):
@@ -115,7 +115,9 @@ class UnitPool:
 
 
 def sample_lengths(decode, n):
-    return [max(1, round(decode * (0.6 + 0.8 * i / (n - 1)))) if n > 1 else decode for i in range(n)]
+    if n == 1:
+        return [decode]
+    return [max(1, round(decode * (0.6 + 0.8 * i / (n - 1)))) for i in range(n)]
 
 
 def parallel_sampling(pool: UnitPool, prompt, decode, n):
@@ -174,7 +176,7 @@ def arithmetic(scheme: Scheme, trace, workload, share, args):
     return units * scheme.unit_bytes, pool.copies * scheme.unit_bytes
 
 
-# ---- the measurement: the same workloads through the library --------------------------------------
+# ---- the measurement: the same workloads through the library -------------------------------------
 
 def stand_in(model: Model, layout: str, page_bytes: int, max_seq: int, max_batch: int):
     """A one-layer config with the same tokens per page, pages a multiple of 4 KB; and the factor
@@ -187,7 +189,8 @@ def stand_in(model: Model, layout: str, page_bytes: int, max_seq: int, max_batch
                                    max_batch_size=max_batch, max_seq_len=max_seq,
                                    dtype=torch.bfloat16, page_size=tpp * heads * model.head_dim * 2,
                                    layout=layout, reclaim="eager")
-    factor = vattention_scheme(model, layout, page_bytes).unit_bytes / (cfg.num_tensors * cfg.page_bytes)
+    unit_bytes = vattention_scheme(model, layout, page_bytes).unit_bytes
+    factor = unit_bytes / (cfg.num_tensors * cfg.page_bytes)
     return cfg, factor
 
 
@@ -203,7 +206,8 @@ def measured(model, layout, page_bytes, trace, workload, args):
             cache.step({parent: prompt})
             if workload == "parallel":
                 samples = [parent] + [cache.fork(parent) for _ in range(width - 1)]
-                cache.step({s: prompt + out for s, out in zip(samples, sample_lengths(decode, width))})
+                outs = sample_lengths(decode, width)
+                cache.step({s: prompt + out for s, out in zip(samples, outs)})
                 pages += cache.stats()["pages_mapped"]
             else:
                 rng = np.random.default_rng(i)
@@ -242,7 +246,7 @@ def fits_host_mappings(model, layout, page_bytes, trace, workload, args, limit=2
     return np.array(keep[: args.validate]).reshape(-1, 2)
 
 
-# ---- report ---------------------------------------------------------------------------------------
+# ---- report --------------------------------------------------------------------------------------
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -257,7 +261,8 @@ def main():
     model = Model()
     trace = load_trace(args.trace)[: args.prompts]
     print(f"{model.name} ({model.bytes_per_token >> 10} KiB/token), {len(trace)} requests of "
-          f"{args.trace}: mean prompt {trace[:, 0].mean():.0f}, mean output {trace[:, 1].mean():.0f}")
+          f"{args.trace}: mean prompt {trace[:, 0].mean():.0f}, "
+          f"mean output {trace[:, 1].mean():.0f}")
     vllm = vllm_scheme(model)
     configs = [(layout, page) for layout in ("layer", "mega") for page in (2 << 20, 64 << 10)]
     for workload, title in (("parallel", f"parallel sampling, n={args.samples}"),

@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import vattention  # noqa: E402
+
 from _timing import compare  # noqa: E402
 
 
@@ -83,7 +84,9 @@ def scrub_table(calls: int) -> None:
                 caches[scrub] = vattention.KVCache(cfg)
             tokens = cfg.tokens_per_page
 
-            def turnover(cache, reclaim=path.startswith("pool")):
+            reclaim = path.startswith("pool")
+
+            def turnover(cache, reclaim=reclaim):
                 for s in cache.active_slots():
                     cache.free(s)
                 if reclaim:

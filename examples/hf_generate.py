@@ -112,7 +112,8 @@ def main() -> int:
                         generator=torch.Generator().manual_seed(1))
     caches = {
         "DynamicCache": transformers.DynamicCache(),
-        "StaticCache": transformers.StaticCache(config=model.config, max_cache_len=args.max_seq_len),
+        "StaticCache": transformers.StaticCache(config=model.config,
+                                                max_cache_len=args.max_seq_len),
         "VAttentionCache": VAttentionCache.from_model(model, max_batch_size=args.batch,
                                                       max_seq_len=args.max_seq_len,
                                                       page_size=args.page_size),

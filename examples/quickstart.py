@@ -1,6 +1,8 @@
 """Quickstart: the README snippet. Run: ``python examples/quickstart.py`` (CPU)."""
 
-import torch, vattention
+import torch
+
+import vattention
 
 cfg = vattention.KVCacheConfig(num_layers=4, num_kv_heads=8, head_dim=128, max_batch_size=8,
                                max_seq_len=8192, dtype=torch.bfloat16, page_size="64KB")

@@ -1,9 +1,9 @@
 """Shared fixtures: every cache-level test runs over devices, layouts and page sizes.
 
 `device` is parametrized over "cpu" (host backend) and "cuda" (the CUDA backend: on the real driver
-where there is a GPU, else through the strict driver emulation, see tests/cuda_setup.py and
-tests/cuda_emulator/). Data is read and written through `kv_views`, which gives CPU tensors over the
-cache memory wherever it is host memory.
+where there is a GPU, else through the strict driver emulation, see tests/support/cuda_setup.py
+and tests/cuda_emulator/). Data is read and written through `kv_views` (tests/support/helpers.py),
+which gives CPU tensors over the cache memory wherever it is host memory.
 """
 
 from __future__ import annotations
@@ -14,7 +14,12 @@ import pytest
 import torch
 
 import vattention
-from cuda_setup import CUDA_MODE, CUDA_REASON, GPU_MIN_PAGE, cuda_emu
+
+from support.cuda_setup import CUDA_MODE, CUDA_REASON, GPU_MIN_PAGE, cuda_emu
+
+# The emulation-only tests' `emu` fixture (test_cuda_backend.py, test_cuda_faults.py,
+# test_prefetch_races.py): a plugin, so that no test module imports a fixture by name.
+pytest_plugins = ["support.cuda_testing"]
 
 DEVICES = ["cpu", "cuda"]
 LAYOUTS = ["layer", "mega"]

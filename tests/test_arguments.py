@@ -10,9 +10,16 @@ import pytest
 import torch
 
 import vattention
-from vattention import (ArgumentTypeError, CacheClosedError, ConfigError, InvalidSlotError,
-                        SequenceTooLongError, VAttentionError)
-from helpers import check_pattern, fill_pattern, page_state
+from vattention import (
+    ArgumentTypeError,
+    CacheClosedError,
+    ConfigError,
+    InvalidSlotError,
+    SequenceTooLongError,
+    VAttentionError,
+)
+
+from support.helpers import check_pattern, fill_pattern, page_state
 
 HUGE = 2**70
 
@@ -87,12 +94,13 @@ def test_floats_and_bools_are_refused_not_truncated(busy, call):
     before = page_state(cache)
     with pytest.raises(TypeError) as info:
         FLOAT_CALLS[call](cache, a, b, handle)
-    assert isinstance(info.value, VAttentionError), f"untyped {type(info.value).__name__}: {info.value}"
+    assert isinstance(info.value, VAttentionError), \
+        f"untyped {type(info.value).__name__}: {info.value}"
     assert isinstance(info.value, ArgumentTypeError)
     message = str(info.value)
     assert any(word in message for word in ("slot", "handle", "num_tokens", "start_token",
-                                            "lookahead_tokens", "seq_lens", "layer", "src_slot",
-                                            "new_requests")), message
+                                            "lookahead_tokens", "seq_lens", "layer",
+                                            "src_slot", "new_requests")), message
     unchanged(cache, before, written)
 
 
@@ -229,7 +237,8 @@ CLOSED_CALLS = {
     "layer": lambda c: c.layer(0), "k_cache": lambda c: c.k_cache, "v_cache": lambda c: c.v_cache,
     "mega_tensors": lambda c: c.mega_tensors(), "layer_ptrs": lambda c: c.layer_ptrs(0),
     "host_alias": lambda c: c.host_alias(0), "fork": lambda c: c.fork(0),
-    "share_prefix": lambda c: c.share_prefix(0, 1, 1), "ensure_private": lambda c: c.ensure_private(0, 0),
+    "share_prefix": lambda c: c.share_prefix(0, 1, 1),
+    "ensure_private": lambda c: c.ensure_private(0, 0),
     "swap_out": lambda c: c.swap_out(0), "swap_in": lambda c: c.swap_in(1),
     "swap_drop": lambda c: c.swap_drop(1), "set_swap_budget": lambda c: c.set_swap_budget(None),
     "pick_victims": lambda c: c.pick_victims(0), "capacity": lambda c: c.capacity(),
@@ -286,7 +295,8 @@ def test_close_releases_descriptors_while_the_cache_and_a_view_are_still_referen
 def test_budget_below_one_page_is_refused_naming_the_page_size(budget):
     cfg = vattention.KVCacheConfig(num_layers=1, num_kv_heads=1, head_dim=64, max_batch_size=1,
                                    max_seq_len=64, dtype=torch.float16, page_size="64KB")
-    with pytest.raises(ConfigError, match=r"smaller than one page \(page_size='64KB', 65536 bytes\)"):
+    with pytest.raises(ConfigError,
+                       match=r"smaller than one page \(page_size='64KB', 65536 bytes\)"):
         vattention.KVCache(cfg, memory_budget=budget)
     with vattention.KVCache(cfg, memory_budget="128KB") as cache:   # K and V: one page each
         cache.step({cache.alloc(): 1})

@@ -12,7 +12,8 @@ import ctypes
 import pytest
 
 import vattention
-from cuda_setup import CUDA_MODE
+
+from support.cuda_setup import CUDA_MODE
 
 C = vattention._C
 

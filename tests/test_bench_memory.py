@@ -12,14 +12,26 @@ import sys
 
 import numpy as np
 import pytest
-from fake_kvcache import FakeKVCache  # tests/ is on sys.path (pytest rootdir-relative import)
 
 from vattention.bench import cli
-from vattention.bench.allocators import (ALL_ALLOCATORS, BASELINES, VATTENTION_VARIANTS,
-                                         BlockAllocator, StaticAllocator, make_allocator)
+from vattention.bench.allocators import (
+    ALL_ALLOCATORS,
+    BASELINES,
+    VATTENTION_VARIANTS,
+    BlockAllocator,
+    StaticAllocator,
+    make_allocator,
+)
 from vattention.bench.memory import run_memory_benchmark, simulate
-from vattention.bench.workload import (MODELS, ModelShape, Workload, default_max_seq_len,
-                                       load_workload)
+from vattention.bench.workload import (
+    MODELS,
+    ModelShape,
+    Workload,
+    default_max_seq_len,
+    load_workload,
+)
+
+from support.fake_kvcache import FakeKVCache
 
 SMALL = ModelShape("small", num_layers=4, num_kv_heads=2, head_dim=64)  # 2 KB per token
 MiB = 1 << 20
@@ -245,7 +257,7 @@ def test_plots_are_written_with_matplotlib(tmp_path):
 
 
 def test_progress_fallback_without_tqdm(monkeypatch, capsys):
-    from vattention.progress import Progress
+    from vattention.bench.progress import Progress
     monkeypatch.setitem(sys.modules, "tqdm", None)
     with Progress(4, "ideal") as bar:
         for _ in range(4):
@@ -255,8 +267,8 @@ def test_progress_fallback_without_tqdm(monkeypatch, capsys):
 
 
 def test_driver_error_becomes_a_failed_row_and_other_rows_still_run():
-    from vattention.errors import DriverError
     from vattention.bench.report import markdown_table
+    from vattention.errors import DriverError
 
     class FailingCache(FakeKVCache):
         def step(self, lengths):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import vattention
-from helpers import page_state
+from support.helpers import page_state
 
 
 # The accounting is in pages, whatever their size: one page size keeps the suite short (device and

@@ -1,6 +1,6 @@
 """torch.compile over vattention caches, and the compile-safe append op (vattention.ops).
 
-The compiled decode (tests/compile_decode_check.py) runs in a subprocess: a graph that read
+The compiled decode (tests/support/compile_decode_check.py) runs in a subprocess: a graph that read
 unmapped cache memory would die of SIGSEGV there. CUDA-graph capture and replay is a GPU check
 (tests/gpu/test_gpu_cuda_graph.py).
 """
@@ -27,13 +27,16 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def test_compiled_decode_equals_eager_without_graph_breaks_recompiles_or_unmapped_reads():
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "compile_decode_check.py")],
+    script = ROOT / "tests" / "support" / "compile_decode_check.py"
+    proc = subprocess.run([sys.executable, str(script)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode == -signal.SIGSEGV:
-        pytest.fail("the compiled decode read unmapped cache memory (SIGSEGV)\n" + proc.stderr[-3000:])
+        pytest.fail("the compiled decode read unmapped cache memory (SIGSEGV)\n"
+                    + proc.stderr[-3000:])
     assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
     for layout in ("layer", "mega"):
-        assert f"{layout}: compiled decode equals eager; no graph break, no recompilation" in proc.stdout
+        assert (f"{layout}: compiled decode equals eager; no graph break, no recompilation"
+                in proc.stdout)
 
 
 def test_docstring_examples():
@@ -62,9 +65,12 @@ def test_append_writes_only_the_given_rows(cache):
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(x=torch.zeros(1, 2, 32)), r"new tokens have shape \(1, 2, 32\); this cache takes \(1, 2, 64\)"),
-    (dict(x=torch.zeros(1, 2, 64, dtype=torch.float16)), "dtype torch.float16; the cache holds torch.float32"),
-    (dict(slots=torch.tensor([[0]])), r"slots must be a 1-D int64 or int32 tensor, got shape \(1, 1\)"),
+    (dict(x=torch.zeros(1, 2, 32)),
+     r"new tokens have shape \(1, 2, 32\); this cache takes \(1, 2, 64\)"),
+    (dict(x=torch.zeros(1, 2, 64, dtype=torch.float16)),
+     "dtype torch.float16; the cache holds torch.float32"),
+    (dict(slots=torch.tensor([[0]])),
+     r"slots must be a 1-D int64 or int32 tensor, got shape \(1, 1\)"),
     (dict(positions=torch.tensor([0.0])), "positions must be a 1-D int64 or int32 tensor"),
     (dict(positions=torch.tensor([0, 1])), "positions has 2 entries but slots has 1"),
 ])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -55,7 +57,7 @@ def test_slot_stride_padded_to_page_multiple():
 
 def test_config_is_frozen_and_keyword_only():
     cfg = KVCacheConfig(**BASE)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.num_layers = 3
     with pytest.raises(TypeError):
         KVCacheConfig(32, 8, 128, 8, 4096, torch.bfloat16)

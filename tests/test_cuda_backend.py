@@ -15,11 +15,12 @@ import time
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import initialize
+from test_stateful import CacheMachine
 
 import vattention
-from cuda_testing import PAGE, E, emu, make, needs_emulation, pages_state  # noqa: F401 (fixture)
-from helpers import fill_pattern, check_pattern
-from test_stateful import CacheMachine
+
+from support.cuda_testing import PAGE, E, make, needs_emulation, pages_state
+from support.helpers import check_pattern, fill_pattern
 
 pytestmark = needs_emulation
 
@@ -48,7 +49,8 @@ def test_everything_is_given_back_after_close(emu, layout):
     cache.reclaim()
     cache.free(slots[2])
     assert emu.counter("live_mappings") > 0 and emu.counter("live_handles") > 0
-    assert emu.counter("context_refs") == 1 and emu.counter("live_reservations") == 4 - 2 * (layout == "mega")
+    assert emu.counter("context_refs") == 1
+    assert emu.counter("live_reservations") == 4 - 2 * (layout == "mega")
     cache.close()
     assert emu.counter("live_mappings") == 0 and emu.counter("live_handles") == 0
     assert emu.counter("live_events") == 0
@@ -111,7 +113,7 @@ def test_threads_without_context_are_bound_by_the_backend(emu):
     t.start()
     t.join()
     assert seen == {"before": False, "after": True}
-    del backend
+    backend = None  # drop it (worker() shares the variable: `del` reads as F821)
 
 
 def test_prefetch_thread_maps_under_strict_context(emu):
@@ -231,7 +233,7 @@ def test_backend_surfaces_driver_refusals_as_driver_errors(emu):
     backend.unmap(va, PAGE)
     backend.destroy_page(page)
     backend.release_va(va, 4 * PAGE)
-    del backend, info
+    backend = info = None  # drop them (the lambdas share `backend`: `del` reads as F821)
     gc.collect()
     assert emu.live() == {k: 0 for k in emu.live()}
 
@@ -261,7 +263,8 @@ except vattention.BackendUnavailableError as e:
 
 
 @pytest.mark.parametrize("lib,why", [
-    ("/nonexistent/libcuda.so.1", "cannot load the CUDA driver library '/nonexistent/libcuda.so.1'"),
+    ("/nonexistent/libcuda.so.1",
+     "cannot load the CUDA driver library '/nonexistent/libcuda.so.1'"),
     ("libm.so.6", "libm.so.6 exports neither cuGetProcAddress_v2 nor cuGetProcAddress"),
 ])
 def test_unusable_driver_library_is_backend_unavailable_with_reason(lib, why):
@@ -276,11 +279,13 @@ def test_missing_entry_point_is_backend_unavailable_naming_it():
               "lib.vaemu_hide_symbol(b'cuMemSetAccess')\n" + LOAD_SCRIPT)
     proc = _run_with_libcuda(str(E.LIB_PATH), script)
     assert proc.returncode == 0, proc.stderr
-    why = "does not provide cuMemSetAccess for CUDA 10.2 (cuGetProcAddress returned 0, symbol not found)"
-    assert why in proc.stdout.split("RAISED:")[0] and "RAISED: CUDA backend unavailable" in proc.stdout
+    why = ("does not provide cuMemSetAccess for CUDA 10.2 (cuGetProcAddress returned 0, "
+           "symbol not found)")
+    assert why in proc.stdout.split("RAISED:")[0]
+    assert "RAISED: CUDA backend unavailable" in proc.stdout
 
 
-# ---- the hypothesis state machine of test_stateful.py, on the emulated CUDA backend ---------------
+# ---- the hypothesis state machine of test_stateful.py, on the emulated CUDA backend --------------
 
 class CudaCacheMachine(CacheMachine):
     """Random alloc/step/free/reclaim/reserve/shrink sequences against the pure-Python model, on the

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 
 import vattention
-from cuda_testing import (PAGE, E, assert_clean, emu, make, needs_emulation,  # noqa: F401
-                          pages_state)
-from helpers import check_pattern, fill_pattern
+
+from support.cuda_testing import PAGE, E, assert_clean, make, needs_emulation, pages_state
+from support.helpers import check_pattern, fill_pattern
 
 pytestmark = needs_emulation
 
@@ -63,7 +63,8 @@ def test_fault_during_reserve_keeps_no_pages(emu, nth, code):
         assert cache.stats()["pages_total"] == 8
 
 
-@pytest.mark.parametrize("entry", ["cuMemUnmap", "cuEventQuery", "cuEventDestroy", "cuCtxGetCurrent"])
+@pytest.mark.parametrize("entry", ["cuMemUnmap", "cuEventQuery", "cuEventDestroy",
+                                   "cuCtxGetCurrent"])
 def test_fault_during_reclaim_is_typed_and_retry_works(emu, entry):
     with make() as cache:
         a, b = cache.alloc(), cache.alloc()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from cuda_setup import have_gpu
+from support.cuda_setup import have_gpu
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))

@@ -6,9 +6,15 @@ import pytest
 import torch
 
 import vattention
-from vattention import (CacheClosedError, ConfigError, InvalidSlotError, OutOfPagesError,
-                        SequenceTooLongError)
-from helpers import check_pattern, fill_pattern, inject_backend_fault, page_state
+from vattention import (
+    CacheClosedError,
+    ConfigError,
+    InvalidSlotError,
+    OutOfPagesError,
+    SequenceTooLongError,
+)
+
+from support.helpers import check_pattern, fill_pattern, inject_backend_fault, page_state
 
 
 @pytest.fixture

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 import vattention
-from helpers import check_pattern, fill_pattern, inject_backend_fault, page_state
+
+from support.helpers import check_pattern, fill_pattern, inject_backend_fault, page_state
 
 
 @pytest.fixture

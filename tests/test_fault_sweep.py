@@ -26,8 +26,9 @@ import pytest
 import torch
 
 import vattention
-from cuda_setup import CUDA_MODE, cuda_emu
-from helpers import check_pattern, fill_pattern
+
+from support.cuda_setup import CUDA_MODE, cuda_emu
+from support.helpers import check_pattern, fill_pattern
 
 HOST_OPS = ("reserve", "create_page", "destroy_page", "map", "set_access", "unmap")
 CUDA_ENTRIES = ("cuMemCreate", "cuMemRelease", "cuMemMap", "cuMemUnmap", "cuMemSetAccess",
@@ -231,7 +232,8 @@ def _sweep(device, name, shapes="uniform"):
     cache.close()
     del cache
     faults.assert_released()
-    plan = [(entry, k) for entry in faults.entries for k in range(1, after[entry] - before[entry] + 1)]
+    plan = [(entry, k) for entry in faults.entries
+            for k in range(1, after[entry] - before[entry] + 1)]
     if not plan:
         pytest.skip(f"{name} makes no call to this backend")
 

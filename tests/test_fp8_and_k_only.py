@@ -7,8 +7,9 @@ import torch
 
 import vattention
 import vattention.compat as vattn
-from helpers import kv_views
-from share_helpers import bits
+
+from support.helpers import kv_views
+from support.share_helpers import bits
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 
@@ -39,7 +40,8 @@ def check(cache, slot, start, end, written):
         for tensor, data in zip(kv_views(cache, layer), pair):
             assert (tensor is None) == (data is None)
             if tensor is not None:
-                assert torch.equal(bits(tensor[slot, start:end].cpu()), bits(data)), f"layer {layer}"
+                got = bits(tensor[slot, start:end].cpu())
+                assert torch.equal(got, bits(data)), f"layer {layer}"
 
 
 @pytest.mark.parametrize("dtype", FP8, ids=str)

@@ -12,9 +12,7 @@ import pathlib
 import subprocess
 import sys
 
-import pytest
-
-from cuda_setup import CUDA_MODE, CUDA_REASON
+from support.cuda_testing import needs_emulation
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 KIT = ROOT / "benchmarks" / "gpu" / "run_all.py"
@@ -33,7 +31,8 @@ def test_without_a_gpu_one_line_and_exit_2():
     assert proc.returncode == 2
     lines = (proc.stdout + proc.stderr).strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
-    assert lines[0].startswith("run_all.py: no GPU to run on (") and "/nonexistent/libcuda.so.1" in lines[0]
+    assert lines[0].startswith("run_all.py: no GPU to run on (")
+    assert "/nonexistent/libcuda.so.1" in lines[0]
     assert "--dry-run" in lines[0]
 
 
@@ -42,7 +41,7 @@ def test_unknown_part_is_refused_by_name():
     assert proc.returncode == 2 and "unknown part(s) ['warp']" in proc.stderr
 
 
-@pytest.mark.skipif(CUDA_MODE != "emulated", reason=f"needs the CUDA emulation ({CUDA_REASON or 'real GPU in use'})")
+@needs_emulation
 def test_dry_run_writes_one_report(tmp_path):
     proc = run_kit("--dry-run", "--quick", "--only", "tests,prefetch,vmm,attention,mapping",
                    "--out-dir", str(tmp_path))
@@ -56,7 +55,8 @@ def test_dry_run_writes_one_report(tmp_path):
     # Every GPU test is listed (and skipped, by design, under the emulation).
     for test in ("test_captured_decode_replays_over_pages_mapped_after_capture",
                  "test_compiled_decode_with_cuda_graphs_equals_eager",
-                 "test_unmapped_read_is_illegal_address", "test_sdpa_over_virtual_slice_equals_contiguous"):
+                 "test_unmapped_read_is_illegal_address",
+                 "test_sdpa_over_virtual_slice_equals_contiguous"):
         assert f"{test} | skipped |" in md
     assert "| layer | 2MB | 1024 |" in md and "| mega | 2MB | 32 |" in md
     assert "**Overall: all parts ran, no test failed.**" in md

@@ -16,7 +16,8 @@ import pytest
                                     "vattention.integrations.vllm.stats_writer",
                                     "vattention.integrations.vllm.slots",
                                     "vattention.bench.tiny_models",
-                                    "vattention.bench.workload", "vattention.bench.sizing",
+                                    "vattention.bench.workload", "vattention.bench.traces",
+                                    "vattention.bench.progress", "vattention.bench.sizing",
                                     "vattention.bench.allocators", "vattention.config",
                                     "vattention.cache", "vattention.sharing"])
 def test_docstring_examples(module):

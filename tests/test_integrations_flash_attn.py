@@ -22,18 +22,21 @@ def naive_attention(q, keys, values, causal_offset=None):
     v = values.repeat_interleave(groups, 1)
     scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
     if causal_offset is not None:
-        allowed = torch.arange(k.shape[0])[None, :] <= torch.arange(q.shape[0])[:, None] + causal_offset
+        rows = torch.arange(q.shape[0])[:, None] + causal_offset
+        allowed = torch.arange(k.shape[0])[None, :] <= rows
         scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
 def test_reference_decode_appends_in_place_and_matches_naive_gqa():
     torch.manual_seed(0)
-    k_cache, v_cache = torch.randn(5, 16, 2, 8, dtype=torch.float64), torch.randn(5, 16, 2, 8, dtype=torch.float64)
+    k_cache = torch.randn(5, 16, 2, 8, dtype=torch.float64)
+    v_cache = torch.randn(5, 16, 2, 8, dtype=torch.float64)
     before_k = k_cache.clone()
     seqlens, slots = torch.tensor([3, 0, 9]), torch.tensor([4, 1, 2])
     q = torch.randn(3, 1, 6, 8, dtype=torch.float64)
-    k, v = torch.randn(3, 1, 2, 8, dtype=torch.float64), torch.randn(3, 1, 2, 8, dtype=torch.float64)
+    k = torch.randn(3, 1, 2, 8, dtype=torch.float64)
+    v = torch.randn(3, 1, 2, 8, dtype=torch.float64)
     out = fa.decode(q, k_cache, v_cache, k, v, seqlens, slots)
     for i, (n, s) in enumerate(zip(seqlens.tolist(), slots.tolist())):
         assert torch.equal(k_cache[s, n], k[i, 0]) and torch.equal(v_cache[s, n], v[i, 0])

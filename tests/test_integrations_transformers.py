@@ -1,4 +1,5 @@
-"""VAttentionCache in transformers' generate(): same tokens as DynamicCache, no copies, paged memory.
+"""VAttentionCache in transformers' generate(): same tokens as DynamicCache, no copies, paged
+memory.
 
 Tiny random models are built from configs (no downloads). Skips cleanly without transformers.
 """

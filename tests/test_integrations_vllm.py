@@ -28,8 +28,17 @@ import urllib.request
 
 import pytest
 
-from vllm_harness import (MISSING, ROOT, VLLM_PYTHON, Inline, Scenario, build_model, greedy,
-                          prompt, vllm_env)
+from support.vllm_harness import (
+    MISSING,
+    ROOT,
+    VLLM_PYTHON,
+    Inline,
+    Scenario,
+    build_model,
+    greedy,
+    prompt,
+    vllm_env,
+)
 
 pytestmark = pytest.mark.slow
 

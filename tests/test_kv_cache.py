@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 import vattention
-from helpers import check_pattern, fill_pattern, kv_views
+
+from support.helpers import check_pattern, fill_pattern, kv_views
 
 
 def _all_layers(cache):
@@ -112,8 +112,8 @@ def test_alloc_prefers_idle_slot_with_most_pages(make_cache):
 
 
 def test_idle_pages_are_taken_least_recently_freed_first(make_cache):
-    cfg_pages = vattention.KVCacheConfig(num_layers=2, num_kv_heads=2, head_dim=64, max_batch_size=4,
-                                         max_seq_len=4096, dtype=torch.float16,
+    cfg_pages = vattention.KVCacheConfig(num_layers=2, num_kv_heads=2, head_dim=64,
+                                         max_batch_size=4, max_seq_len=4096, dtype=torch.float16,
                                          page_size="64KB").pages_for_tokens(256)
     cache = make_cache(page_size="64KB", memory_budget=3 * cfg_pages * 65536 // 1)
     a, b, c = cache.alloc(), cache.alloc(), cache.alloc()
@@ -185,7 +185,8 @@ def test_sdpa_over_virtual_cache_equals_contiguous_copy(make_cache):
     for layer in range(cfg.num_layers):
         k, v = kv_views(cache, layer)
         for slot, n in lengths.items():
-            q = torch.randn(1, cfg.num_kv_heads, 1, cfg.head_dim, generator=gen).to(cfg.dtype).float()
+            q = torch.randn(1, cfg.num_kv_heads, 1, cfg.head_dim, generator=gen)
+            q = q.to(cfg.dtype).float()
             q = q.to(k.device)  # a real GPU gives cuda tensors
             kv_k = k[slot, :n].transpose(0, 1).unsqueeze(0).float()  # [1, H, n, D], strided
             kv_v = v[slot, :n].transpose(0, 1).unsqueeze(0).float()

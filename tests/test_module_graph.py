@@ -81,3 +81,22 @@ def test_package_modules_import_each_other_without_cycles():
     # (`import vattention`) are the public-API consumers (CLI, integrations), not part of a cycle.
     graph = {m: {d for d in deps if d != "vattention"} for m, deps in graph.items()}
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
+
+
+# The command line dispatches to the tooling; it is the one library-side module that may.
+ENTRY_POINTS = {"vattention.__main__"}
+
+
+def test_the_library_never_imports_the_tooling():
+    # Issue 18, item 5: library modules sit at the top of vattention/ (and integrations/); the
+    # tooling (benchmarks, demo, traces, progress display, packaged traces) lives in
+    # vattention.bench, which may use the library but not the other way round.
+    graph = import_graph()
+    tooling = {m for m in graph if m == "vattention.bench" or m.startswith("vattention.bench.")}
+    assert {"vattention.bench.demo", "vattention.bench.traces", "vattention.bench.progress",
+            "vattention.bench.data"} <= tooling
+    assert not {"vattention.demo", "vattention.traces", "vattention.progress",
+                "vattention.data"} & set(graph)
+    offenders = {m: sorted(deps & tooling) for m, deps in graph.items()
+                 if m not in tooling and m not in ENTRY_POINTS and deps & tooling}
+    assert not offenders, f"library modules importing the tooling: {offenders}"

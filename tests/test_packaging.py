@@ -50,7 +50,8 @@ def test_wheel_ships_the_licence_of_the_bundled_traces(tmp_path):
                            str(tmp_path / "out")], cwd=src, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
-    data = tmp_path / "out" / "vattention" / "data"
-    assert (data / "README.md").read_text() == (ROOT / "vattention/data/README.md").read_text()
+    data = tmp_path / "out" / "vattention" / "bench" / "data"
+    source = ROOT / "vattention" / "bench" / "data"
+    assert (data / "README.md").read_text() == (source / "README.md").read_text()
     assert sorted(p.name for p in data.glob("*.csv")) == sorted(
-        p.name for p in (ROOT / "vattention/data").glob("*.csv"))
+        p.name for p in source.glob("*.csv"))

@@ -1,4 +1,5 @@
-"""Per-layer KV shapes (issue 14, item 4): hybrid models whose layers differ in KV heads or head dim.
+"""Per-layer KV shapes (issue 14, item 4): hybrid models whose layers differ in KV heads or head
+dim.
 
 Each layer's tensors are shaped for it and all layers draw on one page pool. A slot grows by page
 indices of `tokens_per_page` tokens; layer l maps `index_pages(l)` pages per index, exactly in
@@ -12,8 +13,9 @@ import pytest
 import torch
 
 import vattention
-from helpers import PAGE_STATE_KEYS, check_pattern, kv_views
-from share_helpers import bits, fast_fill
+
+from support.helpers import PAGE_STATE_KEYS, check_pattern, kv_views
+from support.share_helpers import bits, fast_fill
 
 # fp16 token strides 512, 128, 256, 256 bytes: gcd 128, so 4, 1, 2, 2 pages per index and layer.
 HYBRID = dict(num_layers=4, num_kv_heads=(4, 1, 2, 1), head_dim=(64, 64, 64, 128))
@@ -85,7 +87,8 @@ def test_equal_entries_collapse_to_one_shape():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(num_kv_heads=(4, 1, 2)), r"num_kv_heads has 3 entries; it needs one per layer \(num_layers=4\)"),
+    (dict(num_kv_heads=(4, 1, 2)),
+     r"num_kv_heads has 3 entries; it needs one per layer \(num_layers=4\)"),
     (dict(head_dim=(64, 64, 64, 64, 64)), r"head_dim has 5 entries; it needs one per layer"),
     (dict(num_kv_heads=(4, 0, 2, 1)), r"num_kv_heads\[1\]=0 must be a positive int"),
     (dict(head_dim=(64, -64, 64, 64)), r"head_dim\[1\]=-64 must be a positive int"),
@@ -316,8 +319,9 @@ def test_k_only_latent_caches_with_per_layer_widths(make, dtype):
     data = []
     for layer in range(4):
         k, v = kv_views(cache, layer)
-        assert v is None and k.dtype == dtype and tuple(k.shape[2:]) == (1, cfg.layer_head_dims[layer])
-        raw = torch.randint(0, 127, (n, 1, cfg.layer_head_dims[layer]), generator=gen, dtype=torch.uint8)
+        head_dim = cfg.layer_head_dims[layer]
+        assert v is None and k.dtype == dtype and tuple(k.shape[2:]) == (1, head_dim)
+        raw = torch.randint(0, 127, (n, 1, head_dim), generator=gen, dtype=torch.uint8)
         x = raw.view(dtype) if e == 1 else raw.to(dtype)
         k[slot, :n] = x
         data.append(x)

@@ -8,7 +8,8 @@ import pytest
 
 import vattention
 from vattention import DriverError, OutOfPagesError
-from helpers import check_pattern, fill_pattern, inject_backend_fault
+
+from support.helpers import check_pattern, fill_pattern, inject_backend_fault
 
 
 def test_prefetched_pages_need_no_map_calls_in_step(make_cache):

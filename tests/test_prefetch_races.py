@@ -14,7 +14,7 @@ import threading
 
 import pytest
 
-from cuda_testing import emu, make, needs_emulation  # noqa: F401 (fixture)
+from support.cuda_testing import make, needs_emulation
 
 pytestmark = needs_emulation
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import vattention
-from helpers import fill_pattern, kv_views
+
+from support.helpers import fill_pattern, kv_views
 
 
 @pytest.fixture

@@ -6,10 +6,9 @@ import pytest
 import torch
 
 import vattention
-from helpers import kv_views, page_state
-from share_helpers import check_pattern
-from share_helpers import fast_fill as fill_pattern
-from share_helpers import paged_cache, prefix
+
+from support.helpers import kv_views, page_state
+from support.share_helpers import check_pattern, fast_fill as fill_pattern, paged_cache, prefix
 
 
 def full_pages(cache, num_tokens):
@@ -59,7 +58,8 @@ def test_fork_at_a_partial_page_copies_it(make_cache):
     assert cache.seq_len(child) == n
     assert cache.stats()["cow_pages_copied"] == cfg.num_tensors
     assert cache.stats()["shared_pages"] == cfg.num_tensors
-    # The child overwrites its copy of the partial page: the parent's tokens there stay as they were.
+    # The child overwrites its copy of the partial page: the parent's tokens there stay as they
+    # were.
     cache.step({child: 2 * tpp})
     fill_pattern(cache, child, n, 2 * tpp, seed=5)
     check_pattern(cache, parent, 0, 3 * tpp, data)
@@ -102,7 +102,7 @@ def test_parallel_sampling_children_and_freeing_the_parent(make_cache):
     cache.free(parent)
     assert cache.reclaim() == pages_for(cache, n)   # the parent's mappings go ...
     assert cache.stats()["pages_mapped"] == shared + 4 * partial  # ... but not shared pages
-    for i, child in enumerate(children):
+    for child in children:
         check_pattern(cache, child, 0, n, prefix)
         cache.free(child)
     cache.reclaim()
@@ -170,7 +170,8 @@ def test_ensure_private_lets_a_child_rewrite_history(make_cache):
     child = cache.fork(parent)
     start = tpp + 1   # inside the second page: pages 1.. become private, page 0 stays shared
     copied = cache.ensure_private(child, start)
-    assert copied == cache.config.num_tensors * (full_pages(cache, n) // cache.config.num_tensors - 1)
+    tensors = cache.config.num_tensors
+    assert copied == tensors * (full_pages(cache, n) // tensors - 1)
     assert cache.stats()["shared_pages"] == cache.config.num_tensors
     check_pattern(cache, child, 0, n, data)             # copies hold the same bytes
     fill_pattern(cache, child, start, n, seed=14)      # rewrite the child's history ...
@@ -192,7 +193,8 @@ def test_sdpa_over_forked_child_equals_sdpa_over_copied_prefix(make_cache):
     child = cache.fork(parent, n)
     cache.step({parent: n + 100})
     fill_pattern(cache, parent, n, n + 100, seed=16)   # the parent moves on past the fork point
-    q = torch.randn(1, cfg.num_kv_heads, 1, cfg.head_dim, generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, cfg.num_kv_heads, 1, cfg.head_dim, generator=gen)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     for layer, (kc, vc) in enumerate(copies):
         k, v = kv_views(cache, layer)

@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import vattention
-from helpers import kv_views
+
+from support.helpers import kv_views
 
 PAGE = 64 << 10
 LENGTHS = [0, 1, 255, 256, 257, 511, 512, 513, 1024, 1500, 2048]

@@ -12,14 +12,19 @@ freeing and dropping everything leaves no page mapped and no host memory held.
 from __future__ import annotations
 
 import torch
-from hypothesis import HealthCheck, settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from hypothesis.stateful import run_state_machine_as_test
+from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 import vattention
-from helpers import kv_views, page_state
-from share_helpers import bits
+
+from support.helpers import kv_views, page_state
+from support.share_helpers import bits
 
 FAILURES = (vattention.OutOfPagesError, vattention.SwapSpaceError, vattention.InvalidSlotError)
 
@@ -51,7 +56,8 @@ class SharingMachine(RuleBasedStateMachine):
         self.seed += 1
         gen = torch.Generator().manual_seed(self.seed)
         c = self.cfg
-        return torch.randn(c.num_layers, 2, n, c.num_kv_heads, c.head_dim, generator=gen).to(c.dtype)
+        data = torch.randn(c.num_layers, 2, n, c.num_kv_heads, c.head_dim, generator=gen)
+        return data.to(c.dtype)
 
     def _write(self, slot, start, end):
         data = self._random(end - start)
@@ -72,7 +78,8 @@ class SharingMachine(RuleBasedStateMachine):
         return True
 
     def _attempt(self, call):
-        """(True, call()) or, on an expected failure that provably changed nothing, (False, None)."""
+        """(True, call()) or, on an expected failure that provably changed nothing, (False,
+        None)."""
         before = page_state(self.cache)
         try:
             return True, call()

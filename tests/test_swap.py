@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import vattention
-from helpers import inject_backend_fault, page_state
-from share_helpers import check_pattern
-from share_helpers import fast_fill, paged_cache
+
+from support.helpers import inject_backend_fault, page_state
+from support.share_helpers import check_pattern, fast_fill, paged_cache
 
 
 def slot_pages(cache, num_tokens):
@@ -196,7 +196,8 @@ def test_swap_drop_and_close_release_everything(make_cache):
     h1 = cache.swap_out(a)
     h2 = cache.swap_out(b)
     cache.swap_drop(h1)
-    assert cache.stats()["swap_host_bytes"] == slot_pages(cache, cfg.tokens_per_page) * cfg.page_bytes
+    pages = slot_pages(cache, cfg.tokens_per_page)
+    assert cache.stats()["swap_host_bytes"] == pages * cfg.page_bytes
     cache.swap_drop(h2)
     stats = cache.stats()
     assert (stats["swap_host_bytes"], stats["swap_handles"], stats["pages_mapped"]) == (0, 0, 0)
@@ -212,7 +213,7 @@ def test_swap_drop_and_close_release_everything(make_cache):
     assert d is not None
 
 
-# ---- pick_victims ---------------------------------------------------------------------------------
+# ---- pick_victims --------------------------------------------------------------------------------
 
 def test_pick_victims_least_recently_stepped_then_fewest_tokens(make_cache):
     cache = paged_cache(make_cache, pages=4, max_batch_size=4)
@@ -246,7 +247,7 @@ def test_pick_victims_counts_only_pages_that_would_be_freed(make_cache):
         cache.pick_victims(-1)
 
 
-# ---- driver failures part-way: rolled back ---------------------------------------------------------
+# ---- driver failures part-way: rolled back -------------------------------------------------------
 
 @pytest.mark.parametrize("op", ["map", "set_access"])
 def test_driver_failure_in_fork_and_swap_in_rolls_back(make_cache, device, op):

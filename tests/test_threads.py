@@ -9,10 +9,11 @@ import threading
 import time
 
 import torch
+from test_sparse import rss_shmem_bytes
 
 import vattention
-from helpers import kv_views
-from test_sparse import rss_shmem_bytes
+
+from support.helpers import kv_views
 
 
 def open_fds() -> int:
@@ -43,7 +44,8 @@ def test_concurrent_alloc_step_prefetch_free_stats(device, layout):
                         with lock:
                             counts["no_slot"] += 1
                 elif op < 0.6 and mine:
-                    lens = {s: min(cfg.max_seq_len, n + rng.randint(1, 300)) for s, n in mine.items()}
+                    lens = {s: min(cfg.max_seq_len, n + rng.randint(1, 300))
+                            for s, n in mine.items()}
                     try:
                         cache.step(lens)
                         mine.update(lens)
@@ -87,7 +89,7 @@ def test_concurrent_alloc_step_prefetch_free_stats(device, layout):
     assert stats["active_slots"] == 0
     assert stats["pages_total"] * cfg.page_bytes <= 24 << 20
     cache.close()
-    del cache
+    cache = None  # drop the last reference (worker() shares the variable: `del` reads as F821)
     gc.collect()
     assert open_fds() <= fds                       # memfd arenas closed
     assert rss_shmem_bytes() - rss < (1 << 20)     # and their memory returned

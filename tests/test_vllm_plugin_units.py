@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 import vattention
-from vattention.integrations.vllm import geometry, plugin, register
+from vattention.integrations.vllm import geometry, plugin
 from vattention.integrations.vllm.stats_writer import StatsWriter, stats_path
 
 

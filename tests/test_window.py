@@ -11,13 +11,15 @@ import pytest
 import torch
 
 import vattention
-from helpers import kv_views
+
+from support.helpers import kv_views
 
 H, D = 2, 64  # float32 (marks up to 2^24 are exact): 512 bytes per token row, layer layout
 
 
 def windowed(make_cache, window_pages=1.5, pages=8, **kwargs):
-    """A cache whose window spans `window_pages` pages of one tensor and slots hold `pages` pages."""
+    """A cache whose window spans `window_pages` pages of one tensor and slots hold `pages`
+    pages."""
     probe = make_cache(num_kv_heads=H, head_dim=D, max_batch_size=1, max_seq_len=1,
                        dtype=torch.float32,
                        **{k: v for k, v in kwargs.items() if k == "value_cache"})
@@ -51,7 +53,8 @@ def check_marks(cache, slot, start, end, layers=None):
         marks = torch.arange(start, end, dtype=torch.float32)
         assert torch.equal(k[slot, start:end, 0, 0].float().cpu(), marks), f"K of layer {layer}"
         if v is not None:
-            assert torch.equal(v[slot, start:end, 0, 0].float().cpu(), -marks), f"V of layer {layer}"
+            got = v[slot, start:end, 0, 0].float().cpu()
+            assert torch.equal(got, -marks), f"V of layer {layer}"
 
 
 def decode(cache, slot, old, new, stride):

@@ -14,9 +14,18 @@ memory grows with the tokens really held.
 from . import ops  # compile-safe append ops (torch.library custom ops: vattention::append)
 from .cache import Capacity, KVCache
 from .config import KVCacheConfig, parse_size
-from .errors import (ArgumentTypeError, BackendUnavailableError, CacheClosedError, ConfigError,
-                     DriverError, InvalidSlotError, OutOfPagesError, SequenceTooLongError,
-                     SwapSpaceError, VAttentionError)
+from .errors import (
+    ArgumentTypeError,
+    BackendUnavailableError,
+    CacheClosedError,
+    ConfigError,
+    DriverError,
+    InvalidSlotError,
+    OutOfPagesError,
+    SequenceTooLongError,
+    SwapSpaceError,
+    VAttentionError,
+)
 
 __version__ = "0.1.0"
 

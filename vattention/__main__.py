@@ -46,7 +46,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.parse_args(rest)
         return _info()
     if command == "demo":
-        from .demo import main as demo_main
+        from .bench.demo import main as demo_main
         return demo_main(rest)
     try:
         from .bench.cli import main as bench_main

@@ -24,6 +24,7 @@ vattention.errors.ArgumentTypeError: num_tokens=2.5 must be an int, got float
 from __future__ import annotations
 
 import operator
+
 from .errors import ArgumentTypeError, ConfigError, InvalidSlotError, SequenceTooLongError
 
 __all__ = ["INT64_MAX", "as_int", "as_slot", "as_tokens", "as_handle", "as_stream"]

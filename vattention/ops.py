@@ -82,7 +82,8 @@ def append(cache: Tensor, x: Tensor, slots: Tensor, positions: Tensor) -> None:
     >>> with vattention.KVCache(cfg) as cache:
     ...     s = cache.alloc(); cache.step({s: 1})
     ...     k, _ = cache.layer(0)
-    ...     vattention.ops.append(k, torch.full((1, 1, 64), 3.0), torch.tensor([s]), torch.tensor([0]))
+    ...     x = torch.full((1, 1, 64), 3.0)
+    ...     vattention.ops.append(k, x, torch.tensor([s]), torch.tensor([0]))
     ...     float(k[s, 0, 0, 0])
     3.0
     """
@@ -97,7 +98,8 @@ def _append_fake(cache: Tensor, x: Tensor, slots: Tensor, positions: Tensor) -> 
 
 def append_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slots: Tensor,
               positions: Tensor) -> None:
-    """:func:`append` into a layer's K and V caches: ``k[i]``, ``v[i]`` at ``(slots[i], positions[i])``.
+    """:func:`append` into a layer's K and V caches: ``k[i]``, ``v[i]`` at
+    ``(slots[i], positions[i])``.
 
     ``k`` and ``v`` are ``[n, num_kv_heads, head_dim]``; see :func:`append` for the rest.
 

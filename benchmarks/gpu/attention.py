@@ -73,6 +73,6 @@ def measure(batches=(1, 4, 16, 64), contexts=(1024, 4096, 16384, 65536), q_heads
                                  "virtual_ms": round(t_virtual, 4), "paged_ms": round(t_paged, 4),
                                  "virtual/contiguous": round(t_virtual / t_contig, 3),
                                  "paged/contiguous": round(t_paged / t_contig, 3)})
-                del kc, vc, kp, vp
+                kc = vc = kp = vp = None  # free them (the timing lambdas share them)
                 torch.cuda.empty_cache()
     return rows

@@ -53,5 +53,6 @@ def _bars_png(path: str, values: list[float], width: int = 800, height: int = 30
         return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
 
     with open(path, "wb") as f:
-        f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
+        header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+        f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
                 + chunk(b"IDAT", raw) + chunk(b"IEND", b""))

@@ -2,8 +2,9 @@
 
     python benchmarks/gpu/run_all.py             # on a machine with an NVIDIA GPU (+ flash_attn)
     python benchmarks/gpu/run_all.py --quick     # smaller grids (minutes -> about a minute)
-    python benchmarks/gpu/run_all.py --dry-run   # no GPU: the same logic through the CUDA driver
-                                                 # EMULATION (tests/cuda_emulator); numbers mean nothing
+    python benchmarks/gpu/run_all.py --dry-run   # no GPU: the same logic through the CUDA
+                                                 # driver EMULATION (tests/cuda_emulator);
+                                                 # numbers mean nothing
 
 Parts (--only, comma list; default all):
   tests      pytest -m gpu tests/gpu: FlashAttention on the virtual cache vs contiguous, an unmapped
@@ -72,7 +73,8 @@ def pytest_rows(args: list[str], junit: str, timeout_s: int) -> tuple[list[dict]
             outcome, detail = "passed", ""
             for child in case:
                 if child.tag in ("failure", "error", "skipped"):
-                    outcome = {"failure": "FAILED", "error": "ERROR", "skipped": "skipped"}[child.tag]
+                    outcome = {"failure": "FAILED", "error": "ERROR",
+                               "skipped": "skipped"}[child.tag]
                     detail = ((child.get("message") or "").splitlines() or [""])[0][:160]
             rows.append({"test": f"{case.get('classname', '').split('.')[-1]}::{case.get('name')}",
                          "outcome": outcome, "detail": detail})
@@ -118,7 +120,8 @@ def run_part(name: str, args, out_dir: str, emulated: bool) -> tuple[str, list[d
             pf = bench_prefetch.run(layout, "2MB", True, **kw)
             ratio = pf["mean"] / base["mean"]
             rows.append({"layout": layout, "page": "2MB", "tokens/page": base["tokens_per_page"],
-                         "no prefetch mean/p99 us": f"{base['mean'] * 1e6:.1f} / {base['p99'] * 1e6:.1f}",
+                         "no prefetch mean/p99 us":
+                             f"{base['mean'] * 1e6:.1f} / {base['p99'] * 1e6:.1f}",
                          "prefetch mean/p99 us": f"{pf['mean'] * 1e6:.1f} / {pf['p99'] * 1e6:.1f}",
                          "ratio (target <= 0.1)": round(ratio, 3),
                          "driver calls/step in step (pf run)": pf["step_calls"],
@@ -178,7 +181,8 @@ def header(args, emulated: bool) -> list[str]:
     try:
         import torch
 
-        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none visible to torch"
+        gpu = (torch.cuda.get_device_name(0) if torch.cuda.is_available()
+               else "none visible to torch")
         md.append(f"GPU: {gpu}; torch {torch.__version__} (CUDA {torch.version.cuda}); "
                   f"Python {platform.python_version()}.\n")
     except ImportError:
@@ -190,8 +194,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller grids")
     ap.add_argument("--dry-run", action="store_true",
-                    help="no GPU needed: run through the CUDA driver emulation (numbers meaningless)")
-    ap.add_argument("--only", default=",".join(PARTS), help=f"comma list of parts: {','.join(PARTS)}")
+                    help="no GPU needed: run through the CUDA driver emulation "
+                         "(numbers meaningless)")
+    ap.add_argument("--only", default=",".join(PARTS),
+                    help=f"comma list of parts: {','.join(PARTS)}")
     ap.add_argument("--out-dir", default=HERE, help="where results.md and results.png go")
     args = ap.parse_args(argv)
     parts = [p for p in args.only.split(",") if p]
@@ -201,7 +207,8 @@ def main(argv=None) -> int:
     if args.dry_run:
         reason = use_emulation()
         if reason:
-            print(f"run_all.py: --dry-run needs the CUDA driver emulation: {reason}", file=sys.stderr)
+            print(f"run_all.py: --dry-run needs the CUDA driver emulation: {reason}",
+                  file=sys.stderr)
             return 2
     emulated = "cuda_emu" in os.environ.get("VATTENTION_LIBCUDA", "")
     reason = no_gpu_reason()
@@ -224,7 +231,8 @@ def main(argv=None) -> int:
         series.update({k: v for k, v in part_series.items() if v})
         md.append(f"\n## {title}\n\n_{name}: {'ok' if ok else 'FAILED'}, "
                   f"{time.perf_counter() - t0:.0f} s_\n\n" + report.markdown_table(rows))
-    md.append(f"\n**Overall: {'all parts ran, no test failed' if all_ok else 'FAILURES above'}.**\n")
+    overall = "all parts ran, no test failed" if all_ok else "FAILURES above"
+    md.append(f"\n**Overall: {overall}.**\n")
     md_path = os.path.join(args.out_dir, "results.md")
     png_path = os.path.join(args.out_dir, "results.png")
     with open(md_path, "w") as f:

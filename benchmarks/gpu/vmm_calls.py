@@ -1,4 +1,5 @@
-"""Per-call latency of cuMemCreate / cuMemMap / cuMemSetAccess / cuMemUnmap / cuMemRelease by page size."""
+"""Per-call latency of cuMemCreate / cuMemMap / cuMemSetAccess / cuMemUnmap / cuMemRelease, by
+page size."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def measure(page_sizes_mb=(2, 4, 8, 16, 32, 64), total_mb: int = 1024) -> list[d
         n = max(4, total_mb // size_mb)
         va = drv.reserve(n * size)
         t = {}
-        t0 = time.perf_counter(); handles = [drv.create(size) for _ in range(n)]
+        t0 = time.perf_counter()
+        handles = [drv.create(size) for _ in range(n)]
         t["create"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         for i, h in enumerate(handles):

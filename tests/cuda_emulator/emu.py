@@ -110,7 +110,7 @@ def rw_access(ordinal: int = 0, flags: int = CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
 class Emulator:
     """The loaded emulation: control API (vaemu_*) plus typed access to its driver entry points."""
 
-    _instance: "Emulator | None" = None
+    _instance: Emulator | None = None
 
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
@@ -173,7 +173,7 @@ class Emulator:
             fn.restype = res
 
     @classmethod
-    def load(cls) -> "Emulator":
+    def load(cls) -> Emulator:
         """The process-wide emulation (builds it with make if needed)."""
         if cls._instance is None:
             reason = unavailable_reason()
@@ -219,7 +219,8 @@ class Emulator:
         self.lib.vaemu_set_latency_ns(entry.encode(), int(ns))
 
     def gate(self, entry: str, nth: int = 1) -> None:
-        """The nth call (1 = next) of ``entry`` stops before it acts until gate_open() (race tests)."""
+        """The nth call (1 = next) of ``entry`` stops before it acts until gate_open() (race
+        tests)."""
         self.lib.vaemu_gate(entry.encode(), nth)
 
     def gate_open(self) -> None:
@@ -276,7 +277,8 @@ class Emulator:
     def granularity(self, ordinal: int = 0) -> tuple[int, int]:
         g = ctypes.c_size_t()
         prop = device_prop(ordinal)
-        return self.lib.cuMemGetAllocationGranularity(ctypes.byref(g), ctypes.byref(prop), 0), g.value
+        rc = self.lib.cuMemGetAllocationGranularity(ctypes.byref(g), ctypes.byref(prop), 0)
+        return rc, g.value
 
     def reserve(self, size: int, alignment: int = 0) -> tuple[int, int]:
         va = ctypes.c_uint64()
@@ -339,7 +341,7 @@ def env_for_backend() -> dict[str, str]:
 
 
 def touch_faults(address: int, write: bool = False) -> bool:
-    """True if reading (or writing) one byte at ``address`` kills a forked child with SIGSEGV/SIGBUS.
+    """True if reading (or writing) one byte at ``address`` kills a forked child (SIGSEGV/SIGBUS).
 
     Forks so the test process survives the fault; the child sees the same address space.
     """
@@ -354,7 +356,7 @@ def touch_faults(address: int, write: bool = False) -> bool:
             if write:
                 ctypes.memset(address, 0x5A, 1)
             else:
-                ctypes.c_char.from_address(address).value
+                _ = ctypes.c_char.from_address(address).value  # the read that must fault
         finally:
             os._exit(0)
     _, status = os.waitpid(pid, 0)

@@ -59,17 +59,20 @@ def test_captured_decode_replays_over_pages_mapped_after_capture(gpu):
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(3):
-                decode(static["q"], static["k"], static["v"], kc, vc, static["slots"], static["lens"])
+                decode(static["q"], static["k"], static["v"], kc, vc, static["slots"],
+                       static["lens"])
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = decode(static["q"], static["k"], static["v"], kc, vc, static["slots"], static["lens"])
+            out = decode(static["q"], static["k"], static["v"], kc, vc, static["slots"],
+                         static["lens"])
         # After capture: a new request in a new slot, its 2 pages per tensor mapped now, then the
         # same graph replayed over them (the rule: mapped before replay, by step()).
         late = cache.alloc()
         cache.step({late: W})
         for it, (batch, lens) in enumerate([(slots, [4, 11]), (slots, [300, 12]),
-                                            ([slots[0], late], [301, 0]), ([slots[0], late], [302, 1])]):
+                                            ([slots[0], late], [301, 0]),
+                                            ([slots[0], late], [302, 1])]):
             static["slots"].copy_(torch.tensor(batch, device=gpu))
             static["lens"].copy_(torch.tensor(lens, device=gpu))
             for key in ("q", "k", "v"):

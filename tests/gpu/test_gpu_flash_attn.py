@@ -1,7 +1,7 @@
 """FlashAttention over the virtual cache equals FlashAttention over contiguous tensors (GPU only).
 
-The virtual cache is a dense strided tensor, so ``flash_attn_with_kvcache`` must produce bit-identical
-outputs whether it reads the virtual K/V or a contiguous copy of the same values.
+The virtual cache is a dense strided tensor, so ``flash_attn_with_kvcache`` must produce
+bit-identical outputs whether it reads the virtual K/V or a contiguous copy of the same values.
 """
 
 from __future__ import annotations

@@ -112,7 +112,8 @@ def test_fp8_tensors_are_cuda_views_with_the_right_bytes(gpu):
         slot = cache.alloc()
         cache.step({slot: 2500})
         k, _ = cache.layer(0)
-        assert k.is_cuda and k.dtype == torch.float8_e4m3fn and k.data_ptr() == cache.layer_ptrs(0)[0]
+        assert k.is_cuda and k.dtype == torch.float8_e4m3fn
+        assert k.data_ptr() == cache.layer_ptrs(0)[0]
         x = torch.randn(2500, 8, 128, device=gpu).to(torch.float8_e4m3fn)
         k[slot, :2500] = x
         torch.cuda.synchronize()

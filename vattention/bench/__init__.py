@@ -1,4 +1,9 @@
-"""Benchmarks of vattention: ``python -m vattention bench memory`` (see :mod:`.cli`).
+"""Tooling around the library: benchmarks, the demo, request traces.
+
+``python -m vattention bench memory|vllm`` (:mod:`.cli`), ``python -m vattention demo``
+(:mod:`.demo`), the one trace reader (:mod:`.traces`) and the packaged trace samples
+(``data/``), the progress display (:mod:`.progress`). The library (the modules at the top of
+``vattention``) never imports this package.
 
 The memory benchmark drives the real allocator on the host backend through a
 continuous-batching simulation and compares it with static and paged allocation on the same

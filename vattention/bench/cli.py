@@ -1,7 +1,8 @@
 """Command line: ``python -m vattention bench memory [options]``.
 
 Also runs on its own (a small KV shape, 4 layers x 2 KV heads x 64, so 40 requests fit the
-budget; a few seconds): ``python -m vattention.bench.cli memory --dims 4,2,64 --budget 64MB --num-requests 40``.
+budget; a few seconds):
+``python -m vattention.bench.cli memory --dims 4,2,64 --budget 64MB --num-requests 40``.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import numpy as np
 from vattention.errors import ConfigError, DriverError
 
 from .allocators import ALL_ALLOCATORS, Allocator, make_allocator, real_cache_factory
-from ..progress import Progress
+from .progress import Progress
 from .sizing import host_mapping_problem, min_bytes_for_request
 from .workload import ModelShape, Workload
 

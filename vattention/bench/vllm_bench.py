@@ -105,8 +105,8 @@ def _mib(n: float) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run both engines and print the table; 0 on success."""
-    from .tiny_models import build_tiny_model
     from ..config import parse_size
+    from .tiny_models import build_tiny_model
 
     kv_bytes = parse_size(args.kv_memory, name="--kv-memory")
     workdir = tempfile.mkdtemp(prefix="vattention-bench-vllm-")

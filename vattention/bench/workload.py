@@ -15,6 +15,8 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+from .traces import load_trace
+
 __all__ = ["ModelShape", "MODELS", "parse_model", "Workload", "load_workload",
            "default_max_seq_len"]
 
@@ -90,7 +92,7 @@ class ModelShape:
         """Bytes of one token of each layer's K (or V)."""
         return tuple(h * d * self.element_bytes for h, d in self.layer_shapes())
 
-    def padded(self) -> "ModelShape":
+    def padded(self) -> ModelShape:
         """The same model with every layer at its largest shape: the one cache a uniform
         ``KVCacheConfig`` could hold it in."""
         h, d = max(self.layer_shapes(), key=lambda s: s[0] * s[1])
@@ -122,7 +124,8 @@ class ModelShape:
             return None
         if self.window_layers == self.num_layers:
             return self.window
-        return (self.window,) * self.window_layers + (None,) * (self.num_layers - self.window_layers)
+        full_layers = self.num_layers - self.window_layers
+        return (self.window,) * self.window_layers + (None,) * full_layers
 
 
 MODELS = {
@@ -199,15 +202,6 @@ class Workload:
         return self.prefill_tokens + self.decode_tokens
 
 
-def _read_trace(trace: str) -> np.ndarray:
-    """Rows ``(prefill, decode)`` of a named trace or a CSV path."""
-    if os.path.exists(trace):
-        rows = np.loadtxt(trace, delimiter=",", skiprows=1, usecols=(0, 1), ndmin=2)
-        return rows.astype(np.int64)
-    from vattention.traces import load_trace  # packaged seeded samples (core)
-    return np.asarray(load_trace(trace), dtype=np.int64)
-
-
 def load_workload(trace: str, num_requests: int, seed: int = 0) -> Workload:
     """Draw ``num_requests`` requests from ``trace`` with a seeded generator.
 
@@ -217,8 +211,9 @@ def load_workload(trace: str, num_requests: int, seed: int = 0) -> Workload:
     Parameters
     ----------
     trace : str
-        ``sharegpt``, ``arxiv_summarization``, ``arxiv_long`` or a CSV path with columns
-        ``num_prefill_tokens,num_decode_tokens,...``.
+        ``sharegpt``, ``arxiv_summarization``, ``arxiv_long`` or a CSV path whose header names
+        the columns ``num_prefill_tokens`` and ``num_decode_tokens``; read by
+        :func:`.traces.load_trace`, which says which row and column of the file is wrong.
     num_requests : int
         Requests to draw (>= 1).
     seed : int
@@ -226,9 +221,7 @@ def load_workload(trace: str, num_requests: int, seed: int = 0) -> Workload:
     """
     if num_requests < 1:
         raise ValueError(f"num_requests={num_requests} must be >= 1")
-    rows = _read_trace(trace)
-    if len(rows) == 0:
-        raise ValueError(f"trace {trace!r} has no rows")
+    rows = load_trace(trace)
     rng = np.random.default_rng(seed)
     with_replacement = num_requests > len(rows)
     if with_replacement:

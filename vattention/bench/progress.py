@@ -1,4 +1,5 @@
-"""Progress display for the CLI: tqdm when installed (extra ``bench``), else a plain line on stderr."""
+"""Progress display for the CLI: tqdm when installed (extra ``bench``), else a plain line on
+stderr."""
 
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ class Progress:
         elif self.enabled and sys.stderr.isatty():
             sys.stderr.write("\n")
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -18,7 +18,7 @@ def inject_backend_fault(cache, op, nth):
     if cache.config.device == "cpu":
         cache._core.inject_host_fault(op, nth)
         return op, "injected fault"
-    from cuda_setup import CUDA_MODE, cuda_emu
+    from .cuda_setup import CUDA_MODE, cuda_emu
     if CUDA_MODE != "emulated":
         pytest.skip("faults are injected through the host hook or the CUDA emulation only")
     cuda_emu.Emulator.load().inject_fault(_DRIVER_ENTRY[op], nth, cuda_emu.CUDA_ERROR_UNKNOWN)
@@ -57,7 +57,8 @@ def check_pattern(cache, slot, start, end, written):
         k, v = kv_views(cache, layer)
         assert torch.equal(k[slot, start:end].cpu(), kd), f"K of layer {layer} slot {slot} changed"
         if vd is not None:
-            assert torch.equal(v[slot, start:end].cpu(), vd), f"V of layer {layer} slot {slot} changed"
+            assert torch.equal(v[slot, start:end].cpu(), vd), \
+                f"V of layer {layer} slot {slot} changed"
 
 
 PAGE_STATE_KEYS = ("pages_total", "pages_free", "pages_mapped", "mappings", "bytes_mapped",

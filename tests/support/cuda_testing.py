@@ -1,5 +1,6 @@
 """Shared pieces of the emulation-only CUDA backend tests (test_cuda_backend.py,
-test_cuda_faults.py): the `emu` fixture, a small cache factory, state snapshots.
+test_cuda_faults.py, test_prefetch_races.py): the `emu` fixture (registered for every test module
+by conftest.py's ``pytest_plugins``), a small cache factory, state snapshots.
 
 Passing these tests is evidence, not proof, that the backend is right on a GPU (docs/cuda.md).
 """
@@ -12,11 +13,13 @@ import pytest
 import torch
 
 import vattention
-from cuda_setup import CUDA_MODE, CUDA_REASON, cuda_emu as E
-from helpers import page_state
+
+from .cuda_setup import CUDA_MODE, CUDA_REASON, cuda_emu as E
+from .helpers import page_state
 
 needs_emulation = pytest.mark.skipif(
-    CUDA_MODE != "emulated", reason=f"needs the CUDA emulation ({CUDA_REASON or 'real GPU in use'})")
+    CUDA_MODE != "emulated",
+    reason=f"needs the CUDA emulation ({CUDA_REASON or 'real GPU in use'})")
 
 PAGE = 64 * 1024
 

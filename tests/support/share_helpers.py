@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from helpers import kv_views
+from .helpers import kv_views
 
 _POOL = {}
 

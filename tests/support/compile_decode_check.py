@@ -1,9 +1,9 @@
 """A decode step over vattention caches under torch.compile(fullgraph=True), checked against eager.
 
-Run by tests/test_compile.py in a subprocess, so that a compiled graph reading unmapped cache
-memory (SIGSEGV on the host backend) fails that test instead of killing pytest. Each cache has
-max_seq_len 4096 but only the first W tokens of each slot mapped: a compiled graph that copied or
-read a whole cache tensor would fault.
+Run by tests/test_compile.py in a subprocess (by path, with the repository on PYTHONPATH), so that a
+compiled graph reading unmapped cache memory (SIGSEGV on the host backend) fails that test instead
+of killing pytest. Each cache has max_seq_len 4096 but only the first W tokens of each slot mapped:
+a compiled graph that copied or read a whole cache tensor would fault.
 
 For each layout: two caches with the same inputs, one driven eagerly, one through the compiled
 function; 12 decode steps with lengths growing and, half-way, a slot freed and another allocated.

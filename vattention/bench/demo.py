@@ -16,9 +16,9 @@ from typing import Deque, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
-from .cache import KVCache
-from .config import KVCacheConfig
-from .errors import OutOfPagesError
+from ..cache import KVCache
+from ..config import KVCacheConfig
+from ..errors import OutOfPagesError
 from .progress import Progress
 from .traces import load_trace
 
@@ -139,12 +139,14 @@ def run(num_requests: int = 48, max_batch_size: int = 16, max_seq_len: int = 102
         cache.wait()
         final = cache.stats()
     static = max_batch_size * max_seq_len * cfg.bytes_per_token
+    static_concurrency = min(max_batch_size,
+                             int(_parse_budget(budget) // (max_seq_len * cfg.bytes_per_token)))
     return {
         "config": cfg, "requests": num_requests, "iterations": iterations,
         "tokens": sum(p + d for p, d in requests), "preemptions": preemptions,
         "peak_concurrency": peak["concurrency"], "peak_bytes_mapped": peak["bytes_mapped"],
         "peak_pages_mapped": peak["pages_mapped"], "static_bytes": static,
-        "static_concurrency": min(max_batch_size, int(_parse_budget(budget) // (max_seq_len * cfg.bytes_per_token))),
+        "static_concurrency": static_concurrency,
         "efficiency_mean": sum(efficiency) / max(1, len(efficiency)),
         "map_calls": final["map_calls"], "unmap_calls": final["unmap_calls"],
         "prefetch_map_calls": final["prefetch_map_calls"], "sdpa_checks": checks,
@@ -153,22 +155,25 @@ def run(num_requests: int = 48, max_batch_size: int = 16, max_seq_len: int = 102
 
 
 def _parse_budget(budget) -> int:
-    from .config import parse_size
+    from ..config import parse_size
     return parse_size(budget, name="budget")
 
 
 def format_table(r: Dict) -> str:
     cfg = r["config"]
     rows = [
-        ("requests completed", f"{r['requests']} ({r['tokens']} tokens, {r['iterations']} iterations)"),
+        ("requests completed", f"{r['requests']} ({r['tokens']} tokens, "
+                               f"{r['iterations']} iterations)"),
         ("KV memory budget", f"{r['budget_bytes'] / MiB:.1f} MiB"),
         ("physical KV memory, peak", f"{r['peak_bytes_mapped'] / MiB:.1f} MiB "
-                                     f"({r['peak_pages_mapped']} pages of {cfg.page_bytes // 1024} KB)"),
+                                     f"({r['peak_pages_mapped']} pages of "
+                                     f"{cfg.page_bytes // 1024} KB)"),
         ("static max-length allocation", f"{r['static_bytes'] / MiB:.1f} MiB for "
                                          f"{cfg.max_batch_size} x {cfg.max_seq_len} tokens"),
         ("peak concurrent requests", f"{r['peak_concurrency']} (static allocation in the same "
                                      f"budget: {r['static_concurrency']})"),
-        ("mean KV memory efficiency", f"{100 * r['efficiency_mean']:.1f}% (live token bytes / mapped bytes)"),
+        ("mean KV memory efficiency", f"{100 * r['efficiency_mean']:.1f}% "
+                                      "(live token bytes / mapped bytes)"),
         ("preemptions", str(r["preemptions"])),
         ("map / unmap calls", f"{r['map_calls']} / {r['unmap_calls']} "
                               f"({r['prefetch_map_calls']} maps by the prefetch thread)"),

@@ -2,7 +2,8 @@
 
 Imported by conftest.py before any test creates a cache: the driver library is loaded once per
 process, so VATTENTION_LIBCUDA must point at the emulation before the first CUDA backend exists.
-Test modules import CUDA_MODE from here (not from conftest, whose module name is ambiguous).
+Test modules import CUDA_MODE from here (not from conftest, whose module name is ambiguous),
+as ``support.cuda_setup``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "cuda_emulator"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cuda_emulator"))
 import emu as cuda_emu  # noqa: E402  (tests/cuda_emulator/emu.py: the CUDA driver EMULATION)
 
 import vattention  # noqa: E402
