@@ -19,7 +19,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.vllm-stamp
 VLLM_PLUGIN_STAMP := $(VLLM_VENV)/.plugin-stamp
 
-.PHONY: all build demo test test-deps sanitize clean vllm
+.PHONY: all build demo test test-deps sanitize lint format-cpp clean vllm
 
 CXX ?= g++
 SAN_DIR := build-sanitize
@@ -41,7 +41,8 @@ $(DEPS_STAMP): $(PY) pyproject.toml
 	touch $@
 
 $(TEST_DEPS_STAMP): $(DEPS_STAMP)
-	$(PY) -m pip install -q "pytest>=7" "hypothesis>=6" "transformers==5.23.0" matplotlib tqdm
+	$(PY) -m pip install -q "pytest>=7" "hypothesis>=6" "transformers==5.23.0" matplotlib tqdm \
+	  ruff==0.17.6 clang-format==23.1.5
 	touch $@
 
 # Editable install: builds vattention._C in place. Headers are not tracked by setuptools'
@@ -104,10 +105,23 @@ sanitize: $(addprefix $(SAN_DIR)/,$(SAN_BINS))
 
 test-deps: $(TEST_DEPS_STAMP)
 
+# Lint (seconds, no network once the test tools are installed): ruff over the Python tree
+# (pyproject.toml's rules), clang-format's check over the C++ (.clang-format). `make format-cpp`
+# applies clang-format.
+CPP_FILES = $(shell find csrc tests/cuda_emulator -name '*.cpp' -o -name '*.h' | sort)
+
+lint: $(TEST_DEPS_STAMP)
+	$(VENV)/bin/ruff check --no-cache .
+	$(VENV)/bin/clang-format --dry-run -Werror $(CPP_FILES)
+	@echo "lint: clean"
+
+format-cpp: $(TEST_DEPS_STAMP)
+	$(VENV)/bin/clang-format -i $(CPP_FILES)
+
 # Runs the sanitizer build too when this compiler has the runtimes (gcc on Debian does), then
 # pytest (even when a sanitizer run failed, so one run reports both), and ends with one line
 # summing up both; fails if either failed.
-test: build $(TEST_DEPS_STAMP) $(VLLM_PLUGIN_STAMP)
+test: build $(TEST_DEPS_STAMP) $(VLLM_PLUGIN_STAMP) lint
 	@mkdir -p $(SAN_DIR); \
 	if printf 'int main(){return 0;}' | $(CXX) -fsanitize=thread -x c++ - -o /dev/null 2>/dev/null && \
 	    printf 'int main(){return 0;}' | $(CXX) -fsanitize=address,undefined -x c++ - -o /dev/null 2>/dev/null; \

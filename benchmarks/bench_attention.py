@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 import vattention  # noqa: E402
+
 from _timing import compare  # noqa: E402
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import vattention
+
 from support.helpers import page_state
 
 

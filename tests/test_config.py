@@ -106,7 +106,8 @@ def test_values_beyond_the_core_are_config_errors_naming_field_and_limit(field):
 
 
 def test_a_cache_too_large_for_the_address_space_is_a_config_error():
-    with pytest.raises(ConfigError, match=r"max_batch_size=4611686018427387904.*limit is 65536 GiB"):
+    with pytest.raises(ConfigError,
+                       match=r"max_batch_size=4611686018427387904.*limit is 65536 GiB"):
         KVCacheConfig(**{**BASE, "max_batch_size": 2**62})
 
 

@@ -9,11 +9,16 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 
 from . import _C
-from .arguments import as_int, as_slot
-from .arguments import as_stream as _stream_handle
+from .arguments import as_int, as_slot, as_stream as _stream_handle
 from .config import DTYPES, KVCacheConfig, Size, parse_size
-from .errors import (ArgumentTypeError, BackendUnavailableError, CacheClosedError, ConfigError,
-                     InvalidSlotError, SequenceTooLongError)
+from .errors import (
+    ArgumentTypeError,
+    BackendUnavailableError,
+    CacheClosedError,
+    ConfigError,
+    InvalidSlotError,
+    SequenceTooLongError,
+)
 from .sharing import SharingMixin
 
 __all__ = ["KVCache", "Capacity"]
@@ -162,7 +167,7 @@ class KVCache(SharingMixin):
         self._layers = None
         self._core.close()
 
-    def __enter__(self) -> "KVCache":
+    def __enter__(self) -> KVCache:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -185,7 +190,8 @@ class KVCache(SharingMixin):
             ) from e
 
     def _as_dtype(self, tensor: torch.Tensor) -> torch.Tensor:
-        # fp8 leaves the core as uint8 bytes (see config.DTYPES): a zero-copy view of the same memory.
+        # fp8 leaves the core as uint8 bytes (see config.DTYPES): a zero-copy view of the same
+        # memory.
         return tensor if tensor.dtype == self._config.dtype else tensor.view(self._config.dtype)
 
     def _all_layers(self) -> List[Tuple[torch.Tensor, Optional[torch.Tensor]]]:

@@ -182,7 +182,8 @@ def _lengths(state: _State, seq_lens: Sequence[int]) -> dict[int, int]:
     values = [int(x) for x in (seq_lens.tolist() if hasattr(seq_lens, "tolist") else seq_lens)]
     size = state.cache.config.max_batch_size
     if len(values) != size:
-        raise InvalidSlotError(f"seq_lens has {len(values)} entries; expected max_batch_size={size}")
+        raise InvalidSlotError(
+            f"seq_lens has {len(values)} entries; expected max_batch_size={size}")
     active = set(state.cache.active_slots())
     stray = [i for i, n in enumerate(values) if n and i not in active]
     if stray:
@@ -205,7 +206,8 @@ def step(seq_lens: Sequence[int], eager_reclaim: bool = False) -> None:
 
 
 def step_async(seq_lens: Sequence[int]) -> None:
-    """:func:`step` for this iteration, then map the next one (``seq_lens + 1``) in the background."""
+    """:func:`step` for this iteration, then map the next one (``seq_lens + 1``) in the
+    background."""
     state = _require()
     lengths = _lengths(state, seq_lens)
     state.cache.step(lengths)
@@ -235,7 +237,8 @@ def num_free_kvblocks() -> int:
 
 
 def set_deferred_reclamation(flag: bool) -> None:
-    """``True`` (default): freed indices keep their pages for reuse; ``False``: return them at once."""
+    """``True`` (default): freed indices keep their pages for reuse; ``False``: return them at
+    once."""
     _require().deferred = bool(flag)
 
 

@@ -51,7 +51,8 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_size(size: Size, *, name: str = "size") -> int:
-    """Convert a size in bytes (int) or a string such as ``"64KB"``, ``"2MB"``, ``"1.5GB"`` to bytes.
+    """Convert a size in bytes (int) or a string such as ``"64KB"``, ``"2MB"``, ``"1.5GB"`` to
+    bytes.
 
     Units are binary (1 KB = 1024 bytes), as in the CUDA documentation's "2 MB" granularity.
 
@@ -276,7 +277,7 @@ class KVCacheConfig:
             layer_head_dims=list(self.layer_head_dims) if per_layer else []))
 
     @property
-    def geometry(self) -> "_C.CacheGeometry":
+    def geometry(self) -> _C.CacheGeometry:
         """The core's geometry of this cache: every derived size below comes from it."""
         return self._geometry
 

@@ -15,7 +15,8 @@ module                                      what it gives                    opt
 Examples
 --------
 >>> from vattention.integrations import transformers as vhf   # doctest: +SKIP
->>> cache = vhf.VAttentionCache.from_model(model, max_batch_size=4, max_seq_len=2048)  # doctest: +SKIP
+>>> cache = vhf.VAttentionCache.from_model(model, max_batch_size=4,
+...                                         max_seq_len=2048)  # doctest: +SKIP
 """
 
 from __future__ import annotations

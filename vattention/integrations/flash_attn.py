@@ -185,7 +185,8 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Te
             v_cache: torch.Tensor, slot: int, *, start: int = 0,
             softmax_scale: Optional[float] = None, kernel: Optional[Kernel] = None,
             check_int32_offsets: bool = True) -> torch.Tensor:
-    """Prefill one slot: write the prompt's ``k``/``v`` at ``[start, start + len)``, attend causally.
+    """Prefill one slot: write the prompt's ``k``/``v`` at ``[start, start + len)``, attend
+    causally.
 
     Parameters
     ----------

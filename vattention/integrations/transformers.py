@@ -119,7 +119,8 @@ def _text_config(model_or_config: Any) -> Any:
                           f"only {list(_ATTENTION_LAYER_TYPES)} layers")
     if getattr(config, "use_bidirectional_attention", False):
         raise ConfigError(f"model_type={model_type!r} uses bidirectional attention "
-                          "(use_bidirectional_attention=True); vattention serves causal models only")
+                          "(use_bidirectional_attention=True); vattention serves causal models "
+                          "only")
     if getattr(config, "num_kv_shared_layers", 0):
         # Layers that reuse another layer's K/V never call the cache: a KVCache tensor per layer
         # would map pages for them that nothing reads.
@@ -141,7 +142,8 @@ def model_windows(model_or_config: Any) -> Union[None, int, tuple]:
     --------
     >>> import transformers
     >>> cfg = transformers.Qwen2Config(hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
-    ...                                use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    ...                                use_sliding_window=True, sliding_window=8,
+    ...                                max_window_layers=1)
     >>> model_windows(cfg)
     (None, 8, 8)
     >>> model_windows(transformers.MistralConfig(sliding_window=4096))
@@ -175,7 +177,7 @@ class VAttentionLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = True
 
-    def __init__(self, owner: "VAttentionCache", layer_idx: int) -> None:
+    def __init__(self, owner: VAttentionCache, layer_idx: int) -> None:
         super().__init__()
         # A proxy, not a reference: no cache <-> layer cycle, so a dropped cache (and the KV
         # tensors it holds) is freed at once instead of at the next garbage collection.
@@ -251,7 +253,8 @@ class VAttentionLayer(CacheLayerMixin):
         self.is_initialized = False
 
     def crop(self, max_length: int) -> None:
-        """Keep the first tokens: ``max_length >= 0`` keeps that many, ``< 0`` drops ``-max_length``."""
+        """Keep the first tokens: ``max_length >= 0`` keeps that many, ``< 0`` drops
+        ``-max_length``."""
         keep = max_length if max_length >= 0 else self.seq_len + max_length
         self.seq_len = max(0, min(self.seq_len, keep))
         self._refresh_views()
@@ -281,7 +284,9 @@ class VAttentionLayer(CacheLayerMixin):
         self.values = v_rows[:, start:self.seq_len].transpose(1, 2)
 
     def _start(self) -> int:
-        return min(self._owner._window_start(self.layer_idx), self.seq_len) if self.is_sliding else 0
+        if not self.is_sliding:
+            return 0
+        return min(self._owner._window_start(self.layer_idx), self.seq_len)
 
 
 class VAttentionCache(Cache):
@@ -302,9 +307,10 @@ class VAttentionCache(Cache):
 
     Examples
     --------
-    >>> cache = VAttentionCache.from_model(model, max_batch_size=2, max_seq_len=256)  # doctest: +SKIP
-    >>> model.generate(ids, max_new_tokens=20, past_key_values=cache)                 # doctest: +SKIP
-    >>> cache.kv_cache.stats()["bytes_mapped"]                                        # doctest: +SKIP
+    >>> cache = VAttentionCache.from_model(model, max_batch_size=2,
+    ...                                    max_seq_len=256)                 # doctest: +SKIP
+    >>> model.generate(ids, max_new_tokens=20, past_key_values=cache)      # doctest: +SKIP
+    >>> cache.kv_cache.stats()["bytes_mapped"]                             # doctest: +SKIP
     """
 
     def __init__(self, kv_cache: KVCache, *, owns_cache: bool = False) -> None:
@@ -322,7 +328,7 @@ class VAttentionCache(Cache):
     def from_model(cls, model: Any, *, max_batch_size: int, max_seq_len: int,
                    page_size: Union[int, str] = "2MB", layout: str = "layer",
                    dtype: Optional[torch.dtype] = None, device: Optional[str] = None,
-                   memory_budget: Union[int, str, None] = None) -> "VAttentionCache":
+                   memory_budget: Union[int, str, None] = None) -> VAttentionCache:
         """Build a cache sized for ``model`` with its own ``KVCache``.
 
         Sliding windows come from the model config (:func:`model_windows`): Mistral's
@@ -399,7 +405,8 @@ class VAttentionCache(Cache):
             for slot in slots:
                 self.kv_cache.free(slot)
             raise InvalidSlotError(
-                f"free slots {slots} are not contiguous, so batch rows cannot be a zero-copy slice; "
+                f"free slots {slots} are not contiguous, so batch rows cannot be a zero-copy "
+                "slice; "
                 "use a KVCache whose other slots are free (or max_batch_size equal to the batch)")
         self.slots = slots
         self._row_slice = slice(slots[0], slots[0] + batch)
@@ -462,7 +469,7 @@ class VAttentionCache(Cache):
         if self._owns_cache:
             self.kv_cache.close()
 
-    def __enter__(self) -> "VAttentionCache":
+    def __enter__(self) -> VAttentionCache:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -34,8 +34,7 @@ from __future__ import annotations
 
 import os
 
-from .settings import (ENV_ALLOW_UNTESTED, ENV_ENABLE, ENV_LAYOUT, ENV_STATS,
-                       TESTED_VLLM_VERSIONS)
+from .settings import ENV_ALLOW_UNTESTED, ENV_ENABLE, ENV_LAYOUT, ENV_STATS, TESTED_VLLM_VERSIONS
 
 __all__ = ["register", "TESTED_VLLM_VERSIONS", "ENV_ENABLE", "ENV_STATS", "ENV_LAYOUT",
            "ENV_ALLOW_UNTESTED"]

@@ -21,14 +21,20 @@ import dataclasses
 from typing import ClassVar, List, Optional
 
 import torch
-
-from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadataBuilder,
-                                       AttentionType, CommonAttentionMetadata, MultipleOf)
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
 
 from .. import flash_attn as fa
 from .runner import current_batch
 
-__all__ = ["VAttentionBackend", "VAttentionCPUBackend", "VAttentionFlashBackend", "VAttentionImpl", "VAttentionMetadata",
+__all__ = ["VAttentionBackend", "VAttentionCPUBackend", "VAttentionFlashBackend",
+           "VAttentionImpl", "VAttentionMetadata",
            "VAttentionMetadataBuilder"]
 
 

@@ -29,9 +29,9 @@ from typing import Dict, List, Optional
 import torch
 
 from ... import KVCache, KVCacheConfig, OutOfPagesError
-from .settings import ENV_STATS
 from .geometry import KVGeometry
 from .plugin import layout_from_env
+from .settings import ENV_STATS
 from .slots import RequestSlots
 from .stats_writer import StatsWriter, stats_path
 
@@ -40,7 +40,7 @@ __all__ = ["VAttentionRunnerMixin", "BatchSlots", "current_batch"]
 logger = logging.getLogger("vllm.vattention")
 
 # One model runner per worker process (tensor-parallel ranks are processes of their own).
-_runner: Optional["weakref.ReferenceType"] = None
+_runner: Optional[weakref.ReferenceType] = None
 
 
 @dataclasses.dataclass

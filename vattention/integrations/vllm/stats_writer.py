@@ -22,7 +22,8 @@ def stats_path(base: str, rank: int, world_size: int) -> str:
 
 
 class StatsWriter:
-    """Writes ``snapshot()`` to ``path`` every ``interval_s`` seconds and once more on :meth:`close`.
+    """Writes ``snapshot()`` to ``path`` every ``interval_s`` seconds, and once more on
+    :meth:`close`.
 
     Each write replaces the file atomically (write to a temporary name, then rename), so a reader
     never sees half a document. The thread is a daemon: it never keeps a process alive.
