@@ -7,8 +7,8 @@ namespace {
 
 void positive(const std::string& name, int64_t v) {
   if (v < 1) {
-    throw Error(Error::Kind::Config, name + "=" + std::to_string(v) +
-                                         " must be a positive int (>= 1)");
+    throw Error(Error::Kind::Config,
+                name + "=" + std::to_string(v) + " must be a positive int (>= 1)");
   }
 }
 
@@ -71,21 +71,23 @@ void CacheGeometry::validate() const {
     }
   }
   if (widest > page_bytes) {
-    throw Error(Error::Kind::Config,
-                "page_size=" + std::to_string(page_bytes) + " bytes holds less than one token: a "
-                    "token row of one " + (mega ? "'mega'" : "'layer'") + "-layout tensor is " +
-                    std::to_string(widest) + " bytes" +
-                    (uniform_layers() ? std::string()
-                                      : " (layer " + std::to_string(widest_layer) + ")") +
-                    ", so tokens_per_page would be < 1; use a page of at least that size")
+    throw Error(
+        Error::Kind::Config,
+        "page_size=" + std::to_string(page_bytes) +
+            " bytes holds less than one token: a "
+            "token row of one " +
+            (mega ? "'mega'" : "'layer'") + "-layout tensor is " + std::to_string(widest) +
+            " bytes" +
+            (uniform_layers() ? std::string() : " (layer " + std::to_string(widest_layer) + ")") +
+            ", so tokens_per_page would be < 1; use a page of at least that size")
         .with("page_bytes", static_cast<int64_t>(page_bytes))
         .with("token_bytes", static_cast<int64_t>(widest));
   }
   per_layer("sliding_window", windows);
   for (size_t l = 0; l < windows.size(); ++l) {
     if (windows[l] < 0) {
-      throw Error(Error::Kind::Config, "sliding_window[" + std::to_string(l) + "]=" +
-                                           std::to_string(windows[l]) +
+      throw Error(Error::Kind::Config, "sliding_window[" + std::to_string(l) +
+                                           "]=" + std::to_string(windows[l]) +
                                            " must be >= 1 (or 0/None for full attention)");
     }
     if (mega && windows[l] != windows[0]) {

@@ -31,7 +31,7 @@ struct CacheGeometry {
   size_t page_bytes = 0;
   bool mega = false;
   bool value_cache = true;        // false: K tensors only
-  std::vector<int64_t> windows;   // empty, or num_layers entries: 0 = full attention, else W tokens
+  std::vector<int64_t> windows;  // empty, or num_layers entries: 0 = full attention, else W tokens
   // Per-layer shapes (hybrid models): empty, or num_layers entries overriding num_kv_heads /
   // head_dim for each layer. `layer` layout only (a mega tensor has one [L, H, D] token row).
   std::vector<int64_t> layer_kv_heads;
@@ -55,7 +55,9 @@ struct CacheGeometry {
   }
 
   int kv_tensors() const { return value_cache ? 2 : 1; }
-  int num_tensors() const { return mega ? kv_tensors() : static_cast<int>(kv_tensors() * num_layers); }
+  int num_tensors() const {
+    return mega ? kv_tensors() : static_cast<int>(kv_tensors() * num_layers);
+  }
   int64_t kv_heads(int64_t layer) const {
     return layer_kv_heads.empty() ? num_kv_heads : layer_kv_heads[static_cast<size_t>(layer)];
   }
@@ -182,9 +184,9 @@ struct CacheGeometry {
   }
   void per_layer(const char* name, const std::vector<int64_t>& values) const;
 
-  size_t unit_ = 0;                    // derive(): unit_bytes()
-  std::vector<size_t> first_column_;   // derive(): first column of each tensor, then columns()
-  std::vector<int> column_tensor_;     // derive(): tensor of each column
+  size_t unit_ = 0;  // derive(): unit_bytes()
+  std::vector<size_t> first_column_;  // derive(): first column of each tensor, then columns()
+  std::vector<int> column_tensor_;  // derive(): tensor of each column
 };
 
 }  // namespace vattention

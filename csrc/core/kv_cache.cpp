@@ -37,8 +37,8 @@ KVCacheCore::KVCacheCore(std::unique_ptr<Backend> backend, const CacheGeometry& 
       supply_(geo_, *backend_, pool_, slots_, gate_, memory_, counters_, policy),
       scrubber_(*backend_, geo_, mapper_),
       staging_(*backend_, pool_, counters_),
-      parts_{geo_, *backend_, mapper_, pool_, slots_, counters_, memory_, supply_, scrubber_,
-             staging_},
+      parts_{geo_,      *backend_, mapper_, pool_,     slots_,
+             counters_, memory_,   supply_, scrubber_, staging_},
       windows_(parts_),
       sharing_(parts_, windows_),
       swap_(parts_),
@@ -47,7 +47,8 @@ KVCacheCore::KVCacheCore(std::unique_ptr<Backend> backend, const CacheGeometry& 
       features_{&windows_, &sharing_, &swap_, &scrubber_, &staging_} {
   set_lookahead(lookahead_tokens);
   watch_ = backend_->watch_cache(geo_, mapper_.bases());
-  prefetcher_ = std::make_unique<Prefetcher>([this](const Prefetcher::Job& job) { run_prefetch(job); });
+  prefetcher_ =
+      std::make_unique<Prefetcher>([this](const Prefetcher::Job& job) { run_prefetch(job); });
 }
 
 KVCacheCore::~KVCacheCore() {
@@ -129,7 +130,8 @@ int KVCacheCore::alloc() {
 
 void KVCacheCore::free(int slot, uintptr_t stream) {
   Lock lock = enter();
-  slots_.require_active(slot, "slot", "is not allocated (already freed, or never returned by alloc())");
+  slots_.require_active(slot, "slot",
+                        "is not allocated (already freed, or never returned by alloc())");
   Slot& s = slots_[static_cast<size_t>(slot)];
   if (s.mapped > 0) {
     s.fence = backend_->record_fence(stream);  // may throw: before any state change
@@ -248,7 +250,8 @@ std::string KVCacheCore::check_invariants() const {
     if (!s.head.empty() && s.head.size() != T) return where + "head has the wrong size";
     for (size_t k = 0; k < s.pages.size(); ++k) {
       const bool hole = k / C < s.head_of(static_cast<size_t>(geo_.column_tensor(k % C)));
-      if (hole != (s.pages[k] == kNoPage)) return where + "released pages are not a per-tensor prefix";
+      if (hole != (s.pages[k] == kNoPage))
+        return where + "released pages are not a per-tensor prefix";
       if (!hole) ++seen[s.pages[k]];
     }
     if (gate_.in_flight(i) && s.mapped != gate_.flight().from) {

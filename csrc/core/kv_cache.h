@@ -61,19 +61,19 @@ namespace vattention {
 
 // What a set of lengths would cost, from capacity(): all counts are physical pages.
 struct Capacity {
-  size_t pages_needed = 0;       // pages step(lens) must map, plus new requests' pages
-  size_t pages_free = 0;         // in the pool's free list
-  size_t pages_creatable = 0;    // creatable within the budget (SIZE_MAX: no budget)
+  size_t pages_needed = 0;  // pages step(lens) must map, plus new requests' pages
+  size_t pages_free = 0;  // in the pool's free list
+  size_t pages_creatable = 0;  // creatable within the budget (SIZE_MAX: no budget)
   size_t pages_reclaimable = 0;  // idle slots, look-ahead beyond lengths, window pages to release
-  size_t pages_short = 0;        // what is missing: 0 when step(lens) would not run out
+  size_t pages_short = 0;  // what is missing: 0 when step(lens) would not run out
 };
 
 class KVCacheCore {
  public:
   static constexpr int64_t kUnlisted = SlotTable::kUnlisted;  // "leave this slot alone" in lens
 
-  KVCacheCore(std::unique_ptr<Backend> backend, const CacheGeometry& geometry,
-              int64_t budget_bytes, ReclaimPolicy policy, int64_t lookahead_tokens);
+  KVCacheCore(std::unique_ptr<Backend> backend, const CacheGeometry& geometry, int64_t budget_bytes,
+              ReclaimPolicy policy, int64_t lookahead_tokens);
   ~KVCacheCore();
   KVCacheCore(const KVCacheCore&) = delete;
   KVCacheCore& operator=(const KVCacheCore&) = delete;
@@ -198,7 +198,7 @@ class KVCacheCore {
   PrefixSharing sharing_;
   SwapManager swap_;
   std::vector<CacheFeature*> features_;  // in registration order
-  std::unique_ptr<CacheWatch> watch_;    // the backend's per-cache watch (host: fault report)
+  std::unique_ptr<CacheWatch> watch_;  // the backend's per-cache watch (host: fault report)
   mutable std::mutex mu_;
   int64_t lookahead_tokens_ = 0;
   std::exception_ptr background_error_;

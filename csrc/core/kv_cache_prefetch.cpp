@@ -15,8 +15,8 @@ void KVCacheCore::prefetch(const std::vector<int64_t>& lens, int64_t lookahead_t
     Lock lock = enter();
     slots_.validate_lens(lens, true);
     if (lookahead_tokens < -1) {
-      throw Error(Error::Kind::Config, "lookahead_tokens=" + std::to_string(lookahead_tokens) +
-                                           " must be >= 0");
+      throw Error(Error::Kind::Config,
+                  "lookahead_tokens=" + std::to_string(lookahead_tokens) + " must be >= 0");
     }
     const int64_t ahead = lookahead_tokens < 0 ? lookahead_tokens_ : lookahead_tokens;
     for (size_t i = 0; i < lens.size(); ++i) {

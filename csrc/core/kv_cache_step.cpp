@@ -69,7 +69,8 @@ void KVCacheCore::step(const std::vector<int64_t>& lens, uintptr_t stream) {
       grow(plan, false);
     } catch (const Error& e) {
       // Window pages no query of this step reads may cover the shortfall: release them, retry once.
-      if (e.kind() != Error::Kind::OutOfPages || windows_.release(lens, old_lens, stream) == 0) throw;
+      if (e.kind() != Error::Kind::OutOfPages || windows_.release(lens, old_lens, stream) == 0)
+        throw;
       --counters_.oom_events;  // not raised after all unless the retry fails too
       grow(plan, false);
     }
@@ -94,7 +95,8 @@ std::vector<Growth> KVCacheCore::plan_step(const std::vector<int64_t>& lens) {
     if (lens[i] == kUnlisted) continue;
     if (!slots_[i].head.empty()) windows_.check(static_cast<int>(i), lens[i], "seq_lens[slot]");
     const size_t need = geo_.pages_for(lens[i]);
-    if (need > slots_[i].mapped) plan.push_back(Growth{static_cast<int>(i), slots_[i].mapped, need});
+    if (need > slots_[i].mapped)
+      plan.push_back(Growth{static_cast<int>(i), slots_[i].mapped, need});
   }
   return plan;
 }
@@ -143,8 +145,8 @@ Capacity KVCacheCore::capacity(const std::vector<int64_t>& lens,
     if (len < 0 || len > geo_.max_seq) {
       throw Error(Error::Kind::SequenceTooLong,
                   "new_requests[" + std::to_string(i) + "]=" + std::to_string(len) +
-                      " is outside [0, " + std::to_string(geo_.max_seq) + "] (max_seq_len=" +
-                      std::to_string(geo_.max_seq) + ")")
+                      " is outside [0, " + std::to_string(geo_.max_seq) +
+                      "] (max_seq_len=" + std::to_string(geo_.max_seq) + ")")
           .with("seq_len", len)
           .with("max_seq_len", geo_.max_seq);
     }
@@ -219,7 +221,8 @@ size_t KVCacheCore::shrink(size_t keep_bytes) {
 
 int64_t KVCacheCore::set_memory_budget(int64_t budget_bytes) {
   Lock lock(mu_);
-  gate_.settle(lock);  // pages in flight count against the budget and cannot be trimmed until published
+  gate_.settle(
+      lock);  // pages in flight count against the budget and cannot be trimmed until published
   check_open();
   rethrow_background_error();
   const int64_t old_budget = pool_.budget_bytes();
@@ -244,7 +247,8 @@ int64_t KVCacheCore::set_memory_budget(int64_t budget_bytes) {
 
 void KVCacheCore::set_lookahead(int64_t tokens) {
   if (tokens < 0) {
-    throw Error(Error::Kind::Config, "lookahead_tokens=" + std::to_string(tokens) + " must be >= 0");
+    throw Error(Error::Kind::Config,
+                "lookahead_tokens=" + std::to_string(tokens) + " must be >= 0");
   }
   std::lock_guard<std::mutex> lock(mu_);
   lookahead_tokens_ = tokens;

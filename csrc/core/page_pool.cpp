@@ -82,11 +82,12 @@ void PagePool::reserve(size_t num_pages) {
   if (num_pages <= total_) return;
   const size_t want = num_pages - total_;
   if (want > headroom()) {
-    throw Error(Error::Kind::OutOfPages,
-                "reserve of " + std::to_string(num_pages) + " pages (" +
-                    std::to_string(num_pages * page_bytes_) + " bytes) exceeds the memory budget of " +
-                    std::to_string(budget_bytes_) + " bytes (" + std::to_string(total_) +
-                    " pages exist, " + std::to_string(headroom()) + " more allowed)")
+    throw Error(Error::Kind::OutOfPages, "reserve of " + std::to_string(num_pages) + " pages (" +
+                                             std::to_string(num_pages * page_bytes_) +
+                                             " bytes) exceeds the memory budget of " +
+                                             std::to_string(budget_bytes_) + " bytes (" +
+                                             std::to_string(total_) + " pages exist, " +
+                                             std::to_string(headroom()) + " more allowed)")
         .with("pages_needed", static_cast<int64_t>(want))
         .with("pages_available", static_cast<int64_t>(headroom()));
   }
@@ -97,9 +98,10 @@ void PagePool::reserve(size_t num_pages) {
   } catch (const Error& e) {
     for (PageHandle p : made) backend_.destroy_page(p);
     if (e.kind() != Error::Kind::OutOfPages) throw;
-    throw Error(Error::Kind::OutOfPages,
-                "reserve of " + std::to_string(num_pages) + " pages failed: the backend refused page " +
-                    std::to_string(total_ + made.size() + 1) + " (" + e.what() + ")")
+    throw Error(Error::Kind::OutOfPages, "reserve of " + std::to_string(num_pages) +
+                                             " pages failed: the backend refused page " +
+                                             std::to_string(total_ + made.size() + 1) + " (" +
+                                             e.what() + ")")
         .with("pages_needed", static_cast<int64_t>(want))
         .with("pages_available", static_cast<int64_t>(made.size()));
   }

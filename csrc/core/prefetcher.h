@@ -49,8 +49,8 @@ class Prefetcher {
 
   Runner runner_;
   mutable std::mutex mu_;
-  std::condition_variable wake_;   // worker waits for a job or stop
-  std::condition_variable done_;   // wait() callers wait for idle
+  std::condition_variable wake_;  // worker waits for a job or stop
+  std::condition_variable done_;  // wait() callers wait for idle
   std::thread thread_;
   Job pending_;
   bool has_pending_ = false;

@@ -28,8 +28,8 @@ void PrefixSharing::check_source(int src, int64_t num_tokens) const {
   if (num_tokens < 0 || num_tokens > s.seq_len) {
     throw Error(Error::Kind::SequenceTooLong,
                 "num_tokens=" + std::to_string(num_tokens) + " is outside [0, " +
-                    std::to_string(s.seq_len) + "]: src_slot=" + std::to_string(src) +
-                    " holds " + std::to_string(s.seq_len) + " tokens (its last step() length)")
+                    std::to_string(s.seq_len) + "]: src_slot=" + std::to_string(src) + " holds " +
+                    std::to_string(s.seq_len) + " tokens (its last step() length)")
         .with("slot", src)
         .with("num_tokens", num_tokens)
         .with("seq_len", s.seq_len);
@@ -94,8 +94,9 @@ void PrefixSharing::share(int src, int dst, int64_t num_tokens, uintptr_t stream
     try {
       parts_.scrubber.scrub(dst, full, need);  // the fresh page: zeros past the copied prefix
       for (int t = 0; t < T; ++t) {
-        parts_.backend.copy(parts_.mapper.page_va(t, dst, full), parts_.mapper.page_va(t, src, full),
-                            partial_bytes * geo.index_pages(t), stream);
+        parts_.backend.copy(parts_.mapper.page_va(t, dst, full),
+                            parts_.mapper.page_va(t, src, full), partial_bytes * geo.index_pages(t),
+                            stream);
       }
       parts_.memory.sync_stream(stream);
     } catch (...) {
@@ -264,7 +265,8 @@ void PrefixSharing::add_stats(Stats& out) const {
     saved_pages = mappings - static_cast<int64_t>(mapped.size());
   }
   out.emplace_back("shared_pages", shared);
-  out.emplace_back("bytes_saved_by_sharing", saved_pages * static_cast<int64_t>(parts_.geo.page_bytes));
+  out.emplace_back("bytes_saved_by_sharing",
+                   saved_pages * static_cast<int64_t>(parts_.geo.page_bytes));
   out.emplace_back("cow_pages_copied", static_cast<int64_t>(cow_pages_copied_));
 }
 

@@ -25,10 +25,10 @@ struct Slot {
   size_t mapped = 0;                 // page indices [0, mapped) are mapped in every tensor
   int64_t backed = 0;                // tokens those pages back (geometry.tokens_in(mapped))
   std::vector<PageHandle> pages;     // mapped * columns handles, index p * columns + column
-                                     // (geometry.h; column = tensor with one shape per layer)
-  uint64_t freed_at = 0;             // free() order, for least-recently-freed-first reclamation
-  uint64_t last_step = 0;            // step() counter when last listed, for eviction policies
-  uint64_t fence = 0;                // event recorded at free(): unmap only after it completed
+                                  // (geometry.h; column = tensor with one shape per layer)
+  uint64_t freed_at = 0;  // free() order, for least-recently-freed-first reclamation
+  uint64_t last_step = 0;  // step() counter when last listed, for eviction policies
+  uint64_t fence = 0;  // event recorded at free(): unmap only after it completed
   bool has_fence = false;
   // Page indices [0, shared_pages) may be mapped by other slots or kept by swap handles: read-only
   // by contract (tokens are only appended past them). Set by fork/share_prefix, lowered by

@@ -28,8 +28,7 @@ SlotMapper::~SlotMapper() {
   }
 }
 
-std::vector<size_t> SlotMapper::first_pages(size_t from, size_t to,
-                                            const PageHandle* pages) const {
+std::vector<size_t> SlotMapper::first_pages(size_t from, size_t to, const PageHandle* pages) const {
   // Holes are a prefix of each tensor (all of a tensor's columns together): tensor t maps
   // [first[t], to) only.
   const int T = geo_.num_tensors();

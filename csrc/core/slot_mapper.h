@@ -37,7 +37,8 @@ class SlotMapper {
   }
   // Address of column `column` of page index `page` of `slot` (Slot::pages[page * columns + c]).
   uintptr_t column_va(size_t column, int slot, size_t page) const {
-    return page_va(geo_.column_tensor(column), slot, page) + geo_.column_sub(column) * geo_.page_bytes;
+    return page_va(geo_.column_tensor(column), slot, page) +
+           geo_.column_sub(column) * geo_.page_bytes;
   }
 
   // Per tensor, the first page index in [from, to) whose pages are not holes (kNoPage: released

@@ -12,9 +12,9 @@ SlotTable::SlotTable(int64_t max_batch, int64_t max_seq)
 
 void SlotTable::validate(int64_t slot) const {
   if (slot < 0 || slot >= max_batch_) {
-    throw Error(Error::Kind::InvalidSlot, "slot=" + std::to_string(slot) + " is out of range " +
-                                              slot_range(max_batch_) + " (max_batch_size=" +
-                                              std::to_string(max_batch_) + ")")
+    throw Error(Error::Kind::InvalidSlot,
+                "slot=" + std::to_string(slot) + " is out of range " + slot_range(max_batch_) +
+                    " (max_batch_size=" + std::to_string(max_batch_) + ")")
         .with("slot", slot)
         .with("max_batch_size", max_batch_);
   }
@@ -23,23 +23,24 @@ void SlotTable::validate(int64_t slot) const {
 void SlotTable::require_active(int slot, const char* role, const char* why) const {
   validate(slot);
   if (slots_[static_cast<size_t>(slot)].state != Slot::State::Active) {
-    throw Error(Error::Kind::InvalidSlot, std::string(role) + "=" + std::to_string(slot) + " " + why)
+    throw Error(Error::Kind::InvalidSlot,
+                std::string(role) + "=" + std::to_string(slot) + " " + why)
         .with("slot", slot);
   }
 }
 
 Error SlotTable::no_free_slot() const {
-  return Error(Error::Kind::InvalidSlot, "no free slot: all max_batch_size=" +
-                                             std::to_string(max_batch_) +
-                                             " slots are active; free one first")
+  return Error(Error::Kind::InvalidSlot,
+               "no free slot: all max_batch_size=" + std::to_string(max_batch_) +
+                   " slots are active; free one first")
       .with("max_batch_size", max_batch_);
 }
 
 void SlotTable::validate_lens(const std::vector<int64_t>& lens, bool require_active) const {
   if (static_cast<int64_t>(lens.size()) != max_batch_) {
-    throw Error(Error::Kind::InvalidSlot, "seq_lens has " + std::to_string(lens.size()) +
-                                              " entries; a sequence must have max_batch_size=" +
-                                              std::to_string(max_batch_));
+    throw Error(Error::Kind::InvalidSlot,
+                "seq_lens has " + std::to_string(lens.size()) +
+                    " entries; a sequence must have max_batch_size=" + std::to_string(max_batch_));
   }
   for (size_t i = 0; i < lens.size(); ++i) {
     const int64_t len = lens[i];

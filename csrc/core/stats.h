@@ -22,11 +22,11 @@ struct CacheCounters {
   // and by the prefetch thread: step_driver_calls / steps is what a decode step pays inline.
   uint64_t step_driver_calls = 0;
   uint64_t prefetch_driver_calls = 0;
-  uint64_t prefetch_errors = 0;    // failures of the prefetch thread (each raised by a later call)
-  uint64_t oom_events = 0;         // OutOfPagesError raised
-  uint64_t reclaimed_pages = 0;    // pages unmapped from idle slots or trimmed from active ones
+  uint64_t prefetch_errors = 0;  // failures of the prefetch thread (each raised by a later call)
+  uint64_t oom_events = 0;  // OutOfPagesError raised
+  uint64_t reclaimed_pages = 0;  // pages unmapped from idle slots or trimmed from active ones
   uint64_t prefetch_shortfall_pages = 0;  // pages the prefetch thread could not get
-  uint64_t fence_waits = 0;        // unmaps that had to wait for a free()'s event
+  uint64_t fence_waits = 0;  // unmaps that had to wait for a free()'s event
 
   // VMM driver calls so far: map, set_access, unmap here, create/destroy from the pool's counts.
   uint64_t driver_calls(uint64_t pages_created, uint64_t pages_destroyed) const {

@@ -44,7 +44,8 @@ int64_t SwapManager::swap_out(int slot, uintptr_t stream) {
     for (PageHandle p : slots[i].pages) ++active_maps[p];  // kNoPage entries match nothing below
   }
   std::map<PageHandle, std::shared_ptr<HostBlock>> copies;
-  std::vector<std::pair<PageHandle, uintptr_t>> order;  // page, an address it is mapped at (0: none)
+  std::vector<std::pair<PageHandle, uintptr_t>>
+      order;  // page, an address it is mapped at (0: none)
   for (size_t i = 0; i < n * C; ++i) {
     const PageHandle p = s.pages[i];
     if (p == kNoPage) continue;  // released by a sliding window: nothing to save
@@ -214,7 +215,8 @@ void SwapManager::add_stats(Stats& out) const {
 }
 
 std::string SwapManager::check(std::map<PageHandle, uint32_t>& seen) const {
-  for (const auto& entry : store_.device_refs()) seen[entry.first] += static_cast<uint32_t>(entry.second);
+  for (const auto& entry : store_.device_refs())
+    seen[entry.first] += static_cast<uint32_t>(entry.second);
   return "";
 }
 

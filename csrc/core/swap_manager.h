@@ -27,7 +27,8 @@ namespace vattention {
 
 class SwapManager final : public CacheFeature {
  public:
-  explicit SwapManager(CacheParts& parts) : parts_(parts), store_(parts.backend, parts.geo.page_bytes) {}
+  explicit SwapManager(CacheParts& parts)
+      : parts_(parts), store_(parts.backend, parts.geo.page_bytes) {}
 
   // Saves the active slot's pages [0, pages_for(seq_len)) and frees the slot (its pages are
   // unmapped at once). Throws SwapSpace (nothing changed) when the swap budget is too small.
@@ -52,7 +53,7 @@ class SwapManager final : public CacheFeature {
   CacheParts& parts_;
   SwapStore store_;
   uint64_t swap_out_pages_ = 0;  // pages copied to host by swap_out (each page once)
-  uint64_t swap_in_pages_ = 0;   // pages copied back from host by swap_in
+  uint64_t swap_in_pages_ = 0;  // pages copied back from host by swap_in
 };
 
 }  // namespace vattention

@@ -22,7 +22,8 @@ void SwapStore::check_room(size_t blocks) const {
                   std::to_string(blocks) + " pages of " + std::to_string(page_bytes_) +
                   " bytes) but the swap budget of " + std::to_string(budget_bytes_) +
                   " bytes has " + std::to_string(headroom()) + " left (" +
-                  std::to_string(host_bytes_) + " in use); nothing was swapped: raise it with "
+                  std::to_string(host_bytes_) +
+                  " in use); nothing was swapped: raise it with "
                   "set_swap_budget() or drop handles with swap_drop()")
       .with("bytes_needed", static_cast<int64_t>(need))
       .with("bytes_available", static_cast<int64_t>(headroom()))

@@ -26,14 +26,14 @@ namespace vattention {
 
 // Where one (page index, tensor) of a swapped slot lives until swap-in.
 struct SwapEntry {
-  PageHandle device = 0;             // valid when host is null: the store holds one pool reference
-  std::shared_ptr<HostBlock> host;   // the page's bytes, when copied out
+  PageHandle device = 0;  // valid when host is null: the store holds one pool reference
+  std::shared_ptr<HostBlock> host;  // the page's bytes, when copied out
 };
 
 struct SwapRecord {
-  int64_t seq_len = 0;        // tokens the slot held (its last step() length)
-  size_t pages = 0;           // page indices saved: [0, pages), pages_for(seq_len)
-  size_t shared_pages = 0;    // the slot's read-only prefix, restored by swap-in
+  int64_t seq_len = 0;  // tokens the slot held (its last step() length)
+  size_t pages = 0;  // page indices saved: [0, pages), pages_for(seq_len)
+  size_t shared_pages = 0;  // the slot's read-only prefix, restored by swap-in
   std::vector<SwapEntry> entries;  // pages * columns, index p * columns + column (as Slot::pages)
 };
 

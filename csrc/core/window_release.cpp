@@ -94,11 +94,11 @@ void WindowRelease::check(int slot, int64_t len, const char* what) const {
     const int64_t start = parts_.geo.first_token_at(s.head[t]);
     if (s.head[t] == 0 || len - w >= start) continue;
     throw Error(Error::Kind::SequenceTooLong,
-                std::string(what) + "=" + std::to_string(len) + " for slot " + std::to_string(slot) +
-                    " needs keys from token " + std::to_string(std::max<int64_t>(0, len - w)) +
-                    " (sliding_window=" + std::to_string(w) + "), but tokens below " +
-                    std::to_string(start) + " were released; lengths must be >= " +
-                    std::to_string(start + w))
+                std::string(what) + "=" + std::to_string(len) + " for slot " +
+                    std::to_string(slot) + " needs keys from token " +
+                    std::to_string(std::max<int64_t>(0, len - w)) + " (sliding_window=" +
+                    std::to_string(w) + "), but tokens below " + std::to_string(start) +
+                    " were released; lengths must be >= " + std::to_string(start + w))
         .with("slot", slot)
         .with("seq_len", len)
         .with("window_start", start);

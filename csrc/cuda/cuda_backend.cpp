@@ -22,8 +22,8 @@
 #include <mutex>
 #include <unordered_map>
 
-#include "cuda/cuda_driver.h"
 #include "core/errors.h"
+#include "cuda/cuda_driver.h"
 
 namespace vattention {
 namespace {
@@ -37,25 +37,26 @@ std::string device_name(int ordinal) { return "cuda:" + std::to_string(ordinal);
 CUdevice open_device(const DriverApi& api, int ordinal) {
   CUresult r = api.cuInit(0);
   if (r != CUDA_SUCCESS) {
-    throw Error(Error::Kind::Unavailable, "CUDA backend unavailable: cuInit failed: " +
-                                              cuda::describe(r))
+    throw Error(Error::Kind::Unavailable,
+                "CUDA backend unavailable: cuInit failed: " + cuda::describe(r))
         .with("code", static_cast<int64_t>(r));
   }
   int count = 0;
   check(api.cuDeviceGetCount(&count), "cuDeviceGetCount");
   if (count == 0) throw Error(Error::Kind::Unavailable, "CUDA backend unavailable: no CUDA device");
   if (ordinal < 0 || ordinal >= count) {
-    throw Error(Error::Kind::Config, "device " + device_name(ordinal) + " does not exist: " +
-                                         std::to_string(count) + " CUDA device(s), ordinals [0, " +
-                                         std::to_string(count) + ")")
+    throw Error(Error::Kind::Config,
+                "device " + device_name(ordinal) + " does not exist: " + std::to_string(count) +
+                    " CUDA device(s), ordinals [0, " + std::to_string(count) + ")")
         .with("ordinal", ordinal)
         .with("device_count", count);
   }
   CUdevice dev = 0;
   check(api.cuDeviceGet(&dev, ordinal), "cuDeviceGet", {{"ordinal", uint64_t(ordinal)}});
   int vmm = 0;
-  check(api.cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev),
-        "cuDeviceGetAttribute", {{"ordinal", uint64_t(ordinal)}});
+  check(
+      api.cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev),
+      "cuDeviceGetAttribute", {{"ordinal", uint64_t(ordinal)}});
   if (vmm == 0) {
     throw Error(Error::Kind::Unavailable,
                 "CUDA backend unavailable: device " + device_name(ordinal) +
@@ -153,8 +154,7 @@ class CudaBackend final : public Backend {
   uintptr_t reserve(size_t bytes) override {
     ScopedContext sc(api_, ctx_.get());
     CUdeviceptr va = 0;
-    check(api_.cuMemAddressReserve(&va, bytes, 0, 0, 0), "cuMemAddressReserve",
-          {{"bytes", bytes}});
+    check(api_.cuMemAddressReserve(&va, bytes, 0, 0, 0), "cuMemAddressReserve", {{"bytes", bytes}});
     return static_cast<uintptr_t>(va);
   }
 
@@ -199,7 +199,8 @@ class CudaBackend final : public Backend {
     desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     desc.location.id = ordinal_;
     desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    check(api_.cuMemSetAccess(va, bytes, &desc, 1), "cuMemSetAccess", {{"va", va}, {"bytes", bytes}});
+    check(api_.cuMemSetAccess(va, bytes, &desc, 1), "cuMemSetAccess",
+          {{"va", va}, {"bytes", bytes}});
   }
 
   void unmap(uintptr_t va, size_t bytes) override {
@@ -219,14 +220,20 @@ class CudaBackend final : public Backend {
     ScopedContext sc(api_, ctx_.get());
     check(api_.cuMemcpyDtoHAsync(dst, src, bytes, reinterpret_cast<CUstream>(stream)),
           "cuMemcpyDtoHAsync",
-          {{"dst", reinterpret_cast<uintptr_t>(dst)}, {"src", src}, {"bytes", bytes}, {"stream", stream}});
+          {{"dst", reinterpret_cast<uintptr_t>(dst)},
+           {"src", src},
+           {"bytes", bytes},
+           {"stream", stream}});
   }
 
   void copy_from_host(uintptr_t dst, const void* src, size_t bytes, uintptr_t stream) override {
     ScopedContext sc(api_, ctx_.get());
     check(api_.cuMemcpyHtoDAsync(dst, src, bytes, reinterpret_cast<CUstream>(stream)),
           "cuMemcpyHtoDAsync",
-          {{"dst", dst}, {"src", reinterpret_cast<uintptr_t>(src)}, {"bytes", bytes}, {"stream", stream}});
+          {{"dst", dst},
+           {"src", reinterpret_cast<uintptr_t>(src)},
+           {"bytes", bytes},
+           {"stream", stream}});
   }
 
   // Page-locked, so the copies above are asynchronous DMA (pageable memory would make them
@@ -325,8 +332,8 @@ class CudaBackend final : public Backend {
     std::lock_guard<std::mutex> lock(fences_mu_);
     auto it = fences_.find(fence);
     if (it == fences_.end()) {
-      throw Error(Error::Kind::Driver, "fence " + std::to_string(fence) +
-                                           " is unknown (released already?)")
+      throw Error(Error::Kind::Driver,
+                  "fence " + std::to_string(fence) + " is unknown (released already?)")
           .with("fence", static_cast<int64_t>(fence));
     }
     return it->second;

@@ -19,7 +19,8 @@ struct Loaded {
   std::string error;  // non-empty: why the driver is unavailable
 };
 
-using GetProcV2 = CUresult (*)(const char*, void**, int, cuuint64_t, CUdriverProcAddressQueryResult*);
+using GetProcV2 = CUresult (*)(const char*, void**, int, cuuint64_t,
+                               CUdriverProcAddressQueryResult*);
 using GetProcV1 = CUresult (*)(const char*, void**, int, cuuint64_t);
 
 std::string version_text(int v) {
@@ -35,10 +36,11 @@ Loaded load() {
   void* lib = dlopen(l.api.library_path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (lib == nullptr) {
     const char* why = dlerror();
-    l.error = "cannot load the CUDA driver library '" + l.api.library_path + "': " +
-              (why ? why : "unknown dlopen error") +
-              (from_env ? " (path from VATTENTION_LIBCUDA)"
-                        : " (is an NVIDIA driver installed? VATTENTION_LIBCUDA overrides the path)");
+    l.error =
+        "cannot load the CUDA driver library '" + l.api.library_path +
+        "': " + (why ? why : "unknown dlopen error") +
+        (from_env ? " (path from VATTENTION_LIBCUDA)"
+                  : " (is an NVIDIA driver installed? VATTENTION_LIBCUDA overrides the path)");
     return l;
   }
   // Deliberately never dlclose()d: the driver cannot be unloaded safely while the process lives.
@@ -89,7 +91,8 @@ bool is_address(const char* key) {
 
 const DriverApi& driver() {
   const Loaded& l = loaded();
-  if (!l.error.empty()) throw Error(Error::Kind::Unavailable, "CUDA backend unavailable: " + l.error);
+  if (!l.error.empty())
+    throw Error(Error::Kind::Unavailable, "CUDA backend unavailable: " + l.error);
   return l.api;
 }
 

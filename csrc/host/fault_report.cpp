@@ -64,8 +64,9 @@ bool describe(uintptr_t addr) {
       const size_t in_row = off % g.slot_bytes[t];
       const uint64_t token = in_row / g.token_bytes[t];
       const bool is_v = g.mega ? t == 1 : static_cast<int64_t>(t) >= g.num_layers;
-      const uint64_t layer = g.mega ? (in_row % g.token_bytes[t]) / g.layer_bytes
-                                    : static_cast<uint64_t>(t) % static_cast<uint64_t>(g.num_layers);
+      const uint64_t layer = g.mega
+                                 ? (in_row % g.token_bytes[t]) / g.layer_bytes
+                                 : static_cast<uint64_t>(t) % static_cast<uint64_t>(g.num_layers);
       Out o;
       o.str("\nvattention: fatal memory access to KV cache #");
       o.num(r->cache_id);
@@ -83,16 +84,19 @@ bool describe(uintptr_t addr) {
       }
       o.str(".\n");
       if (r->closed.load(std::memory_order_relaxed)) {
-        o.str("vattention: the cache is closed: its tensors have no memory behind them any more."
-              " Do not use tensors from layer()/k_cache/v_cache after close().\n");
+        o.str(
+            "vattention: the cache is closed: its tensors have no memory behind them any more."
+            " Do not use tensors from layer()/k_cache/v_cache after close().\n");
       } else {
-        o.str("vattention: that position has no physical page. A tensor is only valid up to "
-              "cache.mapped_tokens(");
+        o.str(
+            "vattention: that position has no physical page. A tensor is only valid up to "
+            "cache.mapped_tokens(");
         o.num(slot_index);
         o.str("): call cache.step({");
         o.num(slot_index);
-        o.str(": length}) before touching it, slice rows to their length (k[slot, :length]), and"
-              " never read a whole row or print a whole layer tensor.\n");
+        o.str(
+            ": length}) before touching it, slice rows to their length (k[slot, :length]), and"
+            " never read a whole row or print a whole layer tensor.\n");
       }
       o.flush();
       return true;

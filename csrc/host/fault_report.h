@@ -33,9 +33,9 @@ struct FaultGeometry {
   int64_t max_batch = 0;
   int64_t max_seq = 0;
   bool mega = false;
-  std::vector<size_t> slot_bytes;    // per tensor: row stride
-  std::vector<size_t> token_bytes;   // per tensor: token stride within a row
-  size_t layer_bytes = 0;            // mega: one layer of one token (layer stride within a token)
+  std::vector<size_t> slot_bytes;  // per tensor: row stride
+  std::vector<size_t> token_bytes;  // per tensor: token stride within a row
+  size_t layer_bytes = 0;  // mega: one layer of one token (layer stride within a token)
   std::vector<size_t> tensor_bytes;  // per tensor: the reservation's length
 };
 

@@ -159,9 +159,9 @@ PageHandle HostBackend::create_page() {
   if (fallocate(fd, 0, offset, static_cast<off_t>(page_bytes_)) != 0) {
     int err = errno;
     if (err == ENOSPC || err == ENOMEM) {
-      throw Error(Error::Kind::OutOfPages,
-                  "host memory exhausted: fallocate of a " + std::to_string(page_bytes_) +
-                      "-byte page failed (" + std::strerror(err) + ")")
+      throw Error(Error::Kind::OutOfPages, "host memory exhausted: fallocate of a " +
+                                               std::to_string(page_bytes_) + "-byte page failed (" +
+                                               std::strerror(err) + ")")
           .with("pages_needed", 1)
           .with("pages_available", 0);
     }
@@ -197,11 +197,12 @@ void HostBackend::map(uintptr_t va, PageHandle page) {
   maybe_fail("map");
   if (g_live_mappings.fetch_add(1) + 1 > mapping_limit()) {
     g_live_mappings.fetch_sub(1);
-    throw Error(Error::Kind::OutOfPages,
-                "host backend: a page mapping beyond this process's limit of " +
-                    std::to_string(mapping_limit()) +
-                    " (half of vm.max_map_count minus 8192 for the rest of the process): use larger "
-                    "pages, a smaller budget, or raise vm.max_map_count")
+    throw Error(
+        Error::Kind::OutOfPages,
+        "host backend: a page mapping beyond this process's limit of " +
+            std::to_string(mapping_limit()) +
+            " (half of vm.max_map_count minus 8192 for the rest of the process): use larger "
+            "pages, a smaller budget, or raise vm.max_map_count")
         .with("pages_needed", 1)
         .with("pages_available", 0)
         .with("mapping_limit", mapping_limit());

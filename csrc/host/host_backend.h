@@ -3,7 +3,8 @@
 // Why this shape: it mirrors the CUDA VMM model closely enough that the cache logic, the tests and
 // the faults are the same on both backends.
 //  - A reservation is mmap(PROT_NONE, MAP_NORESERVE): address space only, touching it faults.
-//  - Physical pages are page_bytes extents of a few large memfd "arenas" (one fd per page would need
+//  - Physical pages are page_bytes extents of a few large memfd "arenas" (one fd per page would
+//  need
 //    131,072 descriptors for 8 GB of 64 KB pages). A page is committed with fallocate() when
 //    created, so creating pages really reserves memory, and handed back with PUNCH_HOLE.
 //  - map() is mmap(MAP_FIXED|MAP_SHARED) of the page's extent at its arena offset, with no access,
@@ -55,8 +56,9 @@ class HostBackend final : public Backend {
   static int64_t mapping_limit();
 
   // Test hook: the nth next call (1 = the very next) of `op` ("create_page", "map", "set_access",
-  // "unmap", "reserve", "destroy_page") fails with Error(Kind::Driver), or Kind::OutOfPages for create_page when
-  // out_of_memory is set. Lets tests prove rollback without exhausting real memory.
+  // "unmap", "reserve", "destroy_page") fails with Error(Kind::Driver), or Kind::OutOfPages for
+  // create_page when out_of_memory is set. Lets tests prove rollback without exhausting real
+  // memory.
   void inject_fault(const std::string& op, int nth, bool out_of_memory);
   // Test hook: how often `op` (a name as above, or "destroy_page") has been called, so a fault
   // sweep can fail every call index of a public call.
@@ -73,10 +75,14 @@ class HostBackend final : public Backend {
   const size_t granularity_;
   const size_t page_bytes_;
   const size_t pages_per_arena_;
-  mutable std::mutex mu_;  // guards arenas_, free_extents_, faults_ (leaf lock: nothing taken inside)
+  mutable std::mutex
+      mu_;  // guards arenas_, free_extents_, faults_ (leaf lock: nothing taken inside)
   std::vector<Arena> arenas_;
   std::vector<PageHandle> free_extents_;  // punched extents ready for reuse
-  struct Fault { int countdown; bool out_of_memory; };
+  struct Fault {
+    int countdown;
+    bool out_of_memory;
+  };
   std::map<std::string, Fault> faults_;
   std::map<std::string, int64_t> calls_;
 };

@@ -34,7 +34,8 @@ std::unique_ptr<Backend> make_backend(const std::string& device, size_t page_byt
     throw Error(Error::Kind::Unavailable, backend_unavailable_reason("cuda"));
 #endif
   }
-  throw Error(Error::Kind::Config, "device=" + device + " is not supported; use cpu, cuda or cuda:N");
+  throw Error(Error::Kind::Config,
+              "device=" + device + " is not supported; use cpu, cuda or cuda:N");
 }
 
 std::string backend_unavailable_reason(const std::string& kind) {

@@ -56,9 +56,10 @@ std::vector<int64_t> parse_lens(py::handle obj, int64_t max_batch) {
     while (PyDict_Next(o, &pos, &key, &value)) {
       const int64_t slot = as_int(key, "keys (slots)");
       if (slot < 0 || slot >= max_batch) {
-        throw Error(Error::Kind::InvalidSlot, "slot=" + std::to_string(slot) +
-                                                  " is out of range [0, " + std::to_string(max_batch) +
-                                                  ") (max_batch_size=" + std::to_string(max_batch) + ")")
+        throw Error(Error::Kind::InvalidSlot,
+                    "slot=" + std::to_string(slot) + " is out of range [0, " +
+                        std::to_string(max_batch) +
+                        ") (max_batch_size=" + std::to_string(max_batch) + ")")
             .with("slot", slot)
             .with("max_batch_size", max_batch);
       }
@@ -72,10 +73,10 @@ std::vector<int64_t> parse_lens(py::handle obj, int64_t max_batch) {
   py::object owner = py::reinterpret_steal<py::object>(fast);
   const auto n = static_cast<int64_t>(PySequence_Fast_GET_SIZE(fast));
   if (n != max_batch) {
-    throw Error(Error::Kind::InvalidSlot, "seq_lens has " + std::to_string(n) +
-                                              " entries; a sequence must have max_batch_size=" +
-                                              std::to_string(max_batch) +
-                                              " (or pass a {slot: length} dict)");
+    throw Error(Error::Kind::InvalidSlot,
+                "seq_lens has " + std::to_string(n) +
+                    " entries; a sequence must have max_batch_size=" + std::to_string(max_batch) +
+                    " (or pass a {slot: length} dict)");
   }
   PyObject** items = PySequence_Fast_ITEMS(fast);
   for (int64_t i = 0; i < n; ++i) {
@@ -113,10 +114,11 @@ py::capsule export_tensor(const std::shared_ptr<KVCacheCore>& core, int kv, int 
   }
   if (layer < -1 || layer >= g.num_layers || (layer == -1 && !g.mega)) {
     throw Error(Error::Kind::Config, "layer=" + std::to_string(layer) + " is out of range [0, " +
-                                         std::to_string(g.num_layers) + ") (num_layers=" +
-                                         std::to_string(g.num_layers) + ")");
+                                         std::to_string(g.num_layers) +
+                                         ") (num_layers=" + std::to_string(g.num_layers) + ")");
   }
-  if (core->closed()) throw Error(Error::Kind::Closed, "the KV cache is closed; create a new KVCache");
+  if (core->closed())
+    throw Error(Error::Kind::Closed, "the KV cache is closed; create a new KVCache");
   auto* ex = new Export();
   ex->owner = core;
   const int64_t E = g.element_bytes, L = g.num_layers;
@@ -146,7 +148,8 @@ py::capsule export_tensor(const std::shared_ptr<KVCacheCore>& core, int kv, int 
     std::memcpy(ex->shape, shape, sizeof shape);
     std::memcpy(ex->strides, strides, sizeof strides);
   }
-  const vattention::DeviceId dev = host_alias ? vattention::DeviceId{1, 0} : core->backend().device();
+  const vattention::DeviceId dev =
+      host_alias ? vattention::DeviceId{1, 0} : core->backend().device();
   DLTensor& t = ex->managed.dl_tensor;
   t.data = reinterpret_cast<void*>(data);
   t.device = DLDevice{dev.dl_device_type, dev.ordinal};
@@ -157,7 +160,8 @@ py::capsule export_tensor(const std::shared_ptr<KVCacheCore>& core, int kv, int 
   t.byte_offset = 0;
   ex->managed.manager_ctx = ex;
   ex->managed.deleter = delete_export;
-  return py::reinterpret_steal<py::capsule>(PyCapsule_New(&ex->managed, "dltensor", capsule_destructor));
+  return py::reinterpret_steal<py::capsule>(
+      PyCapsule_New(&ex->managed, "dltensor", capsule_destructor));
 }
 
 vattention::HostBackend& host_backend(KVCacheCore& core) {
@@ -171,7 +175,7 @@ py::dict capacity_dict(const vattention::Capacity& c) {
   out["pages_needed"] = c.pages_needed;
   out["pages_free"] = c.pages_free;
   out["pages_creatable"] = c.pages_creatable == SIZE_MAX ? py::object(py::none())
-                                                          : py::object(py::int_(c.pages_creatable));
+                                                         : py::object(py::int_(c.pages_creatable));
   out["pages_reclaimable"] = c.pages_reclaimable;
   out["pages_short"] = c.pages_short;
   return out;
@@ -225,9 +229,11 @@ void bind_cache(py::module_& m) {
           },
           py::arg("seq_lens"), py::arg("lookahead_tokens") = -1)
       .def("wait", &KVCacheCore::wait, py::call_guard<py::gil_scoped_release>())
-      .def("reserve", &KVCacheCore::reserve, py::arg("bytes"), py::call_guard<py::gil_scoped_release>())
+      .def("reserve", &KVCacheCore::reserve, py::arg("bytes"),
+           py::call_guard<py::gil_scoped_release>())
       .def("reclaim", &KVCacheCore::reclaim, py::call_guard<py::gil_scoped_release>())
-      .def("shrink", &KVCacheCore::shrink, py::arg("keep_bytes"), py::call_guard<py::gil_scoped_release>())
+      .def("shrink", &KVCacheCore::shrink, py::arg("keep_bytes"),
+           py::call_guard<py::gil_scoped_release>())
       .def("set_memory_budget", &KVCacheCore::set_memory_budget, py::arg("budget_bytes"),
            py::call_guard<py::gil_scoped_release>())
       .def("set_lookahead", &KVCacheCore::set_lookahead, py::arg("tokens"))
@@ -235,11 +241,12 @@ void bind_cache(py::module_& m) {
       .def("mapped_tokens", &KVCacheCore::mapped_tokens, py::arg("slot"))
       .def("seq_len", &KVCacheCore::seq_len, py::arg("slot"))
       .def("active_slots", &KVCacheCore::active_slots)
-      .def("stats", [](const KVCacheCore& core) {
-        py::dict out;
-        for (const auto& kv : core.stats()) out[py::str(kv.first)] = kv.second;
-        return out;
-      })
+      .def("stats",
+           [](const KVCacheCore& core) {
+             py::dict out;
+             for (const auto& kv : core.stats()) out[py::str(kv.first)] = kv.second;
+             return out;
+           })
       .def("check_invariants", &KVCacheCore::check_invariants)
       // Prefix sharing, swap and eviction: see vattention/sharing.py for the contracts.
       .def("fork", &KVCacheCore::fork, py::arg("src"), py::arg("num_tokens") = -1,
@@ -260,7 +267,8 @@ void bind_cache(py::module_& m) {
       .def("close", &KVCacheCore::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("closed", &KVCacheCore::closed)
       .def_property_readonly("backend_name", [](KVCacheCore& c) { return c.backend().name(); })
-      .def_property_readonly("granularity", [](KVCacheCore& c) { return c.backend().granularity(); })
+      .def_property_readonly("granularity",
+                             [](KVCacheCore& c) { return c.backend().granularity(); })
       .def("tensor_base", &KVCacheCore::tensor_base, py::arg("tensor"))
       .def(
           "export_tensor",

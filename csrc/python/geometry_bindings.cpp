@@ -16,9 +16,9 @@ namespace vattention {
 namespace python {
 namespace {
 
-CacheGeometry make(int64_t num_layers, int64_t num_kv_heads, int64_t head_dim, int64_t element_bytes,
-                   int64_t max_batch, int64_t max_seq, size_t page_bytes, bool mega,
-                   bool value_cache, std::vector<int64_t> windows,
+CacheGeometry make(int64_t num_layers, int64_t num_kv_heads, int64_t head_dim,
+                   int64_t element_bytes, int64_t max_batch, int64_t max_seq, size_t page_bytes,
+                   bool mega, bool value_cache, std::vector<int64_t> windows,
                    std::vector<int64_t> layer_kv_heads, std::vector<int64_t> layer_head_dims) {
   CacheGeometry g;
   g.num_layers = num_layers;
@@ -77,19 +77,25 @@ void bind_geometry(py::module_& m) {
                              "Page indices of one slot row (max_seq tokens).")
       .def_property_readonly("virtual_bytes", &CacheGeometry::virtual_bytes)
       .def_property_readonly("bytes_per_token", &CacheGeometry::bytes_per_token)
-      .def("layer_token_bytes", [](const CacheGeometry& g, int64_t layer) {
-             k_tensor(g, layer);
-             return g.layer_token_bytes(layer);
-           }, py::arg("layer"))
-      .def("token_bytes", [](const CacheGeometry& g, int64_t layer) {
-             return g.token_bytes(k_tensor(g, layer));
-           }, py::arg("layer"), "Token stride in bytes of layer `layer`'s K tensor.")
-      .def("index_pages", [](const CacheGeometry& g, int64_t layer) {
-             return g.index_pages(k_tensor(g, layer));
-           }, py::arg("layer"), "Pages one page index takes in each of the layer's tensors.")
-      .def("slot_bytes", [](const CacheGeometry& g, int64_t layer) {
-             return g.slot_bytes(k_tensor(g, layer));
-           }, py::arg("layer"), "Row stride in bytes of layer `layer`'s K tensor.")
+      .def(
+          "layer_token_bytes",
+          [](const CacheGeometry& g, int64_t layer) {
+            k_tensor(g, layer);
+            return g.layer_token_bytes(layer);
+          },
+          py::arg("layer"))
+      .def(
+          "token_bytes",
+          [](const CacheGeometry& g, int64_t layer) { return g.token_bytes(k_tensor(g, layer)); },
+          py::arg("layer"), "Token stride in bytes of layer `layer`'s K tensor.")
+      .def(
+          "index_pages",
+          [](const CacheGeometry& g, int64_t layer) { return g.index_pages(k_tensor(g, layer)); },
+          py::arg("layer"), "Pages one page index takes in each of the layer's tensors.")
+      .def(
+          "slot_bytes",
+          [](const CacheGeometry& g, int64_t layer) { return g.slot_bytes(k_tensor(g, layer)); },
+          py::arg("layer"), "Row stride in bytes of layer `layer`'s K tensor.")
       .def("pages_for", &CacheGeometry::pages_for, py::arg("tokens"),
            "Page indices one slot needs to back `tokens` tokens.")
       .def("tokens_in", &CacheGeometry::tokens_in, py::arg("pages"))

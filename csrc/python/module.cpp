@@ -99,9 +99,11 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("free", &PagePool::free)
       .def_property_readonly("in_use", &PagePool::in_use)
       .def_property_readonly("budget_bytes", &PagePool::budget_bytes)
-      .def_property_readonly("headroom", [](const PagePool& p) {
-        return p.headroom() == SIZE_MAX ? py::object(py::none()) : py::object(py::int_(p.headroom()));
-      })
+      .def_property_readonly("headroom",
+                             [](const PagePool& p) {
+                               return p.headroom() == SIZE_MAX ? py::object(py::none())
+                                                               : py::object(py::int_(p.headroom()));
+                             })
       .def_property_readonly("pages_created", &PagePool::pages_created)
       .def_property_readonly("pages_destroyed", &PagePool::pages_destroyed)
       .def_property_readonly("extra_refs", &PagePool::extra_refs)

@@ -75,7 +75,8 @@ void test_threads(bool mega, ReclaimPolicy policy) {
   std::atomic<long> steps{0};
   const auto stop = std::chrono::steady_clock::now() + std::chrono::milliseconds(1500);
   std::vector<std::thread> threads;
-  for (unsigned i = 0; i < 4; ++i) threads.emplace_back(hammer, std::ref(*core), i, stop, std::ref(steps));
+  for (unsigned i = 0; i < 4; ++i)
+    threads.emplace_back(hammer, std::ref(*core), i, stop, std::ref(steps));
   for (auto& t : threads) t.join();
   core->wait();
   check(steps > 20, "too few steps: " + std::to_string(steps.load()));
@@ -102,8 +103,8 @@ void test_rollback_through_faults() {
     } catch (const Error& e) {
       check(e.kind() == Error::Kind::Driver, std::string("fault kind for ") + op);
     }
-    check(core->check_invariants().empty(), std::string("invariants after ") + op + ": " +
-                                                core->check_invariants());
+    check(core->check_invariants().empty(),
+          std::string("invariants after ") + op + ": " + core->check_invariants());
     host.inject_fault(op, 0, false);
     core->step(lens, 0);
     core->close();

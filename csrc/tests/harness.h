@@ -46,8 +46,8 @@ inline CacheGeometry small_geometry(int64_t kv_heads, int64_t max_batch, int64_t
 // A cache of geometry g on the host backend (no look-ahead).
 inline std::unique_ptr<KVCacheCore> host_core(const CacheGeometry& g, int64_t budget_bytes,
                                               ReclaimPolicy policy) {
-  return std::make_unique<KVCacheCore>(std::make_unique<HostBackend>(g.page_bytes), g,
-                                       budget_bytes, policy, 0);
+  return std::make_unique<KVCacheCore>(std::make_unique<HostBackend>(g.page_bytes), g, budget_bytes,
+                                       policy, 0);
 }
 
 // main()'s return value: prints the outcome of the binary named `suite`.

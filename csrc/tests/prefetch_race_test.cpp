@@ -66,7 +66,8 @@ class GatedBackend final : public Backend {
   void destroy_page(PageHandle page) override { inner_.destroy_page(page); }
   void map(uintptr_t va, PageHandle page) override {
     gate("map");
-    if (const int us = latency_us_.load()) std::this_thread::sleep_for(std::chrono::microseconds(us));
+    if (const int us = latency_us_.load())
+      std::this_thread::sleep_for(std::chrono::microseconds(us));
     inner_.map(va, page);
   }
   void set_access(uintptr_t va, size_t bytes) override { inner_.set_access(va, bytes); }
@@ -174,7 +175,8 @@ void test_step_of_the_slot_in_flight_waits() {
   f.hold_prefetch(a, 4 * f.tpp);
   const int64_t step_maps = f.stat("step_map_calls");
   auto st = std::async(std::launch::async, [&] { f.core->step(f.lens({{a, 4 * f.tpp}}), 0); });
-  check(st.wait_for(100ms) == std::future_status::timeout, "step() did not wait for the range in flight");
+  check(st.wait_for(100ms) == std::future_status::timeout,
+        "step() did not wait for the range in flight");
   f.gate->open();
   check(st.wait_for(5s) == std::future_status::ready, "step() never finished");
   st.get();
@@ -193,7 +195,8 @@ void test_free_during_flight(ReclaimPolicy policy, bool had_pages) {
   if (had_pages) f.core->step(f.lens({{a, 1}}), 0);
   f.hold_prefetch(a, 3 * f.tpp);
   f.core->free(a, 0);
-  check(f.core->check_invariants().empty(), what + ": invariants in flight: " + f.core->check_invariants());
+  check(f.core->check_invariants().empty(),
+        what + ": invariants in flight: " + f.core->check_invariants());
   auto rc = std::async(std::launch::async, [&] { return f.core->reclaim(); });  // settles first
   check(rc.wait_for(100ms) == std::future_status::timeout, what + ": reclaim() did not settle");
   f.gate->open();
@@ -215,7 +218,8 @@ void test_free_then_alloc_during_flight() {
   f.hold_prefetch(a, 3 * f.tpp);
   f.core->free(a, 0);
   auto al = std::async(std::launch::async, [&] { return f.core->alloc(); });
-  check(al.wait_for(100ms) == std::future_status::timeout, "alloc() did not settle the freed slot in flight");
+  check(al.wait_for(100ms) == std::future_status::timeout,
+        "alloc() did not settle the freed slot in flight");
   f.gate->open();
   const int b = al.get();
   check(b == a, "alloc() should prefer the idle slot holding pages");
@@ -262,7 +266,8 @@ void test_map_failure_outside_the_lock() {
     raised = e.kind() == Error::Kind::Driver;
   }
   check(raised, "map failure not reported by wait()");
-  check(f.core->check_invariants().empty(), "invariants after failure: " + f.core->check_invariants());
+  check(f.core->check_invariants().empty(),
+        "invariants after failure: " + f.core->check_invariants());
   check(f.core->mapped_tokens(a) == f.tpp, "slot changed by a failed background mapping");
   f.core->step(f.lens({{a, 4 * f.tpp}}), 0);  // the range is free to map again
   f.expect_all_pages_return("map failure");
@@ -278,7 +283,8 @@ void test_pool_dry_while_pages_in_flight() {
     // Needs 4 more for b: only after a's look-ahead is published can it be trimmed.
     f.core->step(f.lens({{a, 1}, {b, 5 * f.tpp}}), 0);
   });
-  check(st.wait_for(100ms) == std::future_status::timeout, "step() did not wait for pages in flight");
+  check(st.wait_for(100ms) == std::future_status::timeout,
+        "step() did not wait for pages in flight");
   f.gate->open();
   try {
     st.get();
@@ -298,10 +304,12 @@ void test_page_creation_outside_the_lock() {
     const int a = f.core->alloc(), b = f.core->alloc();
     f.hold_prefetch(a, 3 * f.tpp, "create_page");
     auto st = std::async(std::launch::async, [&] { f.core->step(f.lens({{b, 2 * f.tpp}}), 0); });
-    check(st.wait_for(5s) == std::future_status::ready, "step() waited for the prefetch thread's cuMemCreate");
+    check(st.wait_for(5s) == std::future_status::ready,
+          "step() waited for the prefetch thread's cuMemCreate");
     st.get();
     f.finish("create, no budget");
-    check(f.core->mapped_tokens(a) >= 3 * f.tpp, "a not backed after the created pages were mapped");
+    check(f.core->mapped_tokens(a) >= 3 * f.tpp,
+          "a not backed after the created pages were mapped");
     f.expect_all_pages_return("create, no budget");
   }
   {

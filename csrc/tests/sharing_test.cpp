@@ -59,7 +59,8 @@ void write(KVCacheCore& core, Seq& s, int64_t from, int64_t to, uint8_t tag) {
   const CacheGeometry& g = core.geometry();
   for (int t = 0; t < g.num_tensors(); ++t) {
     for (int64_t k = std::max(from, readable(core, s.slot, t)); k < to; ++k) {
-      auto* p = reinterpret_cast<uint8_t*>(core.tensor_base(t) + static_cast<size_t>(s.slot) * g.slot_bytes(t) +
+      auto* p = reinterpret_cast<uint8_t*>(core.tensor_base(t) +
+                                           static_cast<size_t>(s.slot) * g.slot_bytes(t) +
                                            static_cast<size_t>(k) * g.token_bytes(t));
       std::memset(p, (tag + k) % 251, g.token_bytes(t));
     }
@@ -70,7 +71,8 @@ bool intact(KVCacheCore& core, const Seq& s) {
   const CacheGeometry& g = core.geometry();
   for (int t = 0; t < g.num_tensors(); ++t) {
     for (int64_t k = readable(core, s.slot, t); k < s.len; k += 7) {
-      auto* p = reinterpret_cast<const uint8_t*>(core.tensor_base(t) + static_cast<size_t>(s.slot) * g.slot_bytes(t) +
+      auto* p = reinterpret_cast<const uint8_t*>(core.tensor_base(t) +
+                                                 static_cast<size_t>(s.slot) * g.slot_bytes(t) +
                                                  static_cast<size_t>(k) * g.token_bytes(t));
       const int want = (s.tag_at(k) + k) % 251;
       if (p[0] != want || p[g.token_bytes(t) - 1] != want) return false;

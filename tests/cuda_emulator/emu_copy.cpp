@@ -49,10 +49,10 @@ extern "C" {
 CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream) {
   EMU_ENTER("cuMemcpyAsync", emu::kInit | emu::kContext);
   if (!device_range_ok(dst, bytes) || !device_range_ok(src, bytes))
-    return call_.violation(CUDA_ERROR_INVALID_VALUE,
-                           "cuMemcpyAsync(0x%llx <- 0x%llx, %zu): a range is not mapped with access",
-                           static_cast<unsigned long long>(dst), static_cast<unsigned long long>(src),
-                           bytes);
+    return call_.violation(
+        CUDA_ERROR_INVALID_VALUE,
+        "cuMemcpyAsync(0x%llx <- 0x%llx, %zu): a range is not mapped with access",
+        static_cast<unsigned long long>(dst), static_cast<unsigned long long>(src), bytes);
   std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes);
   return CUDA_SUCCESS;
 }
@@ -66,8 +66,8 @@ CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t bytes, CUstream
   if (!device_range_ok(src, bytes) || !pinned(dst, bytes))
     return call_.violation(CUDA_ERROR_INVALID_VALUE,
                            "cuMemcpyDtoHAsync(%p <- 0x%llx, %zu): device range not accessible or "
-                           "host buffer not from cuMemHostAlloc", dst,
-                           static_cast<unsigned long long>(src), bytes);
+                           "host buffer not from cuMemHostAlloc",
+                           dst, static_cast<unsigned long long>(src), bytes);
   std::memcpy(dst, reinterpret_cast<const void*>(src), bytes);
   return CUDA_SUCCESS;
 }
@@ -85,7 +85,8 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t bytes, CU
 
 CUresult cuMemHostAlloc(void** pp, size_t bytes, unsigned int) {
   EMU_ENTER("cuMemHostAlloc", emu::kInit | emu::kContext);
-  if (pp == nullptr || bytes == 0) return call_.violation(CUDA_ERROR_INVALID_VALUE, "cuMemHostAlloc: bad args");
+  if (pp == nullptr || bytes == 0)
+    return call_.violation(CUDA_ERROR_INVALID_VALUE, "cuMemHostAlloc: bad args");
   void* p = std::malloc(bytes);
   if (p == nullptr) return CUDA_ERROR_OUT_OF_MEMORY;
   state().host_allocs[reinterpret_cast<uintptr_t>(p)] = bytes;
@@ -98,7 +99,8 @@ CUresult cuMemFreeHost(void* p) {
   auto& hs = state().host_allocs;
   auto it = hs.find(reinterpret_cast<uintptr_t>(p));
   if (it == hs.end())
-    return call_.violation(CUDA_ERROR_INVALID_VALUE, "cuMemFreeHost(%p): not from cuMemHostAlloc", p);
+    return call_.violation(CUDA_ERROR_INVALID_VALUE, "cuMemFreeHost(%p): not from cuMemHostAlloc",
+                           p);
   hs.erase(it);
   std::free(p);
   return CUDA_SUCCESS;

@@ -30,19 +30,27 @@ const ErrorText kErrors[] = {
     {CUDA_SUCCESS, "CUDA_SUCCESS", "no error (CUDA emulation)"},
     {CUDA_ERROR_INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE", "invalid argument (CUDA emulation)"},
     {CUDA_ERROR_OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory (CUDA emulation)"},
-    {CUDA_ERROR_NOT_INITIALIZED, "CUDA_ERROR_NOT_INITIALIZED", "initialization error (CUDA emulation)"},
+    {CUDA_ERROR_NOT_INITIALIZED, "CUDA_ERROR_NOT_INITIALIZED",
+     "initialization error (CUDA emulation)"},
     {CUDA_ERROR_DEINITIALIZED, "CUDA_ERROR_DEINITIALIZED", "driver shutting down (CUDA emulation)"},
-    {CUDA_ERROR_NO_DEVICE, "CUDA_ERROR_NO_DEVICE", "no CUDA-capable device is detected (CUDA emulation)"},
-    {CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal (CUDA emulation)"},
-    {CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context (CUDA emulation)"},
-    {CUDA_ERROR_INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle (CUDA emulation)"},
+    {CUDA_ERROR_NO_DEVICE, "CUDA_ERROR_NO_DEVICE",
+     "no CUDA-capable device is detected (CUDA emulation)"},
+    {CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE",
+     "invalid device ordinal (CUDA emulation)"},
+    {CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT",
+     "invalid device context (CUDA emulation)"},
+    {CUDA_ERROR_INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE",
+     "invalid resource handle (CUDA emulation)"},
     {CUDA_ERROR_NOT_FOUND, "CUDA_ERROR_NOT_FOUND", "named symbol not found (CUDA emulation)"},
     {CUDA_ERROR_NOT_READY, "CUDA_ERROR_NOT_READY", "device not ready (CUDA emulation)"},
     {CUDA_ERROR_ILLEGAL_ADDRESS, "CUDA_ERROR_ILLEGAL_ADDRESS",
      "an illegal memory access was encountered (CUDA emulation)"},
-    {CUDA_ERROR_LAUNCH_TIMEOUT, "CUDA_ERROR_LAUNCH_TIMEOUT", "the launch timed out and was terminated (CUDA emulation)"},
-    {CUDA_ERROR_NOT_PERMITTED, "CUDA_ERROR_NOT_PERMITTED", "operation not permitted (CUDA emulation)"},
-    {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported (CUDA emulation)"},
+    {CUDA_ERROR_LAUNCH_TIMEOUT, "CUDA_ERROR_LAUNCH_TIMEOUT",
+     "the launch timed out and was terminated (CUDA emulation)"},
+    {CUDA_ERROR_NOT_PERMITTED, "CUDA_ERROR_NOT_PERMITTED",
+     "operation not permitted (CUDA emulation)"},
+    {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED",
+     "operation not supported (CUDA emulation)"},
     {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN", "unknown error (CUDA emulation)"},
 };
 
@@ -92,7 +100,9 @@ CUresult cuDeviceGetAttribute(int* value, CUdevice_attribute attribute, CUdevice
   if (!emu::device_valid(device))
     return call_.violation(CUDA_ERROR_INVALID_DEVICE, "cuDeviceGetAttribute: device %d", device);
   switch (attribute) {
-    case CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: *value = state().vmm_supported; break;
+    case CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED:
+      *value = state().vmm_supported;
+      break;
     case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: *value = 8; break;
     case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: *value = 0; break;
     default: *value = 0; break;
@@ -104,17 +114,20 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext* ctx, CUdevice device) {
   EMU_ENTER("cuDevicePrimaryCtxRetain", emu::kInit);
   if (ctx == nullptr) return call_.violation(CUDA_ERROR_INVALID_VALUE, "ctx is NULL");
   if (!emu::device_valid(device))
-    return call_.violation(CUDA_ERROR_INVALID_DEVICE, "cuDevicePrimaryCtxRetain: device %d", device);
+    return call_.violation(CUDA_ERROR_INVALID_DEVICE, "cuDevicePrimaryCtxRetain: device %d",
+                           device);
   state().contexts[device].refcount++;
   *ctx = reinterpret_cast<CUcontext>(&state().contexts[device]);
   return CUDA_SUCCESS;
 }
 
-// Exported as cuDevicePrimaryCtxRelease_v2 (cuda.h renames it), base name cuDevicePrimaryCtxRelease.
+// Exported as cuDevicePrimaryCtxRelease_v2 (cuda.h renames it), base name
+// cuDevicePrimaryCtxRelease.
 CUresult cuDevicePrimaryCtxRelease(CUdevice device) {
   EMU_ENTER("cuDevicePrimaryCtxRelease", emu::kInit);
   if (!emu::device_valid(device))
-    return call_.violation(CUDA_ERROR_INVALID_DEVICE, "cuDevicePrimaryCtxRelease: device %d", device);
+    return call_.violation(CUDA_ERROR_INVALID_DEVICE, "cuDevicePrimaryCtxRelease: device %d",
+                           device);
   if (state().contexts[device].refcount == 0)
     return call_.violation(CUDA_ERROR_INVALID_CONTEXT,
                            "cuDevicePrimaryCtxRelease(%d) without a matching retain", device);
@@ -142,7 +155,8 @@ CUresult cuCtxGetCurrent(CUcontext* ctx) {
 CUresult cuEventCreate(CUevent* event, unsigned int flags) {
   EMU_ENTER("cuEventCreate", emu::kInit | emu::kContext);
   if (event == nullptr) return call_.violation(CUDA_ERROR_INVALID_VALUE, "event is NULL");
-  if (flags & ~0x7u) return call_.violation(CUDA_ERROR_INVALID_VALUE, "cuEventCreate: flags %u", flags);
+  if (flags & ~0x7u)
+    return call_.violation(CUDA_ERROR_INVALID_VALUE, "cuEventCreate: flags %u", flags);
   auto* e = new emu::Event();
   state().events.insert(e);
   *event = reinterpret_cast<CUevent>(e);
@@ -179,9 +193,8 @@ CUresult cuEventSynchronize(CUevent event) {
     return call_.violation(CUDA_ERROR_INVALID_HANDLE, "cuEventSynchronize: unknown event %p",
                            static_cast<void*>(event));
   // A test that never clears the busy flag would hang a real program forever; fail loudly instead.
-  if (!state().gpu_idle.wait_for(call_.lock(), kSyncTimeout, [&] {
-        return !state().events.count(e) || event_ready(*e);
-      }))
+  if (!state().gpu_idle.wait_for(call_.lock(), kSyncTimeout,
+                                 [&] { return !state().events.count(e) || event_ready(*e); }))
     return call_.violation(CUDA_ERROR_LAUNCH_TIMEOUT,
                            "cuEventSynchronize waited %llds: the emulated GPU stayed busy",
                            (long long)kSyncTimeout.count());
@@ -211,7 +224,8 @@ CUresult cuGetErrorString(CUresult error, const char** str) {
   EMU_ENTER("cuGetErrorString", emu::kNone);
   if (str == nullptr) return CUDA_ERROR_INVALID_VALUE;
   const ErrorText* e = find_error(error);
-  *str = e ? e->text : nullptr;  // every text says "(CUDA emulation)": no message can pass for a GPU's
+  *str =
+      e ? e->text : nullptr;  // every text says "(CUDA emulation)": no message can pass for a GPU's
   return e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
@@ -236,7 +250,7 @@ namespace {
 
 struct ProcEntry {
   const char* name;  // base name, as callers pass it
-  int since;         // CUDA version that introduced this ABI of the symbol
+  int since;  // CUDA version that introduced this ABI of the symbol
   void* fn;
 };
 

@@ -43,8 +43,10 @@ bool overlaps_mapping(uintptr_t ptr, size_t size) {
 }
 
 // The mappings exactly tiling [ptr, ptr + size): first starts at ptr, each next one starts where
-// the previous ends, the last ends at ptr + size. Empty if the range splits a mapping or has a hole.
-std::vector<std::map<uintptr_t, emu::Mapping>::iterator> exact_mappings(uintptr_t ptr, size_t size) {
+// the previous ends, the last ends at ptr + size. Empty if the range splits a mapping or has a
+// hole.
+std::vector<std::map<uintptr_t, emu::Mapping>::iterator> exact_mappings(uintptr_t ptr,
+                                                                        size_t size) {
   std::vector<std::map<uintptr_t, emu::Mapping>::iterator> run;
   auto& ms = state().mappings;
   uintptr_t cur = ptr;
@@ -66,7 +68,8 @@ void free_handle_memory(std::unordered_map<uint64_t, emu::Handle>::iterator it) 
 }
 
 CUresult check_prop(Call& call, const CUmemAllocationProp* prop) {
-  if (prop == nullptr) return call.violation(CUDA_ERROR_INVALID_VALUE, "%s: prop is NULL", call.name());
+  if (prop == nullptr)
+    return call.violation(CUDA_ERROR_INVALID_VALUE, "%s: prop is NULL", call.name());
   if (prop->type != CU_MEM_ALLOCATION_TYPE_PINNED)
     return call.violation(CUDA_ERROR_INVALID_VALUE, "%s: prop.type %d is not PINNED", call.name(),
                           int(prop->type));
@@ -86,7 +89,8 @@ extern "C" {
 CUresult cuMemGetAllocationGranularity(size_t* granularity, const CUmemAllocationProp* prop,
                                        CUmemAllocationGranularity_flags option) {
   EMU_ENTER("cuMemGetAllocationGranularity", emu::kInit);
-  if (granularity == nullptr) return call_.violation(CUDA_ERROR_INVALID_VALUE, "granularity is NULL");
+  if (granularity == nullptr)
+    return call_.violation(CUDA_ERROR_INVALID_VALUE, "granularity is NULL");
   if (CUresult r = check_prop(call_, prop); r != CUDA_SUCCESS) return r;
   if (option != CU_MEM_ALLOC_GRANULARITY_MINIMUM && option != CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)
     return call_.violation(CUDA_ERROR_INVALID_VALUE, "granularity option %d", int(option));
@@ -99,11 +103,13 @@ CUresult cuMemAddressReserve(CUdeviceptr* ptr, size_t size, size_t alignment, CU
   EMU_ENTER("cuMemAddressReserve", emu::kInit | emu::kContext);
   (void)addr;  // a hint only; the driver may ignore it, and so do we
   size_t g = state().granularity;
-  if (ptr == nullptr) return call_.violation(CUDA_ERROR_INVALID_VALUE, "cuMemAddressReserve: ptr NULL");
+  if (ptr == nullptr)
+    return call_.violation(CUDA_ERROR_INVALID_VALUE, "cuMemAddressReserve: ptr NULL");
   if (size == 0 || !aligned(size, g))
     return call_.violation(CUDA_ERROR_INVALID_VALUE,
                            "cuMemAddressReserve: size %zu is not a positive multiple of the "
-                           "granularity %zu", size, g);
+                           "granularity %zu",
+                           size, g);
   if (alignment != 0 && (alignment & (alignment - 1)) != 0)
     return call_.violation(CUDA_ERROR_INVALID_VALUE,
                            "cuMemAddressReserve: alignment %zu is not a power of two", alignment);
@@ -111,8 +117,8 @@ CUresult cuMemAddressReserve(CUdeviceptr* ptr, size_t size, size_t alignment, CU
     return call_.violation(CUDA_ERROR_INVALID_VALUE, "cuMemAddressReserve: flags %llu != 0", flags);
   size_t align = alignment > g ? alignment : g;
   // Over-reserve, then trim, so the start is aligned as the driver's reservations are.
-  void* raw = mmap(nullptr, size + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                   -1, 0);
+  void* raw =
+      mmap(nullptr, size + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (raw == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
   uintptr_t base = reinterpret_cast<uintptr_t>(raw);
   uintptr_t start = (base + align - 1) / align * align;
@@ -145,13 +151,16 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size,
                      const CUmemAllocationProp* prop, unsigned long long flags) {
   EMU_ENTER("cuMemCreate", emu::kInit | emu::kContext);
   emu::State& s = state();
-  if (handle == nullptr) return call_.violation(CUDA_ERROR_INVALID_VALUE, "cuMemCreate: handle NULL");
+  if (handle == nullptr)
+    return call_.violation(CUDA_ERROR_INVALID_VALUE, "cuMemCreate: handle NULL");
   if (CUresult r = check_prop(call_, prop); r != CUDA_SUCCESS) return r;
   if (size == 0 || !aligned(size, s.granularity))
-    return call_.violation(CUDA_ERROR_INVALID_VALUE,
-                           "cuMemCreate: size %zu is not a positive multiple of the granularity %zu",
-                           size, s.granularity);
-  if (flags != 0) return call_.violation(CUDA_ERROR_INVALID_VALUE, "cuMemCreate: flags %llu != 0", flags);
+    return call_.violation(
+        CUDA_ERROR_INVALID_VALUE,
+        "cuMemCreate: size %zu is not a positive multiple of the granularity %zu", size,
+        s.granularity);
+  if (flags != 0)
+    return call_.violation(CUDA_ERROR_INVALID_VALUE, "cuMemCreate: flags %llu != 0", flags);
   if (s.bytes_in_use + size > s.device_memory) return CUDA_ERROR_OUT_OF_MEMORY;  // not a misuse
   int fd = memfd_create("vaemu-device-memory", MFD_CLOEXEC);
   if (fd < 0) return CUDA_ERROR_OUT_OF_MEMORY;
@@ -188,10 +197,12 @@ CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAlloc
   if (size == 0 || !aligned(ptr, g) || !aligned(size, g))
     return call_.violation(CUDA_ERROR_INVALID_VALUE,
                            "cuMemMap(0x%llx, %zu): address and size must be multiples of the "
-                           "granularity %zu", p, size, g);
+                           "granularity %zu",
+                           p, size, g);
   if (offset != 0)
     return call_.violation(CUDA_ERROR_INVALID_VALUE, "cuMemMap: offset %zu must be 0", offset);
-  if (flags != 0) return call_.violation(CUDA_ERROR_INVALID_VALUE, "cuMemMap: flags %llu != 0", flags);
+  if (flags != 0)
+    return call_.violation(CUDA_ERROR_INVALID_VALUE, "cuMemMap: flags %llu != 0", flags);
   auto h = s.handles.find(handle);
   if (h == s.handles.end() || h->second.released)
     return call_.violation(CUDA_ERROR_INVALID_VALUE, "cuMemMap: handle 0x%llx unknown or released",
@@ -206,8 +217,8 @@ CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAlloc
     return call_.violation(CUDA_ERROR_INVALID_VALUE,
                            "cuMemMap(0x%llx, %zu): range is already (partly) mapped", p, size);
   // No access until cuMemSetAccess: PROT_NONE, so a touch faults.
-  void* got = mmap(reinterpret_cast<void*>(ptr), size, PROT_NONE, MAP_SHARED | MAP_FIXED,
-                   h->second.fd, 0);
+  void* got =
+      mmap(reinterpret_cast<void*>(ptr), size, PROT_NONE, MAP_SHARED | MAP_FIXED, h->second.fd, 0);
   if (got == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
   s.mappings[ptr] = emu::Mapping{size, handle, false};
   h->second.mappings++;
@@ -221,12 +232,14 @@ CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
   unsigned long long p = ptr;
   if (size == 0 || !aligned(ptr, g) || !aligned(size, g))
     return call_.violation(CUDA_ERROR_INVALID_VALUE,
-                           "cuMemUnmap(0x%llx, %zu): not multiples of the granularity %zu", p, size, g);
+                           "cuMemUnmap(0x%llx, %zu): not multiples of the granularity %zu", p, size,
+                           g);
   auto run = exact_mappings(ptr, size);
   if (run.empty())
     return call_.violation(CUDA_ERROR_INVALID_VALUE,
                            "cuMemUnmap(0x%llx, %zu) must cover whole mappings exactly (no split, "
-                           "no hole)", p, size);
+                           "no hole)",
+                           p, size);
   // Back to reserved-but-unmapped: anonymous PROT_NONE over the whole range.
   void* got = mmap(reinterpret_cast<void*>(ptr), size, PROT_NONE,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
@@ -249,11 +262,14 @@ CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* des
     return call_.violation(CUDA_ERROR_INVALID_VALUE, "cuMemSetAccess: no access descriptors");
   int prot = PROT_NONE;
   for (size_t i = 0; i < count; i++) {
-    if (desc[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE || !emu::device_valid(desc[i].location.id))
+    if (desc[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE ||
+        !emu::device_valid(desc[i].location.id))
       return call_.violation(CUDA_ERROR_INVALID_DEVICE, "cuMemSetAccess: desc[%zu] is not a device",
                              i);
-    if (desc[i].flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE) prot = PROT_READ | PROT_WRITE;
-    else if (desc[i].flags == CU_MEM_ACCESS_FLAGS_PROT_READ && prot == PROT_NONE) prot = PROT_READ;
+    if (desc[i].flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+      prot = PROT_READ | PROT_WRITE;
+    else if (desc[i].flags == CU_MEM_ACCESS_FLAGS_PROT_READ && prot == PROT_NONE)
+      prot = PROT_READ;
   }
   if (size == 0 || !aligned(ptr, s.granularity) || !aligned(size, s.granularity))
     return call_.violation(CUDA_ERROR_INVALID_VALUE,
@@ -263,7 +279,8 @@ CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* des
   if (run.empty())
     return call_.violation(CUDA_ERROR_INVALID_VALUE,
                            "cuMemSetAccess(0x%llx, %zu) must cover a fully mapped range of whole "
-                           "mappings", p, size);
+                           "mappings",
+                           p, size);
   if (mprotect(reinterpret_cast<void*>(ptr), size, prot) != 0) return CUDA_ERROR_UNKNOWN;
   for (auto& m : run) m->second.accessible = prot != PROT_NONE;
   return CUDA_SUCCESS;

@@ -83,9 +83,9 @@ Call::Call(const char* name, unsigned needs) : name_(name), lock_(state().mu) {
       early_ = violation(CUDA_ERROR_INVALID_CONTEXT,
                          "%s called from a thread with no current context (strict mode)", name);
     } else if (!context_live(ctx)) {
-      early_ = violation(CUDA_ERROR_INVALID_CONTEXT,
-                         "%s called with a destroyed (fully released) primary context current",
-                         name);
+      early_ =
+          violation(CUDA_ERROR_INVALID_CONTEXT,
+                    "%s called with a destroyed (fully released) primary context current", name);
     }
   }
 }

@@ -22,8 +22,8 @@
 namespace emu {
 
 constexpr int kMaxDevices = 8;
-constexpr size_t kDefaultGranularity = 2u << 20;             // 2 MiB, as on current GPUs
-constexpr size_t kDefaultDeviceMemory = size_t(8) << 30;     // 8 GiB budget (lazily committed)
+constexpr size_t kDefaultGranularity = 2u << 20;  // 2 MiB, as on current GPUs
+constexpr size_t kDefaultDeviceMemory = size_t(8) << 30;  // 8 GiB budget (lazily committed)
 constexpr int kDriverVersion = 13000;
 
 struct Reservation {
@@ -37,21 +37,21 @@ struct Mapping {
 };
 
 struct Handle {
-  int fd = -1;            // memfd backing the "device" memory; shared by every alias mapping
+  int fd = -1;  // memfd backing the "device" memory; shared by every alias mapping
   size_t size = 0;
-  int mappings = 0;       // live mappings of this handle
+  int mappings = 0;  // live mappings of this handle
   bool released = false;  // cuMemRelease called; memory goes when mappings reaches 0
 };
 
 struct Event {
   bool recorded = false;
-  bool pending = false;   // recorded while the emulated GPU was busy
-  uint64_t epoch = 0;     // busy epoch it was recorded in
+  bool pending = false;  // recorded while the emulated GPU was busy
+  uint64_t epoch = 0;  // busy epoch it was recorded in
 };
 
 struct PrimaryContext {
   int device = 0;
-  int refcount = 0;       // cuDevicePrimaryCtxRetain - Release; live while > 0
+  int refcount = 0;  // cuDevicePrimaryCtxRetain - Release; live while > 0
 };
 
 struct Fault {
@@ -75,9 +75,9 @@ struct State {
   uint64_t next_handle = 0x7e000001;  // distinctive values; never reused, so double release shows
 
   std::map<uintptr_t, Reservation> reservations;  // by start address
-  std::map<uintptr_t, Mapping> mappings;          // by start address
-  std::unordered_map<uint64_t, Handle> handles;   // live (unreleased, or released but mapped)
-  std::map<uintptr_t, size_t> host_allocs;        // cuMemHostAlloc'd buffers: start -> bytes
+  std::map<uintptr_t, Mapping> mappings;  // by start address
+  std::unordered_map<uint64_t, Handle> handles;  // live (unreleased, or released but mapped)
+  std::map<uintptr_t, size_t> host_allocs;  // cuMemHostAlloc'd buffers: start -> bytes
   std::set<Event*> events;
   PrimaryContext contexts[kMaxDevices];
 
@@ -85,15 +85,15 @@ struct State {
   bool gpu_busy = false;
   uint64_t busy_epoch = 0;
 
-  std::map<std::string, int64_t> calls;         // per entry point (base names)
+  std::map<std::string, int64_t> calls;  // per entry point (base names)
   std::map<std::string, Fault> faults;
-  std::map<std::string, int64_t> latency_ns;    // per-call hold (vaemu_set_latency_ns)
-  std::string gate_entry;                       // vaemu_gate: entry whose nth call stops
+  std::map<std::string, int64_t> latency_ns;  // per-call hold (vaemu_set_latency_ns)
+  std::string gate_entry;  // vaemu_gate: entry whose nth call stops
   int64_t gate_countdown = 0;
-  bool gate_held = false;                       // a call is stopped at the gate now
+  bool gate_held = false;  // a call is stopped at the gate now
   bool gate_open = false;
   std::condition_variable gate_changed;
-  std::set<std::string> hidden_symbols;         // cuGetProcAddress reports them not found
+  std::set<std::string> hidden_symbols;  // cuGetProcAddress reports them not found
   int64_t violations = 0;
   std::string last_violation;
 };
@@ -132,6 +132,6 @@ void free_all_locked();
 
 }  // namespace emu
 
-#define EMU_ENTER(name, needs)               \
-  emu::Call call_(name, needs);              \
+#define EMU_ENTER(name, needs)  \
+  emu::Call call_(name, needs); \
   if (call_.early() != CUDA_SUCCESS) return call_.early()
