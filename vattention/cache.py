@@ -9,7 +9,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 
 from . import _C
-from .arguments import as_int, as_slot, as_stream as _stream_handle
+from .arguments import as_int, as_stream as _stream_handle
 from .config import DTYPES, KVCacheConfig, Size, parse_size
 from .errors import (
     ArgumentTypeError,
@@ -135,12 +135,11 @@ class KVCache(SharingMixin):
                 f"memory_budget={memory_budget!r} ({budget} bytes) is smaller than one page "
                 f"(page_size={config.page_size!r}, {config.page_bytes} bytes): no token could "
                 f"ever be mapped; give at least {config.page_bytes} bytes or None for no cap")
-        self._config = config
         self._dl_code, self._dl_bits = DTYPES[config.dtype]
         if config.per_layer_shapes:
             _warn_if_coarse(config)
-        self._core = _C.KVCacheCore(config.device, config.geometry, budget,
-                                    config.reclaim == "eager", config.lookahead_tokens)
+        self._attach(config, _C.KVCacheCore(config.device, config.geometry, budget,
+                                            config.reclaim == "eager", config.lookahead_tokens))
         if config.scrub:
             self._core.set_scrub(True)
         if swap_budget is not None:
@@ -282,7 +281,7 @@ class KVCache(SharingMixin):
         On CUDA an event is recorded on ``stream`` (default: the legacy default stream); the slot's
         pages are unmapped only after it has completed, so kernels still reading them are safe.
         """
-        self._core.free(as_slot(slot, self._config.max_batch_size), _stream_handle(stream))
+        self._core.free(self._slot(slot), _stream_handle(stream))
 
     def step(self, seq_lens: SeqLens, *, stream=None) -> None:
         """Back every listed slot up to its length before the next attention call.
@@ -417,7 +416,7 @@ class KVCache(SharingMixin):
     # ---- queries ------------------------------------------------------------------------------
     def mapped_tokens(self, slot: int) -> int:
         """Token positions of ``slot`` backed by physical pages."""
-        return self._core.mapped_tokens(as_slot(slot, self._config.max_batch_size))
+        return self._core.mapped_tokens(self._slot(slot))
 
     def window_start(self, slot: int, layer: int) -> int:
         """First token of ``slot`` still backed on ``layer``: 0 on full-attention layers.
@@ -428,11 +427,11 @@ class KVCache(SharingMixin):
         FlashAttention's ``window_size``) reads only backed memory.
         """
         index = self._layer_index(layer)
-        return self._core.window_starts(as_slot(slot, self._config.max_batch_size))[index]
+        return self._core.window_starts(self._slot(slot))[index]
 
     def seq_len(self, slot: int) -> int:
         """Length given for ``slot`` by the last :meth:`step` (0 after :meth:`alloc`)."""
-        return self._core.seq_len(as_slot(slot, self._config.max_batch_size))
+        return self._core.seq_len(self._slot(slot))
 
     def active_slots(self) -> List[int]:
         """Slots currently owned by requests, ascending."""

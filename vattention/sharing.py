@@ -1,6 +1,7 @@
 """Prefix sharing, swap to host memory and victim selection: the KVCache methods of issue 7.
 
-Kept out of cache.py so that file stays small; :class:`vattention.KVCache` inherits these.
+Kept out of cache.py so that file stays small; :class:`vattention.KVCache` inherits these. Both
+work on the core and config of :class:`vattention.core_handle.CoreHandle`.
 
 The read-only contract
 ----------------------
@@ -17,15 +18,13 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from .arguments import as_handle, as_slot, as_stream as _stream, as_tokens
+from .arguments import as_handle, as_stream as _stream, as_tokens
 from .config import Size, parse_size
+from .core_handle import CoreHandle
 
 
-class SharingMixin:
+class SharingMixin(CoreHandle):
     """fork / share_prefix / ensure_private / swap_out / swap_in / pick_victims for KVCache."""
-
-    def _slot(self, value, name: str = "slot") -> int:
-        return as_slot(value, self._config.max_batch_size, name)
 
     def fork(self, src_slot: int, num_tokens: Optional[int] = None, *, stream=None) -> int:
         """A new active slot whose first ``num_tokens`` tokens equal ``src_slot``'s, in every layer.
