@@ -26,7 +26,7 @@ SAN_DIR := build-sanitize
 # The C++ tests (csrc/tests/<name>_test.cpp) link the core and the host backend, no Python.
 SAN_LIB := $(wildcard csrc/core/*.cpp csrc/host/*.cpp)
 SAN_HEADERS := $(wildcard csrc/*/*.h)
-SAN_TESTS := core_threads sharing prefetch_race
+SAN_TESTS := core_threads sharing prefetch_race blocks
 SAN_FLAGS := -std=c++17 -O1 -g -fno-omit-frame-pointer -Icsrc -pthread
 
 all: build

@@ -43,12 +43,15 @@ STATE_EXEMPT = {"map_calls", "unmap_calls", "set_access_calls", "step_map_calls"
                 "pages_free", "bytes_reserved", "committed_bytes", "oom_events", "fence_waits",
                 "reclaimed_pages", "cow_pages_copied", "swap_out_pages", "swap_in_pages",
                 "prefetch_shortfall_pages", "steps", "scrubbed_pages", "step_driver_calls",
-                "prefetch_driver_calls", "prefetch_errors"}
+                "prefetch_driver_calls", "prefetch_errors", "block_hits", "blocks_adopted",
+                "blocks_reused", "blocks_detached"}
 
 
 def _config(device, shapes="uniform"):
     heads = dict(uniform=dict(num_layers=1, num_kv_heads=2),
-                 per_layer=dict(num_layers=2, num_kv_heads=(4, 2), value_cache=False))[shapes]
+                 per_layer=dict(num_layers=2, num_kv_heads=(4, 2), value_cache=False),
+                 blocks=dict(num_layers=1, num_kv_heads=2, num_blocks=32, block_cache=True),
+                 )[shapes]
     return vattention.KVCacheConfig(**heads, head_dim=64, max_batch_size=3, max_seq_len=2048,
                                     dtype=torch.float16, device=device, page_size="64KB")
 
@@ -125,6 +128,28 @@ def _swapped_orphan(cache):
     return ctx
 
 
+def _blocks_two_active(cache):
+    a, b = cache.alloc(), cache.alloc()
+    cache.step({a: TPP + 10, b: 20}, blocks={a: (0, [1, 2], 0), b: (0, [3], 0)})
+    return {"a": a, "b": b, "live": [(a, TPP + 10), (b, 20)]}
+
+
+def _blocks_full_and_fresh(cache):
+    """a holds two full blocks (1, 2) the engine caches; c is a new request."""
+    a = cache.alloc()
+    cache.step({a: 2 * TPP}, blocks={a: (0, [1, 2], 0)})
+    return {"a": a, "c": cache.alloc(), "live": [(a, 2 * TPP)]}
+
+
+def _blocks_idle_row(cache):
+    """b finished (idle, still mapping block 3); a runs; c, another slot, is a new request."""
+    ctx = _blocks_two_active(cache)
+    ctx["c"] = cache.alloc()
+    cache.free(ctx["b"])
+    ctx["live"] = [(ctx["a"], TPP + 10)]
+    return ctx
+
+
 SCENARIOS = {
     "alloc_idle": (_idle_and_active, lambda c, x: c.alloc()),
     "free": (_two_active, lambda c, x: c.free(x["a"])),
@@ -147,14 +172,25 @@ SCENARIOS = {
     "swap_drop": (_swapped, lambda c, x: c.swap_drop(x["handle"])),
     "close": (_swapped, lambda c, x: c.close()),
 }
+# Pages named by an engine's block ids (issue 19): tables grow, hit, take an idle row's block.
+BLOCK_SCENARIOS = {
+    "blocks_grow": (_blocks_two_active, lambda c, x: c.step(
+        {x["a"]: 3 * TPP, x["b"]: 2 * TPP}, blocks={x["a"]: (2, [4], 0), x["b"]: (1, [5], 0)})),
+    "blocks_hit_and_fresh": (_blocks_full_and_fresh, lambda c, x: c.step(
+        {x["a"]: 2 * TPP, x["c"]: 2 * TPP + 5}, blocks={x["c"]: (0, [1, 2, 6], 2)})),
+    "blocks_fresh_from_idle_row": (_blocks_idle_row, lambda c, x: c.step(
+        {x["a"]: TPP + 10, x["c"]: 20}, blocks={x["c"]: (0, [3], 0)})),
+}
 # Calls whose failure is reported but need not leave the state as it was: close() closes anyway.
 NOT_TRANSACTIONAL = {"close"}
 # Calls that may reclaim pages holding no tokens (an idle slot's; a slot's pages beyond its length,
 # as share_prefix's fresh destination) before the failing backend call: a failure may leave them
 # reclaimed, as reclaim() would. For these, every slot's length and backing of that length are
 # compared instead of its exact mapped tokens.
-MAY_RECLAIM_UNUSED = {"set_memory_budget", "step_reclaiming_idle", "share_prefix"}
-UNUSED_STATE = ("pages_mapped", "bytes_mapped", "mappings", "idle_slots_with_pages", "free_slots")
+MAY_RECLAIM_UNUSED = {"set_memory_budget", "step_reclaiming_idle", "share_prefix",
+                      "blocks_fresh_from_idle_row"}
+UNUSED_STATE = ("pages_mapped", "bytes_mapped", "mappings", "idle_slots_with_pages", "free_slots",
+                "cached_blocks", "blocks_with_pages")
 
 
 class Faults:
@@ -223,7 +259,7 @@ def _sweep(device, name, shapes="uniform"):
         assert not any(em.live().values()), f"earlier test left driver objects: {em.live()}"
         em.reset_for_suite()
     faults = Faults(device)
-    setup, call = SCENARIOS[name]
+    setup, call = {**SCENARIOS, **BLOCK_SCENARIOS}[name]
 
     cache, ctx = _prepare(device, setup, shapes)
     before = faults.counts(cache)
@@ -261,8 +297,14 @@ def _sweep(device, name, shapes="uniform"):
                     check_pattern(cache, slot, 0, n, written)
             active = cache.active_slots()
             if active:  # still usable: a step that needs a new page
-                grow = {active[0]: min(cache.seq_len(active[0]) + TPP, 2048)}
-                cache.step(grow)
+                slot = active[0]
+                grow = {slot: min(cache.seq_len(slot) + TPP, 2048)}
+                blocks = None
+                if cache.config.num_blocks:  # a fresh block for the page index it needs
+                    size = len(cache.block_table(slot)[0]) if cache.block_table(slot) else 0
+                    need = cache.config.geometry.pages_for(grow[slot])
+                    blocks = {slot: (size, list(range(20, 20 + need - size)), 0)}
+                cache.step(grow, blocks=blocks)
                 assert cache._core.check_invariants() == "", where
         cache.close()
         del cache, ctx, raised  # the exception's traceback holds frames that hold the cache
@@ -287,3 +329,9 @@ PER_LAYER_SCENARIOS = [(device, name) for device in ("cpu", "cuda:0")
 @pytest.mark.parametrize("device, name", PER_LAYER_SCENARIOS)
 def test_fault_at_every_call_index_with_per_layer_shapes(device, name):
     _sweep(device, name, "per_layer")
+
+
+@pytest.mark.parametrize("name", sorted(BLOCK_SCENARIOS))
+@pytest.mark.parametrize("device", ["cpu", "cuda:0"])
+def test_fault_at_every_call_index_with_engine_blocks(device, name):
+    _sweep(device, name, "blocks")

@@ -26,6 +26,8 @@ __all__ = ["KVCache", "Capacity"]
 logger = logging.getLogger(__name__)
 
 SeqLens = Union[Mapping[int, int], Sequence[int], torch.Tensor]
+# step(..., blocks={slot: (start, block_ids, cached)}): block_ids for one group, or one per group.
+BlockUpdate = Tuple[int, Union[Sequence[int], Sequence[Sequence[int]]], int]
 
 
 def _as_lens(seq_lens: SeqLens):
@@ -139,7 +141,8 @@ class KVCache(SharingMixin):
         if config.per_layer_shapes:
             _warn_if_coarse(config)
         self._attach(config, _C.KVCacheCore(config.device, config.geometry, budget,
-                                            config.reclaim == "eager", config.lookahead_tokens))
+                                            config.reclaim == "eager", config.lookahead_tokens,
+                                            config.num_blocks or 0, config.block_cache))
         if config.scrub:
             self._core.set_scrub(True)
         if swap_budget is not None:
@@ -283,7 +286,8 @@ class KVCache(SharingMixin):
         """
         self._core.free(self._slot(slot), _stream_handle(stream))
 
-    def step(self, seq_lens: SeqLens, *, stream=None) -> None:
+    def step(self, seq_lens: SeqLens, *, blocks: Optional[Mapping[int, BlockUpdate]] = None,
+             stream=None) -> None:
         """Back every listed slot up to its length before the next attention call.
 
         Parameters
@@ -291,15 +295,46 @@ class KVCache(SharingMixin):
         seq_lens : dict, sequence or 1-D tensor
             ``{slot: length}``, or ``max_batch_size`` lengths where 0 means "idle this iteration".
             Lengths are in tokens, ``0 <= length <= max_seq_len``.
+        blocks : dict, optional
+            Caches created with ``num_blocks`` (pages named by an engine's block ids):
+            ``{slot: (start, block_ids, cached)}`` updates the block tables of listed slots.
+            ``block_ids`` replace the table from page index ``start`` on (``start`` = the
+            table's length appends, 0 replaces it); they are a list of ids, or one list per KV
+            cache group (``layer_groups``). The first ``cached`` of them are cache hits (blocks
+            whose pages exist: mapped again, zero copy; ``-1`` is the engine's null block, a
+            hole, allowed only among a table's leading hits), the rest are fresh blocks. Every
+            listed slot's table must name the page indices its length needs.
 
         Transactional: on :class:`OutOfPagesError` (attributes ``pages_needed``,
-        ``pages_available``) nothing was mapped or changed; preempt a request and retry.
+        ``pages_available``) nothing was mapped or changed; preempt a request and retry. (With
+        engine blocks: nothing new was mapped; pages no block table names any more, such as the
+        tail of a replaced table, may have gone back to the pool.)
+
+        Examples
+        --------
+        >>> import torch, vattention
+        >>> cfg = vattention.KVCacheConfig(num_layers=1, num_kv_heads=1, head_dim=64,
+        ...                                max_batch_size=2, max_seq_len=1024,
+        ...                                dtype=torch.float32, page_size="4KB",
+        ...                                num_blocks=8, block_cache=True)
+        >>> with vattention.KVCache(cfg) as cache:       # a page index holds 16 tokens
+        ...     a = cache.alloc()
+        ...     cache.step({a: 40}, blocks={a: (0, [5, 6, 7], 0)})    # three fresh blocks
+        ...     b = cache.alloc()
+        ...     cache.step({b: 36}, blocks={b: (0, [5, 6, 1], 2)})    # hits on 5 and 6
+        ...     s = cache.stats()
+        ...     s["block_hits"], s["pages_mapped"], s["mappings"]
+        (2, 8, 12)
         """
         # The decode hot path: keep the Python side to one type check for the common dict input.
         if type(seq_lens) is not dict:
             seq_lens = _as_lens(seq_lens)
         try:
-            self._core.step(seq_lens, 0 if stream is None else _stream_handle(stream))
+            if blocks is None:
+                self._core.step(seq_lens, 0 if stream is None else _stream_handle(stream))
+            else:
+                self._core.step(seq_lens, 0 if stream is None else _stream_handle(stream),
+                                blocks)
         except (TypeError, OverflowError) as e:
             if isinstance(e, ArgumentTypeError):
                 raise
@@ -428,6 +463,11 @@ class KVCache(SharingMixin):
         """
         index = self._layer_index(layer)
         return self._core.window_starts(self._slot(slot))[index]
+
+    def block_table(self, slot: int) -> List[List[int]]:
+        """The engine block table of ``slot``: one list of block ids per KV cache group
+        (``-1``: the null block), as the ``blocks`` of :meth:`step` left it. Empty without one."""
+        return self._core.block_table(self._slot(slot))
 
     def seq_len(self, slot: int) -> int:
         """Length given for ``slot`` by the last :meth:`step` (0 after :meth:`alloc`)."""

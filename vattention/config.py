@@ -201,6 +201,21 @@ class KVCacheConfig:
     value_cache : bool
         ``False`` reserves K tensors only (MLA latent caches such as DeepSeek's
         ``[B, S, 1, kv_lora_rank + rope_dim]``, K-only caches); ``layer(i)`` returns ``(k, None)``.
+    num_blocks : int, optional
+        Name physical pages by a block-based engine's block ids ``[0, num_blocks)``: page index
+        ``p`` of a slot's row maps the pages of block ``table[p]`` of the request's block table
+        (``step(..., blocks=...)``), so a cache hit maps the same pages again (zero copy). One
+        page index then holds one engine block (``tokens_per_page`` tokens). ``None`` (default):
+        pages belong to slots (see docs/guide.md, "Pages named by an engine's blocks").
+    block_cache : bool
+        With ``num_blocks``: a block keeps its pages after the last row mapping it is gone, until
+        the engine hands its id out as a fresh block (the engine's prefix cache may report it as
+        a hit meanwhile). ``False``: a block's pages go back with its last mapping.
+    layer_groups : sequence of int, optional
+        With ``num_blocks``: the KV cache group of each layer (``0..G-1``); each group follows its
+        own block table (hybrid models: sliding-window and full-attention layers). Every group
+        must take the same pages per page index, and a group's layers share one window.
+        ``None``: one group.
 
     Examples
     --------
@@ -234,6 +249,9 @@ class KVCacheConfig:
     scrub: bool = False
     sliding_window: Window = None
     value_cache: bool = True
+    num_blocks: Optional[int] = None
+    block_cache: bool = False
+    layer_groups: Optional[Sequence[int]] = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "max_batch_size", "max_seq_len"):
@@ -262,6 +280,23 @@ class KVCacheConfig:
                 or self.lookahead_tokens < 0):
             raise ConfigError(f"lookahead_tokens={self.lookahead_tokens!r} must be an int >= 0")
         _int64(self.lookahead_tokens, "lookahead_tokens")
+        if self.num_blocks is not None and (isinstance(self.num_blocks, bool) or
+                                            not isinstance(self.num_blocks, int) or
+                                            self.num_blocks < 1):
+            raise ConfigError(f"num_blocks={self.num_blocks!r} must be an int >= 1, or None")
+        if self.num_blocks is not None:
+            _int64(self.num_blocks, "num_blocks")
+        if not isinstance(self.block_cache, bool):
+            raise ConfigError(f"block_cache={self.block_cache!r} must be True or False")
+        if self.block_cache and self.num_blocks is None:
+            raise ConfigError("block_cache=True needs num_blocks (pages named by engine blocks)")
+        if self.layer_groups is not None:
+            if isinstance(self.layer_groups, (str, bytes)) or \
+                    not isinstance(self.layer_groups, Sequence) or \
+                    any(isinstance(g, bool) or not isinstance(g, int) for g in self.layer_groups):
+                raise ConfigError(f"layer_groups={self.layer_groups!r} must be a sequence of "
+                                  f"{self.num_layers} ints (the KV cache group of each layer)")
+            object.__setattr__(self, "layer_groups", tuple(self.layer_groups))
         page_bytes = parse_size(self.page_size, name="page_size")
         if page_bytes < 1:
             raise ConfigError(f"page_size={self.page_size!r} must be > 0 bytes")
@@ -274,7 +309,8 @@ class KVCacheConfig:
             mega=self.layout == "mega", value_cache=self.value_cache,
             windows=list(self.layer_windows) if self.sliding_window else [],
             layer_kv_heads=list(self.layer_kv_heads) if per_layer else [],
-            layer_head_dims=list(self.layer_head_dims) if per_layer else []))
+            layer_head_dims=list(self.layer_head_dims) if per_layer else [],
+            layer_groups=list(self.layer_groups or ())))
 
     @property
     def geometry(self) -> _C.CacheGeometry:
@@ -294,6 +330,11 @@ class KVCacheConfig:
         if w is None or isinstance(w, int):
             return (w or 0,) * self.num_layers
         return tuple(x or 0 for x in w)
+
+    @property
+    def num_groups(self) -> int:
+        """KV cache groups: each follows its own engine block table (1 without ``layer_groups``)."""
+        return self._geometry.num_groups
 
     @property
     def kv_tensors(self) -> int:

@@ -5,6 +5,7 @@
 #pragma once
 
 #include "core/backend.h"
+#include "core/block_pages.h"
 #include "core/geometry.h"
 #include "core/page_pool.h"
 #include "core/page_supply.h"
@@ -28,6 +29,7 @@ struct CacheParts {
   PageSupply& supply;
   Scrubber& scrubber;
   StagingPage& staging;
+  BlockPages& blocks;
 };
 
 }  // namespace vattention

@@ -1,5 +1,6 @@
 #include "core/geometry.h"
 
+#include <algorithm>
 #include <string>
 
 namespace vattention {
@@ -95,6 +96,47 @@ void CacheGeometry::validate() const {
                   "sliding_window differs between layers (layer 0: " + std::to_string(windows[0]) +
                       ", layer " + std::to_string(l) + ": " + std::to_string(windows[l]) +
                       "); per-layer windows need layout='layer'");
+    }
+  }
+  per_layer("layer_groups", layer_groups);
+  if (!layer_groups.empty()) {
+    const int groups = num_groups();
+    std::vector<size_t> width(static_cast<size_t>(groups), 0);
+    for (size_t l = 0; l < layer_groups.size(); ++l) {
+      if (layer_groups[l] < 0) {
+        throw Error(Error::Kind::Config, "layer_groups[" + std::to_string(l) +
+                                             "]=" + std::to_string(layer_groups[l]) +
+                                             " must be a group number >= 0");
+      }
+    }
+    if (mega && groups > 1) {
+      throw Error(Error::Kind::Config,
+                  "layer_groups has " + std::to_string(groups) +
+                      " groups; several KV cache groups need layout='layer' (a mega tensor maps "
+                      "every layer of a token with one page)");
+    }
+    for (int t = 0; t < num_tensors(); ++t)
+      width[static_cast<size_t>(group_of(t))] += index_pages(t);
+    for (int t = 0; t < num_tensors(); ++t) {
+      const int first =
+          static_cast<int>(std::find(layer_groups.begin(), layer_groups.end(),
+                                     layer_groups[static_cast<size_t>(t % num_layers)]) -
+                           layer_groups.begin());
+      if (window(t) != window(first)) {
+        throw Error(Error::Kind::Config,
+                    "layers " + std::to_string(first) + " and " + std::to_string(t % num_layers) +
+                        " are in KV cache group " + std::to_string(group_of(t)) +
+                        " but have different sliding windows (" + std::to_string(window(first)) +
+                        ", " + std::to_string(window(t)) + "); a group's layers share one window")
+            .with("group", group_of(t));
+      }
+    }
+    for (int g = 0; g < groups; ++g) {
+      if (width[static_cast<size_t>(g)] == 0) {
+        throw Error(Error::Kind::Config, "layer_groups names groups 0.." +
+                                             std::to_string(groups - 1) + " but group " +
+                                             std::to_string(g) + " has no layer");
+      }
     }
   }
   // Padding every row to whole page indices can add up to a page index per slot: check again.

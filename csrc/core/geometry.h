@@ -36,6 +36,11 @@ struct CacheGeometry {
   // head_dim for each layer. `layer` layout only (a mega tensor has one [L, H, D] token row).
   std::vector<int64_t> layer_kv_heads;
   std::vector<int64_t> layer_head_dims;
+  // KV cache groups (an engine's block tables, issue 19): empty (one group), or num_layers entries,
+  // the group of each layer, numbered 0..G-1. A block id names one page index of one group: the
+  // group's columns (K and V of its layers). Groups may differ in width (vLLM pads a group short
+  // of layers); an engine may hand a block id from one group to another.
+  std::vector<int64_t> layer_groups;
 
   // Throws Error(Kind::Config) naming the bad value and the limit. Python's KVCacheConfig calls
   // it through the bound geometry, so every check and its message live here only.
@@ -52,6 +57,40 @@ struct CacheGeometry {
       first_column_[static_cast<size_t>(t) + 1] = first_column_[static_cast<size_t>(t)] + n;
       column_tensor_.insert(column_tensor_.end(), n, t);
     }
+    group_columns_.assign(static_cast<size_t>(num_groups()), {});
+    for (size_t c = 0; c < columns(); ++c) {
+      group_columns_[static_cast<size_t>(group_of(column_tensor(c)))].push_back(c);
+    }
+  }
+
+  // ---- KV cache groups ---------------------------------------------------------------------
+  int num_groups() const {
+    int64_t g = 0;
+    for (int64_t x : layer_groups) g = x + 1 > g ? x + 1 : g;
+    return layer_groups.empty() ? 1 : static_cast<int>(g);
+  }
+  // Group of tensor t (mega: the one group).
+  int group_of(int t) const {
+    if (layer_groups.empty() || mega) return 0;
+    return static_cast<int>(layer_groups[static_cast<size_t>(t % num_layers)]);
+  }
+  // Columns of group g, in column order (derive() caches them).
+  std::vector<size_t> group_columns(int g) const {
+    if (!group_columns_.empty()) return group_columns_[static_cast<size_t>(g)];
+    std::vector<size_t> out;
+    for (size_t c = 0; c < columns(); ++c) {
+      if (group_of(column_tensor(c)) == g) out.push_back(c);
+    }
+    return out;
+  }
+  // Pages a block holds at most: the columns of the widest group.
+  size_t group_width() const {
+    std::vector<size_t> width(static_cast<size_t>(num_groups()), 0);
+    for (int t = 0; t < num_tensors(); ++t)
+      width[static_cast<size_t>(group_of(t))] += index_pages(t);
+    size_t most = 0;
+    for (size_t w : width) most = w > most ? w : most;
+    return most;
   }
 
   int kv_tensors() const { return value_cache ? 2 : 1; }
@@ -187,6 +226,7 @@ struct CacheGeometry {
   size_t unit_ = 0;  // derive(): unit_bytes()
   std::vector<size_t> first_column_;  // derive(): first column of each tensor, then columns()
   std::vector<int> column_tensor_;  // derive(): tensor of each column
+  std::vector<std::vector<size_t>> group_columns_;  // derive(): columns of each group
 };
 
 }  // namespace vattention

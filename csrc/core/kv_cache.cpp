@@ -33,18 +33,22 @@ KVCacheCore::KVCacheCore(std::unique_ptr<Backend> backend, const CacheGeometry& 
       pool_(*backend_, budget_bytes),
       slots_(geo_.max_batch, geo_.max_seq),
       gate_(pool_),
-      memory_(geo_, *backend_, mapper_, pool_, counters_),
+      blocks_(geo_, pool_, slots_),
+      memory_(geo_, *backend_, mapper_, pool_, blocks_, counters_),
       supply_(geo_, *backend_, pool_, slots_, gate_, memory_, counters_, policy),
       scrubber_(*backend_, geo_, mapper_),
       staging_(*backend_, pool_, counters_),
-      parts_{geo_,      *backend_, mapper_, pool_,     slots_,
-             counters_, memory_,   supply_, scrubber_, staging_},
+      parts_{geo_,    *backend_, mapper_,   pool_,    slots_, counters_,
+             memory_, supply_,   scrubber_, staging_, blocks_},
       windows_(parts_),
       sharing_(parts_, windows_),
       swap_(parts_),
-      // reset_slot runs in this order: unmap shared pages, then released windows, then zero what
-      // the new request inherits; stats() lists the features' entries in this order too.
-      features_{&windows_, &sharing_, &swap_, &scrubber_, &staging_} {
+      tables_(parts_),
+      // reset_slot runs in this order (released windows, shared pages, then zero what the new
+      // request inherits); check() in this order too: the sharing check counts the mappings and
+      // the swap handles' references, not the engine blocks' own (added last). stats() lists the
+      // features' entries in this order.
+      features_{&windows_, &swap_, &sharing_, &scrubber_, &staging_, &blocks_} {
   set_lookahead(lookahead_tokens);
   watch_ = backend_->watch_cache(geo_, mapper_.bases());
   prefetcher_ =
@@ -168,6 +172,28 @@ std::vector<int> KVCacheCore::active_slots() const {
   return slots_.active();
 }
 
+std::vector<std::vector<int64_t>> KVCacheCore::block_table(int slot) const {
+  Lock lock(mu_);
+  check_open();
+  slots_.validate(slot);
+  return slots_[static_cast<size_t>(slot)].table;
+}
+
+void KVCacheCore::use_blocks(int64_t num_blocks, bool cache) {
+  Lock lock = enter(/*exclusive=*/true);
+  if (num_blocks < 0) {
+    throw Error(Error::Kind::Config,
+                "num_blocks=" + std::to_string(num_blocks) + " must be >= 0 (0: no engine blocks)");
+  }
+  if (slots_.step_count() > 0 || !slots_.active().empty() ||
+      std::any_of(slots_.begin(), slots_.end(), [](const Slot& s) { return s.mapped > 0; })) {
+    throw Error(Error::Kind::Config,
+                "use_blocks() names pages by engine blocks from a cache's start: this cache has "
+                "already mapped pages");
+  }
+  blocks_.configure(num_blocks, cache);
+}
+
 std::vector<int64_t> KVCacheCore::window_starts(int slot) const {
   Lock lock(mu_);
   check_open();
@@ -286,8 +312,19 @@ std::string KVCacheCore::check_invariants() const {
 
 // ---- prefix sharing, swap -----------------------------------------------------------------------
 
+void KVCacheCore::refuse_with_blocks(const char* call) const {
+  if (!blocks_.enabled()) return;
+  throw Error(Error::Kind::Config,
+              std::string(call) +
+                  "() is not available on a cache whose pages are named by "
+                  "engine blocks (num_blocks=" +
+                  std::to_string(blocks_.num_blocks()) +
+                  "): the engine shares and moves pages through its block tables");
+}
+
 int KVCacheCore::fork(int src, int64_t num_tokens, uintptr_t stream) {
   Lock lock = enter(/*exclusive=*/true);
+  refuse_with_blocks("fork");
   supply_.drain_eager();
   slots_.validate(src);
   const int64_t n = num_tokens < 0 ? slots_[static_cast<size_t>(src)].seq_len : num_tokens;
@@ -301,22 +338,26 @@ int KVCacheCore::fork(int src, int64_t num_tokens, uintptr_t stream) {
 
 void KVCacheCore::share_prefix(int src, int dst, int64_t num_tokens, uintptr_t stream) {
   Lock lock = enter(/*exclusive=*/true);
+  refuse_with_blocks("share_prefix");
   sharing_.check_pair(src, dst, num_tokens);
   sharing_.share(src, dst, num_tokens, stream);
 }
 
 size_t KVCacheCore::ensure_private(int slot, int64_t start_token, uintptr_t stream) {
   Lock lock = enter(/*exclusive=*/true);
+  refuse_with_blocks("ensure_private");
   return sharing_.ensure_private(slot, start_token, stream);
 }
 
 int64_t KVCacheCore::swap_out(int slot, uintptr_t stream) {
   Lock lock = enter(/*exclusive=*/true);
+  refuse_with_blocks("swap_out");
   return swap_.swap_out(slot, stream);
 }
 
 int KVCacheCore::swap_in(int64_t handle, uintptr_t stream) {
   Lock lock = enter(/*exclusive=*/true);
+  refuse_with_blocks("swap_in");
   supply_.drain_eager();
   return swap_.swap_in(handle, stream);
 }

@@ -11,8 +11,9 @@
 //   PagePool      physical pages, budget, references        SlotTable   slots and their checks
 //   SlotMemory    a slot's mapped range, record and counts  PageSupply  where pages come from
 //   PrefetchGate  the range the prefetch thread maps unlocked (rule R), and the waits for it
-//   Scrubber, StagingPage, WindowRelease, PrefixSharing, SwapManager: features, registered as
-//   CacheFeature so alloc(), stats(), check_invariants() and close() call none of them by name.
+//   Scrubber, StagingPage, WindowRelease, PrefixSharing, SwapManager, BlockPages: features,
+//   registered as CacheFeature so alloc(), stats(), check_invariants() and close() call none of
+//   them by name; BlockTables: rows that follow an engine's block tables.
 //
 // Transactions: step() validates everything before touching state, gets all the pages it needs
 // before mapping any, and undoes its own mappings if a backend call fails part-way. Running out of
@@ -40,6 +41,8 @@
 #include <vector>
 
 #include "core/backend.h"
+#include "core/block_pages.h"
+#include "core/block_tables.h"
 #include "core/cache_feature.h"
 #include "core/cache_parts.h"
 #include "core/geometry.h"
@@ -98,6 +101,17 @@ class KVCacheCore {
   // Makes every listed slot back at least its length. lens has max_batch entries; kUnlisted leaves
   // a slot alone. Waits for the prefetch thread only for a slot it is mapping now. All or nothing.
   void step(const std::vector<int64_t>& lens, uintptr_t stream);
+  // The same on a cache whose pages are named by engine blocks (use_blocks): `updates` change the
+  // listed rows' block tables, and every listed row maps its table up to its length
+  // (block_tables.h says what happens to whose pages; errors as there).
+  void step(const std::vector<int64_t>& lens, const std::vector<BlockUpdate>& updates,
+            uintptr_t stream);
+  // Names pages by an engine's block ids [0, num_blocks) from now on; `cache`: a block keeps its
+  // pages after its last mapping, until the engine hands the id out fresh (its prefix cache may
+  // hit it meanwhile). Only before the first alloc(). Throws Config.
+  void use_blocks(int64_t num_blocks, bool cache);
+  // The engine's block table of `slot`, one list per KV cache group (kNoBlock: the null block).
+  std::vector<std::vector<int64_t>> block_table(int slot) const;
   // What step(lens), plus new requests of `new_lens` tokens each, would need and could get;
   // maps nothing, changes nothing (the same accounting step() uses).
   Capacity capacity(const std::vector<int64_t>& lens, const std::vector<int64_t>& new_lens) const;
@@ -171,6 +185,8 @@ class KVCacheCore {
   void record_background_error(std::exception_ptr error);
   // Checks state and input, and lists the slots whose pages must grow for `lens`.
   std::vector<Growth> plan_step(const std::vector<int64_t>& lens);
+  // Engine blocks: true when the page indices `len` tokens need are all named by s's table.
+  bool named(const Slot& s, int64_t len) const;
   // Maps the growth plan (all or nothing). Throws OutOfPages/Driver with state unchanged.
   void grow(const std::vector<Growth>& plan, bool from_prefetch);
   // The prefetch thread: plan one slot under the lock, map without it, publish under it.
@@ -181,6 +197,8 @@ class KVCacheCore {
   // Returns false when the job must stop (a driver error, now in background_error_).
   bool create_unlocked(Lock& lock, size_t n);
   uint64_t driver_calls() const;
+  // Throws Config for `call` (fork, swap, ...) on a cache whose pages are named by engine blocks.
+  void refuse_with_blocks(const char* call) const;
 
   const CacheGeometry geo_;
   std::unique_ptr<Backend> backend_;
@@ -189,6 +207,7 @@ class KVCacheCore {
   SlotTable slots_;
   CacheCounters counters_;
   PrefetchGate gate_;
+  BlockPages blocks_;
   SlotMemory memory_;
   PageSupply supply_;
   Scrubber scrubber_;
@@ -197,6 +216,7 @@ class KVCacheCore {
   WindowRelease windows_;
   PrefixSharing sharing_;
   SwapManager swap_;
+  BlockTables tables_;
   std::vector<CacheFeature*> features_;  // in registration order
   std::unique_ptr<CacheWatch> watch_;  // the backend's per-cache watch (host: fault report)
   mutable std::mutex mu_;

@@ -118,6 +118,8 @@ bool KVCacheCore::prefetch_slot(int slot, int64_t target_tokens) {
   s.pages.insert(s.pages.end(), pages.begin(), pages.end());
   s.mapped = to;
   s.backed = geo_.tokens_in(to);
+  // Anonymous look-ahead: the engine's fresh blocks adopt these pages (block_tables.h).
+  if (blocks_.enabled()) s.blocks.resize(to * static_cast<size_t>(geo_.num_groups()), kNoBlock);
   if (s.state == Slot::State::Free) {
     // Freed with no pages while its first pages were being mapped: now it holds idle memory.
     s.state = Slot::State::Idle;

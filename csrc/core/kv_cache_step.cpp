@@ -24,6 +24,7 @@ bool KVCacheCore::try_step(const std::vector<int64_t>& lens) {
     }
     const Slot& s = slots_[i];
     if (len > s.backed) return false;
+    if (blocks_.enabled() && len > 0 && !named(s, len)) return false;
     // A window page to release (release_at is INT64_MAX without windows), or a rewind to check.
     if (std::min(s.seq_len, len - 1) >= s.release_at || (len < s.seq_len && !s.head.empty())) {
       return false;
@@ -31,10 +32,12 @@ bool KVCacheCore::try_step(const std::vector<int64_t>& lens) {
   }
   slots_.commit(lens);
   ++counters_.steps;
+  if (blocks_.enabled()) tables_.commit(lens);
   return true;
 }
 
 void KVCacheCore::step(const std::vector<int64_t>& lens, uintptr_t stream) {
+  if (blocks_.enabled()) return step(lens, {}, stream);
   Lock lock(mu_);
   std::vector<Growth> plan = plan_step(lens);
   for (;;) {
@@ -83,6 +86,51 @@ void KVCacheCore::step(const std::vector<int64_t>& lens, uintptr_t stream) {
   slots_.commit(lens);
   ++counters_.steps;
   windows_.release(lens, old_lens, stream);
+}
+
+void KVCacheCore::step(const std::vector<int64_t>& lens, const std::vector<BlockUpdate>& updates,
+                       uintptr_t stream) {
+  if (!blocks_.enabled()) {
+    tables_.validate(lens, updates);  // throws: tables need engine blocks
+    return step(lens, stream);
+  }
+  // Rows may unmap tails, fresh blocks may take pages from idle rows: nothing may be in flight
+  // (rule R, prefetch_gate.h). The thread maps one slot at a time, so this waits for one at most.
+  Lock lock(mu_);
+  gate_.settle(lock);
+  plan_step(lens);  // checks state, lengths and windows
+  tables_.validate(lens, updates);
+  std::vector<int64_t> old_lens(lens.size());
+  for (size_t i = 0; i < lens.size(); ++i) old_lens[i] = slots_[i].seq_len;
+  for (size_t i = 0; i < lens.size(); ++i) {
+    if (lens[i] != kUnlisted) slots_[i].seq_len = std::max(lens[i], old_lens[i]);
+  }
+  const uint64_t calls_before = driver_calls();
+  try {
+    // Windows first: the engine frees a window's blocks at the same point, and may hand them out
+    // fresh in this very step (block_tables.h).
+    windows_.release(lens, old_lens, stream);
+    tables_.apply(lens, updates);
+  } catch (...) {
+    counters_.step_driver_calls += driver_calls() - calls_before;
+    for (size_t i = 0; i < lens.size(); ++i) slots_[i].seq_len = old_lens[i];
+    throw;
+  }
+  counters_.step_driver_calls += driver_calls() - calls_before;
+  slots_.commit(lens);
+  ++counters_.steps;
+  tables_.commit(lens);
+}
+
+bool KVCacheCore::named(const Slot& s, int64_t len) const {
+  // Rows name their pages in order: if the last index the length needs is named, all are.
+  const size_t last = geo_.pages_for(len) - 1;
+  const size_t G = static_cast<size_t>(geo_.num_groups());
+  if (s.table.empty() || last >= s.table[0].size() || last >= s.mapped) return false;
+  for (size_t g = 0; g < G; ++g) {
+    if (s.blocks[last * G + g] != s.table[g][last]) return false;
+  }
+  return true;
 }
 
 std::vector<Growth> KVCacheCore::plan_step(const std::vector<int64_t>& lens) {

@@ -233,12 +233,15 @@ void PrefixSharing::reset_slot(Slot& s, int index) {
   s.shared_pages = 0;
 }
 
-std::string PrefixSharing::check(std::map<PageHandle, uint32_t>& /*seen*/) const {
+std::string PrefixSharing::check(std::map<PageHandle, uint32_t>& seen) const {
+  // `seen` counts the slots' mappings and the swap handles' references (the features registered
+  // before this one); engine blocks' own references come after: a block's pages are shared only
+  // when two rows map them (which the engine allows on full, never rewritten blocks).
   const size_t C = parts_.geo.columns();
   for (size_t i = 0; i < parts_.slots.size(); ++i) {
     const Slot& s = parts_.slots[i];
     for (size_t k = s.shared_pages * C; k < s.pages.size(); ++k) {
-      if (s.pages[k] != kNoPage && parts_.pool.refs(s.pages[k]) > 1) {
+      if (s.pages[k] != kNoPage && seen[s.pages[k]] > 1) {
         return "slot " + std::to_string(i) + " maps shared page " + std::to_string(s.pages[k]) +
                " at page index " + std::to_string(k / C) + ", outside its read-only prefix of " +
                std::to_string(s.shared_pages) + " pages";

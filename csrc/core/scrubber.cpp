@@ -50,6 +50,21 @@ void Scrubber::zero(int slot, size_t from, size_t to) const {
   }
 }
 
+void Scrubber::scrub_columns(int slot, size_t page, const std::vector<size_t>& columns) {
+  if (!enabled_ || columns.empty()) return;
+  prepare();
+  const size_t P = geo_.page_bytes;
+  for (size_t c : columns) {
+    const uintptr_t va = mapper_.column_va(c, slot, page);
+    if (host_memory(backend_)) {
+      std::memset(reinterpret_cast<void*>(va), 0, P);
+    } else {
+      backend_.copy_from_host(va, zero_block_, P, 0);
+    }
+  }
+  scrubbed_pages_ += columns.size();
+}
+
 void Scrubber::reset_slot(Slot& slot, int index) { scrub(index, 0, slot.mapped); }
 
 void Scrubber::add_stats(Stats& out) const {

@@ -17,6 +17,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "core/backend.h"
 #include "core/cache_feature.h"
@@ -42,6 +43,9 @@ class Scrubber final : public CacheFeature {
   // Zeroes [from, to) of `slot` in every tensor without counting; touches nothing but the zero
   // page (prepare() first), so it may run without the cache mutex on a range its caller alone maps.
   void zero(int slot, size_t from, size_t to) const;
+  // With scrub on: zeroes the pages of `columns` at page index `page` of `slot` (an engine block's
+  // fresh pages; a cache hit's pages beside them keep their content) and counts them.
+  void scrub_columns(int slot, size_t page, const std::vector<size_t>& columns);
   // Counts pages zeroed by zero() (under the mutex).
   void count(size_t pages) { scrubbed_pages_ += pages; }
 

@@ -13,6 +13,8 @@ namespace vattention {
 
 // A page index a sliding window released (Slot::pages entry; never a real handle).
 constexpr PageHandle kNoPage = std::numeric_limits<PageHandle>::max();
+// No engine block: anonymous pages, or a hole (Slot::blocks, Slot::table: the null block).
+constexpr int64_t kNoBlock = -1;
 
 struct Slot {
   enum class State : uint8_t {
@@ -40,6 +42,13 @@ struct Slot {
   std::vector<size_t> head;
   // First query position at which step() can release another page (INT64_MAX: never).
   int64_t release_at = std::numeric_limits<int64_t>::max();
+  // Engine blocks (block_tables.h; empty unless the cache's pages are named by block ids):
+  // table[g] is the engine's block table of group g (kNoBlock: its null block), possibly longer
+  // than what is mapped; blocks[p * groups + g] is the block whose pages are mapped at page index
+  // p for group g (kNoBlock: anonymous pages, e.g. prefetched look-ahead, or a hole).
+  std::vector<std::vector<int64_t>> table;
+  std::vector<int64_t> blocks;
+  size_t fresh_from = 0;  // table entries from here on were given as fresh blocks (hits before)
 
   // First page index of tensor t that is mapped (head[t], or 0).
   size_t head_of(size_t t) const { return head.empty() ? 0 : head[t]; }

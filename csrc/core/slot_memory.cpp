@@ -35,6 +35,7 @@ void SlotMemory::map(Slot& s, int index, size_t from, size_t to, const PageHandl
   }
   s.mapped = to;
   s.backed = geo_.tokens_in(to);
+  if (blocks_.enabled()) s.blocks.resize(to * static_cast<size_t>(geo_.num_groups()), kNoBlock);
   if (holes) s.refresh_release_at(geo_);
 }
 
@@ -65,6 +66,13 @@ size_t SlotMemory::unmap_tail(Slot& s, int index, size_t keep) {
     }
     throw;
   }
+  // The engine blocks mapped in the range lose this row's mapping (without caching a block forgets
+  // its pages with its last one: the references released below are then their last).
+  const size_t G = static_cast<size_t>(geo_.num_groups());
+  for (size_t k = keep * G; k < s.blocks.size(); ++k) {
+    if (s.blocks[k] != kNoBlock) blocks_.unmapped(s.blocks[k]);
+  }
+  if (!s.blocks.empty()) s.blocks.resize(keep * G);
   // A shared page only loses a reference; count the pages that really reached the free list.
   const size_t free_before = pool_.free();
   for (size_t i = keep * C; i < s.pages.size(); ++i) {

@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "core/backend.h"
+#include "core/block_pages.h"
 #include "core/geometry.h"
 #include "core/page_pool.h"
 #include "core/slot.h"
@@ -25,15 +26,21 @@ namespace vattention {
 class SlotMemory {
  public:
   SlotMemory(const CacheGeometry& geometry, Backend& backend, const SlotMapper& mapper,
-             PagePool& pool, CacheCounters& counters)
-      : geo_(geometry), backend_(backend), mapper_(mapper), pool_(pool), counters_(counters) {}
+             PagePool& pool, BlockPages& blocks, CacheCounters& counters)
+      : geo_(geometry),
+        backend_(backend),
+        mapper_(mapper),
+        pool_(pool),
+        blocks_(blocks),
+        counters_(counters) {}
   SlotMemory(const SlotMemory&) = delete;
   SlotMemory& operator=(const SlotMemory&) = delete;
 
   // Maps page indices [from, to) of slot `index` (from == slot.mapped) with `pages` ((to - from)
   // * columns handles taken from the pool; kNoPage entries are released window pages, a per-tensor
-  // prefix, left unmapped), appends them to the record and counts the calls (as prefetch calls
-  // when from_prefetch). On failure nothing changed: it unmaps what it mapped and rethrows.
+  // prefix, left unmapped), appends them to the record (as anonymous pages: no engine block) and
+  // counts the calls (as prefetch calls when from_prefetch). On failure nothing changed: it
+  // unmaps what it mapped and rethrows.
   void map(Slot& slot, int index, size_t from, size_t to, const PageHandle* pages,
            bool from_prefetch);
   // Unmaps page indices [keep, mapped) of slot `index` and releases its references (an idle
@@ -54,6 +61,7 @@ class SlotMemory {
   Backend& backend_;
   const SlotMapper& mapper_;
   PagePool& pool_;
+  BlockPages& blocks_;  // told about every engine block a row stops mapping
   CacheCounters& counters_;
 };
 

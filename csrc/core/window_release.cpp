@@ -26,6 +26,7 @@ size_t WindowRelease::release_head(Slot& s, int index, int64_t query) {
   const size_t T = static_cast<size_t>(geo.num_tensors());
   const size_t C = geo.columns();
   if (s.head.empty()) s.head.assign(T, 0);
+  const std::vector<size_t> old_head = s.head;
   const size_t free_before = parts_.pool.free();
   for (size_t t = 0; t < T; ++t) {
     const int tensor = static_cast<int>(t);
@@ -42,6 +43,20 @@ size_t WindowRelease::release_head(Slot& s, int index, int64_t query) {
       }
     }
     s.head[t] = to;
+  }
+  if (!s.blocks.empty()) {
+    // A group's tensors share one window (geometry.h): its block at a released index is unmapped
+    // from this row as a whole.
+    const size_t G = static_cast<size_t>(geo.num_groups());
+    for (size_t t = 0; t < T; ++t) {
+      const size_t g = static_cast<size_t>(geo.group_of(static_cast<int>(t)));
+      for (size_t p = old_head[t]; p < s.head[t]; ++p) {
+        int64_t& b = s.blocks[p * G + g];
+        if (b == kNoBlock) continue;
+        parts_.blocks.unmapped(b);
+        b = kNoBlock;
+      }
+    }
   }
   s.refresh_release_at(geo);
   const size_t released = parts_.pool.free() - free_before;

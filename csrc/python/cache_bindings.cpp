@@ -170,6 +170,57 @@ vattention::HostBackend& host_backend(KVCacheCore& core) {
   return *host;
 }
 
+// {slot: (start, ids, cached)}: ids a sequence of block ids (one KV cache group) or one sequence
+// per group. Types are checked here; values by the core (BlockTables::validate).
+std::vector<BlockUpdate> parse_updates(py::handle obj, int groups) {
+  std::vector<BlockUpdate> out;
+  if (obj.is_none()) return out;
+  if (!PyDict_Check(obj.ptr())) {
+    throw py::type_error("blocks must be a dict {slot: (start, block_ids, cached)}");
+  }
+  for (auto item : py::reinterpret_borrow<py::dict>(obj)) {
+    BlockUpdate u;
+    u.slot = static_cast<int>(as_int(item.first.ptr(), "keys of blocks (slots)"));
+    py::sequence entry = py::reinterpret_borrow<py::object>(item.second);
+    if (!PySequence_Check(item.second.ptr()) || py::len(entry) != 3) {
+      throw py::type_error("blocks[" + std::to_string(u.slot) +
+                           "] must be a tuple (start, block_ids, cached)");
+    }
+    const int64_t start = as_int(entry[0].ptr(), "start (blocks)");
+    const int64_t cached = as_int(entry[2].ptr(), "cached (blocks)");
+    if (start < 0 || cached < 0) {
+      throw Error(Error::Kind::Config,
+                  "blocks[" + std::to_string(u.slot) + "]: start=" + std::to_string(start) +
+                      " and cached=" + std::to_string(cached) + " must be >= 0");
+    }
+    u.start = static_cast<size_t>(start);
+    u.cached = static_cast<size_t>(cached);
+    py::sequence ids = py::reinterpret_borrow<py::sequence>(entry[1]);
+    const bool nested =
+        py::len(ids) > 0 && PySequence_Check(ids[0].ptr()) && !PyLong_Check(ids[0].ptr());
+    if (!nested) {
+      if (groups != 1) {
+        throw Error(Error::Kind::Config, "blocks[" + std::to_string(u.slot) +
+                                             "] gives one list of block ids; the "
+                                             "cache has " +
+                                             std::to_string(groups) +
+                                             " KV cache groups: give one per group");
+      }
+      u.ids.emplace_back();
+      for (auto id : ids) u.ids.back().push_back(as_int(id.ptr(), "block ids"));
+    } else {
+      for (auto group : ids) {
+        u.ids.emplace_back();
+        for (auto id : py::reinterpret_borrow<py::sequence>(group)) {
+          u.ids.back().push_back(as_int(id.ptr(), "block ids"));
+        }
+      }
+    }
+    out.push_back(std::move(u));
+  }
+  return out;
+}
+
 py::dict capacity_dict(const vattention::Capacity& c) {
   py::dict out;
   out["pages_needed"] = c.pages_needed;
@@ -186,28 +237,39 @@ py::dict capacity_dict(const vattention::Capacity& c) {
 void bind_cache(py::module_& m) {
   py::class_<KVCacheCore, std::shared_ptr<KVCacheCore>>(m, "KVCacheCore")
       .def(py::init([](const std::string& device, const vattention::CacheGeometry& g,
-                       int64_t budget_bytes, bool eager, int64_t lookahead_tokens) {
+                       int64_t budget_bytes, bool eager, int64_t lookahead_tokens,
+                       int64_t num_blocks, bool block_cache) {
              auto backend = vattention::make_backend(device, g.page_bytes);
-             return std::make_shared<KVCacheCore>(
+             auto core = std::make_shared<KVCacheCore>(
                  std::move(backend), g, budget_bytes,
                  eager ? vattention::ReclaimPolicy::Eager : vattention::ReclaimPolicy::Deferred,
                  lookahead_tokens);
+             if (num_blocks > 0 || block_cache) core->use_blocks(num_blocks, block_cache);
+             return core;
            }),
            py::arg("device"), py::arg("geometry"), py::arg("budget_bytes") = -1,
-           py::arg("eager") = false, py::arg("lookahead_tokens") = 0)
+           py::arg("eager") = false, py::arg("lookahead_tokens") = 0, py::arg("num_blocks") = 0,
+           py::arg("block_cache") = false)
       .def_property_readonly("geometry", &KVCacheCore::geometry)
       .def("alloc", &KVCacheCore::alloc)
       .def("free", &KVCacheCore::free, py::arg("slot"), py::arg("stream") = 0,
            py::call_guard<py::gil_scoped_release>())
       .def(
           "step",
-          [](KVCacheCore& core, py::handle seq_lens, uintptr_t stream) {
+          [](KVCacheCore& core, py::handle seq_lens, uintptr_t stream, py::handle blocks) {
             std::vector<int64_t> lens = parse_lens(seq_lens, core.geometry().max_batch);
-            if (core.try_step(lens)) return;
+            if (blocks.is_none()) {
+              if (core.try_step(lens)) return;
+              py::gil_scoped_release nogil;
+              core.step(lens, stream);
+              return;
+            }
+            std::vector<BlockUpdate> updates = parse_updates(blocks, core.geometry().num_groups());
             py::gil_scoped_release nogil;
-            core.step(lens, stream);
+            core.step(lens, updates, stream);
           },
-          py::arg("seq_lens"), py::arg("stream") = 0)
+          py::arg("seq_lens"), py::arg("stream") = 0, py::arg("blocks") = py::none())
+      .def("block_table", &KVCacheCore::block_table, py::arg("slot"))
       .def(
           "capacity",
           [](KVCacheCore& core, py::handle seq_lens, std::vector<int64_t> new_lens) {

@@ -19,7 +19,8 @@ namespace {
 CacheGeometry make(int64_t num_layers, int64_t num_kv_heads, int64_t head_dim,
                    int64_t element_bytes, int64_t max_batch, int64_t max_seq, size_t page_bytes,
                    bool mega, bool value_cache, std::vector<int64_t> windows,
-                   std::vector<int64_t> layer_kv_heads, std::vector<int64_t> layer_head_dims) {
+                   std::vector<int64_t> layer_kv_heads, std::vector<int64_t> layer_head_dims,
+                   std::vector<int64_t> layer_groups) {
   CacheGeometry g;
   g.num_layers = num_layers;
   g.num_kv_heads = num_kv_heads;
@@ -33,6 +34,7 @@ CacheGeometry make(int64_t num_layers, int64_t num_kv_heads, int64_t head_dim,
   g.windows = std::move(windows);
   g.layer_kv_heads = std::move(layer_kv_heads);
   g.layer_head_dims = std::move(layer_head_dims);
+  g.layer_groups = std::move(layer_groups);
   g.validate();
   g.derive();
   return g;
@@ -58,7 +60,8 @@ void bind_geometry(py::module_& m) {
            py::arg("page_bytes"), py::arg("mega") = false, py::arg("value_cache") = true,
            py::arg("windows") = std::vector<int64_t>{},
            py::arg("layer_kv_heads") = std::vector<int64_t>{},
-           py::arg("layer_head_dims") = std::vector<int64_t>{})
+           py::arg("layer_head_dims") = std::vector<int64_t>{},
+           py::arg("layer_groups") = std::vector<int64_t>{})
       .def_readonly("num_layers", &CacheGeometry::num_layers)
       .def_readonly("element_bytes", &CacheGeometry::element_bytes)
       .def_readonly("max_batch", &CacheGeometry::max_batch)
@@ -77,6 +80,10 @@ void bind_geometry(py::module_& m) {
                              "Page indices of one slot row (max_seq tokens).")
       .def_property_readonly("virtual_bytes", &CacheGeometry::virtual_bytes)
       .def_property_readonly("bytes_per_token", &CacheGeometry::bytes_per_token)
+      .def_property_readonly("num_groups", &CacheGeometry::num_groups,
+                             "KV cache groups (each follows its own engine block table).")
+      .def_property_readonly("group_width", &CacheGeometry::group_width,
+                             "Pages one engine block holds: the columns of one group.")
       .def(
           "layer_token_bytes",
           [](const CacheGeometry& g, int64_t layer) {
@@ -103,14 +110,14 @@ void bind_geometry(py::module_& m) {
           [](const CacheGeometry& g) {
             return py::make_tuple(g.num_layers, g.num_kv_heads, g.head_dim, g.element_bytes,
                                   g.max_batch, g.max_seq, g.page_bytes, g.mega, g.value_cache,
-                                  g.windows, g.layer_kv_heads, g.layer_head_dims);
+                                  g.windows, g.layer_kv_heads, g.layer_head_dims, g.layer_groups);
           },
           [](const py::tuple& t) {
             return make(t[0].cast<int64_t>(), t[1].cast<int64_t>(), t[2].cast<int64_t>(),
                         t[3].cast<int64_t>(), t[4].cast<int64_t>(), t[5].cast<int64_t>(),
                         t[6].cast<size_t>(), t[7].cast<bool>(), t[8].cast<bool>(),
                         t[9].cast<std::vector<int64_t>>(), t[10].cast<std::vector<int64_t>>(),
-                        t[11].cast<std::vector<int64_t>>());
+                        t[11].cast<std::vector<int64_t>>(), t[12].cast<std::vector<int64_t>>());
           }));
 }
 
