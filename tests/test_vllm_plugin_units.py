@@ -6,11 +6,14 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
+from types import SimpleNamespace as NS
 
 import pytest
+import torch
 from hypothesis import given, strategies as st
 
 import vattention
@@ -19,41 +22,80 @@ from vattention.integrations.vllm.stats_writer import StatsWriter, stats_path
 
 
 @given(block=st.integers(1, 1024), heads=st.integers(1, 16), dim=st.sampled_from([16, 32, 64, 80,
-       96, 128, 256]), elem=st.sampled_from([1, 2, 4]), layers=st.integers(1, 64),
-       layout=st.sampled_from(geometry.LAYOUTS), gran=st.sampled_from([4096, 65536, 2 << 20]))
-def test_aligned_block_is_the_smallest_page_aligned_multiple(block, heads, dim, elem, layers,
+       96, 128, 256]), dtype=st.sampled_from([torch.uint8, torch.bfloat16, torch.float32]),
+       layers=st.integers(1, 64), layout=st.sampled_from(geometry.LAYOUTS),
+       gran=st.sampled_from([4096, 65536, 2 << 20]))
+def test_aligned_block_is_the_smallest_page_aligned_multiple(block, heads, dim, dtype, layers,
                                                              layout, gran):
-    token = geometry.tensor_token_bytes(layout, layers, heads, dim, elem)
-    aligned = geometry.aligned_block_size(block, token, gran)
-    assert aligned % block == 0 and (aligned * token) % gran == 0
-    assert all((m * token) % gran for m in range(block, aligned, block))
+    unit = geometry.model_unit_bytes(layout, layers, heads, dim, dtype)
+    aligned = geometry.aligned_block_size(block, unit, gran)
+    assert aligned % block == 0 and (aligned * unit) % gran == 0
+    assert all((m * unit) % gran for m in range(block, aligned, block))
 
 
-@pytest.mark.parametrize("layout, tensors", [("mega", 2), ("layer", 6)])
-def test_pages_a_request_holds_are_the_blocks_vllm_charged(layout, tensors):
-    """One page per tensor per block, so a cache with vLLM's budget fits what vLLM admits."""
-    g = geometry.KVGeometry(num_layers=3, num_kv_heads=2, head_dim=32, element_bytes=4,
-                            block_size=128, num_blocks=10, layout=layout)
-    assert g.pages_per_block == tensors
+def _spec(window=None, heads=2, dim=32, block=128):
+    return NS(block_size=block, num_kv_heads=heads, head_size=dim, sliding_window=window)
+
+
+def _kv(*groups, num_blocks=10):
+    return NS(num_blocks=num_blocks,
+              kv_cache_groups=[NS(kv_cache_spec=spec, layer_names=names) for spec, names in groups])
+
+
+@pytest.mark.parametrize("layout, pages_per_block", [("mega", 2), ("layer", 6)])
+def test_a_cache_with_vllms_budget_holds_exactly_its_blocks(layout, pages_per_block):
+    kv = geometry.kv_layout(_kv((_spec(), ["a", "b", "c"])), torch.float32, layout)
+    cfg = kv.cache_config(max_batch_size=4, max_seq_len=1280, device="cpu", block_cache=False)
+    assert cfg.tokens_per_page == kv.block_size == 128
+    assert cfg.pages_per_index == pages_per_block
     vllm_block_bytes = 2 * 3 * 128 * 2 * 32 * 4            # K,V x layers x tokens x H x D x fp32
-    assert g.memory_budget == 10 * vllm_block_bytes
-    cfg = vattention.KVCacheConfig(num_layers=3, num_kv_heads=2, head_dim=32, max_batch_size=4,
-                                   max_seq_len=1000, dtype="float32", page_size=g.page_bytes,
-                                   layout=layout)
-    assert cfg.tokens_per_page == g.block_size
-    with vattention.KVCache(cfg, memory_budget=g.memory_budget) as cache:
-        slots = [cache.alloc() for _ in range(3)]
-        cache.step({slots[0]: 129, slots[1]: 256, slots[2]: 640})   # 2 + 2 + 5 = 9 blocks
-        assert cache.stats()["pages_mapped"] == 9 * g.pages_per_block
-        cache.step({slots[0]: 257})                                  # the 10th block
-        with pytest.raises(vattention.OutOfPagesError):              # an 11th: vLLM never asks
-            cache.step({slots[1]: 257})
+    assert kv.memory_budget(cfg) == 10 * vllm_block_bytes
+    with vattention.KVCache(cfg, memory_budget=kv.memory_budget(cfg)) as cache:
+        s = [cache.alloc() for _ in range(3)]
+        # vLLM's ids are [0, num_blocks), 0 its null block: 9 real blocks, 2 + 2 + 5 here
+        cache.step({s[0]: 129, s[1]: 256, s[2]: 640},
+                   blocks={s[0]: (0, [1, 2], 0), s[1]: (0, [3, 4], 0),
+                           s[2]: (0, [5, 6, 7, 8, 9], 0)})
+        assert cache.stats()["pages_mapped"] == 9 * pages_per_block
+        spare = cache.capacity()        # the budget's last block: the null block's share
+        assert spare.pages_free + spare.pages_creatable == pages_per_block
+
+
+def test_hybrid_groups_become_layer_groups_with_their_windows():
+    kv = geometry.kv_layout(_kv((_spec(), ["l1", "l3"]), (_spec(64), ["l0", "l2"])),
+                            torch.bfloat16, "auto")
+    assert kv.layout == "layer" and kv.layer_names == ("l1", "l3", "l0", "l2")
+    assert kv.layer_groups == (0, 0, 1, 1) and kv.windows == (None, None, 64, 64)
+    cfg = kv.cache_config(max_batch_size=2, max_seq_len=512, device="cpu", block_cache=True)
+    assert cfg.num_groups == 2 and cfg.geometry.group_width == 4
+    assert cfg.layer_windows == (0, 0, 64, 64) and cfg.block_cache
+
+
+def test_what_one_cache_cannot_hold_is_refused_naming_it():
+    with pytest.raises(vattention.ConfigError, match="VATTENTION_VLLM_LAYOUT=layer"):
+        geometry.kv_layout(_kv((_spec(), ["a"]), (_spec(64), ["b"])), torch.float32, "mega")
+    with pytest.raises(vattention.ConfigError, match=r"block sizes \[16, 32\]"):
+        geometry.kv_layout(_kv((_spec(block=16), ["a"]), (_spec(block=32), ["b"])),
+                           torch.float32, "auto")
+    with pytest.raises(vattention.ConfigError, match="group 0 is a MambaSpec"):
+        geometry.kv_layout(NS(num_blocks=4, kv_cache_groups=[
+            NS(kv_cache_spec=type("MambaSpec", (), {})(), layer_names=["m"])]),
+            torch.float32, "auto")
+
+
+def test_kv_cache_dtypes():
+    assert geometry.kv_cache_dtype("auto", torch.float16) == torch.float16
+    assert geometry.kv_cache_dtype("fp8_e5m2", torch.float16) == torch.float8_e5m2
+    with pytest.raises(vattention.ConfigError, match="kv_cache_dtype='int8'"):
+        geometry.kv_cache_dtype("int8", torch.float16)
 
 
 def test_untested_version_is_refused_unless_overridden(monkeypatch):
     monkeypatch.delenv(vattention.integrations.vllm.ENV_ALLOW_UNTESTED, raising=False)
     plugin.check_version("0.32.0+cpu")
-    with pytest.raises(vattention.ConfigError, match=r"tested with vLLM 0\.32\.0, not 0\.31\.2"):
+    plugin.check_version("0.33.0")
+    with pytest.raises(vattention.ConfigError, match=r"tested with vLLM 0\.32\.0, 0\.33\.0, not "
+                                                     r"0\.31\.2"):
         plugin.check_version("0.31.2")
     monkeypatch.setenv("VATTENTION_VLLM_ALLOW_UNTESTED", "1")
     plugin.check_version("0.31.2")
@@ -64,7 +106,17 @@ def test_layout_env_is_checked(monkeypatch):
     with pytest.raises(vattention.ConfigError, match="VATTENTION_VLLM_LAYOUT='paged'"):
         plugin.layout_from_env()
     monkeypatch.delenv("VATTENTION_VLLM_LAYOUT")
-    assert plugin.layout_from_env() == "mega"
+    assert plugin.layout_from_env() == "auto"
+
+
+def test_the_v1_runner_is_selected_and_an_explicit_v2_refused(monkeypatch):
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    plugin.select_v1_runner()
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    plugin.select_v1_runner()                               # idempotent
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(vattention.ConfigError, match="VLLM_USE_V2_MODEL_RUNNER=1"):
+        plugin.select_v1_runner()
 
 
 def test_register_is_a_no_op_without_the_switch():

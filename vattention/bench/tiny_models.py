@@ -16,8 +16,10 @@ from typing import Dict
 
 __all__ = ["FAMILIES", "build_tiny_model"]
 
-# Llama, Qwen2 and Mistral: the decoder families the vLLM plugin supports.
-FAMILIES = ("llama", "qwen2", "mistral")
+# The decoder families the vLLM plugin is tested with: Llama, Qwen2 and Mistral, and with sliding
+# windows Mistral (every layer), Gemma 3 (local and global layers alternating: two KV cache
+# groups in vLLM) and Qwen2 (every layer; vLLM's Qwen2 asserts that windows are all or nothing).
+FAMILIES = ("llama", "qwen2", "mistral", "mistral-window", "gemma3", "qwen2-window")
 
 SPECIAL = ("<unk>", "<s>", "</s>")
 
@@ -25,10 +27,11 @@ SPECIAL = ("<unk>", "<s>", "</s>")
 def build_tiny_model(path: str, family: str = "llama", *, num_layers: int = 2,
                      hidden_size: int = 128, num_heads: int = 4, num_kv_heads: int = 2,
                      head_dim: int = 32, vocab_size: int = 512, max_positions: int = 4096,
-                     initializer_range: float = 0.1, seed: int = 0) -> str:
+                     initializer_range: float = 0.1, window: int = 64, seed: int = 0) -> str:
     """Write a random ``family`` model and its tokenizer to ``path``; return ``path``.
 
-    Idempotent: an existing ``config.json`` at ``path`` is kept as it is.
+    Idempotent: an existing ``config.json`` at ``path`` is kept as it is. ``window``: the sliding
+    window, in tokens, of the windowed families.
 
     Examples
     --------
@@ -61,11 +64,21 @@ def build_tiny_model(path: str, family: str = "llama", *, num_layers: int = 2,
     if family == "llama":
         config = transformers.LlamaConfig(**common)
         model_cls = transformers.LlamaForCausalLM
-    elif family == "qwen2":
-        config = transformers.Qwen2Config(**common, use_sliding_window=False)
+    elif family in ("qwen2", "qwen2-window"):
+        windowed = family == "qwen2-window"
+        config = transformers.Qwen2Config(**common, use_sliding_window=windowed,
+                                          sliding_window=window if windowed else None,
+                                          max_window_layers=0 if windowed else num_layers)
         model_cls = transformers.Qwen2ForCausalLM
+    elif family == "gemma3":
+        kinds = ("sliding_attention", "full_attention")
+        config = transformers.Gemma3TextConfig(
+            **common, sliding_window=window, query_pre_attn_scalar=head_dim,
+            layer_types=[kinds[i % 2] for i in range(num_layers)])
+        model_cls = transformers.Gemma3ForCausalLM
     else:
-        config = transformers.MistralConfig(**common, sliding_window=None)
+        windowed = family == "mistral-window"
+        config = transformers.MistralConfig(**common, sliding_window=window if windowed else None)
         model_cls = transformers.MistralForCausalLM
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)

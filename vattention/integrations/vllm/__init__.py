@@ -2,20 +2,22 @@
 
 Installed with the package (entry point ``vllm.general_plugins``), it does nothing unless the
 environment says ``VATTENTION_VLLM=1`` when vLLM starts; installing vattention never changes
-vLLM's behaviour by surprise. Enabled, it makes unmodified ``vllm serve`` and ``vllm.LLM(...)``
+vLLM's behaviour by surprise. Enabled, it makes unmodified ``vllm serve`` and ``vllm.LLM(...)``,
+at vLLM's defaults (prefix caching on, its KV cache groups, ``--kv-cache-dtype``):
 
-* skip vLLM's flat KV buffer and hold every layer's K and V in one ``KVCache`` sized from vLLM's
-  config (``max_num_seqs`` slots of ``max_model_len`` tokens, the KV memory vLLM would have
-  allocated as the physical memory budget), with pages mapped as tokens arrive;
+* skip vLLM's KV buffer and hold every layer's K and V in one ``KVCache`` sized from vLLM's config
+  (``max_num_seqs`` slots of ``max_model_len`` tokens, the KV memory vLLM would have allocated as
+  the physical memory budget), whose pages vLLM's block ids name: a request's row maps its block
+  table in order, a prefix-cache hit maps the cached block's pages again (zero copy), a sliding
+  window's released blocks leave the row;
 * give each request a slot when it is first scheduled and take it back when it finishes, is
-  aborted or is preempted; call ``step()`` before every forward and ``prefetch()`` with the next
-  iteration's lengths;
-* run attention over the dense per-layer tensors (torch SDPA on the CPU; FlashAttention's
-  ``flash_attn_with_kvcache`` with ``cache_batch_idx`` on CUDA).
+  aborted or is preempted; call ``step()`` with the step's lengths and block tables before every
+  forward, ``prefetch()`` with the next step's lengths;
+* run attention over the dense per-layer tensors in one call per layer for the whole batch
+  (vattention's native kernel on the CPU; FlashAttention on CUDA).
 
-vLLM's scheduler and KV cache manager stay the admission and preemption authority: a page holds
-exactly one vLLM block of one tensor, so the pages a request holds are the blocks vLLM charged it
-(see :mod:`vattention.integrations.vllm.geometry`). See ``docs/vllm.md``.
+vLLM's scheduler and KV cache manager stay the admission and preemption authority. See
+``docs/vllm.md``.
 
 Environment
 -----------
@@ -24,10 +26,11 @@ Environment
 ``VATTENTION_VLLM_STATS=<path>``
     Each worker writes ``KVCache.stats()`` plus ``max_active_slots`` as JSON to ``<path>``
     (``<path>.rank<N>`` when the world size is > 1) every few seconds and at shutdown.
-``VATTENTION_VLLM_LAYOUT=mega|layer``
-    Cache layout (default ``mega``: two mappings per block instead of two per layer).
+``VATTENTION_VLLM_LAYOUT=auto|mega|layer``
+    Cache layout (default ``auto``: ``mega`` for models whose layers share one KV spec, two
+    mappings per block instead of two per layer; ``layer`` for hybrid models).
 ``VATTENTION_VLLM_ALLOW_UNTESTED=1``
-    Run on a vLLM version other than the tested ones (at your own risk).
+    Run on a vLLM version other than the supported ones (at your own risk).
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """The attention backend vLLM runs when the plugin is on: dense per-layer caches, no block table.
 
-vLLM calls :meth:`VAttentionImpl.forward` once per layer with the step's new ``key``/``value``
-rows and queries. The layer's K and V are one vattention tensor each, ``[max_num_seqs,
-max_model_len, kv_heads, head_dim]``, whose pages the runner mapped with ``KVCache.step()`` before
-the forward. Decode rows (one query each; vLLM puts them first, see ``reorder_batch_threshold``)
-go through one batched :func:`vattention.integrations.flash_attn.decode` call with
-``cache_batch_idx`` = the requests' slots; each prefill (or prefill chunk) goes through
-:func:`~vattention.integrations.flash_attn.prefill`. Both append the new K/V in place at
-``[num_computed, num_computed + new)`` and attend causally; both dispatch to FlashAttention's
-``flash_attn_with_kvcache`` for CUDA tensors and to its SDPA reference on the CPU. No kernel reads
-a position at or beyond a request's length, so nothing unmapped is touched.
+vLLM calls :meth:`VAttentionImpl.forward` once per layer with the step's new ``key``/``value`` rows
+and queries. The layer's K and V are one vattention tensor each, ``[max_num_seqs, max_model_len,
+kv_heads, head_dim]``, whose pages the runner mapped with ``KVCache.step()`` before the forward.
+The whole batch (decode rows and prefill chunks together, vLLM's varlen layout) goes through one
+:func:`vattention.integrations.flash_attn.flash_attn_with_kvcache` call: each request's new K/V are
+appended in place at ``[past, past + new)`` of its row (``cache_batch_idx`` = its slot), and its
+queries attend causally over its row, with the layer's sliding window and fp8 scales. On the CPU
+that is vattention's native kernel; on CUDA FlashAttention (one varlen call with FlashAttention 3,
+else one batched decode call and one call per prefill chunk). No kernel reads a position at or
+beyond a request's length, so nothing unmapped is touched.
 
 ``forward_includes_kv_cache_update = True`` tells vLLM not to write K/V into a block buffer of its
 own (there is none: the runner binds empty placeholders).
@@ -18,7 +18,8 @@ own (there is none: the runner binds empty placeholders).
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, List, Optional
+import inspect
+from typing import Callable, ClassVar, List, Optional
 
 import torch
 from vllm.v1.attention.backend import (
@@ -31,24 +32,25 @@ from vllm.v1.attention.backend import (
 )
 
 from .. import flash_attn as fa
-from .runner import current_batch
+from .geometry import FP8_DTYPES
 
 __all__ = ["VAttentionBackend", "VAttentionCPUBackend", "VAttentionFlashBackend",
-           "VAttentionImpl", "VAttentionMetadata",
-           "VAttentionMetadataBuilder"]
+           "VAttentionImpl", "VAttentionMetadata", "VAttentionMetadataBuilder"]
 
 
 @dataclasses.dataclass
 class VAttentionMetadata:
-    """One step's batch as the kernels need it (rows in vLLM's batch order, decodes first)."""
+    """One step's batch as the kernel needs it (rows in vLLM's batch order, decodes first)."""
 
     num_actual_tokens: int
     num_decodes: int                 # leading rows with exactly one query token
     query_start: List[int]           # row i's tokens are [query_start[i], query_start[i + 1])
     slots: List[int]                 # vattention slot of each row
     past: List[int]                  # tokens cached for each row before this step
-    decode_slots: torch.Tensor       # int32 [num_decodes], on the model's device
-    decode_past: torch.Tensor        # int32 [num_decodes]
+    cu_seqlens_q: torch.Tensor       # int32 [rows + 1], on the model's device
+    cache_batch_idx: torch.Tensor    # int32 [rows]
+    cache_seqlens: torch.Tensor      # int32 [rows]
+    max_query_len: int
 
 
 class VAttentionMetadataBuilder(AttentionMetadataBuilder[VAttentionMetadata]):
@@ -56,32 +58,33 @@ class VAttentionMetadataBuilder(AttentionMetadataBuilder[VAttentionMetadata]):
 
     reorder_batch_threshold: ClassVar[int] = 1    # vLLM moves one-token (decode) rows first
 
-    # vLLM declares the base __init__ abstract: a builder must define one even if it adds nothing.
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        # Set by the runner when it builds the cache: the step's slots and cached lengths.
+        self.batch_source: Optional[Callable[[], object]] = None
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> VAttentionMetadata:
         cm = common_attn_metadata
-        batch = current_batch()
+        batch = self.batch_source() if self.batch_source is not None else None
         if batch is None or len(batch.slots) != cm.num_reqs:
             raise RuntimeError(
                 f"vattention: attention metadata for {cm.num_reqs} requests but the runner "
                 f"placed {0 if batch is None else len(batch.slots)} in slots this step")
-        starts = cm.query_start_loc_cpu[:cm.num_reqs + 1].tolist()
-        qlens = [b - a for a, b in zip(starts, starts[1:])]
+        starts = cm.query_start_loc_cpu[:cm.num_reqs + 1]
+        qlens = (starts[1:] - starts[:-1]).tolist()
         num_decodes = next((i for i, n in enumerate(qlens) if n != 1), len(qlens))
+        ints = dict(dtype=torch.int32, device=self.device)
         return VAttentionMetadata(
-            num_actual_tokens=cm.num_actual_tokens, num_decodes=num_decodes, query_start=starts,
-            slots=batch.slots, past=batch.past,
-            decode_slots=torch.tensor(batch.slots[:num_decodes], dtype=torch.int32,
-                                      device=self.device),
-            decode_past=torch.tensor(batch.past[:num_decodes], dtype=torch.int32,
-                                     device=self.device))
+            num_actual_tokens=cm.num_actual_tokens, num_decodes=num_decodes,
+            query_start=starts.tolist(), slots=batch.slots, past=batch.past,
+            cu_seqlens_q=starts.to(**ints), cache_batch_idx=torch.tensor(batch.slots, **ints),
+            cache_seqlens=torch.tensor(batch.past, **ints), max_query_len=max(qlens, default=0))
 
 
 class VAttentionImpl(AttentionImpl):
-    """Causal decoder self-attention over a request's contiguous row of the vattention cache."""
+    """Causal decoder self-attention over each request's contiguous row of the vattention cache,
+    with the layer's sliding window and fp8 K/V scales."""
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  alibi_slopes: Optional[List[float]], sliding_window: Optional[int],
@@ -91,12 +94,11 @@ class VAttentionImpl(AttentionImpl):
                  sinks: Optional[torch.Tensor] = None) -> None:
         unsupported = {
             "ALiBi": alibi_slopes is not None,
-            f"a sliding window ({sliding_window})": sliding_window is not None,
             f"logits soft-capping ({logits_soft_cap})": bool(logits_soft_cap),
             "attention sinks": sinks is not None,
             "cross-layer KV sharing": kv_sharing_target_layer_name is not None,
             f"{attn_type} attention": attn_type != AttentionType.DECODER,
-            f"kv_cache_dtype={kv_cache_dtype!r}": kv_cache_dtype != "auto",
+            f"kv_cache_dtype={kv_cache_dtype!r}": kv_cache_dtype not in ("auto", *FP8_DTYPES),
         }
         bad = [name for name, present in unsupported.items() if present]
         if bad:
@@ -105,6 +107,9 @@ class VAttentionImpl(AttentionImpl):
                 f"{', '.join(bad)}; unset VATTENTION_VLLM to serve this model")
         self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
         self.scale = float(scale)
+        # vLLM's window W: a query at p reads keys (p - W, p]; FlashAttention's (W - 1, 0).
+        self.window_size = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
+        self.fp8 = kv_cache_dtype != "auto"
         self.kv_sharing_target_layer_name = None
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -112,31 +117,55 @@ class VAttentionImpl(AttentionImpl):
                 output: torch.Tensor, output_scale=None, output_block_scale=None) -> torch.Tensor:
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("vattention: fused output quantization is not supported")
-        if attn_metadata is None:  # vLLM's warm-up and profiling runs carry no metadata
+        if attn_metadata is None:  # vLLM's warm-up, profiling and CUDA graph capture runs
             return output
         m = attn_metadata
+        n = m.num_actual_tokens
         k_cache, v_cache = layer.vattention_kv
-        d = m.num_decodes
-        if d:
-            out = fa.decode(query[:d].unsqueeze(1), k_cache, v_cache, key[:d].unsqueeze(1),
-                            value[:d].unsqueeze(1), m.decode_past, m.decode_slots,
-                            softmax_scale=self.scale)
-            output[:d] = out.squeeze(1)
-        for row in range(d, len(m.slots)):
-            a, b = m.query_start[row], m.query_start[row + 1]
-            output[a:b] = fa.prefill(query[a:b], key[a:b], value[a:b], k_cache, v_cache,
-                                     m.slots[row], start=m.past[row], softmax_scale=self.scale)
+        scales = {}
+        if self.fp8:   # vLLM's per-tensor scales (1.0 unless the checkpoint brings its own)
+            scales = dict(k_descale=layer._k_scale_float, v_descale=layer._v_scale_float)
+        if query.is_cuda and not _flash_varlen():
+            _per_row(self, query[:n], key[:n], value[:n], k_cache, v_cache, m, output, scales)
+            return output
+        output[:n] = fa.flash_attn_with_kvcache(
+            query[:n], k_cache, v_cache, k=key[:n], v=value[:n], cache_seqlens=m.cache_seqlens,
+            cache_batch_idx=m.cache_batch_idx, cu_seqlens_q=m.cu_seqlens_q,
+            max_seqlen_q=m.max_query_len, softmax_scale=self.scale, causal=True,
+            window_size=self.window_size, **scales)
         return output
+
+
+def _flash_varlen() -> bool:
+    """Does the installed flash-attn take varlen queries with a dense cache (FlashAttention 3)?"""
+    kernel = fa.flash_kernel()
+    return kernel is not None and "cu_seqlens_q" in inspect.signature(kernel).parameters
+
+
+def _per_row(impl: VAttentionImpl, query, key, value, k_cache, v_cache, m, output, scales):
+    """FlashAttention 2 on CUDA: one batched call for the decode rows, one per prefill chunk."""
+    d = m.num_decodes
+    common = dict(softmax_scale=impl.scale, causal=True, window_size=impl.window_size, **scales)
+    if d:
+        output[:d] = fa.flash_attn_with_kvcache(
+            query[:d].unsqueeze(1), k_cache, v_cache, k=key[:d].unsqueeze(1),
+            v=value[:d].unsqueeze(1), cache_seqlens=m.cache_seqlens[:d],
+            cache_batch_idx=m.cache_batch_idx[:d], **common).squeeze(1)
+    for row in range(d, len(m.slots)):
+        a, b = m.query_start[row], m.query_start[row + 1]
+        output[a:b] = fa.flash_attn_with_kvcache(
+            query[a:b].unsqueeze(0), k_cache, v_cache, k=key[a:b].unsqueeze(0),
+            v=value[a:b].unsqueeze(0), cache_seqlens=m.cache_seqlens[row:row + 1],
+            cache_batch_idx=m.cache_batch_idx[row:row + 1], **common).squeeze(0)
 
 
 class VAttentionBackend(AttentionBackend):
     """Dense-cache attention over vattention tensors; registered under a vLLM backend name."""
 
-    accept_output_buffer: bool = True
     forward_includes_kv_cache_update: bool = True
     supported_dtypes: ClassVar[List[torch.dtype]] = [torch.float16, torch.bfloat16,
                                                      torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", *FP8_DTYPES]
 
     @staticmethod
     def get_impl_cls():
@@ -149,7 +178,7 @@ class VAttentionBackend(AttentionBackend):
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
                            cache_dtype_str: str = "auto") -> tuple:
-        # Only vLLM's own allocator asks; the vattention runner never allocates this buffer.
+        # Only vLLM's own allocator would ask; the vattention runner never allocates this buffer.
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     @staticmethod
@@ -166,7 +195,7 @@ class VAttentionBackend(AttentionBackend):
 
     @classmethod
     def supports_sliding_window(cls) -> bool:
-        return False
+        return True   # absolute positions over the dense row; released pages are never read
 
 
 class VAttentionCPUBackend(VAttentionBackend):

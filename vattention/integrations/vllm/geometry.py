@@ -1,60 +1,77 @@
-"""How vLLM's block accounting and vattention's pages are made to agree.
+"""How vLLM's KV cache groups and blocks become one vattention cache whose pages its blocks name.
 
-vLLM's scheduler admits and preempts requests by counting KV blocks of ``block_size`` tokens
-(every layer, K and V). vattention maps pages of ``tokens_per_page`` tokens per virtual tensor.
-If a page held more tokens than a block, a request would need more physical memory than vLLM
-counted for it, and the cache would run out of pages before vLLM preempted anyone. So a page
-holds **exactly one block**: ``page_bytes = block_size * tensor_token_bytes``. Then the pages a
-request holds are exactly the blocks vLLM charged it, and the memory vLLM would have allocated
-(``num_blocks`` blocks) is exactly the budget of the page pool.
+vLLM's KV cache manager hands every request a block table per KV cache group (one group for most
+models; a full-attention group and sliding-window groups for hybrid models such as Gemma 3) and
+decides which blocks are fresh and which are prefix-cache hits. The plugin's cache names its
+physical pages by those block ids (``KVCacheConfig(num_blocks=...)``, docs/guide.md "Pages named by
+an engine's blocks"): a page index of a request's row holds exactly one vLLM block, in every
+tensor of the block's group. So:
 
-A page must also be a multiple of the backend's mapping granularity (the OS page size on the host,
-2 MB for CUDA), which may force a larger block: :func:`aligned_block_size` gives the smallest
-multiple of the requested block size that satisfies it.
+* ``page_bytes = block_size x unit_bytes`` (``unit_bytes``: one token's bytes in one tensor, the
+  gcd over tensors with per-layer shapes), and the block size must make that a multiple of the
+  backend's mapping granularity (:func:`aligned_block_size`; the plugin sets it at start-up);
+* the memory vLLM would have allocated, ``num_blocks`` blocks of its widest group, is the page
+  pool's budget; with prefix caching a block keeps its pages until vLLM hands its id out fresh,
+  which vLLM's own accounting bounds by ``num_blocks``.
 
-Every size comes from the :class:`vattention.KVCacheConfig` of the cache (and so from the core's
-one geometry); this module adds only vLLM's side of the bargain. It imports no vLLM, so it is
-tested without vLLM.
+This module reads vLLM's objects by their attributes only (no vLLM import), so it is tested without
+vLLM.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Optional, Sequence, Tuple
 
 import torch
 
 from ...config import KVCacheConfig
+from ...errors import ConfigError
 
-__all__ = ["KVGeometry", "aligned_block_size", "tensor_token_bytes"]
+__all__ = ["KVLayout", "LAYOUTS", "aligned_block_size", "kv_cache_dtype", "kv_layout",
+           "model_unit_bytes", "token_unit_bytes"]
 
 LAYOUTS = ("mega", "layer")
-# An element type of each size: the geometry depends on the bytes only.
-_BY_SIZE = {1: torch.uint8, 2: torch.float16, 4: torch.float32, 8: torch.float64}
-_LARGE_PAGE = 1 << 30  # bytes: holds any token row, to ask a config for its token stride
+# vLLM's --kv-cache-dtype -> the cache's element type ("auto": the model's dtype).
+FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+              "fp8_e5m2": torch.float8_e5m2}
+_PROBE_PAGE = 1 << 30  # bytes: holds any token row, to ask a config for its token stride
 
 
-def _config(layout: str, num_layers: int, num_kv_heads: int, head_dim: int, element_bytes: int,
-            page_bytes: int, max_seq_len: int = 1) -> KVCacheConfig:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} must be one of {LAYOUTS}")
-    return KVCacheConfig(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                         max_batch_size=1, max_seq_len=max_seq_len,
-                         dtype=_BY_SIZE[element_bytes], page_size=page_bytes, layout=layout)
+def kv_cache_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache's element type for vLLM's ``--kv-cache-dtype``.
 
-
-def tensor_token_bytes(layout: str, num_layers: int, num_kv_heads: int, head_dim: int,
-                       element_bytes: int) -> int:
-    """Bytes one token occupies in one virtual tensor (``mega``: all layers; ``layer``: one).
-
-    >>> tensor_token_bytes("mega", 2, 2, 32, 4), tensor_token_bytes("layer", 2, 2, 32, 4)
-    (512, 256)
+    >>> kv_cache_dtype("auto", torch.bfloat16), kv_cache_dtype("fp8", torch.bfloat16)
+    (torch.bfloat16, torch.float8_e4m3fn)
     """
-    return _config(layout, num_layers, num_kv_heads, head_dim, element_bytes,
-                   _LARGE_PAGE).tensor_token_bytes
+    if cache_dtype == "auto":
+        return model_dtype
+    if cache_dtype not in FP8_DTYPES:
+        raise ConfigError(f"kv_cache_dtype={cache_dtype!r} is not supported by vattention's vLLM "
+                          f"plugin; use auto or one of {sorted(FP8_DTYPES)}")
+    return FP8_DTYPES[cache_dtype]
 
 
-def aligned_block_size(block_size: int, token_bytes: int, granularity: int) -> int:
+def token_unit_bytes(layout: str, num_kv_heads: Sequence[int], head_dims: Sequence[int],
+                     dtype: torch.dtype) -> int:
+    """Bytes of one token per page-index unit: one layer's row (``layer``), every layer's
+    (``mega``), the gcd over layers with per-layer shapes. A page of ``block_size`` times this
+    holds one block.
+
+    >>> token_unit_bytes("mega", [2, 2], [32, 32], torch.float32)
+    512
+    >>> token_unit_bytes("layer", [2, 4], [32, 32], torch.float32)
+    256
+    """
+    if layout not in LAYOUTS:
+        raise ConfigError(f"layout={layout!r} must be one of {LAYOUTS}")
+    return KVCacheConfig(num_layers=len(num_kv_heads), num_kv_heads=list(num_kv_heads),
+                         head_dim=list(head_dims), max_batch_size=1, max_seq_len=1, dtype=dtype,
+                         page_size=_PROBE_PAGE, layout=layout).unit_bytes
+
+
+def aligned_block_size(block_size: int, unit_bytes: int, granularity: int) -> int:
     """Smallest multiple of ``block_size`` whose block is a whole number of ``granularity`` bytes.
 
     >>> aligned_block_size(128, 256, 4096)          # 128 * 256 = 32 KB: already aligned
@@ -62,69 +79,107 @@ def aligned_block_size(block_size: int, token_bytes: int, granularity: int) -> i
     >>> aligned_block_size(16, 2048, 2 << 20)       # CUDA, Llama-3-8B layer layout: 2 MB blocks
     1024
     """
-    if block_size < 1 or token_bytes < 1 or granularity < 1:
-        raise ValueError(f"block_size={block_size}, token_bytes={token_bytes} and "
+    if block_size < 1 or unit_bytes < 1 or granularity < 1:
+        raise ValueError(f"block_size={block_size}, unit_bytes={unit_bytes} and "
                          f"granularity={granularity} must be >= 1")
-    step = granularity // math.gcd(granularity, token_bytes)   # tokens per aligned unit
-    return block_size * step // math.gcd(block_size, step)      # lcm(block_size, step)
+    step = granularity // math.gcd(granularity, unit_bytes)   # tokens per aligned unit
+    return block_size * step // math.gcd(block_size, step)     # lcm(block_size, step)
 
 
 @dataclasses.dataclass(frozen=True)
-class KVGeometry:
-    """The cache vLLM's KV config asks for, in vattention terms.
+class KVLayout:
+    """vLLM's KV cache (groups, blocks) as one vattention cache.
 
-    Parameters
-    ----------
-    num_layers, num_kv_heads, head_dim, element_bytes : int
-        Attention layers of this worker, KV heads of this tensor-parallel rank, head size, and
-        bytes per element of the KV dtype.
-    block_size : int
-        vLLM's block size in tokens (already aligned, see :func:`aligned_block_size`).
-    num_blocks : int
-        Blocks vLLM's KV cache manager was sized for: the memory it would have allocated.
-    layout : str
-        ``"mega"`` or ``"layer"`` (see :class:`vattention.KVCacheConfig`).
+    ``layer_names[i]`` is the vLLM attention layer whose K/V are ``cache.layer(i)``; layers are in
+    group order (group 0's, then group 1's, ...), ``layer_groups[i]`` is layer i's group.
 
     Examples
     --------
-    >>> g = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=32, element_bytes=4,
-    ...                block_size=128, num_blocks=64, layout="mega")
-    >>> g.page_bytes, g.memory_budget, g.pages_per_block
-    (65536, 8388608, 2)
+    >>> from types import SimpleNamespace as NS
+    >>> full = NS(block_size=16, num_kv_heads=2, head_size=32, sliding_window=None)
+    >>> swa = NS(block_size=16, num_kv_heads=2, head_size=32, sliding_window=64)
+    >>> kv = NS(num_blocks=100, kv_cache_groups=[NS(kv_cache_spec=full, layer_names=["l.1"]),
+    ...                                          NS(kv_cache_spec=swa, layer_names=["l.0"])])
+    >>> layout = kv_layout(kv, torch.float32, "auto")
+    >>> layout.layout, layout.layer_groups, layout.windows, layout.block_size
+    ('layer', (0, 1), (None, 64), 16)
+    >>> cfg = layout.cache_config(max_batch_size=4, max_seq_len=256, device="cpu",
+    ...                           block_cache=True)
+    >>> cfg.page_bytes, cfg.tokens_per_page, layout.memory_budget(cfg)   # 100 blocks x 2 pages
+    (4096, 16, 819200)
     """
 
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    element_bytes: int
+    layer_names: Tuple[str, ...]
+    layer_groups: Tuple[int, ...]
+    windows: Tuple[Optional[int], ...]
+    num_kv_heads: Tuple[int, ...]
+    head_dims: Tuple[int, ...]
+    dtype: torch.dtype
     block_size: int
     num_blocks: int
-    layout: str = "mega"
+    layout: str
 
     @property
-    def config(self) -> KVCacheConfig:
-        """A one-slot, one-block ``KVCacheConfig`` of this geometry (its sizes are the cache's)."""
-        token = tensor_token_bytes(self.layout, self.num_layers, self.num_kv_heads,
-                                   self.head_dim, self.element_bytes)
-        return _config(self.layout, self.num_layers, self.num_kv_heads, self.head_dim,
-                       self.element_bytes, self.block_size * token, self.block_size)
+    def num_groups(self) -> int:
+        return max(self.layer_groups) + 1
 
-    @property
-    def token_bytes(self) -> int:
-        """Bytes of one token in one virtual tensor."""
-        return self.config.tensor_token_bytes
+    def cache_config(self, *, max_batch_size: int, max_seq_len: int, device: str,
+                     block_cache: bool) -> KVCacheConfig:
+        """The cache: one page index per vLLM block, pages named by vLLM's block ids."""
+        unit = token_unit_bytes(self.layout, self.num_kv_heads, self.head_dims, self.dtype)
+        return KVCacheConfig(
+            num_layers=len(self.layer_names), num_kv_heads=list(self.num_kv_heads),
+            head_dim=list(self.head_dims), max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len, dtype=self.dtype, device=device,
+            page_size=self.block_size * unit, layout=self.layout,
+            sliding_window=list(self.windows) if any(self.windows) else None,
+            num_blocks=self.num_blocks, block_cache=block_cache,
+            layer_groups=list(self.layer_groups) if self.num_groups > 1 else None)
 
-    @property
-    def page_bytes(self) -> int:
-        """One page holds one block of one tensor."""
-        return self.config.page_bytes
+    def memory_budget(self, config: KVCacheConfig) -> int:
+        """Bytes of the ``num_blocks`` blocks vLLM would have allocated (its widest group's)."""
+        return self.num_blocks * config.geometry.group_width * config.page_bytes
 
-    @property
-    def pages_per_block(self) -> int:
-        """Pages backing one vLLM block: one per virtual tensor (2 for mega, 2 x layers else)."""
-        return self.config.pages_per_index
 
-    @property
-    def memory_budget(self) -> int:
-        """Bytes of the ``num_blocks`` blocks vLLM would have allocated up front."""
-        return self.num_blocks * self.config.pages_for_tokens(self.block_size) * self.page_bytes
+def kv_layout(kv_cache_config, dtype: torch.dtype, layout: str) -> KVLayout:
+    """vLLM's ``KVCacheConfig`` (groups of layers sharing a spec, ``num_blocks``) as a
+    :class:`KVLayout`. ``layout``: ``"auto"`` (``mega`` for one group, ``layer`` for several),
+    ``"mega"`` or ``"layer"``. Raises :class:`ConfigError` for what one cache cannot hold, naming
+    it.
+    """
+    groups = list(kv_cache_config.kv_cache_groups)
+    names, group_of, windows, heads, dims, block_sizes = [], [], [], [], [], set()
+    for g, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        kind = type(spec).__name__
+        for needed in ("block_size", "num_kv_heads", "head_size"):
+            if not hasattr(spec, needed):
+                raise ConfigError(f"vattention's vLLM plugin serves attention KV caches; KV cache "
+                                  f"group {g} is a {kind} (unset VATTENTION_VLLM)")
+        if getattr(spec, "attention_chunk_size", None):
+            raise ConfigError(f"KV cache group {g} ({kind}) uses chunked local attention, which "
+                              "vattention's vLLM plugin does not serve (unset VATTENTION_VLLM)")
+        block_sizes.add(spec.block_size)
+        for name in group.layer_names:
+            names.append(name)
+            group_of.append(g)
+            windows.append(getattr(spec, "sliding_window", None) or None)
+            heads.append(spec.num_kv_heads)
+            dims.append(spec.head_size)
+    if len(block_sizes) != 1:
+        raise ConfigError(f"vLLM's KV cache groups have block sizes {sorted(block_sizes)}; one "
+                          "vattention cache holds one block per page index in every group, so "
+                          "they must share one block size (layers of different page sizes)")
+    if layout == "auto":
+        layout = "mega" if len(groups) == 1 and len(set(zip(heads, dims))) == 1 else "layer"
+    if layout == "mega" and len(groups) > 1:
+        raise ConfigError(f"this model has {len(groups)} KV cache groups (hybrid sliding-window "
+                          "and full-attention layers): they need VATTENTION_VLLM_LAYOUT=layer")
+    return KVLayout(tuple(names), tuple(group_of), tuple(windows), tuple(heads), tuple(dims),
+                    dtype, block_sizes.pop(), int(kv_cache_config.num_blocks), layout)
+
+
+def model_unit_bytes(layout: str, num_layers: int, num_kv_heads: int, head_dim: int,
+                     dtype: torch.dtype) -> int:
+    """:func:`token_unit_bytes` of a model of uniform layers (what start-up knows)."""
+    return token_unit_bytes(layout, [num_kv_heads] * num_layers, [head_dim] * num_layers, dtype)

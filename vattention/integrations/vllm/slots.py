@@ -10,11 +10,12 @@ __all__ = ["RequestSlots"]
 
 
 class RequestSlots:
-    """Request id -> slot of one :class:`~vattention.KVCache`.
+    """Request id -> slot of one :class:`~vattention.KVCache`, and the length of its block table.
 
     A request takes a slot the first time it is scheduled (:meth:`slot_for`) and gives it back
     when it finishes, is aborted or is preempted (:meth:`release`); a preempted request that
-    resumes is recomputed from its prompt in whatever slot it gets next.
+    resumes is recomputed from its prompt in whatever slot it gets next. :meth:`table` keeps how
+    many blocks its table names (vLLM's appended blocks start there).
 
     Examples
     --------
@@ -33,6 +34,7 @@ class RequestSlots:
     def __init__(self, cache: KVCache) -> None:
         self._cache = cache
         self._slots: Dict[str, int] = {}
+        self._table: Dict[str, int] = {}   # request id -> blocks its table names
         self.peak = 0          # most slots held at once
         self.served = 0        # slots handed out (a resumed request counts again)
 
@@ -50,9 +52,20 @@ class RequestSlots:
             self.peak = max(self.peak, len(self._slots))
         return slot
 
+    def table(self, req_id: str, blocks: int = 0) -> int:
+        """Blocks the request's table named before this call; it names ``blocks`` more after."""
+        before = self._table.get(req_id, 0)
+        self._table[req_id] = before + blocks
+        return before
+
+    def replace_table(self, req_id: str, blocks: int) -> None:
+        """The request's table is a new one of ``blocks`` blocks (new or resumed requests)."""
+        self._table[req_id] = blocks
+
     def release(self, req_ids: Iterable[str]) -> None:
         """Free the slots of these requests (ids that hold none are ignored)."""
         for req_id in req_ids:
+            self._table.pop(req_id, None)
             slot = self._slots.pop(req_id, None)
             if slot is not None:
                 self._cache.free(slot)

@@ -1,10 +1,12 @@
 """Worker classes the plugin names in ``parallel_config.worker_cls``.
 
 Each is vLLM's own worker whose model runner is the vattention runner
-(:class:`.runner.VAttentionRunnerMixin` in front of vLLM's runner class). vLLM's workers build
-their runner inside ``init_device`` with a hard-coded class, so ``init_device`` builds vLLM's and
-then replaces it with ours before any model or KV cache exists (the first one only held empty
-input buffers). ``shutdown`` gives back the slots still held and writes the final statistics.
+(:class:`.runner.VAttentionRunnerMixin` in front of vLLM's V1 runner class, which the plugin
+selects: see plugin.py). vLLM's GPU worker builds its runner in ``_make_model_runner``, its plugin
+point for exactly this; the CPU worker builds its runner inside ``init_device`` with a fixed
+class, so ``init_device`` builds vLLM's and then replaces it with ours before any model or KV cache
+exists (the first one only held empty input buffers). ``shutdown`` gives back the slots still held
+and writes the final statistics.
 """
 
 from __future__ import annotations
@@ -25,16 +27,10 @@ class VAttentionCPUModelRunner(VAttentionRunnerMixin, CPUModelRunner):
 
 
 class VAttentionGPUModelRunner(VAttentionRunnerMixin, GPUModelRunner):
-    """vLLM's GPU model runner with its KV cache in vattention (needs ``enforce_eager``)."""
+    """vLLM's (V1) GPU model runner with its KV cache in vattention."""
 
 
-class _VAttentionWorkerMixin:
-    runner_cls: type
-
-    def init_device(self) -> None:
-        super().init_device()
-        self.model_runner = self.runner_cls(self.vllm_config, self.device)
-
+class _ShutdownMixin:
     def shutdown(self) -> None:
         runner = getattr(self, "model_runner", None)
         if isinstance(runner, VAttentionRunnerMixin):
@@ -42,13 +38,19 @@ class _VAttentionWorkerMixin:
         super().shutdown()
 
 
-class VAttentionCPUWorker(_VAttentionWorkerMixin, CPUWorker):
+class VAttentionCPUWorker(_ShutdownMixin, CPUWorker):
     """vLLM's CPU worker running :class:`VAttentionCPUModelRunner`."""
 
-    runner_cls = VAttentionCPUModelRunner
+    def init_device(self) -> None:
+        super().init_device()
+        self.model_runner = VAttentionCPUModelRunner(self.vllm_config, self.device)
 
 
-class VAttentionGPUWorker(_VAttentionWorkerMixin, Worker):
+class VAttentionGPUWorker(_ShutdownMixin, Worker):
     """vLLM's GPU worker running :class:`VAttentionGPUModelRunner`."""
 
-    runner_cls = VAttentionGPUModelRunner
+    def _make_model_runner(self) -> GPUModelRunner:
+        if self.use_v2_model_runner:   # the plugin selects V1 (plugin.select_v1_runner)
+            raise RuntimeError("vattention: vLLM chose its V2 model runner although the plugin "
+                               "set VLLM_USE_V2_MODEL_RUNNER=0; please report this")
+        return VAttentionGPUModelRunner(self.vllm_config, self.device)
