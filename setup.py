@@ -21,6 +21,10 @@ def cuda_include_dir():
 
 
 sources = sorted(glob.glob("csrc/*.cpp"))
+# The CPU attention kernel and its pybind glue (folders are build units). -fopenmp: the kernel runs
+# on the OpenMP runtime torch already loaded (libgomp.so.1, same soname). setuptools takes flags
+# per extension; only csrc/attention has OpenMP pragmas, so the flag changes no other object.
+sources += sorted(glob.glob("csrc/attention/*.cpp")) + sorted(glob.glob("csrc/python/*.cpp"))
 include_dirs = ["csrc"]
 macros = []
 cuda_include = cuda_include_dir()
@@ -40,7 +44,8 @@ ext_modules = [] if os.environ.get("VATTENTION_EXT") == "none" else [
         include_dirs=include_dirs,
         define_macros=macros,
         cxx_std=17,
-        extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+        extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fopenmp"],
+        extra_link_args=["-fopenmp"],
         libraries=["dl"],
     )
 ]

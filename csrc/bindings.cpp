@@ -20,6 +20,7 @@
 #include "errors.h"
 #include "host_backend.h"
 #include "kv_cache.h"
+#include "python/attention_bindings.h"
 
 namespace py = pybind11;
 using vattention::Error;
@@ -191,6 +192,7 @@ vattention::HostBackend& host_backend(KVCacheCore& core) {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "vattention C++ core (see vattention.KVCache for the public API)";
+  register_attention(m);  // the CPU attention kernel (csrc/attention)
   py::register_exception_translator([](std::exception_ptr p) {
     if (!p) return;
     try {
