@@ -270,7 +270,7 @@ void append(const Args& a, const Request& rq, int64_t t0, int64_t t1) {
 // ---- planning.
 
 struct CombineGroup {
-  int32_t request, kv_head, q_begin, q_end;
+  int32_t request, kv_head, kv_heads, q_begin, q_end;
   int32_t first_partial, num_partials;
 };
 
@@ -308,19 +308,23 @@ Plan make_plan(const Args& a, const Shape& s, const std::vector<Request>& reqs, 
         }
       }
       const int64_t rows = (q1 - q0) * g;
-      // estimated cycles: bytes at ~8 per cycle, plus 2 FMAs per row, key and d at 32 per cycle
+      // estimated cycles per key and KV head: bytes at ~8 per cycle, plus 2 FMAs per row and d at
+      // 32 per cycle
       const double rows_padded = decode ? static_cast<double>(rows) : static_cast<double>((rows + 15) / 16 * 16);
       const double per_key = bytes_per_key / 8.0 + rows_padded * static_cast<double>(d) / 16.0;
-      for (int64_t h = 0; h < a.num_kv_heads; ++h) {
+      const int64_t heads_per_item = decode ? a.num_kv_heads : 1;
+      for (int64_t h = 0; h < a.num_kv_heads; h += heads_per_item) {
         WorkItem it;
         it.request = static_cast<int32_t>(rq.index);
         it.kv_head = static_cast<int32_t>(h);
+        it.kv_heads = static_cast<int32_t>(heads_per_item);
         it.q_begin = static_cast<int32_t>(q0);
         it.q_end = static_cast<int32_t>(q1);
         it.k_begin = kb;
         it.k_end = ke;
         it.kind = decode ? ItemKind::kDecode : ItemKind::kPrefill;
-        it.cost = per_key * static_cast<double>(ke - kb) + 200.0 + static_cast<double>(rows * d) / 4.0;
+        it.cost = static_cast<double>(heads_per_item) * (per_key * static_cast<double>(ke - kb) + 200.0 +
+                                                          static_cast<double>(rows * d) / 4.0);
         plan.total_cost += it.cost;
         plan.items.push_back(it);
       }
@@ -339,10 +343,10 @@ Plan make_plan(const Args& a, const Shape& s, const std::vector<Request>& reqs, 
         split.push_back(it);
         continue;
       }
-      const int64_t rows = (it.q_end - it.q_begin) * g;
+      const int64_t rows = (it.q_end - it.q_begin) * g * it.kv_heads;
       const int64_t chunk = (keys + parts - 1) / parts;
       const int64_t step = (chunk + 15) / 16 * 16;
-      CombineGroup cg{it.request, it.kv_head, it.q_begin, it.q_end, next_partial, 0};
+      CombineGroup cg{it.request, it.kv_head, it.kv_heads, it.q_begin, it.q_end, next_partial, 0};
       for (int64_t k0 = it.k_begin; k0 < it.k_end; k0 += step) {
         WorkItem part = it;
         part.k_begin = k0;
@@ -377,7 +381,8 @@ void write_row(const float* src, float scale, void* dst, int64_t d) {
 void combine(const Args& a, const Shape& s, const Request& rq, const CombineGroup& cg, float* partials,
              const Plan& plan, float* tmp) {
   const int64_t g = s.group, dp = s.dp, d = a.head_dim;
-  const int64_t rows = (cg.q_end - cg.q_begin) * g;
+  const int64_t per_head = (cg.q_end - cg.q_begin) * g;
+  const int64_t rows = per_head * cg.kv_heads;
   const size_t esize = static_cast<size_t>(element_bytes(a.dtype));
   for (int64_t r = 0; r < rows; ++r) {
     float mmax = -HUGE_VALF;
@@ -397,7 +402,8 @@ void combine(const Args& a, const Shape& s, const Request& rq, const CombineGrou
       }
     }
     const float scale = lsum > 0.0f ? s.out_scale / lsum : 0.0f;
-    const int64_t j = cg.q_begin + r / g, h = cg.kv_head * g + r % g;
+    const int64_t hr = r % per_head;  // row within its KV head
+    const int64_t j = cg.q_begin + hr / g, h = (cg.kv_head + r / per_head) * g + hr % g;
     const int64_t off = rq.index * a.out.s_batch + (rq.q_start + j) * a.out.s_token + h * a.out.s_head;
     void* dst = static_cast<char*>(a.out.data) + off * static_cast<int64_t>(esize);
     switch (a.dtype) {
@@ -427,6 +433,7 @@ void flash_attn_with_kvcache(const Args& a) {
   s.group = a.num_heads / a.num_kv_heads;
   s.dp = (a.head_dim + kt.width - 1) / kt.width * kt.width;
   s.block_keys = std::max<int64_t>(16, std::min<int64_t>(128, 8192 / s.dp / 16 * 16));
+  if (getenv("VATTN_BK")) s.block_keys = atoi(getenv("VATTN_BK"));
   const bool fp8 = is_fp8(a.cache_dtype);
   s.q_scale = a.softmax_scale * kLog2e * (fp8 ? a.k_descale : 1.0f);
   s.out_scale = fp8 ? a.v_descale : 1.0f;
@@ -458,7 +465,8 @@ void flash_attn_with_kvcache(const Args& a) {
       const WorkItem& it = plan.items[static_cast<size_t>(i)];
       const Request& rq = reqs[static_cast<size_t>(it.request)];
       if (it.partial >= 0) {
-        const PartialView pv = partial_view(partials, plan, it.partial, (it.q_end - it.q_begin) * s.group, s.dp);
+        const PartialView pv =
+            partial_view(partials, plan, it.partial, (it.q_end - it.q_begin) * s.group * it.kv_heads, s.dp);
         kt.run_item(a, s, rq, it, mine, &pv);
       } else {
         kt.run_item(a, s, rq, it, mine, nullptr);

@@ -6,19 +6,23 @@
 // Two kernels, both flash-attention style (online softmax over blocks of keys, fp32 accumulation,
 // scores in base 2: q is pre-scaled by softmax_scale * log2(e), so exp becomes exp2):
 //
-// - decode_item<P>: rows = queries x group heads <= 8, padded to P in {1, 2, 4, 8}. Vectors run
-//   along head_dim: a tile of W/P keys x P rows makes W dot products, reduced together into one
-//   vector of W scores (Vec::reduce). K and V rows are read straight from the cache, once per
-//   item (so once per GQA group), in order: this kernel is bound by memory bandwidth.
-// - prefill_item: up to 64 rows. q is packed transposed (Qt[d][row]) once per item, so vectors
-//   run along rows: S^T[key][row] = sum_d K[key][d] * Qt[d][row] is a register-blocked
-//   micro-kernel (KC keys x NV row vectors per step of d, K broadcast), the softmax is vertical
-//   (row max = max over keys, no horizontal reduction), and O[row][d] += P^T[key][row] * V[key][d]
-//   is a second micro-kernel (RO rows x NV vectors of d). Non-fp32 caches are converted block by
-//   block into fp32 scratch (once per block, amortized over all rows).
+// - decode_item<P, HC>: rows per KV head = queries x group heads <= 8, padded to P in
+//   {1, 2, 4, 8}; one item covers every KV head of a request. Vectors run along head_dim: a tile
+//   of W (token, head, row) dot products is reduced at once (Vec::reduce) into W scores. K rows
+//   are read in address order (token by token, all heads of a token), so the hardware
+//   prefetchers stream them; P V is token-major for P = 1 and head-major with register
+//   accumulators for P >= 2 (V prefetched in address order during the QK^T pass). Bound by
+//   memory bandwidth for P = 1.
+// - prefill_item: up to 64 rows (queries x group heads of one KV head). q is packed transposed
+//   (Qt[d][row]) once per item, so vectors run along rows: S^T[key][row] = sum_d K[key][d] *
+//   Qt[d][row] is a register-blocked micro-kernel (KC keys x NV row vectors per step of d, K
+//   broadcast), the softmax is vertical (row max = max over keys, no horizontal reduction), and
+//   O[row][d] += P^T[key][row] * V[key][d] is a second micro-kernel (RO rows x NV vectors of d).
+//   Non-fp32 caches are converted block by block into fp32 scratch (once per block, amortized
+//   over all rows).
 //
-// Neither kernel touches a key outside [it.k_begin, it.k_end), which the planner clipped to the
-// union of the rows' visible ranges.
+// Neither kernel touches (nor prefetches) a key outside [it.k_begin, it.k_end), which the planner
+// clipped to the union of the rows' visible ranges.
 
 using F = Vec::F;
 using I = Vec::I;
@@ -142,60 +146,87 @@ inline RowRanges row_ranges(const Args& a, const Request& rq, const WorkItem& it
 
 // ------------------------------------------------------------------------------------------------
 // Decode kernel.
+//
+// An item covers all KV heads of one request over a key range and walks the keys token by token:
+// the K (and V) rows of all heads of a token are adjacent in a vattention cache, so the item reads
+// one sequential stream that the hardware prefetchers follow. (One head at a time reads a
+// head_dim slice every token stride, a page or more apart: measured ~40% slower per core.)
+//
+// Score tiles hold W (token, head, row) lanes: u = (kc * hc + hh) * P + r for token kc of the
+// tile, head hh of a chunk of hc heads, row r (query x group member, padded to P).
 
-// Scores of a tile: lane kc * P + r = q_r . k_kc, for KT = W / P keys; rows[kc] points at key
-// kc's row (a zero row for keys past the end of the range).
-template <int P, typename KT>
-inline F qk_tile(const float* q, int64_t dp, int64_t d, const KT* const* rows) {
-  constexpr int kTile = W / P;
+// W dot products: lane j * P + r = q[j % HC][r] . krows[j] for the W / P (token, head) pairs
+// j = kc * HC + hh of the tile, pair by pair: the tile's K rows are read in address order (token
+// kc, head hh), one sequential stream; krows[j] is a zero row past the range's end.
+template <int P, int HC, typename KT>
+inline F qk_tile(const float* const* qrows, const KT* const* krows, int64_t dp, int64_t d) {
+  constexpr int kPairs = W / P;
   F acc[W];
   VATTN_UNROLL
   for (int u = 0; u < W; ++u) acc[u] = Vec::zero();
   const int64_t dfull = d - d % W;
-  for (int64_t x = 0; x < dfull; x += W) {
-    F qv[P];
-    VATTN_UNROLL
-    for (int r = 0; r < P; ++r) qv[r] = Vec::load(q + r * dp + x);
-    VATTN_UNROLL
-    for (int kc = 0; kc < kTile; ++kc) {
-      const F kv = Vec::load(rows[kc] + x);
+  VATTN_UNROLL
+  for (int j = 0; j < kPairs; ++j) {
+    const KT* kr = krows[j];
+    const float* qr = qrows[j % HC];
+    for (int64_t x = 0; x < dfull; x += W) {
+      const F kv = Vec::load(kr + x);
       VATTN_UNROLL
-      for (int r = 0; r < P; ++r) acc[kc * P + r] = Vec::fmadd(qv[r], kv, acc[kc * P + r]);
+      for (int r = 0; r < P; ++r) acc[j * P + r] = Vec::fmadd(Vec::load(qr + r * dp + x), kv, acc[j * P + r]);
     }
-  }
-  if (dfull < d) {
-    VATTN_UNROLL
-    for (int kc = 0; kc < kTile; ++kc) {
-      const F kv = load_n(rows[kc] + dfull, d - dfull);
+    if (dfull < d) {
+      const F kv = load_n(kr + dfull, d - dfull);
       VATTN_UNROLL
-      for (int r = 0; r < P; ++r) acc[kc * P + r] = Vec::fmadd(Vec::load(q + r * dp + dfull), kv, acc[kc * P + r]);
+      for (int r = 0; r < P; ++r) acc[j * P + r] = Vec::fmadd(Vec::load(qr + r * dp + dfull), kv, acc[j * P + r]);
     }
   }
   return Vec::reduce(acc);
 }
 
-// Prefetch the cache lines of `bytes` bytes at p (a key or value row).
-inline void prefetch_row(const void* p, int64_t bytes) {
+// acc[r][0, d) += p[r] * v[0, d) for the P rows of one head and one token (acc rows ald apart).
+template <int P, typename VT>
+inline void pv_token(float* acc, int64_t ald, int64_t d, const float* p, const VT* v) {
+  F pb[P];
+  VATTN_UNROLL
+  for (int r = 0; r < P; ++r) pb[r] = Vec::set1(p[r]);
+  const int64_t dfull = d - d % W;
+  for (int64_t x = 0; x < dfull; x += W) {
+    const F vv = Vec::load(v + x);
+    VATTN_UNROLL
+    for (int r = 0; r < P; ++r) Vec::store(acc + r * ald + x, Vec::fmadd(pb[r], vv, Vec::load(acc + r * ald + x)));
+  }
+  if (dfull < d) {
+    const F vv = load_n(v + dfull, d - dfull);
+    VATTN_UNROLL
+    for (int r = 0; r < P; ++r) {
+      Vec::store(acc + r * ald + dfull, Vec::fmadd(pb[r], vv, Vec::load(acc + r * ald + dfull)));
+    }
+  }
+}
+
+// Prefetch the cache lines of [p, p + bytes).
+inline void prefetch_bytes(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) Vec::prefetch(c + off);
 }
 
-// acc[r][x0, x0 + NV*W) += sum over the block's keys of p[key][r] * v[key][...].
-template <int P, int NV, bool kTail, typename VT>
-inline void pv_rows(float* acc, int64_t dp, int64_t x0, const float* sc, const VT* v, int64_t vst,
-                    int64_t nb, int64_t tail) {
-  constexpr int kTile = W / P;
+// Head-major P V over a block: acc[r][x0, x0 + NV * W) += sum_kk prob(kk)[r] * v[kk][x0, ...] for
+// the P rows of one head, acc in registers for the whole block (V comes from cache: the QK pass
+// prefetched it). The last vector reads `tail` < W elements when tail > 0.
+template <int P, int NV, typename VT, typename ProbFn>
+inline void pv_head(float* acc, int64_t ald, const VT* v, int64_t vst, int64_t nb, const ProbFn& prob,
+                    int64_t tail) {
   F o[P][NV];
   VATTN_UNROLL
   for (int r = 0; r < P; ++r)
     VATTN_UNROLL
-    for (int i = 0; i < NV; ++i) o[r][i] = Vec::load(acc + r * dp + x0 + i * W);
-  for (int64_t kc = 0; kc < nb; ++kc) {
-    const float* pk = sc + (kc / kTile) * W + (kc % kTile) * P;
-    const VT* vr = v + kc * vst + x0;
+    for (int i = 0; i < NV; ++i) o[r][i] = Vec::load(acc + r * ald + i * W);
+  for (int64_t kk = 0; kk < nb; ++kk) {
+    const float* pk = prob(kk);
+    const VT* vr = v + kk * vst;
     F vv[NV];
     VATTN_UNROLL
-    for (int i = 0; i < NV; ++i) vv[i] = (kTail && i == NV - 1) ? load_n(vr + i * W, tail) : Vec::load(vr + i * W);
+    for (int i = 0; i < NV; ++i) vv[i] = (tail && i == NV - 1) ? load_n(vr + i * W, tail) : Vec::load(vr + i * W);
     VATTN_UNROLL
     for (int r = 0; r < P; ++r) {
       const F pb = Vec::set1(pk[r]);
@@ -206,20 +237,18 @@ inline void pv_rows(float* acc, int64_t dp, int64_t x0, const float* sc, const V
   VATTN_UNROLL
   for (int r = 0; r < P; ++r)
     VATTN_UNROLL
-    for (int i = 0; i < NV; ++i) Vec::store(acc + r * dp + x0 + i * W, o[r][i]);
+    for (int i = 0; i < NV; ++i) Vec::store(acc + r * ald + i * W, o[r][i]);
 }
 
-template <int P, typename VT>
-inline void pv_block(float* acc, int64_t dp, int64_t d, const float* sc, const VT* v, int64_t vst,
-                     int64_t nb) {
-  constexpr int kMaxNv = (Vec::kRegs / 2) / P > 0 ? ((Vec::kRegs / 2) / P > 8 ? 8 : (Vec::kRegs / 2) / P) : 1;
+template <int P, typename VT, typename ProbFn>
+inline void pv_head_all(float* acc, int64_t ald, int64_t d, const VT* v, int64_t vst, int64_t nb,
+                        const ProbFn& prob) {
+  constexpr int kNv = (Vec::kRegs / 2) / P >= 8 ? 8 : ((Vec::kRegs / 2) / P >= 1 ? (Vec::kRegs / 2) / P : 1);
   const int64_t nfull = d / W;
   int64_t i = 0;
-  for (; i + kMaxNv <= nfull; i += kMaxNv) pv_rows<P, kMaxNv, false>(acc, dp, i * W, sc, v, vst, nb, 0);
-  for (; i + 4 <= nfull && kMaxNv > 4; i += 4) pv_rows<P, 4, false>(acc, dp, i * W, sc, v, vst, nb, 0);
-  for (; i + 2 <= nfull && kMaxNv > 2; i += 2) pv_rows<P, 2, false>(acc, dp, i * W, sc, v, vst, nb, 0);
-  for (; i < nfull; ++i) pv_rows<P, 1, false>(acc, dp, i * W, sc, v, vst, nb, 0);
-  if (d % W) pv_rows<P, 1, true>(acc, dp, nfull * W, sc, v, vst, nb, d % W);
+  for (; i + kNv <= nfull; i += kNv) pv_head<P, kNv>(acc + i * W, ald, v + i * W, vst, nb, prob, 0);
+  for (; i < nfull; ++i) pv_head<P, 1>(acc + i * W, ald, v + i * W, vst, nb, prob, 0);
+  if (d % W) pv_head<P, 1>(acc + nfull * W, ald, v + nfull * W, vst, nb, prob, d % W);
 }
 
 template <typename T>
@@ -227,108 +256,170 @@ inline const T* cache_ptr(const Operand& o, int64_t row, int64_t t, int64_t h) {
   return static_cast<const T*>(o.data) + row * o.s_batch + t * o.s_token + h * o.s_head;
 }
 
-// Write rows [0, n) of acc (and m, l) as the item's output or partial result.
-inline void finish_rows(const Args& a, const Shape& s, const Request& rq, const RowMap& map, int64_t n,
-                        const float* m, const float* l, const float* acc, int64_t acc_ld,
-                        const PartialView* part) {
-  const int64_t dp = s.dp;
-  for (int64_t r = 0; r < n; ++r) {
-    if (part) {
-      part->m[r] = m[r];
-      part->l[r] = l[r];
-      std::memcpy(part->acc + r * dp, acc + r * acc_ld, static_cast<size_t>(dp) * sizeof(float));
-    } else {
-      const float scale = l[r] > 0.0f ? s.out_scale / l[r] : 0.0f;
-      store_out_row(acc + r * acc_ld, scale, out_row(a, rq, map.query(r), map.head(r)),
-                    a.dtype, a.head_dim);
-    }
+// Heads per chunk of a decode item: the largest power of two <= heads with hc * P <= W, so that
+// a tile covers whole tokens where it can. (Tiles of 4 tokens x 1 head, which reuse each q
+// vector for 4 keys, measured up to 2x slower: interleaving token rows defeats the prefetchers.)
+inline int64_t decode_chunk_heads(int64_t heads, int64_t p) {
+  int64_t hc = 1;
+  while (hc * 2 <= heads && hc * 2 * p <= W) hc *= 2;
+  return hc;
+}
+
+// Writes row (query j, query head h) of the item: the output, or partial row `slot` of `part`.
+inline void emit_row(const Args& a, const Shape& s, const Request& rq, int64_t j, int64_t h, const float* acc,
+                     float m, float l, const PartialView* part, int64_t slot) {
+  if (part) {
+    part->m[slot] = m;
+    part->l[slot] = l;
+    std::memcpy(part->acc + slot * s.dp, acc, static_cast<size_t>(s.dp) * sizeof(float));
+  } else {
+    store_out_row(acc, l > 0.0f ? s.out_scale / l : 0.0f, out_row(a, rq, j, h), a.dtype, a.head_dim);
   }
 }
 
-template <int P, typename KT>
+template <int P, int HC, typename KT>
 void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkItem& it, float* scratch,
                  const PartialView* part) {
-  constexpr int kTile = W / P;
-  const int64_t d = a.head_dim, dp = s.dp, bk = s.block_keys;
-  const RowMap map{it.q_begin, s.group, it.kv_head};
-  const int64_t n = (it.q_end - it.q_begin) * s.group;  // real rows, <= P
-  float* q = scratch;
-  float* acc = q + P * dp;
-  float* sc = acc + P * dp;
-  const KT* zero = reinterpret_cast<const KT*>(sc + bk * P);  // dp zero floats: a zero key row
-  std::memset(sc + bk * P, 0, static_cast<size_t>(dp) * sizeof(float));
-  std::memset(acc, 0, static_cast<size_t>(P * dp) * sizeof(float));
+  constexpr int kPairs = W / P;
+  const int64_t d = a.head_dim, dp = s.dp, bk = s.block_keys, g = s.group;
+  const int64_t nh = it.kv_heads;
+  const int64_t hc = HC;
+  const int64_t chunks = (nh + hc - 1) / hc;
+  const int64_t kt = W / (hc * P);                 // tokens per tile
+  const int64_t tpb = (bk + kt - 1) / kt;          // tiles per block (and chunk)
+  const int64_t rows = chunks * hc * P;            // padded rows, head-major: h * P + r
+  const int64_t nrow = (it.q_end - it.q_begin) * g;  // real rows per head, <= P
+  const RowMap map{it.q_begin, g, 0};
+  float* q = scratch;                              // [rows][dp]
+  const int64_t ald = dp;                          // acc row stride
+  float* acc = q + rows * dp;                      // [rows][ald]
+  float* sc = acc + rows * ald;                    // [chunks][tpb][W]
+  float* mrun = sc + chunks * tpb * W;             // [chunks][W]
+  float* lrun = mrun + chunks * W;                 // [chunks][W]
+  float* mblk = lrun + chunks * W;                 // [chunks][W]
+  float* zero_f = mblk + chunks * W;               // [dp] zeros: a key row for padding lanes
+  std::memset(zero_f, 0, static_cast<size_t>(dp) * sizeof(float));
+  std::memset(acc, 0, static_cast<size_t>(rows * ald) * sizeof(float));
+  const KT* zero = reinterpret_cast<const KT*>(zero_f);
 
   int32_t lo[W], hi[W], lane_lo[W], lane_hi[W], lane_key[W];
-  const RowRanges rr = row_ranges(a, rq, it, map, n, P, lo, hi);
-  VATTN_UNROLL
-  for (int r = 0; r < P; ++r) {
-    const int64_t rs = r < n ? r : 0;
-    load_q_row(q_row(a, rq, map.query(rs), map.head(rs)), a.dtype, d, s.q_scale, q + r * dp, dp);
+  const RowRanges rr = row_ranges(a, rq, it, map, nrow, P, lo, hi);
+  for (int64_t h = 0; h < chunks * hc; ++h) {
+    for (int r = 0; r < P; ++r) {
+      float* dst = q + (h * P + r) * dp;
+      if (h < nh && r < nrow) {
+        load_q_row(q_row(a, rq, map.query(r), (it.kv_head + h) * g + r % g), a.dtype, d, s.q_scale, dst, dp);
+      } else {
+        std::memset(dst, 0, static_cast<size_t>(dp) * sizeof(float));
+      }
+    }
   }
   for (int u = 0; u < W; ++u) {
     lane_lo[u] = lo[u % P];
     lane_hi[u] = hi[u % P];
-    lane_key[u] = u / P;
+    lane_key[u] = static_cast<int32_t>(u / (hc * P));
   }
   const I vlo = Vec::iload(lane_lo), vhi = Vec::iload(lane_hi), voff = Vec::iload(lane_key);
+  for (int64_t c = 0; c < chunks; ++c) {
+    Vec::store(mrun + c * W, Vec::set1(-HUGE_VALF));
+    Vec::store(lrun + c * W, Vec::zero());
+  }
 
   const KT* kbase = cache_ptr<KT>(a.k_cache, rq.row, 0, it.kv_head);
   const KT* vbase = cache_ptr<KT>(a.v_cache, rq.row, 0, it.kv_head);
-  const int64_t kst = a.k_cache.s_token, vst = a.v_cache.s_token;
-  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(KT));
-  for (int64_t kk = rr.kb; kk < std::min(rr.ke, rr.kb + kPrefetchKeys); ++kk) prefetch_row(kbase + kk * kst, row_bytes);
+  const int64_t kst = a.k_cache.s_token, ksh = a.k_cache.s_head;
+  const int64_t vst = a.v_cache.s_token, vsh = a.v_cache.s_head;
   const F neg_inf = Vec::set1(-HUGE_VALF);
-  F m_run = neg_inf, l_run = Vec::zero();
+  // bytes of one token's K and V rows of the item's heads (one run when the heads are adjacent)
+  const int64_t kbytes = ((nh - 1) * ksh + d) * static_cast<int64_t>(sizeof(KT));
+  const int64_t vbytes = ((nh - 1) * vsh + d) * static_cast<int64_t>(sizeof(KT));
+  // probabilities of (block token kk, head h): P consecutive floats
+  auto prob = [&](int64_t kk, int64_t h) {
+    return sc + ((h / HC) * tpb + kk / kt) * W + ((kk % kt) * HC + h % HC) * P;
+  };
   for (int64_t c0 = rr.kb; c0 < rr.ke; c0 += bk) {
     const int64_t nb = std::min(bk, rr.ke - c0);
-    const int64_t tiles = (nb + kTile - 1) / kTile;
-    F mblk = neg_inf;
+    const int64_t tiles = (nb + kt - 1) / kt;
+    for (int64_t c = 0; c < chunks; ++c) Vec::store(mblk + c * W, neg_inf);
+    // QK^T, token by token (all chunks of heads of a tile's tokens before the next tile)
     for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t c = c0 + t * kTile;
-      const KT* rows[kTile];
-      for (int kc = 0; kc < kTile; ++kc) rows[kc] = c + kc < rr.ke ? kbase + (c + kc) * kst : zero;
-      // Rows of one head sit a token stride apart (often a page or more): the hardware
-      // prefetchers, which stay inside a page, do not follow. Fetch K kPrefetchKeys ahead and this
-      // tile's V rows (read by the PV pass of this block), never past the range's end.
-      const int64_t pf_end = std::min(rr.ke, c + kTile + kPrefetchKeys);
-      for (int64_t kk = std::max(c + kPrefetchKeys, c + kTile); kk < pf_end; ++kk) prefetch_row(kbase + kk * kst, row_bytes);
-      for (int64_t kk = c; kk < std::min(rr.ke, c + kTile); ++kk) prefetch_row(vbase + kk * vst, row_bytes);
-      F sv = qk_tile<P>(q, dp, d, rows);
-      if (c < rr.max_lo || c + kTile > rr.min_hi) {
-        sv = Vec::mask_range(sv, Vec::iadd(Vec::iset1(static_cast<int32_t>(c)), voff), vlo, vhi);
+      const int64_t key0 = c0 + t * kt;
+      const bool mask = key0 < rr.max_lo || key0 + kt > rr.min_hi;
+      // Software prefetch, in address order: the next tile's K rows, and (P >= 2) this tile's V
+      // rows for the head-major P V pass below. Never past the range's end.
+      for (int64_t key = key0 + kt; key < std::min(rr.ke, key0 + 2 * kt); ++key) prefetch_bytes(kbase + key * kst, kbytes);
+      if (P >= 2) {
+        for (int64_t key = key0; key < std::min(rr.ke, key0 + kt); ++key) prefetch_bytes(vbase + key * vst, vbytes);
       }
-      Vec::store(sc + t * W, sv);
-      mblk = Vec::max(mblk, sv);
-    }
-    for (int sh = P; sh < W; sh *= 2) mblk = Vec::max(mblk, Vec::rotate(mblk, sh));
-    const F m_new = Vec::max(m_run, mblk);
-    const F m_safe = Vec::replace_neginf(m_new, 0.0f);
-    const F alpha = Vec::exp2(Vec::sub(m_run, m_safe));
-    F lsum = Vec::zero();
-    for (int64_t t = 0; t < tiles; ++t) {
-      const F p = Vec::exp2(Vec::sub(Vec::load(sc + t * W), m_safe));
-      Vec::store(sc + t * W, p);
-      lsum = Vec::add(lsum, p);
-    }
-    l_run = Vec::fmadd(l_run, alpha, lsum);
-    m_run = m_new;
-    if (!Vec::all_equal(alpha, Vec::set1(1.0f))) {
-      float al[W];
-      Vec::store(al, alpha);
-      VATTN_UNROLL
-      for (int r = 0; r < P; ++r) {
-        const F ar = Vec::set1(al[r]);
-        for (int64_t x = 0; x < dp; x += W) Vec::store(acc + r * dp + x, Vec::mul(Vec::load(acc + r * dp + x), ar));
+      for (int64_t c = 0; c < chunks; ++c) {
+        const KT* krows[kPairs];
+        const float* qrows[HC];
+        for (int j = 0; j < kPairs; ++j) {
+          const int64_t key = key0 + j / HC, h = c * HC + j % HC;
+          krows[j] = key < rr.ke && h < nh ? kbase + key * kst + h * ksh : zero;
+        }
+        for (int hh = 0; hh < HC; ++hh) qrows[hh] = q + (c * HC + hh) * P * dp;
+        F sv = qk_tile<P, HC>(qrows, krows, dp, d);
+        if (mask) sv = Vec::mask_range(sv, Vec::iadd(Vec::iset1(static_cast<int32_t>(key0)), voff), vlo, vhi);
+        Vec::store(sc + (c * tpb + t) * W, sv);
+        Vec::store(mblk + c * W, Vec::max(Vec::load(mblk + c * W), sv));
       }
     }
-    pv_block<P>(acc, dp, d, sc, vbase + c0 * vst, vst, nb);
+    // online softmax, per chunk: lanes with the same (head, row) sit hc * P apart
+    for (int64_t c = 0; c < chunks; ++c) {
+      F mb = Vec::load(mblk + c * W);
+      for (int64_t sh = hc * P; sh < W; sh *= 2) mb = Vec::max(mb, Vec::rotate(mb, static_cast<int>(sh)));
+      const F m_old = Vec::load(mrun + c * W);
+      const F m_new = Vec::max(m_old, mb);
+      const F m_safe = Vec::replace_neginf(m_new, 0.0f);
+      const F alpha = Vec::exp2(Vec::sub(m_old, m_safe));
+      F lsum = Vec::zero();
+      for (int64_t t = 0; t < tiles; ++t) {
+        float* st = sc + (c * tpb + t) * W;
+        const F pr = Vec::exp2(Vec::sub(Vec::load(st), m_safe));
+        Vec::store(st, pr);
+        lsum = Vec::add(lsum, pr);
+      }
+      Vec::store(lrun + c * W, Vec::fmadd(Vec::load(lrun + c * W), alpha, lsum));
+      Vec::store(mrun + c * W, m_new);
+      if (!Vec::all_equal(alpha, Vec::set1(1.0f))) {
+        float al[W];
+        Vec::store(al, alpha);
+        for (int64_t u = 0; u < hc * P; ++u) {  // lanes of token 0: (head, row) = u
+          float* ar = acc + (c * hc * P + u) * ald;
+          const F f = Vec::set1(al[u]);
+          for (int64_t x = 0; x < dp; x += W) Vec::store(ar + x, Vec::mul(Vec::load(ar + x), f));
+        }
+      }
+    }
+    if (P >= 2) {
+      // head by head, acc in registers for the block: V rows come from cache (prefetched above)
+      for (int64_t h = 0; h < nh; ++h) {
+        pv_head_all<P>(acc + h * P * ald, ald, d, vbase + c0 * vst + h * vsh, vst, nb,
+                       [&](int64_t kk) { return prob(kk, h); });
+      }
+    } else {
+      // one row per head: token by token, all heads of a token before the next, so V is read as
+      // one stream the hardware prefetchers follow (two tokens at a time measured ~40% slower)
+      for (int64_t kk = 0; kk < nb; ++kk) {
+        const KT* vrow = vbase + (c0 + kk) * vst;
+        for (int64_t h = 0; h < nh; ++h) pv_token<P>(acc + h * P * ald, ald, d, prob(kk, h), vrow + h * vsh);
+      }
+    }
   }
-  for (int sh = P; sh < W; sh *= 2) l_run = Vec::add(l_run, Vec::rotate(l_run, sh));
-  float m[W], l[W];
-  Vec::store(m, m_run);
-  Vec::store(l, l_run);
-  finish_rows(a, s, rq, map, n, m, l, acc, dp, part);
+  for (int64_t c = 0; c < chunks; ++c) {
+    F l = Vec::load(lrun + c * W);
+    for (int64_t sh = hc * P; sh < W; sh *= 2) l = Vec::add(l, Vec::rotate(l, static_cast<int>(sh)));
+    Vec::store(lrun + c * W, l);
+  }
+  for (int64_t h = 0; h < nh; ++h) {
+    const float* ml = mrun + (h / hc) * W + (h % hc) * P;
+    const float* ll = lrun + (h / hc) * W + (h % hc) * P;
+    for (int64_t r = 0; r < nrow; ++r) {
+      emit_row(a, s, rq, map.query(r), (it.kv_head + h) * g + r % g, acc + (h * P + r) * ald, ml[r], ll[r], part,
+               h * nrow + r);
+    }
+  }
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -523,21 +614,40 @@ void prefill_item(const Args& a, const Shape& s, const Request& rq, const WorkIt
     }
     pv_block_rows(o, dp, sc, rp, v, vld, nb, rp);
   }
-  finish_rows(a, s, rq, map, n, m, l, o, dp, part);
+  for (int64_t r = 0; r < n; ++r) emit_row(a, s, rq, map.query(r), map.head(r), o + r * dp, m[r], l[r], part, r);
 }
 
 // ------------------------------------------------------------------------------------------------
 // Entry points.
+
+template <int P, int HC, typename KT>
+inline void decode_dispatch(const Args& a, const Shape& s, const Request& rq, const WorkItem& it, float* scratch,
+                            const PartialView* part) {
+  if constexpr (HC * P <= W) decode_item<P, HC, KT>(a, s, rq, it, scratch, part);
+}
 
 template <typename KT>
 void run_item_typed(const Args& a, const Shape& s, const Request& rq, const WorkItem& it, float* scratch,
                     const PartialView* part) {
   if (it.kind == ItemKind::kPrefill) return prefill_item<KT>(a, s, rq, it, scratch, part);
   const int64_t rows = (it.q_end - it.q_begin) * s.group;
-  if (rows <= 1) return decode_item<1, KT>(a, s, rq, it, scratch, part);
-  if (rows <= 2) return decode_item<2, KT>(a, s, rq, it, scratch, part);
-  if (rows <= 4) return decode_item<4, KT>(a, s, rq, it, scratch, part);
-  return decode_item<8, KT>(a, s, rq, it, scratch, part);
+  const int64_t p = rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : 8;
+  switch (p * 100 + decode_chunk_heads(it.kv_heads, p)) {
+    case 101: return decode_dispatch<1, 1, KT>(a, s, rq, it, scratch, part);
+    case 102: return decode_dispatch<1, 2, KT>(a, s, rq, it, scratch, part);
+    case 104: return decode_dispatch<1, 4, KT>(a, s, rq, it, scratch, part);
+    case 108: return decode_dispatch<1, 8, KT>(a, s, rq, it, scratch, part);
+    case 116: return decode_dispatch<1, 16, KT>(a, s, rq, it, scratch, part);
+    case 201: return decode_dispatch<2, 1, KT>(a, s, rq, it, scratch, part);
+    case 202: return decode_dispatch<2, 2, KT>(a, s, rq, it, scratch, part);
+    case 204: return decode_dispatch<2, 4, KT>(a, s, rq, it, scratch, part);
+    case 208: return decode_dispatch<2, 8, KT>(a, s, rq, it, scratch, part);
+    case 401: return decode_dispatch<4, 1, KT>(a, s, rq, it, scratch, part);
+    case 402: return decode_dispatch<4, 2, KT>(a, s, rq, it, scratch, part);
+    case 404: return decode_dispatch<4, 4, KT>(a, s, rq, it, scratch, part);
+    case 801: return decode_dispatch<8, 1, KT>(a, s, rq, it, scratch, part);
+    default: return decode_dispatch<8, 2, KT>(a, s, rq, it, scratch, part);
+  }
 }
 
 inline void run_item(const Args& a, const Shape& s, const Request& rq, const WorkItem& it, float* scratch,
@@ -551,10 +661,19 @@ inline void run_item(const Args& a, const Shape& s, const Request& rq, const Wor
   }
 }
 
-// Floats of scratch one thread needs for any item of this call (each region rounded to 16 floats).
+inline int64_t decode_scratch_floats(int64_t nh, int64_t p, int64_t dp, int64_t bk) {
+  const int64_t hc = decode_chunk_heads(nh, p), chunks = (nh + hc - 1) / hc, kt = W / (hc * p);
+  const int64_t rows = chunks * hc * p, tpb = (bk + kt - 1) / kt;
+  return 2 * rows * dp + chunks * tpb * W + 3 * chunks * W + dp;
+}
+
+// Floats of scratch one thread needs for any item of this call.
 inline int64_t scratch_floats(const Args& a, const Shape& s) {
   const int64_t dp = s.dp, bk = s.block_keys, d = a.head_dim;
-  const int64_t decode = 2 * kMaxDecodeRows * dp + bk * kMaxDecodeRows + dp + 64;
+  int64_t decode = 0;
+  for (int64_t p = 1; p <= kMaxDecodeRows; p *= 2) {
+    decode = std::max(decode, decode_scratch_floats(a.num_kv_heads, p, dp, bk));
+  }
   const int64_t rp = round_up(std::max<int64_t>(kPrefillRows, s.group), W);
   const int64_t prefill = d * rp + bk * rp + rp * dp + 2 * bk * dp + 5 * rp + 64;
   return std::max(decode, prefill);

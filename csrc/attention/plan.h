@@ -45,13 +45,15 @@ inline void key_range(const Args& a, const Request& rq, int64_t j, int64_t* lo, 
 
 enum class ItemKind : int32_t { kDecode = 0, kPrefill = 1 };
 
-// One unit of parallel work: the rows of queries [q_begin, q_end) x all group heads of KV head
-// kv_head of one request, against keys [k_begin, k_end) (already clipped to what those rows see).
-// partial >= 0: a key split; the item writes (m, l, unnormalized acc) to partial slot `partial`
-// and a combine step writes the output.
+// One unit of parallel work: the rows of queries [q_begin, q_end) x all group heads of KV heads
+// [kv_head, kv_head + kv_heads) of one request, against keys [k_begin, k_end) (already clipped
+// to what those rows see). Decode items take every KV head of a request, prefill items one.
+// partial >= 0: a key split; the item writes (m, l, unnormalized acc) of its rows (row index
+// head * rows_per_head + row) to partial slot `partial` and a combine step writes the output.
 struct WorkItem {
   int32_t request = 0;
   int32_t kv_head = 0;
+  int32_t kv_heads = 1;
   int32_t q_begin = 0;
   int32_t q_end = 0;
   int64_t k_begin = 0;
