@@ -34,8 +34,6 @@ inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 #define VATTN_UNROLL _Pragma("GCC unroll 32")
 #endif
 
-constexpr int64_t kPrefetchKeys = 16;  // how far ahead the decode kernel fetches K rows
-
 // The first n (< W) elements at p, zero-filled: never reads past p[n - 1].
 template <typename T>
 inline F load_n(const T* p, int64_t n) {
@@ -204,10 +202,18 @@ inline void pv_token(float* acc, int64_t ald, int64_t d, const float* p, const V
   }
 }
 
-// Prefetch the cache lines of [p, p + bytes).
-inline void prefetch_bytes(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) Vec::prefetch(c + off);
+// Prefetch the rows of `heads` heads (`row_bytes` each, `head_stride` elements apart) of one token,
+// in address order: one run when the heads are adjacent. Only those rows' lines are touched.
+template <typename T>
+inline void prefetch_token(const T* p, int64_t heads, int64_t head_stride, int64_t d) {
+  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
+  const bool adjacent = head_stride == d;
+  const int64_t runs = adjacent ? 1 : heads;
+  const int64_t run_bytes = adjacent ? heads * row_bytes : row_bytes;
+  for (int64_t h = 0; h < runs; ++h) {
+    const char* c = reinterpret_cast<const char*>(p + h * head_stride);
+    for (int64_t off = 0; off < run_bytes; off += 64) Vec::prefetch(c + off);
+  }
 }
 
 // Head-major P V over a block: acc[r][x0, x0 + NV * W) += sum_kk prob(kk)[r] * v[kk][x0, ...] for
@@ -330,9 +336,6 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
   const int64_t kst = a.k_cache.s_token, ksh = a.k_cache.s_head;
   const int64_t vst = a.v_cache.s_token, vsh = a.v_cache.s_head;
   const F neg_inf = Vec::set1(-HUGE_VALF);
-  // bytes of one token's K and V rows of the item's heads (one run when the heads are adjacent)
-  const int64_t kbytes = ((nh - 1) * ksh + d) * static_cast<int64_t>(sizeof(KT));
-  const int64_t vbytes = ((nh - 1) * vsh + d) * static_cast<int64_t>(sizeof(KT));
   // probabilities of (block token kk, head h): P consecutive floats
   auto prob = [&](int64_t kk, int64_t h) {
     return sc + ((h / HC) * tpb + kk / kt) * W + ((kk % kt) * HC + h % HC) * P;
@@ -347,9 +350,11 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
       const bool mask = key0 < rr.max_lo || key0 + kt > rr.min_hi;
       // Software prefetch, in address order: the next tile's K rows, and (P >= 2) this tile's V
       // rows for the head-major P V pass below. Never past the range's end.
-      for (int64_t key = key0 + kt; key < std::min(rr.ke, key0 + 2 * kt); ++key) prefetch_bytes(kbase + key * kst, kbytes);
+      for (int64_t key = key0 + kt; key < std::min(rr.ke, key0 + 2 * kt); ++key) {
+        prefetch_token(kbase + key * kst, nh, ksh, d);
+      }
       if (P >= 2) {
-        for (int64_t key = key0; key < std::min(rr.ke, key0 + kt); ++key) prefetch_bytes(vbase + key * vst, vbytes);
+        for (int64_t key = key0; key < std::min(rr.ke, key0 + kt); ++key) prefetch_token(vbase + key * vst, nh, vsh, d);
       }
       for (int64_t c = 0; c < chunks; ++c) {
         const KT* krows[kPairs];
@@ -559,8 +564,8 @@ void prefill_item(const Args& a, const Shape& s, const Request& rq, const WorkIt
     const int64_t nb = std::min(bk, rr.ke - c0);
     const float* k;
     int64_t kld;
-    if (kF32) {
-      k = reinterpret_cast<const float*>(kbase + c0 * kst);
+    if constexpr (kF32) {
+      k = kbase + c0 * kst;
       kld = kst;
     } else {
       convert_rows(kbase + c0 * kst, kst, nb, d, kf, dp);
@@ -605,7 +610,7 @@ void prefill_item(const Args& a, const Shape& s, const Request& rq, const WorkIt
     const float* v;
     int64_t vld;
     if (v_direct) {
-      v = reinterpret_cast<const float*>(vbase + c0 * vst);
+      v = reinterpret_cast<const float*>(vbase + c0 * vst);  // KT is float here
       vld = vst;
     } else {
       convert_rows(vbase + c0 * vst, vst, nb, d, vf, dp);
