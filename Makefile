@@ -94,7 +94,16 @@ $(SAN_DIR)/%_tsan: $(SAN_DIR)/tsan/tests/%_test.o $(patsubst csrc/%.cpp,$(SAN_DI
 $(SAN_DIR)/%_asan: $(SAN_DIR)/asan/tests/%_test.o $(patsubst csrc/%.cpp,$(SAN_DIR)/asan/%.o,$(SAN_LIB))
 	$(CXX) $(SAN_FLAGS) $(ASAN_FLAGS) $^ -o $@
 
-SAN_BINS := $(foreach t,$(SAN_TESTS),$(t)_tsan $(t)_asan)
+# The CPU attention kernel (issue 20) from plain C++: random batches on every instruction set this
+# CPU runs against a double-precision reference, guard pages after each row's length. ASan and
+# UBSan only: ThreadSanitizer does not see libgomp's (uninstrumented) synchronization.
+ATTN_SAN_SOURCES := $(wildcard csrc/attention/*.cpp) csrc/tests/attention_test.cpp
+
+$(SAN_DIR)/attention_asan: $(ATTN_SAN_SOURCES) $(wildcard csrc/attention/*.h)
+	@mkdir -p $(SAN_DIR)
+	$(CXX) $(SAN_FLAGS) -fopenmp $(ASAN_FLAGS) $(ATTN_SAN_SOURCES) -o $@
+
+SAN_BINS := $(foreach t,$(SAN_TESTS),$(t)_tsan $(t)_asan) attention_asan
 
 sanitize: $(addprefix $(SAN_DIR)/,$(SAN_BINS))
 	@echo "sanitizers: running $(words $(SAN_BINS)) test binaries"
@@ -102,6 +111,7 @@ sanitize: $(addprefix $(SAN_DIR)/,$(SAN_BINS))
 	  TSAN_OPTIONS="halt_on_error=1 exitcode=66" $(SAN_DIR)/$${t}_tsan; \
 	  ASAN_OPTIONS="detect_leaks=1 halt_on_error=1" UBSAN_OPTIONS="halt_on_error=1" $(SAN_DIR)/$${t}_asan; \
 	done
+	ASAN_OPTIONS="detect_leaks=1 halt_on_error=1" UBSAN_OPTIONS="halt_on_error=1" $(SAN_DIR)/attention_asan
 
 test-deps: $(TEST_DEPS_STAMP)
 

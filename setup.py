@@ -25,8 +25,11 @@ def folder(name):
     return sorted(glob.glob(os.path.join("csrc", name, "*.cpp")))
 
 
-# core: the cache (no Python, no driver); host: the Linux backend; python: bindings and DLPack.
-sources = folder("core") + folder("host") + folder("python")
+# core: the cache (no Python, no driver); host: the Linux backend; attention: the CPU attention
+# kernel; python: bindings and DLPack. -fopenmp: the kernel runs on the OpenMP runtime torch
+# already loaded (libgomp.so.1, the same soname); only csrc/attention has OpenMP pragmas, so the
+# flag (setuptools takes flags per extension) changes no other object.
+sources = folder("core") + folder("host") + folder("attention") + folder("python")
 include_dirs = ["csrc"]
 macros = []
 cuda_include = cuda_include_dir()
@@ -44,7 +47,8 @@ ext_modules = [] if os.environ.get("VATTENTION_EXT") == "none" else [
         include_dirs=include_dirs,
         define_macros=macros,
         cxx_std=17,
-        extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+        extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fopenmp"],
+        extra_link_args=["-fopenmp"],
         libraries=["dl"],
     )
 ]

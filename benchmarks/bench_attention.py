@@ -1,17 +1,45 @@
-"""CPU torch SDPA over the virtual cache vs over ordinary tensors of the same shape and strides.
+"""CPU attention over vattention caches: the native kernel against memory bandwidth, torch SDPA and
+vLLM's CPU attention op, measured in one process (issue 20, item 3).
 
-The ordinary tensors are allocated with torch.empty_strided using exactly the cache tensors' shape
-and strides, so the only difference is where the memory comes from (mapped on demand from memfd
-pages vs the torch allocator). Target: ratio 1.00 +- 0.03. A third column shows a packed
-[B, H, S, D] copy for reference: that difference is layout, not virtual memory.
+Decode rows: 16 requests x 4096 cached tokens, 8 KV heads x 128, GQA groups 1 and 4, float32 and
+bfloat16, one query token each, caches in a vattention ``KVCache`` (layer layout, 2 MB pages).
 
-    python benchmarks/bench_attention.py
+* **K/V read rate**: bytes of the K and V rows the call must read (16 x 4096 x 8 x 128 x 2 x
+  element size) per second of the kernel call (``flash_attn_with_kvcache``, append included: one
+  token per request). Decode attention reads each byte once, so this rate is bounded by memory
+  bandwidth.
+* **Memory bandwidth, same process, same threads**, over buffers of the same total size:
+  ``copy``: ``dst.copy_(src)``, counted as read + write bytes (the STREAM "copy" convention: the
+  bytes that cross the memory bus, as the target "80% of a streaming copy" is stated); ``read``:
+  ``src.sum()``, read bytes only (a read-only stream, the closer physical limit of attention,
+  which writes almost nothing). Both are printed; the ratio columns divide the K/V read rate by
+  each.
+* **SDPA per row**: ``flash_attn_with_kvcache_reference`` (a Python loop, one torch SDPA call per
+  request), the path vattention's CPU integrations used before this kernel.
+* **vLLM op** (only when run with vLLM 0.32's venv: ``.venv-vllm/bin/python
+  benchmarks/bench_attention.py``): ``torch.ops._C.cpu_attention_with_kv_cache``, the op vLLM's
+  CPU_ATTN backend calls (``vllm/v1/attention/backends/cpu_attn.py``), on the same K/V data
+  written into its paged layout ([blocks, kv_heads, block_size, head_dim], 128-token blocks) by
+  its own ``cpu_attn_reshape_and_cache``, with its scheduler metadata; it does not append (vLLM
+  writes K/V in a separate op), so it reads the same bytes minus one token per request.
+* **Same strides, ordinary memory**: the native kernel over ``torch.empty_strided`` tensors with
+  the cache tensors' shape and strides: the cost of virtual memory itself (target 1.00 +- 0.03).
+
+Prefill rows: one request, a causal chunk of 2048 tokens (no past) and of 512 tokens after 1536
+cached, 32 query heads over 8 KV heads x 128: the kernel against torch SDPA with ``is_causal`` /
+``causal_lower_right`` (GQA via ``enable_gqa``), K/V as strided views of the cache row.
+
+Every figure is the min (and median) of interleaved rounds (A B B A ...) after a warm-up, with
+outputs checked against the reference. Run on an idle machine; the load is printed.
+
+    python benchmarks/bench_attention.py [--threads 2] [--rounds 6]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import platform
 import sys
 
 import torch
@@ -19,74 +47,180 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 import vattention  # noqa: E402
+from _timing import compare_min_median  # noqa: E402
+from vattention.integrations import flash_attn as fa  # noqa: E402
 
-from _timing import compare  # noqa: E402
+N, S, HKV, D = 16, 4096, 8, 128
+
+
+def vllm_ops():
+    try:
+        import vllm._custom_ops as ops  # noqa: F401
+    except Exception as exc:  # not the vLLM venv
+        return None, f"{type(exc).__name__}: {exc}".splitlines()[0][:120]
+    return ops, ""
+
+
+def vllm_decode(ops, k_rows, v_rows, q, block_size=128):
+    """A call of vLLM's CPU attention op on k_rows/v_rows [N, S, HKV, D] copied into its layout."""
+    n, s, hkv, d = k_rows.shape
+    blocks = n * s // block_size
+    kv = torch.zeros(blocks, hkv, 2 * block_size, d, dtype=k_rows.dtype)
+    key_cache, value_cache = kv.chunk(2, dim=2)
+    isa = "vec"   # no AMX here; "vec" is what CPU_ATTN picks for these dtypes and block size
+    ops.cpu_attn_reshape_and_cache(k_rows.reshape(n * s, hkv, d), v_rows.reshape(n * s, hkv, d),
+                                   key_cache, value_cache, torch.arange(n * s), isa)
+    block_table = torch.arange(blocks, dtype=torch.int32).view(n, s // block_size)
+    qsl = torch.arange(n + 1, dtype=torch.int32)
+    seq_lens = torch.full((n,), s, dtype=torch.int32)
+    meta = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=n, num_heads=q.shape[1], num_kv_heads=hkv, head_dim=d, seq_lens=seq_lens,
+        dtype=q.dtype, query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa,
+        enable_kv_split=False)
+    out = torch.empty_like(q)
+
+    def call():
+        ops.cpu_attention_with_kv_cache(
+            query=q, key_cache=key_cache, value_cache=value_cache, output=out,
+            query_start_loc=qsl, seq_lens=seq_lens, scale=d ** -0.5, causal=True,
+            alibi_slopes=None, sliding_window=-1, block_table=block_table, softcap=0.0,
+            scheduler_metadata=meta, s_aux=None)
+        return out
+    return call
+
+
+def fmt(t):
+    return f"{t[0] * 1e3:.1f} ({t[1] * 1e3:.1f})"
+
+
+def decode_rows(args, ops, why_no_vllm):
+    print(f"### Decode: {N} requests x {S} tokens, {HKV} KV heads x {D}, one query each\n")
+    print("K/V rate: K+V bytes the call reads per second (min-time figure). Bandwidth of the same "
+          "buffer size, same threads: copy = read+write bytes/s, read = sum() bytes/s.\n")
+    vcol = "vLLM op ms" if ops else "vLLM op"
+    print(f"| dtype | GQA | kernel ms min (median) | K/V GB/s | copy GB/s | read GB/s | "
+          f"K/V / copy | K/V / read | SDPA per row ms | kernel vs SDPA | {vcol} | kernel vs vLLM "
+          f"| same strides, ordinary memory ms | virtual / ordinary |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for dtype in (torch.float32, torch.bfloat16):
+        cfg = vattention.KVCacheConfig(num_layers=1, num_kv_heads=HKV, head_dim=D, max_batch_size=N,
+                                       max_seq_len=S + 1, dtype=dtype, page_size="2MB")
+        with vattention.KVCache(cfg) as cache:
+            slots = [cache.alloc() for _ in range(N)]
+            cache.step({s: S + 1 for s in slots})
+            k_cache, v_cache = cache.layer(0)
+            gen = torch.Generator().manual_seed(0)
+            for s in slots:
+                k_cache[s, :S] = torch.randn(S, HKV, D, generator=gen).to(dtype)
+                v_cache[s, :S] = torch.randn(S, HKV, D, generator=gen).to(dtype)
+            k_ord = torch.empty_strided(k_cache.shape, k_cache.stride(), dtype=dtype)
+            v_ord = torch.empty_strided(v_cache.shape, v_cache.stride(), dtype=dtype)
+            for s in slots:
+                k_ord[s, :S + 1] = k_cache[s, :S + 1]
+                v_ord[s, :S + 1] = v_cache[s, :S + 1]
+            nbytes = 2 * N * S * HKV * D * k_cache.element_size()
+            src = torch.randn(nbytes // 4)
+            dst = torch.empty_like(src)
+            idx = torch.tensor(slots, dtype=torch.int32)
+            past = torch.full((N,), S, dtype=torch.int32)
+            for group in (1, 4):
+                q = torch.randn(N, 1, HKV * group, D, generator=gen).to(dtype)
+                k_new = torch.randn(N, 1, HKV, D, generator=gen).to(dtype)
+                v_new = torch.randn(N, 1, HKV, D, generator=gen).to(dtype)
+
+                def kernel(kc=k_cache, vc=v_cache):
+                    return fa.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=past,
+                                                      cache_batch_idx=idx, causal=True)
+
+                def sdpa():
+                    return fa.flash_attn_with_kvcache_reference(
+                        q, k_cache, v_cache, k_new, v_new, cache_seqlens=past, cache_batch_idx=idx,
+                        causal=True)
+
+                got, want = kernel(), sdpa()
+                tol = 2e-5 if dtype == torch.float32 else 2e-2
+                torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+                assert torch.equal(kernel(k_ord, v_ord), got)
+                cands = {"kernel": kernel, "copy": lambda: dst.copy_(src), "read": src.sum,
+                         "sdpa": sdpa, "ordinary": lambda: kernel(k_ord, v_ord)}
+                vllm_cell, vllm_ratio = why_no_vllm or "not run", "-"
+                if ops:
+                    k_rows = torch.stack([k_cache[s, :S] for s in slots])
+                    v_rows = torch.stack([v_cache[s, :S] for s in slots])
+                    call = vllm_decode(ops, k_rows, v_rows, q[:, 0].contiguous())
+                    ref = fa.flash_attn_with_kvcache(q, k_rows, v_rows, cache_seqlens=S, causal=True)
+                    torch.testing.assert_close(call().float(), ref[:, 0].float(), atol=tol, rtol=tol)
+                    cands["vllm"] = call
+                t = compare_min_median(cands, calls=args.calls, rounds=args.rounds)
+                kv = nbytes / t["kernel"][0]
+                copy = 2 * nbytes / t["copy"][0]
+                read = nbytes / t["read"][0]
+                if ops:
+                    vllm_cell = fmt(t["vllm"])
+                    vllm_ratio = f"{t['vllm'][0] / t['kernel'][0]:.2f}x"
+                print(f"| {str(dtype)[6:]} | {group} | {fmt(t['kernel'])} | {kv / 1e9:.1f} | "
+                      f"{copy / 1e9:.1f} | {read / 1e9:.1f} | {kv / copy:.2f} | {kv / read:.2f} | "
+                      f"{fmt(t['sdpa'])} | {t['sdpa'][0] / t['kernel'][0]:.1f}x | {vllm_cell} | "
+                      f"{vllm_ratio} | {fmt(t['ordinary'])} | "
+                      f"{t['kernel'][0] / t['ordinary'][0]:.3f} |")
+    print()
+
+
+def prefill_rows(args):
+    from torch.nn.attention.bias import causal_lower_right
+    groups = 4
+    print(f"### Prefill: one request, {HKV * groups} query heads over {HKV} KV heads x {D}, causal\n")
+    print("| dtype | chunk | cached before | kernel ms min (median) | torch SDPA ms | kernel vs SDPA "
+          "| kernel GFLOP/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for dtype in (torch.float32, torch.bfloat16):
+        for chunk, past in ((2048, 0), (512, 1536)):
+            total = past + chunk
+            gen = torch.Generator().manual_seed(1)
+            kc = torch.randn(1, total + 16, HKV, D, generator=gen).to(dtype)
+            vc = torch.randn(1, total + 16, HKV, D, generator=gen).to(dtype)
+            q = torch.randn(1, chunk, HKV * groups, D, generator=gen).to(dtype)
+
+            def kernel():
+                return fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=total, causal=True)
+
+            qh = q[0].transpose(0, 1)[None]
+            kh, vh = kc[0, :total].transpose(0, 1)[None], vc[0, :total].transpose(0, 1)[None]
+            mask = None if past == 0 else causal_lower_right(chunk, total)
+
+            def sdpa():
+                return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=past == 0,
+                                                      enable_gqa=True)
+
+            tol = 2e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(kernel()[0].float(), sdpa()[0].transpose(0, 1).float(),
+                                       atol=tol, rtol=tol)
+            t = compare_min_median({"kernel": kernel, "sdpa": sdpa}, calls=1, rounds=args.rounds)
+            flops = 4 * D * HKV * groups * (chunk * past + chunk * (chunk + 1) / 2)
+            print(f"| {str(dtype)[6:]} | {chunk} | {past} | {fmt(t['kernel'])} | {fmt(t['sdpa'])} | "
+                  f"{t['sdpa'][0] / t['kernel'][0]:.2f}x | {flops / t['kernel'][0] / 1e9:.0f} |")
+    print()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--calls", type=int, default=5)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=6, help="interleaved rounds (min and median over them)")
+    parser.add_argument("--calls", type=int, default=2, help="calls per timed sample")
+    parser.add_argument("--skip-prefill", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    print(f"torch {torch.__version__}, {args.threads} thread(s), float32, 8 KV heads x 128\n")
-    print("| layout | page | pattern | virtual ms | same-strides ms | ratio | packed BHSD ms |")
-    print("|---|---|---|---:|---:|---:|---:|")
-    for layout in ("layer", "mega"):
-        for page in ("64KB", "2MB"):
-            cfg = vattention.KVCacheConfig(num_layers=2, num_kv_heads=8, head_dim=128,
-                                           max_batch_size=8, max_seq_len=4096,
-                                           dtype=torch.float32, page_size=page, layout=layout)
-            with vattention.KVCache(cfg) as cache:
-                lens = {cache.alloc(): n for n in (4096, 3000, 2048, 1500, 1024, 777, 512, 300)}
-                cache.step(lens)
-                k, v = cache.layer(1)
-                k_ref = torch.empty_strided(k.shape, k.stride(), dtype=k.dtype)
-                v_ref = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype)
-                for slot, n in lens.items():
-                    k[slot, :n] = torch.randn(n, 8, 128)
-                    v[slot, :n] = torch.randn(n, 8, 128)
-                    k_ref[slot, :n] = k[slot, :n]
-                    v_ref[slot, :n] = v[slot, :n]
-                packed = {s: (k[s, :n].transpose(0, 1).contiguous().unsqueeze(0),
-                              v[s, :n].transpose(0, 1).contiguous().unsqueeze(0))
-                          for s, n in lens.items()}
-                q1 = torch.randn(1, 8, 1, 128)
-                qp = torch.randn(1, 8, 1024, 128)
-
-                def view(t, s, n):
-                    return t[s, :n].transpose(0, 1).unsqueeze(0)
-
-                def decode(kc, vc):
-                    return [F.scaled_dot_product_attention(q1, view(kc, s, n), view(vc, s, n))
-                            for s, n in lens.items()]
-
-                def decode_packed():
-                    return [F.scaled_dot_product_attention(q1, *packed[s]) for s in lens]
-
-                slot0 = next(iter(lens))
-
-                def prefill(kc, vc):
-                    return F.scaled_dot_product_attention(qp, view(kc, slot0, 1024),
-                                                          view(vc, slot0, 1024), is_causal=True)
-
-                def prefill_packed():
-                    kp, vp = packed[slot0]
-                    return F.scaled_dot_product_attention(qp, kp[:, :, :1024], vp[:, :, :1024],
-                                                          is_causal=True)
-
-                assert all(torch.equal(a, b) for a, b in zip(decode(k, v), decode(k_ref, v_ref)))
-                assert torch.equal(prefill(k, v), prefill(k_ref, v_ref))
-                for pattern, fv, fr, fp in (
-                        ("decode 8 slots", lambda: decode(k, v), lambda: decode(k_ref, v_ref),
-                         decode_packed),
-                        ("prefill 1024", lambda: prefill(k, v), lambda: prefill(k_ref, v_ref),
-                         prefill_packed)):
-                    t = compare({"virtual": fv, "ref": fr, "packed": fp}, calls=args.calls)
-                    print(f"| {layout} | {page} | {pattern} | {t['virtual'] * 1e3:.2f} | "
-                          f"{t['ref'] * 1e3:.2f} | {t['virtual'] / t['ref']:.3f} | "
-                          f"{t['packed'] * 1e3:.2f} |")
+    ops, why = vllm_ops()
+    load = os.getloadavg()
+    print(f"torch {torch.__version__}, {args.threads} thread(s), kernel ISA {fa.kernel_isa()}, "
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; load average "
+          f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (1/5/15 min) at start"
+          + ("" if ops else f"; vLLM op not run ({why}): run with the vLLM venv") + "\n")
+    decode_rows(args, ops, "" if ops else "n/a")
+    if not args.skip_prefill:
+        prefill_rows(args)
+    load = os.getloadavg()
+    print(f"load average at end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
 
 
 if __name__ == "__main__":

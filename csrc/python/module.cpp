@@ -14,6 +14,7 @@
 #include "core/errors.h"
 #include "core/page_pool.h"
 #include "host/host_backend.h"
+#include "python/attention_bindings.h"
 #include "python/backend_factory.h"
 #include "python/bindings.h"
 
@@ -122,4 +123,5 @@ PYBIND11_MODULE(_C, m) {
 
   vattention::python::bind_geometry(m);
   vattention::python::bind_cache(m);
+  register_attention(m);  // the CPU attention kernel (csrc/attention)
 }

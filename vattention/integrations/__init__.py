@@ -8,8 +8,9 @@ module                                      what it gives                    opt
 ==========================================  ===============================  ==================
 ``vattention.integrations.transformers``    ``VAttentionCache`` for          ``hf``
                                             ``model.generate()``
-``vattention.integrations.flash_attn``      decode/prefill helpers over      ``flash`` (GPU);
-                                            ``flash_attn_with_kvcache``      CPU reference: none
+``vattention.integrations.flash_attn``      ``flash_attn_with_kvcache``      ``flash`` (GPU);
+                                            (native CPU kernel), decode/     CPU: none
+                                            prefill helpers
 ==========================================  ===============================  ==================
 
 Examples

@@ -1,0 +1,687 @@
+// The attention kernels, written once over a vector type `Vec` (vec_avx512.h, vec_avx2.h,
+// vec_generic.h). A fragment: each isa_*.cpp includes it inside its own namespace after its Vec,
+// so every function here is compiled once per instruction set, with distinct symbols (an inline
+// function shared between the ISA files would let the linker keep an AVX-512 copy for all).
+//
+// Two kernels, both flash-attention style (online softmax over blocks of keys, fp32 accumulation,
+// scores in base 2: q is pre-scaled by softmax_scale * log2(e), so exp becomes exp2):
+//
+// - decode_item<P, HC>: rows per KV head = queries x group heads <= 8, padded to P in
+//   {1, 2, 4, 8}; one item covers every KV head of a request. Vectors run along head_dim: a tile
+//   of W (token, head, row) dot products is reduced at once (Vec::reduce) into W scores. K rows
+//   are read in address order (token by token, all heads of a token), so the hardware
+//   prefetchers stream them; P V is token-major for P = 1 and head-major with register
+//   accumulators for P >= 2 (V prefetched in address order during the QK^T pass). Bound by
+//   memory bandwidth for P = 1.
+// - prefill_item: up to 64 rows (queries x group heads of one KV head). q is packed transposed
+//   (Qt[d][row]) once per item, so vectors run along rows: S^T[key][row] = sum_d K[key][d] *
+//   Qt[d][row] is a register-blocked micro-kernel (KC keys x NV row vectors per step of d, K
+//   broadcast), the softmax is vertical (row max = max over keys, no horizontal reduction), and
+//   O[row][d] += P^T[key][row] * V[key][d] is a second micro-kernel (RO rows x NV vectors of d).
+//   Non-fp32 caches are converted block by block into fp32 scratch (once per block, amortized
+//   over all rows).
+//
+// Neither kernel touches (nor prefetches) a key outside [it.k_begin, it.k_end), which the planner
+// clipped to the union of the rows' visible ranges.
+
+using F = Vec::F;
+using I = Vec::I;
+constexpr int W = Vec::W;
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+#ifndef VATTN_UNROLL
+#define VATTN_UNROLL _Pragma("GCC unroll 32")
+#endif
+
+// The first n (< W) elements at p, zero-filled: never reads past p[n - 1].
+template <typename T>
+inline F load_n(const T* p, int64_t n) {
+  T tmp[W];
+  std::memset(static_cast<void*>(tmp), 0, sizeof(tmp));
+  std::memcpy(static_cast<void*>(tmp), p, static_cast<size_t>(n) * sizeof(T));
+  return Vec::load(static_cast<const T*>(tmp));
+}
+
+template <typename T>
+inline void store_n(T* p, F x, int64_t n) {
+  T tmp[W];
+  Vec::store(tmp, x);
+  std::memcpy(static_cast<void*>(p), tmp, static_cast<size_t>(n) * sizeof(T));
+}
+
+// dst[0, dp) = src[0, d) * scale, zero padded.
+template <typename T>
+inline void row_to_f32(const T* src, int64_t d, float scale, float* dst, int64_t dp) {
+  const F s = Vec::set1(scale);
+  int64_t i = 0;
+  for (; i + W <= d; i += W) Vec::store(dst + i, Vec::mul(Vec::load(src + i), s));
+  if (i < d) {
+    Vec::store(dst + i, Vec::mul(load_n(src + i, d - i), s));
+    i += W;
+  }
+  for (; i < dp; i += W) Vec::store(dst + i, Vec::zero());
+}
+
+inline void load_q_row(const void* src, DType dt, int64_t d, float scale, float* dst, int64_t dp) {
+  switch (dt) {
+    case DType::kBFloat16: return row_to_f32(static_cast<const bf16_t*>(src), d, scale, dst, dp);
+    case DType::kFloat16: return row_to_f32(static_cast<const f16_t*>(src), d, scale, dst, dp);
+    default: return row_to_f32(static_cast<const float*>(src), d, scale, dst, dp);
+  }
+}
+
+template <typename T>
+inline void f32_to_row(const float* src, float scale, T* dst, int64_t d) {
+  const F s = Vec::set1(scale);
+  int64_t i = 0;
+  for (; i + W <= d; i += W) Vec::store(dst + i, Vec::mul(Vec::load(src + i), s));
+  if (i < d) store_n(dst + i, Vec::mul(Vec::load(src + i), s), d - i);
+}
+
+inline void store_out_row(const float* src, float scale, void* dst, DType dt, int64_t d) {
+  switch (dt) {
+    case DType::kBFloat16: return f32_to_row(src, scale, static_cast<bf16_t*>(dst), d);
+    case DType::kFloat16: return f32_to_row(src, scale, static_cast<f16_t*>(dst), d);
+    default: return f32_to_row(src, scale, static_cast<float*>(dst), d);
+  }
+}
+
+inline const void* q_row(const Args& a, const Request& rq, int64_t j, int64_t h) {
+  const size_t esize = a.dtype == DType::kFloat32 ? 4 : 2;
+  const int64_t off = rq.index * a.q.s_batch + (rq.q_start + j) * a.q.s_token + h * a.q.s_head;
+  return static_cast<const char*>(a.q.data) + off * static_cast<int64_t>(esize);
+}
+
+inline void* out_row(const Args& a, const Request& rq, int64_t j, int64_t h) {
+  const size_t esize = a.dtype == DType::kFloat32 ? 4 : 2;
+  const int64_t off = rq.index * a.out.s_batch + (rq.q_start + j) * a.out.s_token + h * a.out.s_head;
+  return static_cast<char*>(a.out.data) + off * static_cast<int64_t>(esize);
+}
+
+// Row r of an item -> (query j within the request, query head h).
+struct RowMap {
+  int64_t q_begin, group, kv_head;
+  int64_t query(int64_t r) const { return q_begin + r / group; }
+  int64_t head(int64_t r) const { return kv_head * group + r % group; }
+};
+
+// Visible key ranges of the item's rows, clipped to [k_begin, k_end); rows >= n copy row 0.
+struct RowRanges {
+  int64_t kb = 0, ke = 0;          // union over the real rows
+  int64_t max_lo = 0, min_hi = 0;  // keys in [max_lo, min_hi) need no mask
+};
+
+inline RowRanges row_ranges(const Args& a, const Request& rq, const WorkItem& it, const RowMap& map,
+                            int64_t n, int64_t padded, int32_t* lo, int32_t* hi) {
+  RowRanges rr;
+  bool any = false;
+  rr.max_lo = 0;
+  rr.min_hi = INT64_MAX;
+  for (int64_t r = 0; r < n; ++r) {
+    int64_t l, h;
+    key_range(a, rq, map.query(r), &l, &h);
+    l = std::max(l, it.k_begin);
+    h = std::min(h, it.k_end);
+    if (h <= l) l = h = 0;
+    lo[r] = static_cast<int32_t>(l);
+    hi[r] = static_cast<int32_t>(h);
+    if (h > l) {
+      rr.kb = any ? std::min(rr.kb, l) : l;
+      rr.ke = any ? std::max(rr.ke, h) : h;
+      any = true;
+    }
+    rr.max_lo = std::max(rr.max_lo, l);
+    rr.min_hi = std::min(rr.min_hi, h);
+  }
+  for (int64_t r = n; r < padded; ++r) {
+    lo[r] = lo[0];
+    hi[r] = hi[0];
+  }
+  if (!any) rr.kb = rr.ke = 0;
+  return rr;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Decode kernel.
+//
+// An item covers all KV heads of one request over a key range and walks the keys token by token:
+// the K (and V) rows of all heads of a token are adjacent in a vattention cache, so the item reads
+// one sequential stream that the hardware prefetchers follow. (One head at a time reads a
+// head_dim slice every token stride, a page or more apart: measured ~40% slower per core.)
+//
+// Score tiles hold W (token, head, row) lanes: u = (kc * hc + hh) * P + r for token kc of the
+// tile, head hh of a chunk of hc heads, row r (query x group member, padded to P).
+
+// W dot products: lane j * P + r = q[j % HC][r] . krows[j] for the W / P (token, head) pairs
+// j = kc * HC + hh of the tile, pair by pair: the tile's K rows are read in address order (token
+// kc, head hh), one sequential stream; krows[j] is a zero row past the range's end.
+template <int P, int HC, typename KT>
+inline F qk_tile(const float* const* qrows, const KT* const* krows, int64_t dp, int64_t d) {
+  constexpr int kPairs = W / P;
+  F acc[W];
+  VATTN_UNROLL
+  for (int u = 0; u < W; ++u) acc[u] = Vec::zero();
+  const int64_t dfull = d - d % W;
+  VATTN_UNROLL
+  for (int j = 0; j < kPairs; ++j) {
+    const KT* kr = krows[j];
+    const float* qr = qrows[j % HC];
+    for (int64_t x = 0; x < dfull; x += W) {
+      const F kv = Vec::load(kr + x);
+      VATTN_UNROLL
+      for (int r = 0; r < P; ++r) acc[j * P + r] = Vec::fmadd(Vec::load(qr + r * dp + x), kv, acc[j * P + r]);
+    }
+    if (dfull < d) {
+      const F kv = load_n(kr + dfull, d - dfull);
+      VATTN_UNROLL
+      for (int r = 0; r < P; ++r) acc[j * P + r] = Vec::fmadd(Vec::load(qr + r * dp + dfull), kv, acc[j * P + r]);
+    }
+  }
+  return Vec::reduce(acc);
+}
+
+// acc[r][0, d) += p[r] * v[0, d) for the P rows of one head and one token (acc rows ald apart).
+template <int P, typename VT>
+inline void pv_token(float* acc, int64_t ald, int64_t d, const float* p, const VT* v) {
+  F pb[P];
+  VATTN_UNROLL
+  for (int r = 0; r < P; ++r) pb[r] = Vec::set1(p[r]);
+  const int64_t dfull = d - d % W;
+  for (int64_t x = 0; x < dfull; x += W) {
+    const F vv = Vec::load(v + x);
+    VATTN_UNROLL
+    for (int r = 0; r < P; ++r) Vec::store(acc + r * ald + x, Vec::fmadd(pb[r], vv, Vec::load(acc + r * ald + x)));
+  }
+  if (dfull < d) {
+    const F vv = load_n(v + dfull, d - dfull);
+    VATTN_UNROLL
+    for (int r = 0; r < P; ++r) {
+      Vec::store(acc + r * ald + dfull, Vec::fmadd(pb[r], vv, Vec::load(acc + r * ald + dfull)));
+    }
+  }
+}
+
+// Prefetch the rows of `heads` heads (`row_bytes` each, `head_stride` elements apart) of one token,
+// in address order: one run when the heads are adjacent. Only those rows' lines are touched.
+template <typename T>
+inline void prefetch_token(const T* p, int64_t heads, int64_t head_stride, int64_t d) {
+  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
+  const bool adjacent = head_stride == d;
+  const int64_t runs = adjacent ? 1 : heads;
+  const int64_t run_bytes = adjacent ? heads * row_bytes : row_bytes;
+  for (int64_t h = 0; h < runs; ++h) {
+    const char* c = reinterpret_cast<const char*>(p + h * head_stride);
+    for (int64_t off = 0; off < run_bytes; off += 64) Vec::prefetch(c + off);
+  }
+}
+
+// Head-major P V over a block: acc[r][x0, x0 + NV * W) += sum_kk prob(kk)[r] * v[kk][x0, ...] for
+// the P rows of one head, acc in registers for the whole block (V comes from cache: the QK pass
+// prefetched it). The last vector reads `tail` < W elements when tail > 0.
+template <int P, int NV, typename VT, typename ProbFn>
+inline void pv_head(float* acc, int64_t ald, const VT* v, int64_t vst, int64_t nb, const ProbFn& prob,
+                    int64_t tail) {
+  F o[P][NV];
+  VATTN_UNROLL
+  for (int r = 0; r < P; ++r)
+    VATTN_UNROLL
+    for (int i = 0; i < NV; ++i) o[r][i] = Vec::load(acc + r * ald + i * W);
+  for (int64_t kk = 0; kk < nb; ++kk) {
+    const float* pk = prob(kk);
+    const VT* vr = v + kk * vst;
+    F vv[NV];
+    VATTN_UNROLL
+    for (int i = 0; i < NV; ++i) vv[i] = (tail && i == NV - 1) ? load_n(vr + i * W, tail) : Vec::load(vr + i * W);
+    VATTN_UNROLL
+    for (int r = 0; r < P; ++r) {
+      const F pb = Vec::set1(pk[r]);
+      VATTN_UNROLL
+      for (int i = 0; i < NV; ++i) o[r][i] = Vec::fmadd(pb, vv[i], o[r][i]);
+    }
+  }
+  VATTN_UNROLL
+  for (int r = 0; r < P; ++r)
+    VATTN_UNROLL
+    for (int i = 0; i < NV; ++i) Vec::store(acc + r * ald + i * W, o[r][i]);
+}
+
+template <int P, typename VT, typename ProbFn>
+inline void pv_head_all(float* acc, int64_t ald, int64_t d, const VT* v, int64_t vst, int64_t nb,
+                        const ProbFn& prob) {
+  constexpr int kNv = (Vec::kRegs / 2) / P >= 8 ? 8 : ((Vec::kRegs / 2) / P >= 1 ? (Vec::kRegs / 2) / P : 1);
+  const int64_t nfull = d / W;
+  int64_t i = 0;
+  for (; i + kNv <= nfull; i += kNv) pv_head<P, kNv>(acc + i * W, ald, v + i * W, vst, nb, prob, 0);
+  for (; i < nfull; ++i) pv_head<P, 1>(acc + i * W, ald, v + i * W, vst, nb, prob, 0);
+  if (d % W) pv_head<P, 1>(acc + nfull * W, ald, v + nfull * W, vst, nb, prob, d % W);
+}
+
+template <typename T>
+inline const T* cache_ptr(const Operand& o, int64_t row, int64_t t, int64_t h) {
+  return static_cast<const T*>(o.data) + row * o.s_batch + t * o.s_token + h * o.s_head;
+}
+
+// Heads per chunk of a decode item: the largest power of two <= heads with hc * P <= W, so that
+// a tile covers whole tokens where it can. (Tiles of 4 tokens x 1 head, which reuse each q
+// vector for 4 keys, measured up to 2x slower: interleaving token rows defeats the prefetchers.)
+inline int64_t decode_chunk_heads(int64_t heads, int64_t p) {
+  int64_t hc = 1;
+  while (hc * 2 <= heads && hc * 2 * p <= W) hc *= 2;
+  return hc;
+}
+
+// Writes row (query j, query head h) of the item: the output, or partial row `slot` of `part`.
+inline void emit_row(const Args& a, const Shape& s, const Request& rq, int64_t j, int64_t h, const float* acc,
+                     float m, float l, const PartialView* part, int64_t slot) {
+  if (part) {
+    part->m[slot] = m;
+    part->l[slot] = l;
+    std::memcpy(part->acc + slot * s.dp, acc, static_cast<size_t>(s.dp) * sizeof(float));
+  } else {
+    store_out_row(acc, l > 0.0f ? s.out_scale / l : 0.0f, out_row(a, rq, j, h), a.dtype, a.head_dim);
+  }
+}
+
+template <int P, int HC, typename KT>
+void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkItem& it, float* scratch,
+                 const PartialView* part) {
+  constexpr int kPairs = W / P;
+  const int64_t d = a.head_dim, dp = s.dp, bk = s.block_keys, g = s.group;
+  const int64_t nh = it.kv_heads;
+  const int64_t hc = HC;
+  const int64_t chunks = (nh + hc - 1) / hc;
+  const int64_t kt = W / (hc * P);                 // tokens per tile
+  const int64_t tpb = (bk + kt - 1) / kt;          // tiles per block (and chunk)
+  const int64_t rows = chunks * hc * P;            // padded rows, head-major: h * P + r
+  const int64_t nrow = (it.q_end - it.q_begin) * g;  // real rows per head, <= P
+  const RowMap map{it.q_begin, g, 0};
+  float* q = scratch;                              // [rows][dp]
+  const int64_t ald = dp;                          // acc row stride
+  float* acc = q + rows * dp;                      // [rows][ald]
+  float* sc = acc + rows * ald;                    // [chunks][tpb][W]
+  float* mrun = sc + chunks * tpb * W;             // [chunks][W]
+  float* lrun = mrun + chunks * W;                 // [chunks][W]
+  float* mblk = lrun + chunks * W;                 // [chunks][W]
+  float* zero_f = mblk + chunks * W;               // [dp] zeros: a key row for padding lanes
+  std::memset(zero_f, 0, static_cast<size_t>(dp) * sizeof(float));
+  std::memset(acc, 0, static_cast<size_t>(rows * ald) * sizeof(float));
+  const KT* zero = reinterpret_cast<const KT*>(zero_f);
+
+  int32_t lo[W], hi[W], lane_lo[W], lane_hi[W], lane_key[W];
+  const RowRanges rr = row_ranges(a, rq, it, map, nrow, P, lo, hi);
+  for (int64_t h = 0; h < chunks * hc; ++h) {
+    for (int r = 0; r < P; ++r) {
+      float* dst = q + (h * P + r) * dp;
+      if (h < nh && r < nrow) {
+        load_q_row(q_row(a, rq, map.query(r), (it.kv_head + h) * g + r % g), a.dtype, d, s.q_scale, dst, dp);
+      } else {
+        std::memset(dst, 0, static_cast<size_t>(dp) * sizeof(float));
+      }
+    }
+  }
+  for (int u = 0; u < W; ++u) {
+    lane_lo[u] = lo[u % P];
+    lane_hi[u] = hi[u % P];
+    lane_key[u] = static_cast<int32_t>(u / (hc * P));
+  }
+  const I vlo = Vec::iload(lane_lo), vhi = Vec::iload(lane_hi), voff = Vec::iload(lane_key);
+  for (int64_t c = 0; c < chunks; ++c) {
+    Vec::store(mrun + c * W, Vec::set1(-HUGE_VALF));
+    Vec::store(lrun + c * W, Vec::zero());
+  }
+
+  const KT* kbase = cache_ptr<KT>(a.k_cache, rq.row, 0, it.kv_head);
+  const KT* vbase = cache_ptr<KT>(a.v_cache, rq.row, 0, it.kv_head);
+  const int64_t kst = a.k_cache.s_token, ksh = a.k_cache.s_head;
+  const int64_t vst = a.v_cache.s_token, vsh = a.v_cache.s_head;
+  const F neg_inf = Vec::set1(-HUGE_VALF);
+  // probabilities of (block token kk, head h): P consecutive floats
+  auto prob = [&](int64_t kk, int64_t h) {
+    return sc + ((h / HC) * tpb + kk / kt) * W + ((kk % kt) * HC + h % HC) * P;
+  };
+  for (int64_t c0 = rr.kb; c0 < rr.ke; c0 += bk) {
+    const int64_t nb = std::min(bk, rr.ke - c0);
+    const int64_t tiles = (nb + kt - 1) / kt;
+    for (int64_t c = 0; c < chunks; ++c) Vec::store(mblk + c * W, neg_inf);
+    // QK^T, token by token (all chunks of heads of a tile's tokens before the next tile)
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t key0 = c0 + t * kt;
+      const bool mask = key0 < rr.max_lo || key0 + kt > rr.min_hi;
+      // Software prefetch, in address order: the next tile's K rows, and (P >= 2) this tile's V
+      // rows for the head-major P V pass below. Never past the range's end.
+      for (int64_t key = key0 + kt; key < std::min(rr.ke, key0 + 2 * kt); ++key) {
+        prefetch_token(kbase + key * kst, nh, ksh, d);
+      }
+      if (P >= 2) {
+        for (int64_t key = key0; key < std::min(rr.ke, key0 + kt); ++key) prefetch_token(vbase + key * vst, nh, vsh, d);
+      }
+      for (int64_t c = 0; c < chunks; ++c) {
+        const KT* krows[kPairs];
+        const float* qrows[HC];
+        for (int j = 0; j < kPairs; ++j) {
+          const int64_t key = key0 + j / HC, h = c * HC + j % HC;
+          krows[j] = key < rr.ke && h < nh ? kbase + key * kst + h * ksh : zero;
+        }
+        for (int hh = 0; hh < HC; ++hh) qrows[hh] = q + (c * HC + hh) * P * dp;
+        F sv = qk_tile<P, HC>(qrows, krows, dp, d);
+        if (mask) sv = Vec::mask_range(sv, Vec::iadd(Vec::iset1(static_cast<int32_t>(key0)), voff), vlo, vhi);
+        Vec::store(sc + (c * tpb + t) * W, sv);
+        Vec::store(mblk + c * W, Vec::max(Vec::load(mblk + c * W), sv));
+      }
+    }
+    // online softmax, per chunk: lanes with the same (head, row) sit hc * P apart
+    for (int64_t c = 0; c < chunks; ++c) {
+      F mb = Vec::load(mblk + c * W);
+      for (int64_t sh = hc * P; sh < W; sh *= 2) mb = Vec::max(mb, Vec::rotate(mb, static_cast<int>(sh)));
+      const F m_old = Vec::load(mrun + c * W);
+      const F m_new = Vec::max(m_old, mb);
+      const F m_safe = Vec::replace_neginf(m_new, 0.0f);
+      const F alpha = Vec::exp2(Vec::sub(m_old, m_safe));
+      F lsum = Vec::zero();
+      for (int64_t t = 0; t < tiles; ++t) {
+        float* st = sc + (c * tpb + t) * W;
+        const F pr = Vec::exp2(Vec::sub(Vec::load(st), m_safe));
+        Vec::store(st, pr);
+        lsum = Vec::add(lsum, pr);
+      }
+      Vec::store(lrun + c * W, Vec::fmadd(Vec::load(lrun + c * W), alpha, lsum));
+      Vec::store(mrun + c * W, m_new);
+      if (!Vec::all_equal(alpha, Vec::set1(1.0f))) {
+        float al[W];
+        Vec::store(al, alpha);
+        for (int64_t u = 0; u < hc * P; ++u) {  // lanes of token 0: (head, row) = u
+          float* ar = acc + (c * hc * P + u) * ald;
+          const F f = Vec::set1(al[u]);
+          for (int64_t x = 0; x < dp; x += W) Vec::store(ar + x, Vec::mul(Vec::load(ar + x), f));
+        }
+      }
+    }
+    if (P >= 2) {
+      // head by head, acc in registers for the block: V rows come from cache (prefetched above)
+      for (int64_t h = 0; h < nh; ++h) {
+        pv_head_all<P>(acc + h * P * ald, ald, d, vbase + c0 * vst + h * vsh, vst, nb,
+                       [&](int64_t kk) { return prob(kk, h); });
+      }
+    } else {
+      // one row per head: token by token, all heads of a token before the next, so V is read as
+      // one stream the hardware prefetchers follow (two tokens at a time measured ~40% slower)
+      for (int64_t kk = 0; kk < nb; ++kk) {
+        const KT* vrow = vbase + (c0 + kk) * vst;
+        for (int64_t h = 0; h < nh; ++h) pv_token<P>(acc + h * P * ald, ald, d, prob(kk, h), vrow + h * vsh);
+      }
+    }
+  }
+  for (int64_t c = 0; c < chunks; ++c) {
+    F l = Vec::load(lrun + c * W);
+    for (int64_t sh = hc * P; sh < W; sh *= 2) l = Vec::add(l, Vec::rotate(l, static_cast<int>(sh)));
+    Vec::store(lrun + c * W, l);
+  }
+  for (int64_t h = 0; h < nh; ++h) {
+    const float* ml = mrun + (h / hc) * W + (h % hc) * P;
+    const float* ll = lrun + (h / hc) * W + (h % hc) * P;
+    for (int64_t r = 0; r < nrow; ++r) {
+      emit_row(a, s, rq, map.query(r), (it.kv_head + h) * g + r % g, acc + (h * P + r) * ald, ml[r], ll[r], part,
+               h * nrow + r);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Prefill kernel.
+
+// S[kc][rv0*W + ...] = sum_d k[kc][d] * Qt[d][...] for KC keys and NV row vectors.
+template <int KC, int NV>
+inline void qk_micro(const float* qt, int64_t rp, int64_t d, const float* k, int64_t kld, float* sc,
+                     int64_t rv0) {
+  F acc[KC][NV];
+  VATTN_UNROLL
+  for (int c = 0; c < KC; ++c)
+    VATTN_UNROLL
+    for (int v = 0; v < NV; ++v) acc[c][v] = Vec::zero();
+  const float* qp = qt + rv0 * W;
+  for (int64_t x = 0; x < d; ++x) {
+    F qv[NV];
+    VATTN_UNROLL
+    for (int v = 0; v < NV; ++v) qv[v] = Vec::load(qp + x * rp + v * W);
+    VATTN_UNROLL
+    for (int c = 0; c < KC; ++c) {
+      const F kb = Vec::set1(k[c * kld + x]);
+      VATTN_UNROLL
+      for (int v = 0; v < NV; ++v) acc[c][v] = Vec::fmadd(kb, qv[v], acc[c][v]);
+    }
+  }
+  VATTN_UNROLL
+  for (int c = 0; c < KC; ++c)
+    VATTN_UNROLL
+    for (int v = 0; v < NV; ++v) Vec::store(sc + c * rp + (rv0 + v) * W, acc[c][v]);
+}
+
+template <int NV>
+inline void qk_rows(const float* qt, int64_t rp, int64_t d, const float* k, int64_t kld, float* sc,
+                    int64_t rv0, int64_t nb) {
+  constexpr int kKc = (Vec::kRegs - NV - 2) / NV >= 8 ? 8 : ((Vec::kRegs - NV - 2) / NV >= 4 ? 4 : 2);
+  int64_t c = 0;
+  for (; c + kKc <= nb; c += kKc) qk_micro<kKc, NV>(qt, rp, d, k + c * kld, kld, sc + c * rp, rv0);
+  for (; c < nb; ++c) qk_micro<1, NV>(qt, rp, d, k + c * kld, kld, sc + c * rp, rv0);
+}
+
+inline void qk_block(const float* qt, int64_t rp, int64_t d, const float* k, int64_t kld, float* sc,
+                     int64_t nb) {
+  constexpr int kNv = Vec::kRegs >= 32 ? 4 : 2;
+  const int64_t rv = rp / W;
+  int64_t v = 0;
+  for (; v + kNv <= rv; v += kNv) qk_rows<kNv>(qt, rp, d, k, kld, sc, v, nb);
+  for (; v + 2 <= rv && kNv > 2; v += 2) qk_rows<2>(qt, rp, d, k, kld, sc, v, nb);
+  for (; v < rv; ++v) qk_rows<1>(qt, rp, d, k, kld, sc, v, nb);
+}
+
+// O[r0 + r][x0 + i*W ...] += sum_kc P[kc][r0 + r] * v[kc][x0 + i*W ...] for RO rows, NV vectors.
+template <int RO, int NV>
+inline void pv_micro(float* o, int64_t dp, const float* pt, int64_t rp, const float* v, int64_t vld,
+                     int64_t nb) {
+  F acc[RO][NV];
+  VATTN_UNROLL
+  for (int r = 0; r < RO; ++r)
+    VATTN_UNROLL
+    for (int i = 0; i < NV; ++i) acc[r][i] = Vec::load(o + r * dp + i * W);
+  for (int64_t kc = 0; kc < nb; ++kc) {
+    F vv[NV];
+    VATTN_UNROLL
+    for (int i = 0; i < NV; ++i) vv[i] = Vec::load(v + kc * vld + i * W);
+    VATTN_UNROLL
+    for (int r = 0; r < RO; ++r) {
+      const F pb = Vec::set1(pt[kc * rp + r]);
+      VATTN_UNROLL
+      for (int i = 0; i < NV; ++i) acc[r][i] = Vec::fmadd(pb, vv[i], acc[r][i]);
+    }
+  }
+  VATTN_UNROLL
+  for (int r = 0; r < RO; ++r)
+    VATTN_UNROLL
+    for (int i = 0; i < NV; ++i) Vec::store(o + r * dp + i * W, acc[r][i]);
+}
+
+inline void pv_block_rows(float* o, int64_t dp, const float* pt, int64_t rp, const float* v, int64_t vld,
+                          int64_t nb, int64_t rows) {
+  constexpr int kRo = 4;
+  constexpr int kNv = Vec::kRegs >= 32 ? 4 : 2;
+  const int64_t nvec = dp / W;
+  for (int64_t r = 0; r < rows; r += kRo) {
+    int64_t i = 0;
+    for (; i + kNv <= nvec; i += kNv) pv_micro<kRo, kNv>(o + r * dp + i * W, dp, pt + r, rp, v + i * W, vld, nb);
+    for (; i + 2 <= nvec && kNv > 2; i += 2) pv_micro<kRo, 2>(o + r * dp + i * W, dp, pt + r, rp, v + i * W, vld, nb);
+    for (; i < nvec; ++i) pv_micro<kRo, 1>(o + r * dp + i * W, dp, pt + r, rp, v + i * W, vld, nb);
+  }
+}
+
+template <typename KT>
+inline void convert_rows(const KT* src, int64_t st, int64_t nb, int64_t d, float* dst, int64_t dp) {
+  for (int64_t kc = 0; kc < nb; ++kc) row_to_f32(src + kc * st, d, 1.0f, dst + kc * dp, dp);
+}
+
+template <typename KT>
+void prefill_item(const Args& a, const Shape& s, const Request& rq, const WorkItem& it, float* scratch,
+                  const PartialView* part) {
+  const int64_t d = a.head_dim, dp = s.dp, bk = s.block_keys;
+  const RowMap map{it.q_begin, s.group, it.kv_head};
+  const int64_t n = (it.q_end - it.q_begin) * s.group;
+  const int64_t rp = round_up(n, W);
+  float* qt = scratch;             // [d][rp]
+  float* sc = qt + d * rp;         // [bk][rp]
+  float* o = sc + bk * rp;         // [rp][dp]
+  float* kf = o + rp * dp;         // [bk][dp]
+  float* vf = kf + bk * dp;        // [bk][dp]
+  float* m = vf + bk * dp;         // [rp]
+  float* l = m + rp;               // [rp]
+  float* alpha = l + rp;           // [rp]
+  int32_t* lo = reinterpret_cast<int32_t*>(alpha + rp);  // [rp]
+  int32_t* hi = lo + rp;                                  // [rp]
+
+  const RowRanges rr = row_ranges(a, rq, it, map, n, rp, lo, hi);
+  // q rows into o (as a staging area), then transposed into qt
+  for (int64_t r = 0; r < rp; ++r) {
+    if (r < n) {
+      load_q_row(q_row(a, rq, map.query(r), map.head(r)), a.dtype, d, s.q_scale, o + r * dp, dp);
+    } else {
+      std::memset(o + r * dp, 0, static_cast<size_t>(dp) * sizeof(float));
+    }
+  }
+  for (int64_t r = 0; r < rp; ++r)
+    for (int64_t x = 0; x < d; ++x) qt[x * rp + r] = o[r * dp + x];
+  std::memset(o, 0, static_cast<size_t>(rp * dp) * sizeof(float));
+  for (int64_t r = 0; r < rp; ++r) {
+    m[r] = -HUGE_VALF;
+    l[r] = 0.0f;
+  }
+
+  const KT* kbase = cache_ptr<KT>(a.k_cache, rq.row, 0, it.kv_head);
+  const KT* vbase = cache_ptr<KT>(a.v_cache, rq.row, 0, it.kv_head);
+  const int64_t kst = a.k_cache.s_token, vst = a.v_cache.s_token;
+  constexpr bool kF32 = std::is_same<KT, float>::value;
+  const bool v_direct = kF32 && d % W == 0;
+  for (int64_t c0 = rr.kb; c0 < rr.ke; c0 += bk) {
+    const int64_t nb = std::min(bk, rr.ke - c0);
+    const float* k;
+    int64_t kld;
+    if constexpr (kF32) {
+      k = kbase + c0 * kst;
+      kld = kst;
+    } else {
+      convert_rows(kbase + c0 * kst, kst, nb, d, kf, dp);
+      k = kf;
+      kld = dp;
+    }
+    qk_block(qt, rp, d, k, kld, sc, nb);
+    if (c0 < rr.max_lo || c0 + nb > rr.min_hi) {
+      for (int64_t kc = 0; kc < nb; ++kc) {
+        const I key = Vec::iset1(static_cast<int32_t>(c0 + kc));
+        for (int64_t v = 0; v < rp; v += W) {
+          Vec::store(sc + kc * rp + v, Vec::mask_range(Vec::load(sc + kc * rp + v), key, Vec::iload(lo + v), Vec::iload(hi + v)));
+        }
+      }
+    }
+    bool rescale = false;
+    for (int64_t v = 0; v < rp; v += W) {
+      F mb = Vec::set1(-HUGE_VALF);
+      for (int64_t kc = 0; kc < nb; ++kc) mb = Vec::max(mb, Vec::load(sc + kc * rp + v));
+      const F m_old = Vec::load(m + v);
+      const F m_new = Vec::max(m_old, mb);
+      const F m_safe = Vec::replace_neginf(m_new, 0.0f);
+      const F al = Vec::exp2(Vec::sub(m_old, m_safe));
+      F lsum = Vec::zero();
+      for (int64_t kc = 0; kc < nb; ++kc) {
+        const F p = Vec::exp2(Vec::sub(Vec::load(sc + kc * rp + v), m_safe));
+        Vec::store(sc + kc * rp + v, p);
+        lsum = Vec::add(lsum, p);
+      }
+      Vec::store(l + v, Vec::fmadd(Vec::load(l + v), al, lsum));
+      Vec::store(m + v, m_new);
+      Vec::store(alpha + v, al);
+      rescale = rescale || !Vec::all_equal(al, Vec::set1(1.0f));
+    }
+    if (rescale) {
+      for (int64_t r = 0; r < rp; ++r) {
+        if (alpha[r] == 1.0f) continue;
+        const F ar = Vec::set1(alpha[r]);
+        for (int64_t x = 0; x < dp; x += W) Vec::store(o + r * dp + x, Vec::mul(Vec::load(o + r * dp + x), ar));
+      }
+    }
+    const float* v;
+    int64_t vld;
+    if (v_direct) {
+      v = reinterpret_cast<const float*>(vbase + c0 * vst);  // KT is float here
+      vld = vst;
+    } else {
+      convert_rows(vbase + c0 * vst, vst, nb, d, vf, dp);
+      v = vf;
+      vld = dp;
+    }
+    pv_block_rows(o, dp, sc, rp, v, vld, nb, rp);
+  }
+  for (int64_t r = 0; r < n; ++r) emit_row(a, s, rq, map.query(r), map.head(r), o + r * dp, m[r], l[r], part, r);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Entry points.
+
+template <int P, int HC, typename KT>
+inline void decode_dispatch(const Args& a, const Shape& s, const Request& rq, const WorkItem& it, float* scratch,
+                            const PartialView* part) {
+  if constexpr (HC * P <= W) decode_item<P, HC, KT>(a, s, rq, it, scratch, part);
+}
+
+template <typename KT>
+void run_item_typed(const Args& a, const Shape& s, const Request& rq, const WorkItem& it, float* scratch,
+                    const PartialView* part) {
+  if (it.kind == ItemKind::kPrefill) return prefill_item<KT>(a, s, rq, it, scratch, part);
+  const int64_t rows = (it.q_end - it.q_begin) * s.group;
+  const int64_t p = rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : 8;
+  switch (p * 100 + decode_chunk_heads(it.kv_heads, p)) {
+    case 101: return decode_dispatch<1, 1, KT>(a, s, rq, it, scratch, part);
+    case 102: return decode_dispatch<1, 2, KT>(a, s, rq, it, scratch, part);
+    case 104: return decode_dispatch<1, 4, KT>(a, s, rq, it, scratch, part);
+    case 108: return decode_dispatch<1, 8, KT>(a, s, rq, it, scratch, part);
+    case 116: return decode_dispatch<1, 16, KT>(a, s, rq, it, scratch, part);
+    case 201: return decode_dispatch<2, 1, KT>(a, s, rq, it, scratch, part);
+    case 202: return decode_dispatch<2, 2, KT>(a, s, rq, it, scratch, part);
+    case 204: return decode_dispatch<2, 4, KT>(a, s, rq, it, scratch, part);
+    case 208: return decode_dispatch<2, 8, KT>(a, s, rq, it, scratch, part);
+    case 401: return decode_dispatch<4, 1, KT>(a, s, rq, it, scratch, part);
+    case 402: return decode_dispatch<4, 2, KT>(a, s, rq, it, scratch, part);
+    case 404: return decode_dispatch<4, 4, KT>(a, s, rq, it, scratch, part);
+    case 801: return decode_dispatch<8, 1, KT>(a, s, rq, it, scratch, part);
+    default: return decode_dispatch<8, 2, KT>(a, s, rq, it, scratch, part);
+  }
+}
+
+inline void run_item(const Args& a, const Shape& s, const Request& rq, const WorkItem& it, float* scratch,
+                     const PartialView* part) {
+  switch (a.cache_dtype) {
+    case DType::kBFloat16: return run_item_typed<bf16_t>(a, s, rq, it, scratch, part);
+    case DType::kFloat16: return run_item_typed<f16_t>(a, s, rq, it, scratch, part);
+    case DType::kFloat8E4M3: return run_item_typed<e4m3_t>(a, s, rq, it, scratch, part);
+    case DType::kFloat8E5M2: return run_item_typed<e5m2_t>(a, s, rq, it, scratch, part);
+    default: return run_item_typed<float>(a, s, rq, it, scratch, part);
+  }
+}
+
+inline int64_t decode_scratch_floats(int64_t nh, int64_t p, int64_t dp, int64_t bk) {
+  const int64_t hc = decode_chunk_heads(nh, p), chunks = (nh + hc - 1) / hc, kt = W / (hc * p);
+  const int64_t rows = chunks * hc * p, tpb = (bk + kt - 1) / kt;
+  return 2 * rows * dp + chunks * tpb * W + 3 * chunks * W + dp;
+}
+
+// Floats of scratch one thread needs for any item of this call.
+inline int64_t scratch_floats(const Args& a, const Shape& s) {
+  const int64_t dp = s.dp, bk = s.block_keys, d = a.head_dim;
+  int64_t decode = 0;
+  for (int64_t p = 1; p <= kMaxDecodeRows; p *= 2) {
+    decode = std::max(decode, decode_scratch_floats(a.num_kv_heads, p, dp, bk));
+  }
+  const int64_t rp = round_up(std::max<int64_t>(kPrefillRows, s.group), W);
+  const int64_t prefill = d * rp + bk * rp + rp * dp + 2 * bk * dp + 5 * rp + 64;
+  return std::max(decode, prefill);
+}
+
+inline KernelTable table(const char* name) { return KernelTable{name, W, &run_item, &scratch_floats}; }

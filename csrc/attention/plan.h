@@ -1,0 +1,102 @@
+// What the planner (attention.cpp) hands the per-ISA kernels (kernel_impl.h): one request's
+// geometry, one work item, where a split item leaves its partial result, and the table of kernel
+// entry points of one instruction set.
+//
+// Included before any target pragma (see convert.h): these types and inline helpers are the
+// same baseline code in every translation unit.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "attention.h"
+#include "convert.h"
+
+namespace vattention {
+namespace attention {
+
+// Request i after validation: row of the cache, its queries and keys.
+struct Request {
+  int64_t index = 0;    // i
+  int64_t row = 0;      // cache row (cache_batch_idx[i])
+  int64_t q_start = 0;  // first query token (varlen: cu_seqlens_q[i]; fixed: 0)
+  int64_t lq = 0;       // queries
+  int64_t past = 0;     // keys cached before the call
+  int64_t nnew = 0;     // new keys appended by the call
+  int64_t new_start = 0;
+  int64_t lk = 0;       // keys attended: past + nnew
+};
+
+// The keys query j (0-based within its request) may see: [lo, hi), empty when lo >= hi.
+inline void key_range(const Args& a, const Request& rq, int64_t j, int64_t* lo, int64_t* hi) {
+  const int64_t p = j + rq.lk - rq.lq;  // absolute position of the query
+  int64_t l = 0, h = rq.lk;
+  if (a.causal) {
+    h = std::min(h, p + 1);
+  } else if (a.window_right >= 0) {
+    h = std::min(h, p + a.window_right + 1);
+  }
+  if (a.window_left >= 0) l = std::max<int64_t>(0, p - a.window_left);
+  if (h <= l) l = h = 0;
+  *lo = l;
+  *hi = h;
+}
+
+enum class ItemKind : int32_t { kDecode = 0, kPrefill = 1 };
+
+// One unit of parallel work: the rows of queries [q_begin, q_end) x all group heads of KV heads
+// [kv_head, kv_head + kv_heads) of one request, against keys [k_begin, k_end) (already clipped
+// to what those rows see). Decode items take every KV head of a request, prefill items one.
+// partial >= 0: a key split; the item writes (m, l, unnormalized acc) of its rows (row index
+// head * rows_per_head + row) to partial slot `partial` and a combine step writes the output.
+struct WorkItem {
+  int32_t request = 0;
+  int32_t kv_head = 0;
+  int32_t kv_heads = 1;
+  int32_t q_begin = 0;
+  int32_t q_end = 0;
+  int64_t k_begin = 0;
+  int64_t k_end = 0;
+  ItemKind kind = ItemKind::kDecode;
+  int32_t partial = -1;
+  double cost = 0;
+};
+
+// Partial result of one split item: rows x (m, l, acc[head_dim_padded]).
+struct PartialView {
+  float* m = nullptr;    // [rows] running max (base-2 scaled scores)
+  float* l = nullptr;    // [rows] sum of 2^(s - m)
+  float* acc = nullptr;  // [rows][dp] sum of 2^(s - m) * v (v_descale not applied)
+};
+
+// Call-wide constants the kernels share.
+struct Shape {
+  int64_t group = 1;     // query heads per KV head
+  int64_t dp = 0;        // head_dim rounded up to the vector width
+  int64_t block_keys = 0;  // keys per block (softmax granularity)
+  float q_scale = 1.0f;  // softmax_scale * log2(e) * k_descale, folded into q
+  float out_scale = 1.0f;  // v_descale
+};
+
+// Entry points of one instruction set.
+struct KernelTable {
+  const char* name;
+  int width;  // floats per vector
+  // Runs one work item with thread-private scratch of at least scratch_floats(...) floats.
+  void (*run_item)(const Args& a, const Shape& s, const Request& rq, const WorkItem& it,
+                   float* scratch, const PartialView* partial);
+  int64_t (*scratch_floats)(const Args& a, const Shape& s);
+};
+
+constexpr int kMaxDecodeRows = 8;    // rows (queries x group heads) per decode item
+constexpr int kPrefillRows = 64;     // rows per prefill item (multiple of every vector width)
+
+KernelTable kernels_avx512();
+KernelTable kernels_avx2();
+KernelTable kernels_generic();
+bool avx512_compiled();
+bool avx2_compiled();
+
+}  // namespace attention
+}  // namespace vattention

@@ -1,0 +1,89 @@
+// pybind11 glue of the CPU attention kernel: the only file where Python meets csrc/attention.
+//
+// vattention/integrations/flash_attn.py checks dtypes, shapes and strides of the torch tensors
+// and passes raw data pointers and element strides here; the kernel checks the values it reads
+// (cache_seqlens, cache_batch_idx, cu_seqlens_q) before writing anything and throws
+// std::invalid_argument, which pybind11 raises as ValueError. The GIL is released while the
+// kernel runs (it touches no Python object).
+#include "python/attention_bindings.h"
+
+#include <cstdint>
+#include <string>
+#include <tuple>
+
+#include "attention/attention.h"
+
+namespace py = pybind11;
+namespace at = vattention::attention;
+
+namespace {
+
+// (data pointer, batch stride, token stride, head stride), strides in elements
+using OperandTuple = std::tuple<uintptr_t, int64_t, int64_t, int64_t>;
+
+at::Operand operand(const OperandTuple& t) {
+  return at::Operand{reinterpret_cast<void*>(std::get<0>(t)), std::get<1>(t), std::get<2>(t), std::get<3>(t)};
+}
+
+at::DType dtype(int code) {
+  if (code < 0 || code > static_cast<int>(at::DType::kFloat8E5M2)) {
+    throw py::value_error("unknown attention dtype code " + std::to_string(code));
+  }
+  return static_cast<at::DType>(code);
+}
+
+}  // namespace
+
+void register_attention(py::module_& m) {
+  m.def(
+      "flash_attn_with_kvcache",
+      [](int64_t num_requests, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int dtype_code,
+         int cache_dtype_code, const OperandTuple& q, const OperandTuple& out, const OperandTuple& k_new,
+         const OperandTuple& v_new, const OperandTuple& k_cache, const OperandTuple& v_cache,
+         uintptr_t cu_seqlens_q, int64_t seqlen_q, int64_t q_tokens, int64_t seqlen_new, int64_t cache_batch,
+         int64_t cache_len, uintptr_t cache_seqlens, uintptr_t cache_batch_idx, float softmax_scale, bool causal,
+         int64_t window_left, int64_t window_right, float k_descale, float v_descale, int num_threads) {
+        at::Args a;
+        a.num_requests = num_requests;
+        a.num_heads = num_heads;
+        a.num_kv_heads = num_kv_heads;
+        a.head_dim = head_dim;
+        a.dtype = dtype(dtype_code);
+        a.cache_dtype = dtype(cache_dtype_code);
+        a.q = operand(q);
+        a.out = operand(out);
+        a.k_new = operand(k_new);
+        a.v_new = operand(v_new);
+        a.k_cache = operand(k_cache);
+        a.v_cache = operand(v_cache);
+        a.cu_seqlens_q = reinterpret_cast<const int32_t*>(cu_seqlens_q);
+        a.seqlen_q = seqlen_q;
+        a.q_tokens = q_tokens;
+        a.seqlen_new = seqlen_new;
+        a.cache_batch = cache_batch;
+        a.cache_len = cache_len;
+        a.cache_seqlens = reinterpret_cast<const int32_t*>(cache_seqlens);
+        a.cache_batch_idx = reinterpret_cast<const int32_t*>(cache_batch_idx);
+        a.softmax_scale = softmax_scale;
+        a.causal = causal;
+        a.window_left = window_left;
+        a.window_right = window_right;
+        a.k_descale = k_descale;
+        a.v_descale = v_descale;
+        a.num_threads = num_threads;
+        py::gil_scoped_release nogil;
+        at::flash_attn_with_kvcache(a);
+      },
+      py::arg("num_requests"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
+      py::arg("dtype"), py::arg("cache_dtype"), py::arg("q"), py::arg("out"), py::arg("k_new"), py::arg("v_new"),
+      py::arg("k_cache"), py::arg("v_cache"), py::arg("cu_seqlens_q"), py::arg("seqlen_q"), py::arg("q_tokens"),
+      py::arg("seqlen_new"), py::arg("cache_batch"), py::arg("cache_len"), py::arg("cache_seqlens"),
+      py::arg("cache_batch_idx"), py::arg("softmax_scale"), py::arg("causal"), py::arg("window_left"),
+      py::arg("window_right"), py::arg("k_descale"), py::arg("v_descale"), py::arg("num_threads"),
+      "Raw entry of the CPU attention kernel; use vattention.integrations.flash_attn.flash_attn_with_kvcache.");
+  m.def("attention_kernel_isa", &at::kernel_isa, "Instruction set of the CPU attention kernels in use.");
+  m.def(
+      "set_attention_kernel_isa", [](const std::string& name) { return at::set_kernel_isa(name.c_str()); },
+      py::arg("name"),
+      "Select the CPU attention kernels ('avx512', 'avx2', 'generic'; '' = best). False if unavailable.");
+}
