@@ -95,6 +95,19 @@ def test_a_hit_maps_the_same_pages_again(make):
     assert cache.block_table(b) == [[5, 6, 9]]
 
 
+def test_a_hit_on_a_block_filled_in_the_same_step(make):
+    # vLLM caches a block when it schedules the step that fills it: a request scheduled after the
+    # filler in that step hits it, and reads what the filler writes (appends come first).
+    cache = make(num_blocks=16, block_cache=True)
+    a, b = cache.alloc(), cache.alloc()
+    cache.step({a: 32, b: 20}, blocks={a: (0, [1, 2], 0), b: (0, [1, 3], 1)})
+    _write(cache, a, 0, 32, tag=7)
+    assert _read(cache, b, 0, 16) == [7000.0 + t for t in range(16)]
+    stats = cache.stats()
+    assert stats["block_hits"] == 1
+    assert stats["pages_created"] == 3 * cache.config.pages_per_index   # blocks 1, 2, 3
+
+
 def test_with_block_cache_a_block_outlives_its_rows(make):
     cache = make(num_blocks=16, block_cache=True)
     a = cache.alloc()
@@ -139,14 +152,38 @@ def test_a_fresh_id_reuses_its_old_pages_in_place(make):
 
 def test_a_fresh_id_an_idle_row_maps_is_taken_from_it(make):
     cache = make(num_blocks=16, block_cache=True)
-    a = cache.alloc()
+    a, c = cache.alloc(), cache.alloc()
     cache.step({a: 32}, blocks={a: (0, [3, 4], 0)})
     cache.free(a)                                            # idle: still maps 3 and 4
-    b = cache.alloc()
-    assert b != a or cache.stats()["mappings"] == 0
-    c = b if b != a else cache.alloc()
+    assert cache.stats()["idle_slots_with_pages"] == 1
     cache.step({c: 16}, blocks={c: (0, [4], 0)})             # 4 handed out fresh
     assert cache.stats()["idle_slots_with_pages"] == 0      # a's row was unmapped first
+    assert cache._core.check_invariants() == ""
+
+
+def test_hits_an_idle_row_still_maps_cost_no_map_call(make):
+    """A shared system prompt: the next request in a slot keeps the hit blocks its row still
+    maps (zero map calls for them), and only the disagreeing tail is replaced."""
+    cache = make(num_blocks=16, block_cache=True)
+    a = cache.alloc()
+    cache.step({a: 48}, blocks={a: (0, [1, 2, 3], 0)})
+    _write(cache, a, 0, 48, tag=5)
+    one = cache.stats()["map_calls"] // 3                    # map calls of one block
+    cache.free(a)
+    b = cache.alloc()
+    assert b == a                                            # the idle row is picked again
+    before = cache.stats()
+    cache.step({b: 40}, blocks={b: (0, [1, 2, 7], 2)})       # hits on 1 and 2, 7 fresh
+    after = cache.stats()
+    assert after["map_calls"] - before["map_calls"] == one   # block 7 only
+    assert after["block_hits"] - before["block_hits"] == 2
+    assert _read(cache, b, 0, 32) == [5000.0 + t for t in range(32)]
+    assert cache.block_table(b) == [[1, 2, 7]]
+    assert cache._core.check_invariants() == ""
+    cache.free(b)
+    c = cache.alloc()
+    cache.step({c: 16}, blocks={c: (0, [9], 0)})             # disagrees at once: all replaced
+    assert cache.block_table(c) == [[9]]
     assert cache._core.check_invariants() == ""
 
 
@@ -415,6 +452,7 @@ class Engine:
                 updates[r["slot"]] = (0, list(r["table"]), len(hits))
                 r["new_from"] = computed
                 lens[r["slot"]] = len(r["tokens"])
+                self._cache_full_blocks(r, lens[r["slot"]])
                 continue
             # running: one token more
             n = len(r["tokens"])
@@ -438,19 +476,25 @@ class Engine:
                 updates[r["slot"]] = (len(r["table"]) - 1, [b], 0)
             r["new_from"] = n
             lens[r["slot"]] = n + 1
+            self._cache_full_blocks(r, n + 1)
         return lens, updates
+
+    def _cache_full_blocks(self, r, length):
+        """As vLLM does when it schedules a step: blocks full by its end get their hash now, so
+        a request scheduled later in the same step may hit them."""
+        if not self.caching:
+            return
+        for i in range(length // TPP):
+            b = r["table"][i]
+            h = tuple(r["tokens"][:(i + 1) * TPP])
+            if b and b not in self.hash_of and h not in self.by_hash:
+                self.hash_of[b], self.by_hash[h] = h, b
 
     def after_step(self, lens):
         for rid, r in list(self.reqs.items()):
             if r["slot"] is None or r["slot"] not in lens:
                 continue
             r["computed"] = lens[r["slot"]]
-            if self.caching:                      # full blocks get their hash
-                for i in range(r["computed"] // TPP):
-                    b = r["table"][i]
-                    h = tuple(r["tokens"][:(i + 1) * TPP])
-                    if b and b not in self.hash_of and h not in self.by_hash:
-                        self.hash_of[b], self.by_hash[h] = h, b
             if r["computed"] >= r["target"]:
                 self.cache.free(r["slot"])
                 for b in r["table"]:

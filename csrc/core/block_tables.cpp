@@ -36,8 +36,26 @@ void BlockTables::validate(const std::vector<int64_t>& lens,
   const int64_t N = blocks.num_blocks();
   std::vector<char> updated(slots.size(), 0);
   std::vector<size_t> new_size(slots.size(), 0);
-  std::unordered_map<int64_t, int> fresh;
-  std::unordered_set<int64_t> hits;
+  // Fresh ids of the step first: vLLM caches a block when it schedules the step that fills it,
+  // so a request scheduled after the filler in the same step may hit it (its pages are the ones
+  // this step maps for the filler; the kernel appends every new key before any query reads).
+  std::unordered_map<int64_t, size_t> fresh;  // id -> the width of the group it fills
+  for (const BlockUpdate& u : updates) {
+    if (u.ids.size() != G) continue;  // reported below
+    for (size_t g = 0; g < G; ++g) {
+      for (size_t k = u.cached; k < u.ids[g].size(); ++k) {
+        const int64_t id = u.ids[g][k];
+        if (id < 0 || id >= N) continue;  // reported below
+        if (!fresh.emplace(id, geo.group_columns(static_cast<int>(g)).size()).second) {
+          throw table_error("block " + std::to_string(id) + " at page index " +
+                                std::to_string(u.start + k) + " of slot " +
+                                std::to_string(u.slot) + " (group " + std::to_string(g) +
+                                ") is handed out fresh twice in one step",
+                            u.slot);
+        }
+      }
+    }
+  }
   for (const BlockUpdate& u : updates) {
     slots.validate(u.slot);
     slots.require_active(u.slot, "slot", "has a block table but is not allocated (alloc() first)");
@@ -111,30 +129,23 @@ void BlockTables::validate(const std::vector<int64_t>& lens,
                                    "block_cache=True (the engine's prefix caching)",
                               u.slot);
           }
-          if (!blocks.has_pages(id)) {
+          const auto filled = fresh.find(id);
+          if (filled == fresh.end() && !blocks.has_pages(id)) {
             throw table_error(at + " is a cache hit but holds no pages: it was never filled, "
                                    "or its id was handed out fresh since (the engine's block "
                                    "accounting and the cache disagree)",
                               u.slot);
           }
           const size_t width = geo.group_columns(static_cast<int>(g)).size();
-          if (blocks.pages(id).size() != width) {
-            throw table_error(at + " is a cache hit but holds " +
-                                  std::to_string(blocks.pages(id).size()) + " pages; group " +
-                                  std::to_string(g) + " maps " + std::to_string(width),
+          const size_t held = filled != fresh.end() ? filled->second : blocks.pages(id).size();
+          if (held != width) {
+            throw table_error(at + " is a cache hit but holds " + std::to_string(held) +
+                                  " pages; group " + std::to_string(g) + " maps " +
+                                  std::to_string(width),
                               u.slot);
           }
-          hits.insert(id);
-        } else if (++fresh[id] > 1) {
-          throw table_error(at + " is handed out fresh twice in one step", u.slot);
         }
       }
-    }
-  }
-  for (const auto& entry : fresh) {
-    if (hits.count(entry.first) != 0) {
-      throw Error(Error::Kind::Config, "block " + std::to_string(entry.first) +
-                                           " is both a cache hit and a fresh block in one step");
     }
   }
   for (size_t i = 0; i < lens.size(); ++i) {
@@ -223,6 +234,13 @@ void BlockTables::apply(const std::vector<int64_t>& lens, const std::vector<Bloc
       }
     }
     if (cut < s.mapped) parts_.memory.unmap_tail(s, u.slot, cut);
+    // Hits the row still maps (an idle row's blocks, kept for its next request) are hits served
+    // with no map call at all; step 5 counts the ones it maps.
+    for (size_t p = u.start; p < std::min(cut, u.start + u.cached); ++p) {
+      for (size_t g = 0; g < G; ++g) {
+        if (s.table[g][p] != kNoBlock) blocks.count_hit();
+      }
+    }
   }
 
   // 2. fresh ids: adopt anonymous pages where a row has them, free the ids from earlier holders,
@@ -277,7 +295,8 @@ void BlockTables::apply(const std::vector<int64_t>& lens, const std::vector<Bloc
     plan.push_back(Growth{slot, s.mapped, to});
   }
 
-  // 3. every missing page, all or nothing.
+  // 3. every missing page, all or nothing; then the pages each new block will name (a hit on
+  //    it in this step, from a row scheduled after its filler, maps the same pages).
   std::vector<PageHandle> fresh;
   if (missing > 0) {
     try {
@@ -287,35 +306,53 @@ void BlockTables::apply(const std::vector<int64_t>& lens, const std::vector<Bloc
       throw;
     }
   }
+  std::unordered_map<int64_t, std::vector<PageHandle>> planned;  // new block -> its pages
+  size_t next = 0;
+  for (const Row& r : rows) {
+    const Slot& s = slots[static_cast<size_t>(r.slot)];
+    for (size_t p = std::max(r.from, s.fresh_from); p < r.to; ++p) {
+      for (size_t g = 0; g < G; ++g) {
+        const int64_t b = s.table[g][p];
+        if (b == kNoBlock || reuse[static_cast<size_t>(r.slot)][p * G + g]) continue;
+        planned[b].assign(fresh.begin() + static_cast<long>(next),
+                          fresh.begin() + static_cast<long>(next + cols[g].size()));
+        next += cols[g].size();
+      }
+    }
+  }
+  auto pages_of = [&](int64_t b) -> const std::vector<PageHandle>& {
+    const auto it = planned.find(b);
+    return it != planned.end() ? it->second : blocks.pages(b);
+  };
 
-  // 4. map each row's new indices; a driver error undoes the rows mapped so far.
-  size_t used = 0;
+  // 4. map each row's new indices. A new block's pages come with one reference from the pool,
+  //    which its filler's mapping takes over; every other mapping takes a reference of its own.
+  //    A driver error undoes the rows mapped so far and gives back what no row took.
+  std::unordered_set<int64_t> taken;  // new blocks whose filler's row is mapped
   size_t done = 0;
   try {
     for (const Row& r : rows) {
       Slot& s = slots[static_cast<size_t>(r.slot)];
-      const size_t first_new = used;
       std::vector<PageHandle> h((r.to - r.from) * C, kNoPage);
-      std::vector<PageHandle> shares;  // pages the row maps beside their block: its references
+      std::vector<PageHandle> shares;
+      std::vector<int64_t> fills;
       for (size_t p = r.from; p < r.to; ++p) {
         for (size_t g = 0; g < G; ++g) {
           const int64_t b = s.table[g][p];
           if (b == kNoBlock) continue;
-          const bool existing = p < s.fresh_from || reuse[static_cast<size_t>(r.slot)][p * G + g];
+          const bool fills_it =
+              p >= s.fresh_from && !reuse[static_cast<size_t>(r.slot)][p * G + g];
+          const std::vector<PageHandle>& pages = pages_of(b);
           for (size_t j = 0; j < cols[g].size(); ++j) {
-            const PageHandle page = existing ? blocks.pages(b)[j] : fresh[used++];
-            h[(p - r.from) * C + cols[g][j]] = page;
-            if (existing) shares.push_back(page);
+            h[(p - r.from) * C + cols[g][j]] = pages[j];
+            if (!fills_it) shares.push_back(pages[j]);
           }
+          if (fills_it) fills.push_back(b);
         }
       }
-      try {
-        parts_.memory.map(s, r.slot, r.from, r.to, h.data(), false);
-      } catch (...) {
-        used = first_new;  // this row's new pages are not mapped: released below
-        throw;
-      }
+      parts_.memory.map(s, r.slot, r.from, r.to, h.data(), false);
       for (PageHandle page : shares) pool.share(page);
+      taken.insert(fills.begin(), fills.end());
       ++done;
     }
   } catch (...) {
@@ -326,7 +363,10 @@ void BlockTables::apply(const std::vector<int64_t>& lens, const std::vector<Bloc
       } catch (...) {
       }
     }
-    for (size_t k = used; k < fresh.size(); ++k) pool.release(fresh[k]);
+    for (const auto& entry : planned) {
+      if (taken.count(entry.first) != 0) continue;
+      for (PageHandle page : entry.second) pool.release(page);
+    }
     throw;
   }
 
@@ -344,9 +384,7 @@ void BlockTables::apply(const std::vector<int64_t>& lens, const std::vector<Bloc
           if (reuse[static_cast<size_t>(r.slot)][p * G + g]) {
             blocks.count_reused();
           } else {
-            std::vector<PageHandle> pages(cols[g].size());
-            for (size_t j = 0; j < pages.size(); ++j) pages[j] = s.pages[p * C + cols[g][j]];
-            blocks.assign(b, std::move(pages));
+            blocks.assign(b, planned[b]);
           }
           parts_.scrubber.scrub_columns(r.slot, p, cols[g]);
         }

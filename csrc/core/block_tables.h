@@ -11,7 +11,8 @@
 // A step with tables (apply):
 //   1. records the tables and unmaps, per row, the tail from the first page index whose mapping
 //      disagrees with its table (a replaced table: a resumed request, or a new request in a slot
-//      an earlier one left idle);
+//      an earlier one left idle). What agrees stays mapped: a new request whose hits an idle row
+//      still maps (a shared system prompt) costs no map call for them;
 //   2. frees every fresh id from earlier holders: an idle row mapping it is unmapped, an active row
 //      keeps the pages as anonymous ones (the engine released the block from that row's window
 //      before the row's own release: "detached"), and the block forgets them;

@@ -19,9 +19,16 @@ void KVCacheCore::prefetch(const std::vector<int64_t>& lens, int64_t lookahead_t
                   "lookahead_tokens=" + std::to_string(lookahead_tokens) + " must be >= 0");
     }
     const int64_t ahead = lookahead_tokens < 0 ? lookahead_tokens_ : lookahead_tokens;
+    bool work = false;
     for (size_t i = 0; i < lens.size(); ++i) {
-      if (lens[i] != kUnlisted) job[i] = std::min(geo_.max_seq, lens[i] + ahead);
+      if (lens[i] == kUnlisted) continue;
+      job[i] = std::min(geo_.max_seq, lens[i] + ahead);
+      const Slot& s = slots_[i];
+      work = work || (s.state == Slot::State::Active && geo_.pages_for(job[i]) > s.mapped);
     }
+    // Most decode steps need no new page: waking the thread for nothing would cost a context
+    // switch per step on a machine whose cores the model's threads keep busy.
+    if (!work) return;
   }
   prefetcher_->submit(std::move(job));
 }

@@ -223,7 +223,10 @@ size_t PrefixSharing::ensure_private(int slot, int64_t start_token, uintptr_t st
 }
 
 void PrefixSharing::reset_slot(Slot& s, int index) {
-  if (s.shared_pages == 0) return;
+  // Engine blocks: the new request's first table keeps what agrees with it and unmaps the rest
+  // (BlockTables::apply), and a row writes nothing its table does not name: a hit on the blocks
+  // an idle row still maps costs no map call.
+  if (s.shared_pages == 0 || parts_.blocks.enabled()) return;
   const size_t C = parts_.geo.columns();
   size_t keep = s.mapped;
   for (size_t i = 0; i < std::min(s.shared_pages, s.mapped) * C && keep == s.mapped; ++i) {

@@ -45,7 +45,7 @@ class PrefixSharing final : public CacheFeature {
   size_t ensure_private(int slot, int64_t start_token, uintptr_t stream);
 
   // The new owner must never write into a page someone else reads: unmap from the first page
-  // still shared.
+  // still shared (with engine blocks, the row's first table decides instead).
   void reset_slot(Slot& slot, int index) override;
   void add_stats(Stats& out) const override;
   // Every page mapped more than once lies inside the read-only prefix of each slot mapping it.

@@ -16,8 +16,8 @@
 #include "core/geometry.h"
 #include "host/fault_report.h"
 
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22  // Linux 5.14; older headers lack it
 #endif
 
 namespace vattention {
@@ -229,9 +229,13 @@ void HostBackend::set_access(uintptr_t va, size_t bytes) {
 }
 
 void HostBackend::prefault(uintptr_t va, size_t bytes) noexcept {
-  // Failure is harmless: old kernels lack MADV_POPULATE_WRITE (pages then fault in on first
+  // READ, not WRITE: the memfd pages exist already (fallocate), a read fault maps them writable
+  // in a MAP_SHARED shmem mapping (no write notification), and it maps its neighbours from the
+  // page cache too (fault-around), so populating costs about half as much as WRITE's one fault
+  // per 4 KB page (measured: 16 rows x 7 blocks of 256 KB, 8.5 ms against 17 ms).
+  // Failure is harmless: old kernels lack MADV_POPULATE_READ (pages then fault in on first
   // touch), and a range unmapped meanwhile (PROT_NONE) simply is not populated.
-  (void)madvise(reinterpret_cast<void*>(va), bytes, MADV_POPULATE_WRITE);
+  (void)madvise(reinterpret_cast<void*>(va), bytes, MADV_POPULATE_READ);
 }
 
 void HostBackend::unmap(uintptr_t va, size_t bytes) {
