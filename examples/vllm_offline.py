@@ -36,7 +36,6 @@ def main() -> None:
 
     import vllm
     llm = vllm.LLM(model=model, dtype="float32", max_model_len=1024, max_num_seqs=4,
-                   enable_prefix_caching=False,        # the plugin refuses prefix caching
                    kv_cache_memory_bytes=64 << 20)     # the pages' budget with the plugin
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 200, 130)]
     params = vllm.SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)

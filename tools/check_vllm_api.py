@@ -21,6 +21,8 @@ found parameters) and exits 1 if any entry failed, 2 on a usage error. The symbo
 ``name``       a module-level name: assigned, defined, imported, re-exported by ``import *``,
                or served by a module ``__getattr__`` that names it in a string
 ``literal``    a string constant ``name`` appears in ``module`` (env var names, entry points)
+``assigned``   an attribute ``name`` that some ``x.name = ...`` in ``module`` sets (attributes a
+               module function puts on objects, such as a layer's fp8 scales)
 
 ``params`` are checked in order: plain names must be the leading positional parameters
 (``self``/``cls`` included for methods, omitted for static methods), ``"name="`` only has to
@@ -219,6 +221,12 @@ def check_entry(checker: Checker, entry: Sequence) -> Tuple[str, str]:
         tree = checker.src.module(module)
         hit = tree is not None and any(isinstance(n, ast.Constant) and n.value == name
                                        for n in ast.walk(tree))
+        return ("OK" if hit else "MISSING"), label
+    if kind == "assigned":
+        tree = checker.src.module(module)
+        hit = tree is not None and any(
+            isinstance(n, ast.Attribute) and n.attr == name and isinstance(n.ctx, ast.Store)
+            for n in ast.walk(tree))
         return ("OK" if hit else "MISSING"), label
     if kind in ("class", "function", "name"):
         hit = checker.find_def(module, name)

@@ -5,7 +5,8 @@ described in ``check_vllm_api.py``. Sources: ``vattention/integrations/vllm/*.py
 ``vattention/bench/vllm_run.py`` and the tests that drive vLLM. To extend: add the entry next to
 its neighbours (same module), name the plugin file that needs it in the comment, and run
 ``python tools/check_vllm_api.py <vllm>`` against every supported version.
-Entries marked "recommended" are not used by the plugin yet; the vLLM-defaults work needs them.
+Entries under "test support" are used by tests/support/vllm_cuda_config_check.py, which runs vLLM's
+CUDA platform config code on the CPU build.
 """
 
 W = "vllm.v1.worker"
@@ -38,6 +39,13 @@ MANIFEST = [
     ("attribute", f"{CONFIG}.vllm", "VllmConfig.attention_config"),
     ("attribute", f"{CONFIG}.vllm", "VllmConfig.compilation_config"),
     ("attribute", f"{CONFIG}.vllm", "VllmConfig.use_v2_model_runner"),
+    ("attribute", f"{CONFIG}.vllm", "VllmConfig.additional_config"),
+    ("attribute", f"{CONFIG}.cache", "CacheConfig.DEFAULT_BLOCK_SIZE"),
+    ("attribute", f"{CONFIG}.compilation", "CompilationConfig.cudagraph_mode"),
+    ("class", f"{CONFIG}.compilation", "CUDAGraphMode"),
+    ("attribute", f"{CONFIG}.compilation", "CUDAGraphMode.FULL"),
+    ("attribute", f"{CONFIG}.compilation", "CUDAGraphMode.PIECEWISE"),
+    ("method", f"{CONFIG}.compilation", "CUDAGraphMode.has_mode", ["self", "mode"]),
     ("attribute", f"{CONFIG}.cache", "CacheConfig.enable_prefix_caching"),
     ("attribute", f"{CONFIG}.cache", "CacheConfig.cache_dtype"),
     ("attribute", f"{CONFIG}.cache", "CacheConfig.block_size"),
@@ -50,10 +58,7 @@ MANIFEST = [
     ("attribute", f"{CONFIG}.model", "ModelConfig.is_attention_free"),
     ("attribute", f"{CONFIG}.model", "ModelConfig.is_hybrid"),
     ("attribute", f"{CONFIG}.model", "ModelConfig.hf_config"),
-    ("attribute", f"{CONFIG}.model", "ModelConfig.max_model_len"),
-    ("attribute", f"{CONFIG}.model", "ModelConfig.enforce_eager"),
     ("attribute", f"{CONFIG}.model", "ModelConfig.dtype"),
-    ("method", f"{CONFIG}.model", "ModelConfig.get_sliding_window", ["self"]),
     ("method", f"{CONFIG}.model", "ModelConfig.get_num_layers", ["self", "parallel_config"]),
     ("method", f"{CONFIG}.model", "ModelConfig.get_num_kv_heads", ["self", "parallel_config"]),
     ("method", f"{CONFIG}.model", "ModelConfig.get_head_size", ["self"]),
@@ -76,6 +81,8 @@ MANIFEST = [
     ("attribute", f"{W}.gpu_worker", "Worker.model_runner"),
     ("attribute", f"{W}.gpu_worker", "Worker.vllm_config"),
     ("attribute", f"{W}.gpu_worker", "Worker.device"),
+    ("method", f"{W}.gpu_worker", "Worker._make_model_runner", ["self"]),
+    ("attribute", f"{W}.gpu_worker", "Worker.use_v2_model_runner"),
     # ---- runner.py: the KV cache and the per-step hook ----------------------------------------
     ("method", f"{W}.gpu_model_runner", "GPUModelRunner.initialize_kv_cache_tensors",
      ["self", "kv_cache_config", "kernel_block_sizes", "kv_cache_allocation_context="]),
@@ -93,11 +100,14 @@ MANIFEST = [
     ("attribute", f"{W}.gpu_model_runner", "GPUModelRunner.device"),
     ("attribute", f"{W}.gpu_model_runner", "GPUModelRunner.compilation_config"),
     ("attribute", f"{W}.gpu_model_runner", "GPUModelRunner.vllm_config"),
+    ("attribute", f"{W}.gpu_model_runner", "GPUModelRunner.cache_config"),
+    ("attribute", f"{W}.gpu_model_runner", "GPUModelRunner.model_config"),
+    ("attribute", f"{W}.gpu_model_runner", "GPUModelRunner.attn_groups"),
+    ("attribute", f"{W}.utils", "AttentionGroup.metadata_builders"),
     ("attribute", f"{W}.gpu_input_batch", "InputBatch.req_ids"),
     ("attribute", f"{W}.gpu_input_batch", "InputBatch.num_reqs"),
     ("attribute", f"{W}.gpu_input_batch", "CachedRequestState.num_computed_tokens"),
     ("attribute", f"{W}.gpu_input_batch", "CachedRequestState.num_tokens"),
-    ("attribute", f"{W}.gpu_input_batch", "CachedRequestState.block_ids"),      # recommended
     ("function", f"{W}.utils", "bind_kv_cache",
      ["kv_caches", "forward_context", "runner_kv_caches"]),
     ("class", "vllm.v1.kv_cache_interface", "AttentionSpec"),
@@ -109,12 +119,19 @@ MANIFEST = [
     ("attribute", "vllm.v1.kv_cache_interface", "KVCacheConfig.num_blocks"),
     ("attribute", "vllm.v1.kv_cache_interface", "KVCacheGroupSpec.kv_cache_spec"),
     ("attribute", "vllm.v1.kv_cache_interface", "KVCacheGroupSpec.layer_names"),
-    ("class", "vllm.v1.kv_cache_interface", "SlidingWindowSpec"),               # recommended
+    ("class", "vllm.v1.kv_cache_interface", "SlidingWindowSpec"),
     ("attribute", "vllm.v1.kv_cache_interface", "SlidingWindowSpec.sliding_window"),
+    ("attribute", "vllm.v1.kv_cache_interface", "FullAttentionSpec.sliding_window"),
+    ("attribute", "vllm.v1.kv_cache_interface", "FullAttentionSpec.attention_chunk_size"),
     ("attribute", "vllm.v1.core.sched.output", "SchedulerOutput.preempted_req_ids"),
     ("attribute", "vllm.v1.core.sched.output", "SchedulerOutput.finished_req_ids"),
     ("attribute", "vllm.v1.core.sched.output", "SchedulerOutput.num_scheduled_tokens"),
-    ("attribute", "vllm.v1.core.sched.output", "NewRequestData.block_ids"),     # recommended
+    ("attribute", "vllm.v1.core.sched.output", "SchedulerOutput.scheduled_new_reqs"),
+    ("attribute", "vllm.v1.core.sched.output", "SchedulerOutput.scheduled_cached_reqs"),
+    ("attribute", "vllm.v1.core.sched.output", "NewRequestData.req_id"),
+    ("attribute", "vllm.v1.core.sched.output", "CachedRequestData.req_ids"),
+    ("attribute", "vllm.v1.core.sched.output", "CachedRequestData.num_computed_tokens"),
+    ("attribute", "vllm.v1.core.sched.output", "NewRequestData.block_ids"),
     ("attribute", "vllm.v1.core.sched.output", "NewRequestData.num_computed_tokens"),
     ("attribute", "vllm.v1.core.sched.output", "CachedRequestData.resumed_req_ids"),
     ("attribute", "vllm.v1.core.sched.output", "CachedRequestData.new_block_ids"),
@@ -135,8 +152,6 @@ MANIFEST = [
     ("method", BACKEND, "AttentionBackend.get_supported_head_sizes", ["cls"]),
     ("method", BACKEND, "AttentionBackend.supports_attn_type", ["cls", "attn_type"]),
     ("method", BACKEND, "AttentionBackend.supports_sliding_window", ["cls"]),
-    ("method", BACKEND, "AttentionBackend.get_preferred_block_size",             # recommended
-     ["cls", "default_block_size"]),
     ("class", BACKEND, "AttentionImpl"),
     ("method", BACKEND, "AttentionImpl.__init__",
      ["self", "num_heads", "head_size", "scale", "num_kv_heads", "alibi_slopes",
@@ -151,12 +166,14 @@ MANIFEST = [
     ("method", BACKEND, "AttentionMetadataBuilder.build",
      ["self", "common_prefix_len", "common_attn_metadata", "fast_build"]),
     ("attribute", BACKEND, "AttentionMetadataBuilder.reorder_batch_threshold"),
-    ("attribute", BACKEND, "AttentionMetadataBuilder._cudagraph_support"),      # recommended
     ("attribute", BACKEND, "AttentionMetadataBuilder.device"),
     ("attribute", BACKEND, "CommonAttentionMetadata.num_reqs"),
     ("attribute", BACKEND, "CommonAttentionMetadata.num_actual_tokens"),
     ("attribute", BACKEND, "CommonAttentionMetadata.query_start_loc_cpu"),
     ("attribute", BACKEND, "AttentionType.DECODER"),
+    # the layers' fp8 K/V scales (set_default_quant_scales: 1.0 unless a checkpoint brings its own)
+    ("assigned", "vllm.model_executor.layers.attention.attention", "_k_scale_float"),
+    ("assigned", "vllm.model_executor.layers.attention.attention", "_v_scale_float"),
     ("class", BACKEND, "MultipleOf"),
     # ---- vllm_run.py and the tests: the offline API -------------------------------------------
     ("class", "vllm.entrypoints.llm", "LLM"),
@@ -165,9 +182,15 @@ MANIFEST = [
     ("class", "vllm.sampling_params", "SamplingParams"),
     ("attribute", "vllm.outputs", "RequestOutput.outputs"),
     ("attribute", "vllm.outputs", "CompletionOutput.token_ids"),
-    # ---- recommended: forcing the V1 runner, keeping the aligned block size --------------------
+    # ---- plugin.py: forcing the V1 runner, keeping the aligned block size ---------------------
     ("literal", "vllm.envs", "VLLM_USE_V2_MODEL_RUNNER"),
     ("attribute", f"{CONFIG}.cache", "CacheConfig.user_specified_block_size"),
     ("method", "vllm.platforms.interface", "Platform.update_block_size_for_backend",
      ["cls", "vllm_config"]),
+    # ---- test support: vLLM's CUDA platform config code on the CPU build ---------------------
+    ("name", "vllm.platforms.cuda", "CudaPlatform"),      # NvmlCudaPlatform or NonNvmlCudaPlatform
+    ("name", f"{CONFIG}.vllm", "HAS_TRITON"),
+    ("function", f"{CONFIG}.vllm", "set_current_vllm_config", ["vllm_config"]),
+    ("method", "vllm.engine.arg_utils", "EngineArgs.create_engine_config", ["self"]),
+    ("class", "vllm.model_executor.layers.attention_layer_base", "AttentionLayerBase"),
 ]

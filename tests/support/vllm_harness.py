@@ -11,7 +11,8 @@ import json
 import os
 import pathlib
 import subprocess
-from typing import Dict, List, Optional
+import threading
+from typing import Any, Callable, Dict, List, Optional
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -111,5 +112,30 @@ class Inline:
         return rc, self.log_file.read_text(errors="replace")
 
 
-__all__ = ["Inline", "Scenario", "build_model", "greedy", "prompt", "vllm_env",
+class Background:
+    """``fn()`` in a thread, started at once; :meth:`result` waits and returns (or re-raises)."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self._value: Any = None
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True,
+                                        name="vllm-workloads")
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], Any]) -> None:
+        try:
+            self._value = fn()
+        except BaseException as e:  # handed to the test that asks for the result
+            self._error = e
+
+    def result(self, timeout: float = 900) -> Any:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the vLLM workloads did not start within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+__all__ = ["Background", "Inline", "Scenario", "build_model", "greedy", "prompt", "vllm_env",
            "VLLM_PYTHON", "MISSING", "ROOT"]

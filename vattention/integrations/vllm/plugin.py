@@ -47,6 +47,7 @@ CPU_WORKER = "vattention.integrations.vllm.worker.VAttentionCPUWorker"
 GPU_WORKER = "vattention.integrations.vllm.worker.VAttentionGPUWorker"
 CPU_BACKEND = "vattention.integrations.vllm.attention.VAttentionCPUBackend"
 CUDA_BACKEND = "vattention.integrations.vllm.attention.VAttentionFlashBackend"
+_v1_selected = False    # this process set VLLM_USE_V2_MODEL_RUNNER=0 (select_v1_runner)
 _STOCK_WORKERS = ("auto", "vllm.v1.worker.cpu_worker.CPUWorker",
                   "vllm.v1.worker.gpu_worker.Worker")
 
@@ -86,11 +87,11 @@ def select_v1_runner() -> None:
     picks V2 where Triton runs (its CUDA default). The plugin's runner extends V1, so it sets the
     variable to ``0`` (vLLM's own switch) before any config exists; child processes inherit it.
     """
+    global _v1_selected
     value = os.environ.get(ENV_V2_RUNNER)
     if value is None:
         os.environ[ENV_V2_RUNNER] = "0"
-        logger.info("vattention: %s=0, vLLM's V1 model runner (the plugin integrates with V1; "
-                    "V2 is vLLM's default where Triton runs)", ENV_V2_RUNNER)
+        _v1_selected = True      # logged by configure(): vLLM sets up its logging after plugins
     elif value.strip().lower() in ("1", "true", "yes"):
         raise ConfigError(f"{ENV_V2_RUNNER}={value} asks for vLLM's V2 model runner; vattention's "
                           f"vLLM plugin runs on the V1 runner: unset {ENV_V2_RUNNER} (the plugin "
@@ -153,6 +154,7 @@ def configure(vllm_config: Any, *, device_type: str) -> None:
     if model is None:  # a config built without a model (vLLM's own tooling): nothing to check
         return
     cache, parallel = vllm_config.cache_config, vllm_config.parallel_config
+    _log_v1_selection()
     if device_type not in ("cpu", "cuda"):
         raise _unsupported(f"the {device_type!r} platform", "use vLLM's CPU or CUDA build")
     if vllm_config.speculative_config is not None:
@@ -202,6 +204,15 @@ def configure(vllm_config: Any, *, device_type: str) -> None:
     # Each worker's update_block_size_for_backend resets a block size the user did not give
     # (CUDA: to the backend's preference; CPU 0.33: to 128): this one must reach the workers.
     cache.user_specified_block_size = True
+
+
+def _log_v1_selection() -> None:
+    """The INFO line for :func:`select_v1_runner`, once per process that made the choice."""
+    global _v1_selected
+    if _v1_selected:
+        _v1_selected = False
+        logger.info("vattention: %s=0, vLLM's V1 model runner (the plugin integrates with V1; "
+                    "V2 is vLLM's default where Triton runs)", ENV_V2_RUNNER)
 
 
 def _piecewise_cuda_graphs(vllm_config: Any) -> None:
