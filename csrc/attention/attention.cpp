@@ -55,20 +55,20 @@ int64_t element_bytes(DType t) {
 }
 
 struct IsaTables {
-  KernelTable avx512, avx2, generic;
-  bool has_avx512 = false, has_avx2 = false;
-  const KernelTable* best = nullptr;
+  KernelTable avx512bf16, avx512, avx2, generic;
+  bool has_avx512bf16 = false, has_avx512 = false, has_avx2 = false;
 };
 
 const IsaTables& isa_tables() {
   static const IsaTables t = [] {
-    IsaTables x{kernels_avx512(), kernels_avx2(), kernels_generic()};
+    IsaTables x{kernels_avx512bf16(), kernels_avx512(), kernels_avx2(), kernels_generic()};
 #if defined(__x86_64__)
     __builtin_cpu_init();
     x.has_avx512 = avx512_compiled() && __builtin_cpu_supports("avx512f") &&
                    __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                    __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma") &&
                    __builtin_cpu_supports("f16c");
+    x.has_avx512bf16 = x.has_avx512 && avx512bf16_compiled() && __builtin_cpu_supports("avx512bf16");
     x.has_avx2 = avx2_compiled() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                  __builtin_cpu_supports("f16c");
 #endif
@@ -79,10 +79,13 @@ const IsaTables& isa_tables() {
 
 const KernelTable* find_table(const std::string& name) {
   const IsaTables& t = isa_tables();
+  if (name == "avx512bf16") return t.has_avx512bf16 ? &t.avx512bf16 : nullptr;
   if (name == "avx512") return t.has_avx512 ? &t.avx512 : nullptr;
   if (name == "avx2") return t.has_avx2 ? &t.avx2 : nullptr;
   if (name == "generic") return &t.generic;
-  if (name.empty()) return t.has_avx512 ? &t.avx512 : t.has_avx2 ? &t.avx2 : &t.generic;
+  if (name.empty()) {
+    return t.has_avx512bf16 ? &t.avx512bf16 : t.has_avx512 ? &t.avx512 : t.has_avx2 ? &t.avx2 : &t.generic;
+  }
   return nullptr;
 }
 

@@ -181,6 +181,36 @@ inline F qk_tile(const float* const* qrows, const KT* const* krows, int64_t dp, 
   return Vec::reduce(acc);
 }
 
+// qk_tile for bf16 q and K with a bf16 dot product instruction (Vec::kBf16Dot): 2 W values of d
+// per step, no conversion; q rows (bf16, unscaled) are zero-padded to dq = round_up(d, 2 W).
+template <int P, int HC>
+inline F qk_tile_bf16(const bf16_t* const* qrows, const bf16_t* const* krows, int64_t dq, int64_t d) {
+  constexpr int kPairs = W / P;
+  F acc[W];
+  VATTN_UNROLL
+  for (int u = 0; u < W; ++u) acc[u] = Vec::zero();
+  const int64_t dfull = d - d % (2 * W);
+  VATTN_UNROLL
+  for (int j = 0; j < kPairs; ++j) {
+    const bf16_t* kr = krows[j];
+    const bf16_t* qr = qrows[j % HC];
+    for (int64_t x = 0; x < dfull; x += 2 * W) {
+      const I kv = Vec::load_bits(kr + x);
+      VATTN_UNROLL
+      for (int r = 0; r < P; ++r) acc[j * P + r] = Vec::dot_bf16(acc[j * P + r], qr + r * dq + x, kv);
+    }
+    if (dfull < d) {
+      bf16_t tail[2 * W];
+      std::memset(static_cast<void*>(tail), 0, sizeof(tail));
+      std::memcpy(static_cast<void*>(tail), kr + dfull, static_cast<size_t>(d - dfull) * sizeof(bf16_t));
+      const I kv = Vec::load_bits(tail);
+      VATTN_UNROLL
+      for (int r = 0; r < P; ++r) acc[j * P + r] = Vec::dot_bf16(acc[j * P + r], qr + r * dq + dfull, kv);
+    }
+  }
+  return Vec::reduce(acc);
+}
+
 // acc[r][0, d) += p[r] * v[0, d) for the P rows of one head and one token (acc rows ald apart).
 template <int P, typename VT>
 inline void pv_token(float* acc, int64_t ald, int64_t d, const float* p, const VT* v) {
@@ -308,15 +338,31 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
   std::memset(acc, 0, static_cast<size_t>(rows * ald) * sizeof(float));
   const KT* zero = reinterpret_cast<const KT*>(zero_f);
 
+  // bf16 K with a bf16 dot instruction: q stays bf16 (it is bf16: the cache's dtype is q's), in
+  // rows of dq values (fits in q's area: dq * 2 bytes <= dp * 4), and the scale is applied to the
+  // scores
+  constexpr bool kDotBf16 = Vec::kBf16Dot && std::is_same<KT, bf16_t>::value;
+  const int64_t dq = round_up(d, 2 * W);
+  bf16_t* qb = reinterpret_cast<bf16_t*>(q);
+  const F qscale = Vec::set1(s.q_scale);
+
   int32_t lo[W], hi[W], lane_lo[W], lane_hi[W], lane_key[W];
   const RowRanges rr = row_ranges(a, rq, it, map, nrow, P, lo, hi);
   for (int64_t h = 0; h < chunks * hc; ++h) {
     for (int r = 0; r < P; ++r) {
-      float* dst = q + (h * P + r) * dp;
-      if (h < nh && r < nrow) {
-        load_q_row(q_row(a, rq, map.query(r), (it.kv_head + h) * g + r % g), a.dtype, d, s.q_scale, dst, dp);
+      const bool real = h < nh && r < nrow;
+      const void* src = real ? q_row(a, rq, map.query(r), (it.kv_head + h) * g + r % g) : nullptr;
+      if constexpr (kDotBf16) {
+        bf16_t* dst = qb + (h * P + r) * dq;
+        std::memset(static_cast<void*>(dst), 0, static_cast<size_t>(dq) * sizeof(bf16_t));
+        if (real) std::memcpy(static_cast<void*>(dst), src, static_cast<size_t>(d) * sizeof(bf16_t));
       } else {
-        std::memset(dst, 0, static_cast<size_t>(dp) * sizeof(float));
+        float* dst = q + (h * P + r) * dp;
+        if (real) {
+          load_q_row(src, a.dtype, d, s.q_scale, dst, dp);
+        } else {
+          std::memset(dst, 0, static_cast<size_t>(dp) * sizeof(float));
+        }
       }
     }
   }
@@ -358,13 +404,20 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
       }
       for (int64_t c = 0; c < chunks; ++c) {
         const KT* krows[kPairs];
-        const float* qrows[HC];
         for (int j = 0; j < kPairs; ++j) {
           const int64_t key = key0 + j / HC, h = c * HC + j % HC;
           krows[j] = key < rr.ke && h < nh ? kbase + key * kst + h * ksh : zero;
         }
-        for (int hh = 0; hh < HC; ++hh) qrows[hh] = q + (c * HC + hh) * P * dp;
-        F sv = qk_tile<P, HC>(qrows, krows, dp, d);
+        F sv;
+        if constexpr (kDotBf16) {
+          const bf16_t* qrows[HC];
+          for (int hh = 0; hh < HC; ++hh) qrows[hh] = qb + (c * HC + hh) * P * dq;
+          sv = Vec::mul(qk_tile_bf16<P, HC>(qrows, krows, dq, d), qscale);
+        } else {
+          const float* qrows[HC];
+          for (int hh = 0; hh < HC; ++hh) qrows[hh] = q + (c * HC + hh) * P * dp;
+          sv = qk_tile<P, HC>(qrows, krows, dp, d);
+        }
         if (mask) sv = Vec::mask_range(sv, Vec::iadd(Vec::iset1(static_cast<int32_t>(key0)), voff), vlo, vhi);
         Vec::store(sc + (c * tpb + t) * W, sv);
         Vec::store(mblk + c * W, Vec::max(Vec::load(mblk + c * W), sv));

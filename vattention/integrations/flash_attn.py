@@ -337,8 +337,9 @@ def flash_attn_with_kvcache_reference(
     """Reference (torch SDPA) of :func:`flash_attn_with_kvcache`: same arguments and semantics.
 
     One SDPA call per request, in q's dtype (any dtype, any device). Causal requests whose query
-    count equals their key count use SDPA's ``is_causal`` (no mask); others get a boolean mask of
-    the visible keys. Keys are read from the first query's window start to ``cache_seqlens + new``
+    count equals their key count use SDPA's ``is_causal`` (no mask) when there is no GQA grouping
+    (the group's query heads are stacked as extra query rows); others get a boolean mask of the
+    visible keys. Keys are read from the first query's window start to ``cache_seqlens + new``
     only. fp8 caches are dequantized (stored * descale) before SDPA, and new keys are written with
     the same rounding as the CPU kernel (vLLM's; see :func:`flash_attn_with_kvcache`).
 
@@ -413,8 +414,8 @@ def flash_attn_with_kvcache_reference(
               .reshape(kv_heads, group * lq, head_dim))
         mask, is_causal = None, False
         full = right < 0 and left < 0
-        if causal and left < 0 and lq == total:
-            is_causal = lq > 1              # square: SDPA's own causal path, no mask
+        if causal and left < 0 and lq == total and group == 1:
+            is_causal = lq > 1              # square, one query row per head: SDPA's causal path
         elif not full or (causal and lq > 1):
             t = torch.arange(start, total, device=q.device).view(1, -1)
             allowed = (t >= lo.view(-1, 1)) & (t < hi.view(-1, 1))
