@@ -6,9 +6,11 @@
 //   and this extension links the same soname, so one runtime is loaded; the team size is the
 //   caller's torch.get_num_threads()). Three work-shared loops with barriers between them:
 //   append (every new key is in the cache before any item reads it), items, combine.
-// - Items are (request, KV head, query block[, key split]). All group heads of a KV head are rows
-//   of one item, so each K/V row is read once per group. Items are sorted by estimated cost and
-//   handed out dynamically (longest first), so a few long prefills beside many decodes balance.
+// - Decode items are (request[, key split]) over all KV heads: a token's K/V rows of all heads are
+//   adjacent, so an item reads one sequential stream. Prefill items are (request, KV head, query
+//   block of up to 64 rows[, key split]). All group heads of a KV head are rows of one item, so
+//   each K/V row is read once per group. Items are sorted by estimated cost and handed out
+//   dynamically (longest first), so a few long prefills beside many decodes balance.
 // - Flash-decoding: when one item would dominate the call (cost above a quarter of a thread's
 //   fair share), its keys are split across items; each writes (max, sum, unnormalized output)
 //   and the combine loop merges them. A split costs one extra pass over rows x head_dim floats.
