@@ -137,6 +137,4 @@ struct Vec {
     const __mmask16 ok = _mm512_cmpge_epi32_mask(key, lo) & _mm512_cmplt_epi32_mask(key, hi);
     return _mm512_mask_mov_ps(_mm512_set1_ps(-__builtin_inff()), ok, x);
   }
-
-  static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 };

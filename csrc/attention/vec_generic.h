@@ -100,7 +100,6 @@ struct Vec {
     }
     return x;
   }
-  static void prefetch(const void*) {}
   static I load_bits(const bf16_t*) { return iset1(0); }
   static F dot_bf16(F acc, const bf16_t*, I) { return acc; }
 };
