@@ -4,7 +4,7 @@
 ``flash_attn_with_kvcache_reference`` computed in float32 on copies of the same caches (so the
 kernel's appends are compared byte for byte, and its outputs within the tolerance of q's dtype:
 float32 5e-5, bfloat16 1.6e-2, float16 2e-3, absolute and relative). Every instruction set this
-CPU runs is tested (``avx512``, ``avx2``, ``generic``), on 1 and 2 threads (2 threads split long
+CPU runs is tested (``avx512bf16``, ``avx512``, ``avx2``, ``generic``), on 1 and 2 threads (2 threads split long
 decode rows across threads). The no-read-past-the-length guarantee is tested for real: a
 vattention cache whose rows are mapped exactly up to the length, and a sliding-window cache whose
 early pages were released, in a child process (a stray read is SIGSEGV).
@@ -30,7 +30,7 @@ from vattention.integrations import flash_attn as fa
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = {torch.float32: 5e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-ISAS = ["avx512", "avx2", "generic"]
+ISAS = ["avx512bf16", "avx512", "avx2", "generic"]
 
 
 @pytest.fixture(params=ISAS)
@@ -195,6 +195,20 @@ def test_mixed_prefill_and_decodes(isa, threads):
     check_against_reference(q, kc, vc, k, v, cache_seqlens=torch.tensor(pasts),
                             cache_batch_idx=torch.randperm(13, generator=gen), cu_seqlens_q=cu,
                             causal=True, window_size=(1000, 0))
+
+
+def test_reference_gqa_square_causal_matches_naive_softmax():
+    """The oracle itself: grouped heads, as many queries as keys, causal (SDPA's is_causal path
+    must not be taken there: the group's heads are stacked as extra query rows)."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(1, 3, 4, 8, generator=gen), torch.randn(1, 3, 2, 8, generator=gen), torch.randn(1, 3, 2, 8, generator=gen)
+    for fn in (fa.flash_attn_with_kvcache_reference, fa.flash_attn_with_kvcache):
+        kc, vc = torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8)
+        out = fn(q, kc, vc, k, v, cache_seqlens=0, causal=True)
+        for j in range(3):
+            for h in range(4):
+                s = k[0, :j + 1, h // 2] @ q[0, j, h] / 8 ** 0.5
+                torch.testing.assert_close(out[0, j, h], s.softmax(0) @ v[0, :j + 1, h // 2])
 
 
 def test_query_that_sees_no_key_outputs_zero():

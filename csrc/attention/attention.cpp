@@ -6,9 +6,11 @@
 //   and this extension links the same soname, so one runtime is loaded; the team size is the
 //   caller's torch.get_num_threads()). Three work-shared loops with barriers between them:
 //   append (every new key is in the cache before any item reads it), items, combine.
-// - Items are (request, KV head, query block[, key split]). All group heads of a KV head are rows
-//   of one item, so each K/V row is read once per group. Items are sorted by estimated cost and
-//   handed out dynamically (longest first), so a few long prefills beside many decodes balance.
+// - Decode items are (request[, key split]) over all KV heads: a token's K/V rows of all heads are
+//   adjacent, so an item reads one sequential stream. Prefill items are (request, KV head, query
+//   block of up to 64 rows[, key split]). All group heads of a KV head are rows of one item, so
+//   each K/V row is read once per group. Items are sorted by estimated cost and handed out
+//   dynamically (longest first), so a few long prefills beside many decodes balance.
 // - Flash-decoding: when one item would dominate the call (cost above a quarter of a thread's
 //   fair share), its keys are split across items; each writes (max, sum, unnormalized output)
 //   and the combine loop merges them. A split costs one extra pass over rows x head_dim floats.
@@ -55,20 +57,20 @@ int64_t element_bytes(DType t) {
 }
 
 struct IsaTables {
-  KernelTable avx512, avx2, generic;
-  bool has_avx512 = false, has_avx2 = false;
-  const KernelTable* best = nullptr;
+  KernelTable avx512bf16, avx512, avx2, generic;
+  bool has_avx512bf16 = false, has_avx512 = false, has_avx2 = false;
 };
 
 const IsaTables& isa_tables() {
   static const IsaTables t = [] {
-    IsaTables x{kernels_avx512(), kernels_avx2(), kernels_generic()};
+    IsaTables x{kernels_avx512bf16(), kernels_avx512(), kernels_avx2(), kernels_generic()};
 #if defined(__x86_64__)
     __builtin_cpu_init();
     x.has_avx512 = avx512_compiled() && __builtin_cpu_supports("avx512f") &&
                    __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                    __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma") &&
                    __builtin_cpu_supports("f16c");
+    x.has_avx512bf16 = x.has_avx512 && avx512bf16_compiled() && __builtin_cpu_supports("avx512bf16");
     x.has_avx2 = avx2_compiled() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                  __builtin_cpu_supports("f16c");
 #endif
@@ -79,10 +81,13 @@ const IsaTables& isa_tables() {
 
 const KernelTable* find_table(const std::string& name) {
   const IsaTables& t = isa_tables();
+  if (name == "avx512bf16") return t.has_avx512bf16 ? &t.avx512bf16 : nullptr;
   if (name == "avx512") return t.has_avx512 ? &t.avx512 : nullptr;
   if (name == "avx2") return t.has_avx2 ? &t.avx2 : nullptr;
   if (name == "generic") return &t.generic;
-  if (name.empty()) return t.has_avx512 ? &t.avx512 : t.has_avx2 ? &t.avx2 : &t.generic;
+  if (name.empty()) {
+    return t.has_avx512bf16 ? &t.avx512bf16 : t.has_avx512 ? &t.avx512 : t.has_avx2 ? &t.avx2 : &t.generic;
+  }
   return nullptr;
 }
 

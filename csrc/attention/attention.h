@@ -92,9 +92,9 @@ constexpr int64_t kMaxHeadDim = 512;
 // written), appends the new keys/values and writes the attention output.
 void flash_attn_with_kvcache(const Args& args);
 
-// The instruction set the kernels dispatch to: "avx512", "avx2" or "generic". The best this CPU
-// supports is chosen once; VATTENTION_ATTENTION_ISA=avx2|generic in the environment, or
-// set_kernel_isa(), selects a lower one (tests, benchmarks).
+// The instruction set the kernels dispatch to: "avx512bf16" (AVX-512 with vdpbf16ps), "avx512",
+// "avx2" or "generic". The best this CPU supports is chosen once; VATTENTION_ATTENTION_ISA=<name>
+// in the environment, or set_kernel_isa(), selects a lower one (tests, benchmarks).
 const char* kernel_isa();
 
 // Selects the kernels by name for the whole process ("" = the best this CPU supports). Returns

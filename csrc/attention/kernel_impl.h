@@ -11,8 +11,8 @@
 //   of W (token, head, row) dot products is reduced at once (Vec::reduce) into W scores. K rows
 //   are read in address order (token by token, all heads of a token), so the hardware
 //   prefetchers stream them; P V is token-major for P = 1 and head-major with register
-//   accumulators for P >= 2 (V prefetched in address order during the QK^T pass). Bound by
-//   memory bandwidth for P = 1.
+//   accumulators for P >= 2 (V read in address order during the QK^T pass, see touch_token).
+//   Bound by memory bandwidth on 2 threads (this project's machine, GQA 1 and 4).
 // - prefill_item: up to 64 rows (queries x group heads of one KV head). q is packed transposed
 //   (Qt[d][row]) once per item, so vectors run along rows: S^T[key][row] = sum_d K[key][d] *
 //   Qt[d][row] is a register-blocked micro-kernel (KC keys x NV row vectors per step of d, K
@@ -21,8 +21,8 @@
 //   Non-fp32 caches are converted block by block into fp32 scratch (once per block, amortized
 //   over all rows).
 //
-// Neither kernel touches (nor prefetches) a key outside [it.k_begin, it.k_end), which the planner
-// clipped to the union of the rows' visible ranges.
+// Neither kernel touches a key outside [it.k_begin, it.k_end), which the planner clipped to the
+// union of the rows' visible ranges.
 
 using F = Vec::F;
 using I = Vec::I;
@@ -181,6 +181,36 @@ inline F qk_tile(const float* const* qrows, const KT* const* krows, int64_t dp, 
   return Vec::reduce(acc);
 }
 
+// qk_tile for bf16 q and K with a bf16 dot product instruction (Vec::kBf16Dot): 2 W values of d
+// per step, no conversion; q rows (bf16, unscaled) are zero-padded to dq = round_up(d, 2 W).
+template <int P, int HC>
+inline F qk_tile_bf16(const bf16_t* const* qrows, const bf16_t* const* krows, int64_t dq, int64_t d) {
+  constexpr int kPairs = W / P;
+  F acc[W];
+  VATTN_UNROLL
+  for (int u = 0; u < W; ++u) acc[u] = Vec::zero();
+  const int64_t dfull = d - d % (2 * W);
+  VATTN_UNROLL
+  for (int j = 0; j < kPairs; ++j) {
+    const bf16_t* kr = krows[j];
+    const bf16_t* qr = qrows[j % HC];
+    for (int64_t x = 0; x < dfull; x += 2 * W) {
+      const I kv = Vec::load_bits(kr + x);
+      VATTN_UNROLL
+      for (int r = 0; r < P; ++r) acc[j * P + r] = Vec::dot_bf16(acc[j * P + r], qr + r * dq + x, kv);
+    }
+    if (dfull < d) {
+      bf16_t tail[2 * W];
+      std::memset(static_cast<void*>(tail), 0, sizeof(tail));
+      std::memcpy(static_cast<void*>(tail), kr + dfull, static_cast<size_t>(d - dfull) * sizeof(bf16_t));
+      const I kv = Vec::load_bits(tail);
+      VATTN_UNROLL
+      for (int r = 0; r < P; ++r) acc[j * P + r] = Vec::dot_bf16(acc[j * P + r], qr + r * dq + dfull, kv);
+    }
+  }
+  return Vec::reduce(acc);
+}
+
 // acc[r][0, d) += p[r] * v[0, d) for the P rows of one head and one token (acc rows ald apart).
 template <int P, typename VT>
 inline void pv_token(float* acc, int64_t ald, int64_t d, const float* p, const VT* v) {
@@ -202,23 +232,28 @@ inline void pv_token(float* acc, int64_t ald, int64_t d, const float* p, const V
   }
 }
 
-// Prefetch the rows of `heads` heads (`row_bytes` each, `head_stride` elements apart) of one token,
-// in address order: one run when the heads are adjacent. Only those rows' lines are touched.
+// Reads one byte of every cache line of one token's rows of `heads` heads (`head_stride` elements
+// apart), in address order, folding them into `sink` (never past the rows' last byte). Demand
+// loads, not prefetches: on this project's Zen 5 machine, software prefetches of V during QK^T
+// (t0, t2 or nta hints, 1 to 32 tokens ahead) made no measurable difference and the head-major
+// P V pass stalled on V; touching the lines in address order brings them into L2 for that pass
+// (GQA-4 decode on 2 threads: bf16 26 -> 36 GB/s, fp32 36 -> 40 GB/s).
 template <typename T>
-inline void prefetch_token(const T* p, int64_t heads, int64_t head_stride, int64_t d) {
+inline uint64_t touch_token(const T* p, int64_t heads, int64_t head_stride, int64_t d, uint64_t sink) {
   const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
   const bool adjacent = head_stride == d;
   const int64_t runs = adjacent ? 1 : heads;
   const int64_t run_bytes = adjacent ? heads * row_bytes : row_bytes;
   for (int64_t h = 0; h < runs; ++h) {
     const char* c = reinterpret_cast<const char*>(p + h * head_stride);
-    for (int64_t off = 0; off < run_bytes; off += 64) Vec::prefetch(c + off);
+    for (int64_t off = 0; off < run_bytes; off += 64) sink ^= static_cast<unsigned char>(c[off]);
   }
+  return sink;
 }
 
 // Head-major P V over a block: acc[r][x0, x0 + NV * W) += sum_kk prob(kk)[r] * v[kk][x0, ...] for
 // the P rows of one head, acc in registers for the whole block (V comes from cache: the QK pass
-// prefetched it). The last vector reads `tail` < W elements when tail > 0.
+// touched it). The last vector reads `tail` < W elements when tail > 0.
 template <int P, int NV, typename VT, typename ProbFn>
 inline void pv_head(float* acc, int64_t ald, const VT* v, int64_t vst, int64_t nb, const ProbFn& prob,
                     int64_t tail) {
@@ -308,15 +343,31 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
   std::memset(acc, 0, static_cast<size_t>(rows * ald) * sizeof(float));
   const KT* zero = reinterpret_cast<const KT*>(zero_f);
 
+  // bf16 K with a bf16 dot instruction: q stays bf16 (it is bf16: the cache's dtype is q's), in
+  // rows of dq values (fits in q's area: dq * 2 bytes <= dp * 4), and the scale is applied to the
+  // scores
+  constexpr bool kDotBf16 = Vec::kBf16Dot && std::is_same<KT, bf16_t>::value;
+  const int64_t dq = round_up(d, 2 * W);
+  bf16_t* qb = reinterpret_cast<bf16_t*>(q);
+  const F qscale = Vec::set1(s.q_scale);
+
   int32_t lo[W], hi[W], lane_lo[W], lane_hi[W], lane_key[W];
   const RowRanges rr = row_ranges(a, rq, it, map, nrow, P, lo, hi);
   for (int64_t h = 0; h < chunks * hc; ++h) {
     for (int r = 0; r < P; ++r) {
-      float* dst = q + (h * P + r) * dp;
-      if (h < nh && r < nrow) {
-        load_q_row(q_row(a, rq, map.query(r), (it.kv_head + h) * g + r % g), a.dtype, d, s.q_scale, dst, dp);
+      const bool real = h < nh && r < nrow;
+      const void* src = real ? q_row(a, rq, map.query(r), (it.kv_head + h) * g + r % g) : nullptr;
+      if constexpr (kDotBf16) {
+        bf16_t* dst = qb + (h * P + r) * dq;
+        std::memset(static_cast<void*>(dst), 0, static_cast<size_t>(dq) * sizeof(bf16_t));
+        if (real) std::memcpy(static_cast<void*>(dst), src, static_cast<size_t>(d) * sizeof(bf16_t));
       } else {
-        std::memset(dst, 0, static_cast<size_t>(dp) * sizeof(float));
+        float* dst = q + (h * P + r) * dp;
+        if (real) {
+          load_q_row(src, a.dtype, d, s.q_scale, dst, dp);
+        } else {
+          std::memset(dst, 0, static_cast<size_t>(dp) * sizeof(float));
+        }
       }
     }
   }
@@ -340,6 +391,7 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
   auto prob = [&](int64_t kk, int64_t h) {
     return sc + ((h / HC) * tpb + kk / kt) * W + ((kk % kt) * HC + h % HC) * P;
   };
+  uint64_t touch = 0;
   for (int64_t c0 = rr.kb; c0 < rr.ke; c0 += bk) {
     const int64_t nb = std::min(bk, rr.ke - c0);
     const int64_t tiles = (nb + kt - 1) / kt;
@@ -348,23 +400,27 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t key0 = c0 + t * kt;
       const bool mask = key0 < rr.max_lo || key0 + kt > rr.min_hi;
-      // Software prefetch, in address order: the next tile's K rows, and (P >= 2) this tile's V
-      // rows for the head-major P V pass below. Never past the range's end.
-      for (int64_t key = key0 + kt; key < std::min(rr.ke, key0 + 2 * kt); ++key) {
-        prefetch_token(kbase + key * kst, nh, ksh, d);
-      }
+      // P >= 2: this tile's V rows, read in address order for the head-major P V pass below
+      // (never past the range's end)
       if (P >= 2) {
-        for (int64_t key = key0; key < std::min(rr.ke, key0 + kt); ++key) prefetch_token(vbase + key * vst, nh, vsh, d);
+        for (int64_t key = key0; key < std::min(rr.ke, key0 + kt); ++key) touch = touch_token(vbase + key * vst, nh, vsh, d, touch);
       }
       for (int64_t c = 0; c < chunks; ++c) {
         const KT* krows[kPairs];
-        const float* qrows[HC];
         for (int j = 0; j < kPairs; ++j) {
           const int64_t key = key0 + j / HC, h = c * HC + j % HC;
           krows[j] = key < rr.ke && h < nh ? kbase + key * kst + h * ksh : zero;
         }
-        for (int hh = 0; hh < HC; ++hh) qrows[hh] = q + (c * HC + hh) * P * dp;
-        F sv = qk_tile<P, HC>(qrows, krows, dp, d);
+        F sv;
+        if constexpr (kDotBf16) {
+          const bf16_t* qrows[HC];
+          for (int hh = 0; hh < HC; ++hh) qrows[hh] = qb + (c * HC + hh) * P * dq;
+          sv = Vec::mul(qk_tile_bf16<P, HC>(qrows, krows, dq, d), qscale);
+        } else {
+          const float* qrows[HC];
+          for (int hh = 0; hh < HC; ++hh) qrows[hh] = q + (c * HC + hh) * P * dp;
+          sv = qk_tile<P, HC>(qrows, krows, dp, d);
+        }
         if (mask) sv = Vec::mask_range(sv, Vec::iadd(Vec::iset1(static_cast<int32_t>(key0)), voff), vlo, vhi);
         Vec::store(sc + (c * tpb + t) * W, sv);
         Vec::store(mblk + c * W, Vec::max(Vec::load(mblk + c * W), sv));
@@ -398,7 +454,7 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
       }
     }
     if (P >= 2) {
-      // head by head, acc in registers for the block: V rows come from cache (prefetched above)
+      // head by head, acc in registers for the block: V rows come from cache (touched above)
       for (int64_t h = 0; h < nh; ++h) {
         pv_head_all<P>(acc + h * P * ald, ald, d, vbase + c0 * vst + h * vsh, vst, nb,
                        [&](int64_t kk) { return prob(kk, h); });
@@ -412,6 +468,7 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
       }
     }
   }
+  asm volatile("" : : "r"(touch));
   for (int64_t c = 0; c < chunks; ++c) {
     F l = Vec::load(lrun + c * W);
     for (int64_t sh = hc * P; sh < W; sh *= 2) l = Vec::add(l, Vec::rotate(l, static_cast<int>(sh)));

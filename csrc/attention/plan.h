@@ -89,12 +89,14 @@ struct KernelTable {
   int64_t (*scratch_floats)(const Args& a, const Shape& s);
 };
 
-constexpr int kMaxDecodeRows = 8;    // rows (queries x group heads) per decode item
+constexpr int kMaxDecodeRows = 8;    // rows (queries x group heads) per KV head of a decode item
 constexpr int kPrefillRows = 64;     // rows per prefill item (multiple of every vector width)
 
+KernelTable kernels_avx512bf16();
 KernelTable kernels_avx512();
 KernelTable kernels_avx2();
 KernelTable kernels_generic();
+bool avx512bf16_compiled();
 bool avx512_compiled();
 bool avx2_compiled();
 

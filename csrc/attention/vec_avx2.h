@@ -4,9 +4,12 @@
 struct Vec {
   static constexpr int W = 8;
   static constexpr int kRegs = 16;
+  static constexpr bool kBf16Dot = false;  // no bf16 dot product instruction
   using F = __m256;
   using I = __m256i;
 
+  static I load_bits(const bf16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static F dot_bf16(F acc, const bf16_t*, I) { return acc; }
   static F zero() { return _mm256_setzero_ps(); }
   static F set1(float x) { return _mm256_set1_ps(x); }
   static F load(const float* p) { return _mm256_loadu_ps(p); }
@@ -105,5 +108,4 @@ struct Vec {
     return _mm256_blendv_ps(_mm256_set1_ps(-__builtin_inff()), x, _mm256_castsi256_ps(ok));
   }
 
-  static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 };

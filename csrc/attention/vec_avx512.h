@@ -1,5 +1,6 @@
 // AVX-512 vector of 16 floats for kernel_impl.h. A fragment: isa_avx512.cpp includes it inside
-// its own namespace, under `#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")`.
+// its own namespace, under `#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")`;
+// isa_avx512bf16.cpp too, with avx512bf16 added and VATTN_AVX512_BF16 defined.
 // (No include guard and no #include: <immintrin.h> and convert.h come first in that file.)
 
 struct Vec {
@@ -7,6 +8,20 @@ struct Vec {
   static constexpr int kRegs = 32;
   using F = __m512;
   using I = __m512i;
+
+#ifdef VATTN_AVX512_BF16
+  // AVX512-BF16 (isa_avx512bf16.cpp): acc lane i += a[2i] * b[2i] + a[2i + 1] * b[2i + 1] over 32
+  // bf16 values (products exact, fp32 accumulation).
+  static constexpr bool kBf16Dot = true;
+  static I load_bits(const bf16_t* p) { return _mm512_loadu_si512(p); }
+  static F dot_bf16(F acc, const bf16_t* a, I b) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a), (__m512bh)b);
+  }
+#else
+  static constexpr bool kBf16Dot = false;
+  static I load_bits(const bf16_t* p) { return _mm512_loadu_si512(p); }
+  static F dot_bf16(F acc, const bf16_t*, I) { return acc; }
+#endif
 
   static F zero() { return _mm512_setzero_ps(); }
   static F set1(float x) { return _mm512_set1_ps(x); }
@@ -87,10 +102,12 @@ struct Vec {
   // Lane u of the result = sum of the 16 lanes of a[u].
   static F reduce(const F* a) {
     F b[8], c[4];
+#pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) {
       b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
                            _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
     }
+#pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       c[j] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * j], b[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
                            _mm512_shuffle_ps(b[2 * j], b[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
@@ -120,6 +137,4 @@ struct Vec {
     const __mmask16 ok = _mm512_cmpge_epi32_mask(key, lo) & _mm512_cmplt_epi32_mask(key, hi);
     return _mm512_mask_mov_ps(_mm512_set1_ps(-__builtin_inff()), ok, x);
   }
-
-  static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 };

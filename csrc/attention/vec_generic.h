@@ -4,6 +4,7 @@
 struct Vec {
   static constexpr int W = 8;
   static constexpr int kRegs = 16;
+  static constexpr bool kBf16Dot = false;  // no bf16 dot product instruction
   struct F {
     float v[8];
   };
@@ -99,5 +100,6 @@ struct Vec {
     }
     return x;
   }
-  static void prefetch(const void*) {}
+  static I load_bits(const bf16_t*) { return iset1(0); }
+  static F dot_bf16(F acc, const bf16_t*, I) { return acc; }
 };

@@ -85,5 +85,6 @@ void register_attention(py::module_& m) {
   m.def(
       "set_attention_kernel_isa", [](const std::string& name) { return at::set_kernel_isa(name.c_str()); },
       py::arg("name"),
-      "Select the CPU attention kernels ('avx512', 'avx2', 'generic'; '' = best). False if unavailable.");
+      "Select the CPU attention kernels ('avx512bf16', 'avx512', 'avx2', 'generic'; '' = best).\n"
+      "False if this CPU cannot run them.");
 }

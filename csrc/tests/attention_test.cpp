@@ -401,7 +401,7 @@ int main() {
   test_errors();
   std::mt19937 rng(1234);
   int cases = 0;
-  for (const char* isa : {"avx512", "avx2", "generic"}) {
+  for (const char* isa : {"avx512bf16", "avx512", "avx2", "generic"}) {
     if (!set_kernel_isa(isa)) {
       std::printf("attention_test: %s not available on this CPU, skipped\n", isa);
       continue;

@@ -7,8 +7,9 @@ vattention gives each request a contiguous row ``k_cache[slot, :seq_len]`` of a 
 * :func:`flash_attn_with_kvcache` -- FlashAttention's signature (FA2 arguments plus FA3's varlen
   ``cu_seqlens_q`` and fp8 ``k_descale``/``v_descale``). CUDA tensors go to flash-attn when it is
   installed; CPU tensors go to vattention's native kernel (``csrc/attention``): one call for the
-  whole batch, OpenMP threads over (request, KV head, query block) items, hand-vectorized for
-  AVX-512 / AVX2 / any CPU, the new K/V appended in place by the same call.
+  whole batch, OpenMP threads over (request[, KV head, query block, key split]) items,
+  hand-vectorized for AVX-512 (with AVX512-BF16 where present) / AVX2 / any CPU, the new K/V
+  appended in place by the same call.
 * :func:`decode` -- one step for many slots: ``cache_batch_idx`` picks each query's slot,
   ``cache_seqlens`` is each slot's length *before* this step, and the new ``k``/``v`` are
   written in place at ``[cache_seqlens, cache_seqlens + new)``; attention then covers
@@ -154,13 +155,15 @@ def flash_attn_with_kvcache(
 
 
 def kernel_isa() -> str:
-    """The instruction set the CPU kernel runs here: ``"avx512"``, ``"avx2"`` or ``"generic"``.
+    """The instruction set the CPU kernel runs here.
 
-    Chosen once from the CPU (``VATTENTION_ATTENTION_ISA=avx2|generic`` picks a lower one).
+    ``"avx512bf16"`` (AVX-512 with the bf16 dot product), ``"avx512"``, ``"avx2"`` (with FMA and
+    F16C) or ``"generic"`` (plain C++), chosen once from the CPU;
+    ``VATTENTION_ATTENTION_ISA=<name>`` picks a lower one.
 
     Examples
     --------
-    >>> kernel_isa() in ("avx512", "avx2", "generic")
+    >>> kernel_isa() in ("avx512bf16", "avx512", "avx2", "generic")
     True
     """
     from .. import _C
@@ -337,8 +340,9 @@ def flash_attn_with_kvcache_reference(
     """Reference (torch SDPA) of :func:`flash_attn_with_kvcache`: same arguments and semantics.
 
     One SDPA call per request, in q's dtype (any dtype, any device). Causal requests whose query
-    count equals their key count use SDPA's ``is_causal`` (no mask); others get a boolean mask of
-    the visible keys. Keys are read from the first query's window start to ``cache_seqlens + new``
+    count equals their key count use SDPA's ``is_causal`` (no mask) when there is no GQA grouping
+    (the group's query heads are stacked as extra query rows); others get a boolean mask of the
+    visible keys. Keys are read from the first query's window start to ``cache_seqlens + new``
     only. fp8 caches are dequantized (stored * descale) before SDPA, and new keys are written with
     the same rounding as the CPU kernel (vLLM's; see :func:`flash_attn_with_kvcache`).
 
@@ -413,8 +417,8 @@ def flash_attn_with_kvcache_reference(
               .reshape(kv_heads, group * lq, head_dim))
         mask, is_causal = None, False
         full = right < 0 and left < 0
-        if causal and left < 0 and lq == total:
-            is_causal = lq > 1              # square: SDPA's own causal path, no mask
+        if causal and left < 0 and lq == total and group == 1:
+            is_causal = lq > 1              # square, one query row per head: SDPA's causal path
         elif not full or (causal and lq > 1):
             t = torch.arange(start, total, device=q.device).view(1, -1)
             allowed = (t >= lo.view(-1, 1)) & (t < hi.view(-1, 1))
