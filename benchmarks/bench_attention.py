@@ -47,8 +47,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 import vattention  # noqa: E402
-from _timing import compare_min_median  # noqa: E402
 from vattention.integrations import flash_attn as fa  # noqa: E402
+
+from _timing import compare_min_median  # noqa: E402
 
 N, S, HKV, D = 16, 4096, 8, 128
 
@@ -67,25 +68,52 @@ def vllm_decode(ops, k_rows, v_rows, q, block_size=128):
     blocks = n * s // block_size
     kv = torch.zeros(blocks, hkv, 2 * block_size, d, dtype=k_rows.dtype)
     key_cache, value_cache = kv.chunk(2, dim=2)
-    isa = "vec"   # no AMX here; "vec" is what CPU_ATTN picks for these dtypes and block size
-    ops.cpu_attn_reshape_and_cache(k_rows.reshape(n * s, hkv, d), v_rows.reshape(n * s, hkv, d),
-                                   key_cache, value_cache, torch.arange(n * s), isa)
+    isa = "vec"  # no AMX here; "vec" is what CPU_ATTN picks for these dtypes and block size
+    ops.cpu_attn_reshape_and_cache(
+        k_rows.reshape(n * s, hkv, d),
+        v_rows.reshape(n * s, hkv, d),
+        key_cache,
+        value_cache,
+        torch.arange(n * s),
+        isa,
+    )
     block_table = torch.arange(blocks, dtype=torch.int32).view(n, s // block_size)
     qsl = torch.arange(n + 1, dtype=torch.int32)
     seq_lens = torch.full((n,), s, dtype=torch.int32)
     meta = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=n, num_heads=q.shape[1], num_kv_heads=hkv, head_dim=d, seq_lens=seq_lens,
-        dtype=q.dtype, query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa,
-        enable_kv_split=False)
+        num_reqs=n,
+        num_heads=q.shape[1],
+        num_kv_heads=hkv,
+        head_dim=d,
+        seq_lens=seq_lens,
+        dtype=q.dtype,
+        query_start_loc=qsl,
+        causal=True,
+        sliding_window_size=-1,
+        isa=isa,
+        enable_kv_split=False,
+    )
     out = torch.empty_like(q)
 
     def call():
         ops.cpu_attention_with_kv_cache(
-            query=q, key_cache=key_cache, value_cache=value_cache, output=out,
-            query_start_loc=qsl, seq_lens=seq_lens, scale=d ** -0.5, causal=True,
-            alibi_slopes=None, sliding_window=-1, block_table=block_table, softcap=0.0,
-            scheduler_metadata=meta, s_aux=None)
+            query=q,
+            key_cache=key_cache,
+            value_cache=value_cache,
+            output=out,
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            scale=d**-0.5,
+            causal=True,
+            alibi_slopes=None,
+            sliding_window=-1,
+            block_table=block_table,
+            softcap=0.0,
+            scheduler_metadata=meta,
+            s_aux=None,
+        )
         return out
+
     return call
 
 
@@ -95,16 +123,27 @@ def fmt(t):
 
 def decode_rows(args, ops, why_no_vllm):
     print(f"### Decode: {N} requests x {S} tokens, {HKV} KV heads x {D}, one query each\n")
-    print("K/V rate: K+V bytes the call reads per second (min-time figure). Bandwidth of the same "
-          "buffer size, same threads: copy = read+write bytes/s, read = sum() bytes/s.\n")
+    print(
+        "K/V rate: K+V bytes the call reads per second (min-time figure). Bandwidth of the same "
+        "buffer size, same threads: copy = read+write bytes/s, read = sum() bytes/s.\n"
+    )
     vcol = "vLLM op ms" if ops else "vLLM op"
-    print(f"| dtype | GQA | kernel ms min (median) | K/V GB/s | copy GB/s | read GB/s | "
-          f"K/V / copy | K/V / read | SDPA per row ms | kernel vs SDPA | {vcol} | kernel vs vLLM "
-          f"| same strides, ordinary memory ms | virtual / ordinary |")
+    print(
+        f"| dtype | GQA | kernel ms min (median) | K/V GB/s | copy GB/s | read GB/s | "
+        f"K/V / copy | K/V / read | SDPA per row ms | kernel vs SDPA | {vcol} | kernel vs vLLM "
+        f"| same strides, ordinary memory ms | virtual / ordinary |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for dtype in (torch.float32, torch.bfloat16):
-        cfg = vattention.KVCacheConfig(num_layers=1, num_kv_heads=HKV, head_dim=D, max_batch_size=N,
-                                       max_seq_len=S + 1, dtype=dtype, page_size="2MB")
+        cfg = vattention.KVCacheConfig(
+            num_layers=1,
+            num_kv_heads=HKV,
+            head_dim=D,
+            max_batch_size=N,
+            max_seq_len=S + 1,
+            dtype=dtype,
+            page_size="2MB",
+        )
         with vattention.KVCache(cfg) as cache:
             slots = [cache.alloc() for _ in range(N)]
             cache.step({s: S + 1 for s in slots})
@@ -116,8 +155,8 @@ def decode_rows(args, ops, why_no_vllm):
             k_ord = torch.empty_strided(k_cache.shape, k_cache.stride(), dtype=dtype)
             v_ord = torch.empty_strided(v_cache.shape, v_cache.stride(), dtype=dtype)
             for s in slots:
-                k_ord[s, :S + 1] = k_cache[s, :S + 1]
-                v_ord[s, :S + 1] = v_cache[s, :S + 1]
+                k_ord[s, : S + 1] = k_cache[s, : S + 1]
+                v_ord[s, : S + 1] = v_cache[s, : S + 1]
             nbytes = 2 * N * S * HKV * D * k_cache.element_size()
             src = torch.randn(nbytes // 4)
             dst = torch.empty_like(src)
@@ -129,27 +168,51 @@ def decode_rows(args, ops, why_no_vllm):
                 v_new = torch.randn(N, 1, HKV, D, generator=gen).to(dtype)
 
                 def kernel(kc=k_cache, vc=v_cache):
-                    return fa.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=past,
-                                                      cache_batch_idx=idx, causal=True)
+                    return fa.flash_attn_with_kvcache(
+                        q,
+                        kc,
+                        vc,
+                        k_new,
+                        v_new,
+                        cache_seqlens=past,
+                        cache_batch_idx=idx,
+                        causal=True,
+                    )
 
                 def sdpa():
                     return fa.flash_attn_with_kvcache_reference(
-                        q, k_cache, v_cache, k_new, v_new, cache_seqlens=past, cache_batch_idx=idx,
-                        causal=True)
+                        q,
+                        k_cache,
+                        v_cache,
+                        k_new,
+                        v_new,
+                        cache_seqlens=past,
+                        cache_batch_idx=idx,
+                        causal=True,
+                    )
 
                 got, want = kernel(), sdpa()
                 tol = 2e-5 if dtype == torch.float32 else 2e-2
                 torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
                 assert torch.equal(kernel(k_ord, v_ord), got)
-                cands = {"kernel": kernel, "copy": lambda: dst.copy_(src), "read": src.sum,
-                         "sdpa": sdpa, "ordinary": lambda: kernel(k_ord, v_ord)}
+                cands = {
+                    "kernel": kernel,
+                    "copy": lambda: dst.copy_(src),
+                    "read": src.sum,
+                    "sdpa": sdpa,
+                    "ordinary": lambda: kernel(k_ord, v_ord),
+                }
                 vllm_cell, vllm_ratio = why_no_vllm or "not run", "-"
                 if ops:
                     k_rows = torch.stack([k_cache[s, :S] for s in slots])
                     v_rows = torch.stack([v_cache[s, :S] for s in slots])
                     call = vllm_decode(ops, k_rows, v_rows, q[:, 0].contiguous())
-                    ref = fa.flash_attn_with_kvcache(q, k_rows, v_rows, cache_seqlens=S, causal=True)
-                    torch.testing.assert_close(call().float(), ref[:, 0].float(), atol=tol, rtol=tol)
+                    ref = fa.flash_attn_with_kvcache(
+                        q, k_rows, v_rows, cache_seqlens=S, causal=True
+                    )
+                    torch.testing.assert_close(
+                        call().float(), ref[:, 0].float(), atol=tol, rtol=tol
+                    )
                     cands["vllm"] = call
                 t = compare_min_median(cands, calls=args.calls, rounds=args.rounds)
                 kv = nbytes / t["kernel"][0]
@@ -158,20 +221,27 @@ def decode_rows(args, ops, why_no_vllm):
                 if ops:
                     vllm_cell = fmt(t["vllm"])
                     vllm_ratio = f"{t['vllm'][0] / t['kernel'][0]:.2f}x"
-                print(f"| {str(dtype)[6:]} | {group} | {fmt(t['kernel'])} | {kv / 1e9:.1f} | "
-                      f"{copy / 1e9:.1f} | {read / 1e9:.1f} | {kv / copy:.2f} | {kv / read:.2f} | "
-                      f"{fmt(t['sdpa'])} | {t['sdpa'][0] / t['kernel'][0]:.1f}x | {vllm_cell} | "
-                      f"{vllm_ratio} | {fmt(t['ordinary'])} | "
-                      f"{t['kernel'][0] / t['ordinary'][0]:.3f} |")
+                print(
+                    f"| {str(dtype)[6:]} | {group} | {fmt(t['kernel'])} | {kv / 1e9:.1f} | "
+                    f"{copy / 1e9:.1f} | {read / 1e9:.1f} | {kv / copy:.2f} | {kv / read:.2f} | "
+                    f"{fmt(t['sdpa'])} | {t['sdpa'][0] / t['kernel'][0]:.1f}x | {vllm_cell} | "
+                    f"{vllm_ratio} | {fmt(t['ordinary'])} | "
+                    f"{t['kernel'][0] / t['ordinary'][0]:.3f} |"
+                )
     print()
 
 
 def prefill_rows(args):
     from torch.nn.attention.bias import causal_lower_right
+
     groups = 4
-    print(f"### Prefill: one request, {HKV * groups} query heads over {HKV} KV heads x {D}, causal\n")
-    print("| dtype | chunk | cached before | kernel ms min (median) | torch SDPA ms | kernel vs SDPA "
-          "| kernel GFLOP/s |")
+    print(
+        f"### Prefill: one request, {HKV * groups} query heads over {HKV} KV heads x {D}, causal\n"
+    )
+    print(
+        "| dtype | chunk | cached before | kernel ms min (median) | torch SDPA ms | kernel vs SDPA "
+        "| kernel GFLOP/s |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for dtype in (torch.float32, torch.bfloat16):
         for chunk, past in ((2048, 0), (512, 1536)):
@@ -189,33 +259,44 @@ def prefill_rows(args):
             mask = None if past == 0 else causal_lower_right(chunk, total)
 
             def sdpa():
-                return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=past == 0,
-                                                      enable_gqa=True)
+                return F.scaled_dot_product_attention(
+                    qh, kh, vh, attn_mask=mask, is_causal=past == 0, enable_gqa=True
+                )
 
             tol = 2e-5 if dtype == torch.float32 else 2e-2
-            torch.testing.assert_close(kernel()[0].float(), sdpa()[0].transpose(0, 1).float(),
-                                       atol=tol, rtol=tol)
+            torch.testing.assert_close(
+                kernel()[0].float(), sdpa()[0].transpose(0, 1).float(), atol=tol, rtol=tol
+            )
             t = compare_min_median({"kernel": kernel, "sdpa": sdpa}, calls=1, rounds=args.rounds)
             flops = 4 * D * HKV * groups * (chunk * past + chunk * (chunk + 1) / 2)
-            print(f"| {str(dtype)[6:]} | {chunk} | {past} | {fmt(t['kernel'])} | {fmt(t['sdpa'])} | "
-                  f"{t['sdpa'][0] / t['kernel'][0]:.2f}x | {flops / t['kernel'][0] / 1e9:.0f} |")
+            print(
+                f"| {str(dtype)[6:]} | {chunk} | {past} | {fmt(t['kernel'])} | {fmt(t['sdpa'])} | "
+                f"{t['sdpa'][0] / t['kernel'][0]:.2f}x | {flops / t['kernel'][0] / 1e9:.0f} |"
+            )
     print()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=6, help="interleaved rounds (min and median over them)")
+    parser.add_argument(
+        "--rounds", type=int, default=6, help="interleaved rounds (min and median over them)"
+    )
     parser.add_argument("--calls", type=int, default=2, help="calls per timed sample")
     parser.add_argument("--skip-prefill", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ops, why = vllm_ops()
     load = os.getloadavg()
-    print(f"torch {torch.__version__}, {args.threads} thread(s), kernel ISA {fa.kernel_isa()}, "
-          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; load average "
-          f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (1/5/15 min) at start"
-          + ("" if ops else f"; vLLM op not run ({why}): run with the vLLM venv") + "\n")
+    print(
+        f"torch {torch.__version__}, {args.threads} thread(s), kernel ISA {fa.kernel_isa()}, "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; load average "
+        f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (1/5/15 min) at start"
+        + ("" if ops else f"; vLLM op not run ({why}): run with the vLLM venv")
+        + "\n"
+    )
     decode_rows(args, ops, "" if ops else "n/a")
     if not args.skip_prefill:
         prefill_rows(args)

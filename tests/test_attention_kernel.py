@@ -4,10 +4,11 @@
 ``flash_attn_with_kvcache_reference`` computed in float32 on copies of the same caches (so the
 kernel's appends are compared byte for byte, and its outputs within the tolerance of q's dtype:
 float32 5e-5, bfloat16 1.6e-2, float16 2e-3, absolute and relative). Every instruction set this
-CPU runs is tested (``avx512bf16``, ``avx512``, ``avx2``, ``generic``), on 1 and 2 threads (2 threads split long
-decode rows across threads). The no-read-past-the-length guarantee is tested for real: a
-vattention cache whose rows are mapped exactly up to the length, and a sliding-window cache whose
-early pages were released, in a child process (a stray read is SIGSEGV).
+CPU runs is tested (``avx512bf16``, ``avx512``, ``avx2``, ``generic``), on 1 and 2 threads
+(2 threads split long decode rows across threads). The no-read-past-the-length guarantee is
+tested for real: a vattention cache whose rows are mapped exactly up to the length, and a
+sliding-window cache whose early pages were released, in a child process (a stray read is
+SIGSEGV).
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ import time
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from vattention import _C
 from vattention.integrations import flash_attn as fa
@@ -50,7 +50,9 @@ def threads(request):
     torch.set_num_threads(before)
 
 
-def make_caches(rows, seq, kv_heads, d, dtype, *, mega=False, layers=3, gen=None, descale=(1.0, 1.0)):
+def make_caches(
+    rows, seq, kv_heads, d, dtype, *, mega=False, layers=3, gen=None, descale=(1.0, 1.0)
+):
     """K and V caches [rows, seq, kv_heads, d] of random values; mega: views [:, :, 1] of
     [rows, seq, layers, kv_heads, d] tensors (token stride layers * kv_heads * d)."""
     shape = (rows, seq, layers, kv_heads, d) if mega else (rows, seq, kv_heads, d)
@@ -66,16 +68,27 @@ def make_caches(rows, seq, kv_heads, d, dtype, *, mega=False, layers=3, gen=None
 
 
 def check_against_reference(q, kc, vc, k=None, v=None, **kw):
-    """Runs the kernel on (kc, vc) and the float32 reference on copies; compares outputs and caches."""
+    """Runs the kernel on (kc, vc) and the float32 reference on copies; compares outputs and
+    caches."""
     kc_ref, vc_ref = kc.clone(), vc.clone()
     got = fa.flash_attn_with_kvcache(q, kc, vc, k, v, **kw)
     want = fa.flash_attn_with_kvcache_reference(
-        q.float(), kc_ref, vc_ref, None if k is None else k.float(), None if v is None else v.float(), **kw)
+        q.float(),
+        kc_ref,
+        vc_ref,
+        None if k is None else k.float(),
+        None if v is None else v.float(),
+        **kw,
+    )
     assert got.dtype == q.dtype and got.shape == q.shape
-    assert torch.equal(kc.view(torch.uint8) if kc.dtype in FP8 else kc,
-                       kc_ref.view(torch.uint8) if kc.dtype in FP8 else kc_ref), "appended keys differ"
-    assert torch.equal(vc.view(torch.uint8) if vc.dtype in FP8 else vc,
-                       vc_ref.view(torch.uint8) if vc.dtype in FP8 else vc_ref), "appended values differ"
+    assert torch.equal(
+        kc.view(torch.uint8) if kc.dtype in FP8 else kc,
+        kc_ref.view(torch.uint8) if kc.dtype in FP8 else kc_ref,
+    ), "appended keys differ"
+    assert torch.equal(
+        vc.view(torch.uint8) if vc.dtype in FP8 else vc,
+        vc_ref.view(torch.uint8) if vc.dtype in FP8 else vc_ref,
+    ), "appended values differ"
     tol = TOL[q.dtype]
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
     return got
@@ -83,10 +96,13 @@ def check_against_reference(q, kc, vc, k=None, v=None, **kw):
 
 # ---- random batches --------------------------------------------------------------------------
 
+
 @st.composite
 def batches(draw, big=True):
     group = draw(st.sampled_from([1, 2, 4, 8]))
-    kv_heads = draw(st.sampled_from([1, 2]))
+    # 4 and 8 KV heads: chunks of 4 to 16 heads per decode tile (dense tiles, split accumulators);
+    # 3: a partial chunk (general tiles)
+    kv_heads = draw(st.sampled_from([1, 2, 3, 4, 8]))
     d = draw(st.sampled_from([64, 80, 128, 256] if big else [16, 64, 80]))
     n = draw(st.integers(1, 4))
     varlen = draw(st.booleans())
@@ -108,10 +124,22 @@ def batches(draw, big=True):
     causal = draw(st.booleans())
     left = draw(st.one_of(st.just(-1), st.integers(0, 500)))
     right = 0 if causal else draw(st.one_of(st.just(-1), st.integers(0, 20)))
-    return dict(group=group, kv_heads=kv_heads, d=d, varlen=varlen, lqs=lqs, pasts=pasts,
-                dtype=dtype, cache_dtype=cache_dtype, causal=causal, window=(left, right),
-                with_new=draw(st.booleans()), mega=draw(st.booleans()),
-                spare_rows=draw(st.integers(0, 2)), seed=draw(st.integers(0, 2**31 - 1)))
+    return dict(
+        group=group,
+        kv_heads=kv_heads,
+        d=d,
+        varlen=varlen,
+        lqs=lqs,
+        pasts=pasts,
+        dtype=dtype,
+        cache_dtype=cache_dtype,
+        causal=causal,
+        window=(left, right),
+        with_new=draw(st.booleans()),
+        mega=draw(st.booleans()),
+        spare_rows=draw(st.integers(0, 2)),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
 
 
 def run_batch(b):
@@ -122,10 +150,15 @@ def run_batch(b):
     seq = max(p + x for p, x in zip(b["pasts"], new)) + 3
     rows = n + b["spare_rows"]
     fp8 = b["cache_dtype"] in FP8
-    descale = (0.5 + torch.rand((), generator=gen).item(), 0.25 + torch.rand((), generator=gen).item()) \
-        if fp8 else (1.0, 1.0)
-    kc, vc = make_caches(rows, seq, kv_heads, d, b["cache_dtype"], mega=b["mega"], gen=gen, descale=descale)
-    order = torch.randperm(rows, generator=gen)[:n].to(torch.int32)   # rows in a shuffled order
+    descale = (
+        (0.5 + torch.rand((), generator=gen).item(), 0.25 + torch.rand((), generator=gen).item())
+        if fp8
+        else (1.0, 1.0)
+    )
+    kc, vc = make_caches(
+        rows, seq, kv_heads, d, b["cache_dtype"], mega=b["mega"], gen=gen, descale=descale
+    )
+    order = torch.randperm(rows, generator=gen)[:n].to(torch.int32)  # rows in a shuffled order
     dt = b["dtype"]
     if b["varlen"]:
         total = sum(b["lqs"])
@@ -144,8 +177,18 @@ def run_batch(b):
         k = v = None
     if fp8:
         extra.update(k_descale=descale[0], v_descale=torch.tensor([descale[1]]))
-    check_against_reference(q, kc, vc, k, v, cache_seqlens=torch.tensor(b["pasts"], dtype=torch.int32),
-                            cache_batch_idx=order, causal=b["causal"], window_size=b["window"], **extra)
+    check_against_reference(
+        q,
+        kc,
+        vc,
+        k,
+        v,
+        cache_seqlens=torch.tensor(b["pasts"], dtype=torch.int32),
+        cache_batch_idx=order,
+        causal=b["causal"],
+        window_size=b["window"],
+        **extra,
+    )
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
@@ -172,14 +215,23 @@ def test_random_small_batches_on_every_isa_and_thread_count(b):
 
 # ---- targeted cases ----------------------------------------------------------------------------
 
+
 def test_long_decode_rows_split_across_threads(isa, threads):
     """One request dominating the batch: its keys are split (flash-decoding) and recombined."""
     gen = torch.Generator().manual_seed(1)
     kc, vc = make_caches(3, 4200, 2, 128, torch.float32, gen=gen)
     q = torch.randn(3, 1, 8, 128, generator=gen)
     k, v = torch.randn(3, 1, 2, 128, generator=gen), torch.randn(3, 1, 2, 128, generator=gen)
-    check_against_reference(q, kc, vc, k, v, cache_seqlens=torch.tensor([4100, 7, 900]),
-                            cache_batch_idx=torch.tensor([2, 0, 1]), causal=True)
+    check_against_reference(
+        q,
+        kc,
+        vc,
+        k,
+        v,
+        cache_seqlens=torch.tensor([4100, 7, 900]),
+        cache_batch_idx=torch.tensor([2, 0, 1]),
+        causal=True,
+    )
 
 
 def test_mixed_prefill_and_decodes(isa, threads):
@@ -190,25 +242,41 @@ def test_mixed_prefill_and_decodes(isa, threads):
     kc, vc = make_caches(13, 1600, 2, 64, torch.bfloat16, gen=gen)
     total = sum(lqs)
     q = torch.randn(total, 8, 64, generator=gen).bfloat16()
-    k, v = torch.randn(total, 2, 64, generator=gen).bfloat16(), torch.randn(total, 2, 64, generator=gen).bfloat16()
+    k, v = (
+        torch.randn(total, 2, 64, generator=gen).bfloat16(),
+        torch.randn(total, 2, 64, generator=gen).bfloat16(),
+    )
     cu = torch.tensor([0] + list(torch.tensor(lqs).cumsum(0)), dtype=torch.int32)
-    check_against_reference(q, kc, vc, k, v, cache_seqlens=torch.tensor(pasts),
-                            cache_batch_idx=torch.randperm(13, generator=gen), cu_seqlens_q=cu,
-                            causal=True, window_size=(1000, 0))
+    check_against_reference(
+        q,
+        kc,
+        vc,
+        k,
+        v,
+        cache_seqlens=torch.tensor(pasts),
+        cache_batch_idx=torch.randperm(13, generator=gen),
+        cu_seqlens_q=cu,
+        causal=True,
+        window_size=(1000, 0),
+    )
 
 
 def test_reference_gqa_square_causal_matches_naive_softmax():
     """The oracle itself: grouped heads, as many queries as keys, causal (SDPA's is_causal path
     must not be taken there: the group's heads are stacked as extra query rows)."""
     gen = torch.Generator().manual_seed(5)
-    q, k, v = torch.randn(1, 3, 4, 8, generator=gen), torch.randn(1, 3, 2, 8, generator=gen), torch.randn(1, 3, 2, 8, generator=gen)
+    q, k, v = (
+        torch.randn(1, 3, 4, 8, generator=gen),
+        torch.randn(1, 3, 2, 8, generator=gen),
+        torch.randn(1, 3, 2, 8, generator=gen),
+    )
     for fn in (fa.flash_attn_with_kvcache_reference, fa.flash_attn_with_kvcache):
         kc, vc = torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8)
         out = fn(q, kc, vc, k, v, cache_seqlens=0, causal=True)
         for j in range(3):
             for h in range(4):
-                s = k[0, :j + 1, h // 2] @ q[0, j, h] / 8 ** 0.5
-                torch.testing.assert_close(out[0, j, h], s.softmax(0) @ v[0, :j + 1, h // 2])
+                s = k[0, : j + 1, h // 2] @ q[0, j, h] / 8**0.5
+                torch.testing.assert_close(out[0, j, h], s.softmax(0) @ v[0, : j + 1, h // 2])
 
 
 def test_query_that_sees_no_key_outputs_zero():
@@ -229,20 +297,29 @@ def test_fp8_writes_match_vllm_rounding():
     give 0.5625 / 0.5; truncation gives 0.5 for both. 150 in e5m2 lies between 128 and 160
     (nearest: 160, truncated: 128)."""
     x = torch.tensor([1.1, -1e9, 0.003, -0.0, 1e-4, -1e-4, 300.0, 0.37]).view(1, 1, 1, 8)
-    for dtype, fmax, at_150 in ((torch.float8_e4m3fn, 448.0, 144.0), (torch.float8_e5m2, 57344.0, 128.0)):
+    for dtype, fmax, at_150 in (
+        (torch.float8_e4m3fn, 448.0, 144.0),
+        (torch.float8_e5m2, 57344.0, 128.0),
+    ):
         kc = torch.zeros(1, 4, 1, 8, dtype=dtype)
         vc = torch.zeros(1, 4, 1, 8, dtype=dtype)
-        fa.flash_attn_with_kvcache(torch.zeros(1, 1, 1, 8), kc, vc, x, x, cache_seqlens=0,
-                                   k_descale=2.0, v_descale=2.0)
+        fa.flash_attn_with_kvcache(
+            torch.zeros(1, 1, 1, 8), kc, vc, x, x, cache_seqlens=0, k_descale=2.0, v_descale=2.0
+        )
         got = kc[0, 0, 0].float()
         assert got[0] == 0.5 and got[1] == -fmax and got[6] == at_150
-        assert got[3] == 0 and not torch.signbit(got[3])                    # -0 is stored as +0
-        assert torch.equal(kc[0, 0].view(torch.uint8), fa.fp8_store_like_vllm(x / 2.0, dtype)[0, 0].view(torch.uint8))
+        assert got[3] == 0 and not torch.signbit(got[3])  # -0 is stored as +0
+        assert torch.equal(
+            kc[0, 0].view(torch.uint8),
+            fa.fp8_store_like_vllm(x / 2.0, dtype)[0, 0].view(torch.uint8),
+        )
         assert torch.equal(kc.view(torch.uint8), vc.view(torch.uint8))
 
 
 # `make test` builds .venv-vllm; VATTENTION_VLLM_PYTHON points at another vLLM 0.32 interpreter
-VLLM_PYTHON = os.environ.get("VATTENTION_VLLM_PYTHON", os.path.join(ROOT, ".venv-vllm", "bin", "python"))
+VLLM_PYTHON = os.environ.get(
+    "VATTENTION_VLLM_PYTHON", os.path.join(ROOT, ".venv-vllm", "bin", "python")
+)
 
 
 @pytest.mark.skipif(not os.path.exists(VLLM_PYTHON), reason="no vLLM venv (.venv-vllm) built")
@@ -264,15 +341,17 @@ def test_fp8_writes_are_bit_identical_to_vllm_cpu_backend(tmp_path):
                                                v_scale=scale, kv_cache_dtype=name)
                 vllm_bytes = vc[0].transpose(0, 1)                     # value rows: [bs, H, D]
                 ours_k = torch.zeros(1, bs, H, D, dtype=dt); ours_v = torch.zeros_like(ours_k)
-                fa.flash_attn_with_kvcache(torch.zeros(1, bs, H, D), ours_k, ours_v, x[None], x[None],
-                                           cache_seqlens=0, k_descale=scale, v_descale=scale)
+                fa.flash_attn_with_kvcache(
+                    torch.zeros(1, bs, H, D), ours_k, ours_v, x[None], x[None],
+                    cache_seqlens=0, k_descale=scale, v_descale=scale)
                 mism = int((ours_v[0].view(torch.uint8) != vllm_bytes).sum())
                 assert mism == 0, (name, scale, mism)
         print("identical")
     """)
     env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR")
-    proc = subprocess.run([VLLM_PYTHON, "-c", code, ROOT], capture_output=True, text=True, env=env,
-                          timeout=300)
+    proc = subprocess.run(
+        [VLLM_PYTHON, "-c", code, ROOT], capture_output=True, text=True, env=env, timeout=300
+    )
     assert proc.returncode == 0 and "identical" in proc.stdout, proc.stdout + proc.stderr
 
 
@@ -282,10 +361,21 @@ def test_in_place_append_is_exact_and_touches_nothing_else(isa):
         kc, vc = make_caches(4, 50, 2, 64, dtype, mega=True, gen=gen)
         before_k, before_v = kc.clone(), vc.clone()
         q = torch.randn(5, 4, 64, generator=gen).to(dtype)
-        k, v = torch.randn(5, 2, 64, generator=gen).to(dtype), torch.randn(5, 2, 64, generator=gen).to(dtype)
-        fa.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=torch.tensor([10, 45]),
-                                   cache_batch_idx=torch.tensor([3, 1]),
-                                   cu_seqlens_q=torch.tensor([0, 3, 5]), causal=True)
+        k, v = (
+            torch.randn(5, 2, 64, generator=gen).to(dtype),
+            torch.randn(5, 2, 64, generator=gen).to(dtype),
+        )
+        fa.flash_attn_with_kvcache(
+            q,
+            kc,
+            vc,
+            k,
+            v,
+            cache_seqlens=torch.tensor([10, 45]),
+            cache_batch_idx=torch.tensor([3, 1]),
+            cu_seqlens_q=torch.tensor([0, 3, 5]),
+            causal=True,
+        )
         assert torch.equal(kc[3, 10:13], k[:3]) and torch.equal(vc[3, 10:13], v[:3])
         assert torch.equal(kc[1, 45:47], k[3:]) and torch.equal(vc[1, 45:47], v[3:])
         kc[3, 10:13], vc[3, 10:13] = before_k[3, 10:13], before_v[3, 10:13]
@@ -295,47 +385,98 @@ def test_in_place_append_is_exact_and_touches_nothing_else(isa):
 
 def test_decode_and_prefill_helpers_use_the_kernel():
     assert fa._default_kernel(torch.zeros(1), torch.zeros(1)) is fa.flash_attn_with_kvcache
-    assert fa._default_kernel(torch.zeros(1, dtype=torch.float64),
-                              torch.zeros(1, dtype=torch.float64)) is fa.flash_attn_with_kvcache_reference
+    assert (
+        fa._default_kernel(torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64))
+        is fa.flash_attn_with_kvcache_reference
+    )
     gen = torch.Generator().manual_seed(4)
     kc, vc = make_caches(3, 64, 2, 32, torch.float32, gen=gen)
-    q, k, v = torch.randn(10, 4, 32, generator=gen), torch.randn(10, 2, 32, generator=gen), torch.randn(10, 2, 32, generator=gen)
+    q, k, v = (
+        torch.randn(10, 4, 32, generator=gen),
+        torch.randn(10, 2, 32, generator=gen),
+        torch.randn(10, 2, 32, generator=gen),
+    )
     got = fa.prefill(q, k, v, kc, vc, slot=2, start=5)
     ref_k, ref_v = kc.clone(), vc.clone()
-    want = fa.prefill(q, k, v, ref_k, ref_v, slot=2, start=5, kernel=fa.flash_attn_with_kvcache_reference)
+    want = fa.prefill(
+        q, k, v, ref_k, ref_v, slot=2, start=5, kernel=fa.flash_attn_with_kvcache_reference
+    )
     torch.testing.assert_close(got, want, atol=5e-5, rtol=5e-5)
 
 
 # ---- errors: typed, naming the argument, before anything is written ---------------------------
 
+
 def _args():
     kc, vc = torch.zeros(2, 8, 1, 16), torch.zeros(2, 8, 1, 16)
-    return dict(q=torch.randn(1, 1, 2, 16), k_cache=kc, v_cache=vc, k=torch.ones(1, 1, 1, 16),
-                v=torch.ones(1, 1, 1, 16), cache_seqlens=torch.tensor([3]), cache_batch_idx=torch.tensor([1]),
-                causal=True)
+    return dict(
+        q=torch.randn(1, 1, 2, 16),
+        k_cache=kc,
+        v_cache=vc,
+        k=torch.ones(1, 1, 1, 16),
+        v=torch.ones(1, 1, 1, 16),
+        cache_seqlens=torch.tensor([3]),
+        cache_batch_idx=torch.tensor([1]),
+        causal=True,
+    )
 
 
-@pytest.mark.parametrize("change, error, match", [
-    (dict(cache_seqlens=torch.tensor([8])), ValueError, "exceed the cache length 8"),
-    (dict(cache_seqlens=torch.tensor([-1])), ValueError, r"cache_seqlens\[0\] = -1 is negative"),
-    (dict(cache_seqlens=torch.tensor([3.0])), TypeError, "cache_seqlens must hold integers"),
-    (dict(cache_seqlens=torch.tensor([3, 4])), ValueError, "cache_seqlens must be 1-D with 1 entries"),
-    (dict(cache_seqlens=torch.tensor([2**33])), ValueError, "fit in int32"),
-    (dict(cache_batch_idx=torch.tensor([2])), ValueError, r"cache_batch_idx\[0\] = 2 is outside the cache's 2 rows"),
-    (dict(q=torch.randn(1, 1, 3, 16), k_cache=torch.zeros(2, 8, 2, 16), v_cache=torch.zeros(2, 8, 2, 16),
-          k=torch.ones(1, 1, 2, 16), v=torch.ones(1, 1, 2, 16)), ValueError, r"q heads \(3\) must be a multiple"),
-    (dict(q=torch.randn(1, 1, 2, 8)), ValueError, "head_dim 8 != the cache's head_dim 16"),
-    (dict(q=torch.randn(1, 1, 2, 16, dtype=torch.float64)), TypeError, "q dtype must be float32"),
-    (dict(k=torch.ones(1, 1, 1, 16, dtype=torch.float16)), TypeError, "k/v dtype must be q's"),
-    (dict(k=torch.ones(1, 2, 1, 16)), ValueError, r"v must have k's shape \(1, 2, 1, 16\)"),
-    (dict(k=torch.ones(2, 1, 1, 16), v=torch.ones(2, 1, 1, 16)), ValueError,
-     r"k must be \[n, seqlen_new, kv_heads, head_dim\] = \[1, \*, 1, 16\]"),
-    (dict(v=None), ValueError, "k and v must be given together"),
-    (dict(k_descale=2.0), ValueError, "k_descale applies to fp8 caches only"),
-    (dict(window_size=(-2, 0)), ValueError, "window_size entries must be >= -1"),
-    (dict(window_size=(1.5, 0)), TypeError, "window_size entries must be integers"),
-    (dict(cu_seqlens_q=torch.tensor([0, 1])), ValueError, r"q must be \[total_q, heads, head_dim\]"),
-])
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (dict(cache_seqlens=torch.tensor([8])), ValueError, "exceed the cache length 8"),
+        (
+            dict(cache_seqlens=torch.tensor([-1])),
+            ValueError,
+            r"cache_seqlens\[0\] = -1 is negative",
+        ),
+        (dict(cache_seqlens=torch.tensor([3.0])), TypeError, "cache_seqlens must hold integers"),
+        (
+            dict(cache_seqlens=torch.tensor([3, 4])),
+            ValueError,
+            "cache_seqlens must be 1-D with 1 entries",
+        ),
+        (dict(cache_seqlens=torch.tensor([2**33])), ValueError, "fit in int32"),
+        (
+            dict(cache_batch_idx=torch.tensor([2])),
+            ValueError,
+            r"cache_batch_idx\[0\] = 2 is outside the cache's 2 rows",
+        ),
+        (
+            dict(
+                q=torch.randn(1, 1, 3, 16),
+                k_cache=torch.zeros(2, 8, 2, 16),
+                v_cache=torch.zeros(2, 8, 2, 16),
+                k=torch.ones(1, 1, 2, 16),
+                v=torch.ones(1, 1, 2, 16),
+            ),
+            ValueError,
+            r"q heads \(3\) must be a multiple",
+        ),
+        (dict(q=torch.randn(1, 1, 2, 8)), ValueError, "head_dim 8 != the cache's head_dim 16"),
+        (
+            dict(q=torch.randn(1, 1, 2, 16, dtype=torch.float64)),
+            TypeError,
+            "q dtype must be float32",
+        ),
+        (dict(k=torch.ones(1, 1, 1, 16, dtype=torch.float16)), TypeError, "k/v dtype must be q's"),
+        (dict(k=torch.ones(1, 2, 1, 16)), ValueError, r"v must have k's shape \(1, 2, 1, 16\)"),
+        (
+            dict(k=torch.ones(2, 1, 1, 16), v=torch.ones(2, 1, 1, 16)),
+            ValueError,
+            r"k must be \[n, seqlen_new, kv_heads, head_dim\] = \[1, \*, 1, 16\]",
+        ),
+        (dict(v=None), ValueError, "k and v must be given together"),
+        (dict(k_descale=2.0), ValueError, "k_descale applies to fp8 caches only"),
+        (dict(window_size=(-2, 0)), ValueError, "window_size entries must be >= -1"),
+        (dict(window_size=(1.5, 0)), TypeError, "window_size entries must be integers"),
+        (
+            dict(cu_seqlens_q=torch.tensor([0, 1])),
+            ValueError,
+            r"q must be \[total_q, heads, head_dim\]",
+        ),
+    ],
+)
 def test_bad_arguments_raise_typed_errors_and_write_nothing(change, error, match):
     args = _args()
     args.update(change)
@@ -347,25 +488,48 @@ def test_bad_arguments_raise_typed_errors_and_write_nothing(change, error, match
 
 def test_more_bad_arguments():
     args = _args()
-    kc = torch.zeros(2, 8, 1, 32)[..., ::2]                               # last dim strided
+    kc = torch.zeros(2, 8, 1, 32)[..., ::2]  # last dim strided
     with pytest.raises(ValueError, match="k_cache must have a contiguous last dimension"):
         fa.flash_attn_with_kvcache(**dict(args, k_cache=kc, v_cache=kc.clone()))
     q = torch.randn(2, 1, 2, 16)
     with pytest.raises(ValueError, match="cache_batch_idx repeats row 1"):
-        fa.flash_attn_with_kvcache(**dict(args, q=q, k=torch.ones(2, 1, 1, 16), v=torch.ones(2, 1, 1, 16),
-                                          cache_seqlens=torch.tensor([1, 2]), cache_batch_idx=torch.tensor([1, 1])))
+        fa.flash_attn_with_kvcache(
+            **dict(
+                args,
+                q=q,
+                k=torch.ones(2, 1, 1, 16),
+                v=torch.ones(2, 1, 1, 16),
+                cache_seqlens=torch.tensor([1, 2]),
+                cache_batch_idx=torch.tensor([1, 1]),
+            )
+        )
     with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
-        fa.flash_attn_with_kvcache(torch.randn(3, 2, 16), args["k_cache"], args["v_cache"], cache_seqlens=2,
-                                   cu_seqlens_q=torch.tensor([0, 2, 1]))
+        fa.flash_attn_with_kvcache(
+            torch.randn(3, 2, 16),
+            args["k_cache"],
+            args["v_cache"],
+            cache_seqlens=2,
+            cu_seqlens_q=torch.tensor([0, 2, 1]),
+        )
     with pytest.raises(ValueError, match=r"cu_seqlens_q\[-1\] = 4 exceeds the 3 query tokens"):
-        fa.flash_attn_with_kvcache(torch.randn(3, 2, 16), args["k_cache"], args["v_cache"], cache_seqlens=2,
-                                   cu_seqlens_q=torch.tensor([0, 4]))
+        fa.flash_attn_with_kvcache(
+            torch.randn(3, 2, 16),
+            args["k_cache"],
+            args["v_cache"],
+            cache_seqlens=2,
+            cu_seqlens_q=torch.tensor([0, 4]),
+        )
     with pytest.raises(ValueError, match="k_descale must be finite and > 0"):
         fp8 = torch.zeros(2, 8, 1, 16, dtype=torch.float8_e4m3fn)
         fa.flash_attn_with_kvcache(**dict(args, k_cache=fp8, v_cache=fp8.clone(), k_descale=0.0))
     # duplicate rows are fine when nothing is appended (read only)
-    fa.flash_attn_with_kvcache(q, args["k_cache"], args["v_cache"], cache_seqlens=torch.tensor([1, 2]),
-                               cache_batch_idx=torch.tensor([1, 1]))
+    fa.flash_attn_with_kvcache(
+        q,
+        args["k_cache"],
+        args["v_cache"],
+        cache_seqlens=torch.tensor([1, 2]),
+        cache_batch_idx=torch.tensor([1, 1]),
+    )
 
 
 # ---- the memory guarantee, on a real vattention cache -----------------------------------------
@@ -398,7 +562,9 @@ with vattention.KVCache(cfg) as cache:
         print("control:", float(k_cache[slots[0], :lens[0] + 1].sum()), flush=True)
     ws = (window - 1, 0) if window else (-1, -1)
     # decode (last token appended) and a prefill chunk of 100 tokens, in one call
-    q = torch.randn(sum(lq), 8, 64); k = torch.randn(sum(lq), 2, 64); v = torch.randn(sum(lq), 2, 64)
+    q = torch.randn(sum(lq), 8, 64)
+    k = torch.randn(sum(lq), 2, 64)
+    v = torch.randn(sum(lq), 2, 64)
     cu = torch.tensor([0, 1, 2, 102], dtype=torch.int32)
     out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor(past),
                                      cache_batch_idx=torch.tensor(slots), cu_seqlens_q=cu,
@@ -410,8 +576,9 @@ with vattention.KVCache(cfg) as cache:
 
 @pytest.mark.parametrize("mode", ["length", "window"])
 def test_kernel_reads_nothing_past_the_length_or_before_the_window(mode):
-    proc = subprocess.run([sys.executable, "-c", GUARD_SCRIPT, mode], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", GUARD_SCRIPT, mode], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0 and f"ok {mode}" in proc.stdout, proc.stdout + proc.stderr
     if mode == "window":
         starts = eval(proc.stdout.split("ok window ")[1])
@@ -420,17 +587,25 @@ def test_kernel_reads_nothing_past_the_length_or_before_the_window(mode):
 
 def test_the_guard_is_real():
     """The same script, reading one token past the length with torch: the child dies of SIGSEGV."""
-    proc = subprocess.run([sys.executable, "-c", GUARD_SCRIPT, "control"], capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == -11 and "control:" not in proc.stdout, (proc.returncode, proc.stdout, proc.stderr)
+    proc = subprocess.run(
+        [sys.executable, "-c", GUARD_SCRIPT, "control"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == -11 and "control:" not in proc.stdout, (
+        proc.returncode,
+        proc.stdout,
+        proc.stderr,
+    )
 
 
 # ---- runtime: one OpenMP runtime, torch's thread count, the GIL released ----------------------
 
+
 @pytest.mark.parametrize("first", ["torch", "vattention"])
 def test_one_libgomp_is_mapped_whatever_the_import_order(first):
-    code = (f"import {first}; import torch, vattention; from vattention import _C; "
-            "print(sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libgomp' in l}))")
+    code = (
+        f"import {first}; import torch, vattention; from vattention import _C; "
+        "print(sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libgomp' in l}))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     libs = eval(proc.stdout)
     assert len(libs) == 1 and os.path.basename(libs[0]) == "libgomp.so.1", libs

@@ -41,7 +41,8 @@ namespace {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int64_t kMinSplitKeys = 256;  // keys per split item, at least
 constexpr int64_t kMaxSplits = 64;
-constexpr double kSerialCost = 100000;  // below this estimated cost (~25 us) a call runs on one thread
+constexpr double kSerialCost =
+    100000;  // below this estimated cost (~25 us) a call runs on one thread
 
 [[noreturn]] void fail(const std::string& msg) { throw std::invalid_argument(msg); }
 
@@ -70,9 +71,10 @@ const IsaTables& isa_tables() {
                    __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                    __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma") &&
                    __builtin_cpu_supports("f16c");
-    x.has_avx512bf16 = x.has_avx512 && avx512bf16_compiled() && __builtin_cpu_supports("avx512bf16");
-    x.has_avx2 = avx2_compiled() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                 __builtin_cpu_supports("f16c");
+    x.has_avx512bf16 =
+        x.has_avx512 && avx512bf16_compiled() && __builtin_cpu_supports("avx512bf16");
+    x.has_avx2 = avx2_compiled() && __builtin_cpu_supports("avx2") &&
+                 __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 #endif
     return x;
   }();
@@ -86,7 +88,10 @@ const KernelTable* find_table(const std::string& name) {
   if (name == "avx2") return t.has_avx2 ? &t.avx2 : nullptr;
   if (name == "generic") return &t.generic;
   if (name.empty()) {
-    return t.has_avx512bf16 ? &t.avx512bf16 : t.has_avx512 ? &t.avx512 : t.has_avx2 ? &t.avx2 : &t.generic;
+    return t.has_avx512bf16 ? &t.avx512bf16
+           : t.has_avx512   ? &t.avx512
+           : t.has_avx2     ? &t.avx2
+                            : &t.generic;
   }
   return nullptr;
 }
@@ -134,11 +139,13 @@ std::vector<Request> check_args(const Args& a) {
   const int64_t n = a.num_requests;
   if (n < 0) fail("num_requests must be >= 0, got " + std::to_string(n));
   if (a.num_kv_heads < 1 || a.num_heads < 1 || a.num_heads % a.num_kv_heads != 0) {
-    fail("q heads (" + std::to_string(a.num_heads) + ") must be a positive multiple of the cache's KV heads (" +
+    fail("q heads (" + std::to_string(a.num_heads) +
+         ") must be a positive multiple of the cache's KV heads (" +
          std::to_string(a.num_kv_heads) + ")");
   }
   if (a.head_dim < 1 || a.head_dim > kMaxHeadDim) {
-    fail("head_dim must be in [1, " + std::to_string(kMaxHeadDim) + "], got " + std::to_string(a.head_dim));
+    fail("head_dim must be in [1, " + std::to_string(kMaxHeadDim) + "], got " +
+         std::to_string(a.head_dim));
   }
   if (a.dtype != DType::kFloat32 && a.dtype != DType::kBFloat16 && a.dtype != DType::kFloat16) {
     fail("q dtype must be float32, bfloat16 or float16");
@@ -148,13 +155,14 @@ std::vector<Request> check_args(const Args& a) {
   }
   if (is_fp8(a.cache_dtype)) {
     for (float s : {a.k_descale, a.v_descale}) {
-      if (!(std::isfinite(s) && s > 0.0f)) fail("k_descale/v_descale must be finite and > 0, got " + std::to_string(s));
+      if (!(std::isfinite(s) && s > 0.0f))
+        fail("k_descale/v_descale must be finite and > 0, got " + std::to_string(s));
     }
   }
   if (!std::isfinite(a.softmax_scale)) fail("softmax_scale must be finite");
   if (a.window_left < -1 || a.window_right < -1) {
-    fail("window_size entries must be >= -1 (-1: unlimited), got (" + std::to_string(a.window_left) + ", " +
-         std::to_string(a.window_right) + ")");
+    fail("window_size entries must be >= -1 (-1: unlimited), got (" +
+         std::to_string(a.window_left) + ", " + std::to_string(a.window_right) + ")");
   }
   if (a.num_threads < 1) fail("num_threads must be >= 1, got " + std::to_string(a.num_threads));
   if (a.cache_len < 0 || a.cache_len > INT32_MAX) {
@@ -162,17 +170,19 @@ std::vector<Request> check_args(const Args& a) {
   }
   if (n == 0) return {};
   if (!a.k_cache.data || !a.v_cache.data) fail("k_cache and v_cache are required");
-  if ((a.k_new.data == nullptr) != (a.v_new.data == nullptr)) fail("k and v must be given together");
+  if ((a.k_new.data == nullptr) != (a.v_new.data == nullptr))
+    fail("k and v must be given together");
   if (!a.cache_seqlens) fail("cache_seqlens is required");
   if (a.cache_batch < 1) fail("k_cache has no rows (batch 0)");
   const bool has_new = a.k_new.data != nullptr;
   if (a.cu_seqlens_q) {
-    if (a.cu_seqlens_q[0] < 0) fail("cu_seqlens_q[0] must be >= 0, got " + std::to_string(a.cu_seqlens_q[0]));
+    if (a.cu_seqlens_q[0] < 0)
+      fail("cu_seqlens_q[0] must be >= 0, got " + std::to_string(a.cu_seqlens_q[0]));
     for (int64_t i = 0; i < n; ++i) {
       if (a.cu_seqlens_q[i + 1] < a.cu_seqlens_q[i]) {
-        fail("cu_seqlens_q must be non-decreasing: cu_seqlens_q[" + std::to_string(i + 1) + "] = " +
-             std::to_string(a.cu_seqlens_q[i + 1]) + " < cu_seqlens_q[" + std::to_string(i) + "] = " +
-             std::to_string(a.cu_seqlens_q[i]));
+        fail("cu_seqlens_q must be non-decreasing: cu_seqlens_q[" + std::to_string(i + 1) +
+             "] = " + std::to_string(a.cu_seqlens_q[i + 1]) + " < cu_seqlens_q[" +
+             std::to_string(i) + "] = " + std::to_string(a.cu_seqlens_q[i]));
       }
     }
     if (a.cu_seqlens_q[n] > a.q_tokens) {
@@ -189,8 +199,9 @@ std::vector<Request> check_args(const Args& a) {
     r.index = i;
     r.row = a.cache_batch_idx ? a.cache_batch_idx[i] : i;
     if (r.row < 0 || r.row >= a.cache_batch) {
-      fail((a.cache_batch_idx ? "cache_batch_idx[" : "batch index [") + std::to_string(i) + "] = " +
-           std::to_string(r.row) + " is outside the cache's " + std::to_string(a.cache_batch) + " rows");
+      fail((a.cache_batch_idx ? "cache_batch_idx[" : "batch index [") + std::to_string(i) +
+           "] = " + std::to_string(r.row) + " is outside the cache's " +
+           std::to_string(a.cache_batch) + " rows");
     }
     if (a.cu_seqlens_q) {
       r.q_start = a.cu_seqlens_q[i];
@@ -201,11 +212,13 @@ std::vector<Request> check_args(const Args& a) {
     r.nnew = has_new ? (a.cu_seqlens_q ? r.lq : a.seqlen_new) : 0;
     r.new_start = a.cu_seqlens_q ? r.q_start : 0;
     r.past = a.cache_seqlens[i];
-    if (r.past < 0) fail("cache_seqlens[" + std::to_string(i) + "] = " + std::to_string(r.past) + " is negative");
+    if (r.past < 0)
+      fail("cache_seqlens[" + std::to_string(i) + "] = " + std::to_string(r.past) + " is negative");
     r.lk = r.past + r.nnew;
     if (r.lk > a.cache_len) {
       fail("request " + std::to_string(i) + ": cache_seqlens " + std::to_string(r.past) + " + " +
-           std::to_string(r.nnew) + " new tokens exceed the cache length " + std::to_string(a.cache_len));
+           std::to_string(r.nnew) + " new tokens exceed the cache length " +
+           std::to_string(a.cache_len));
     }
     if (r.lq > 0 && (!a.q.data || !a.out.data)) fail("q and out are required");
     if (has_new && r.nnew > 0) {
@@ -233,9 +246,10 @@ void append_rows(const Args& a, const Request& rq, int64_t t0, int64_t t1, const
   const int64_t d = a.head_dim;
   for (int64_t t = t0; t < t1; ++t) {
     for (int64_t h = 0; h < a.num_kv_heads; ++h) {
-      const S* s = static_cast<const S*>(src.data) + rq.index * src.s_batch + (rq.new_start + t) * src.s_token +
-                   h * src.s_head;
-      T* o = static_cast<T*>(dst.data) + rq.row * dst.s_batch + (rq.past + t) * dst.s_token + h * dst.s_head;
+      const S* s = static_cast<const S*>(src.data) + rq.index * src.s_batch +
+                   (rq.new_start + t) * src.s_token + h * src.s_head;
+      T* o = static_cast<T*>(dst.data) + rq.row * dst.s_batch + (rq.past + t) * dst.s_token +
+             h * dst.s_head;
       if constexpr (std::is_same<T, e4m3_t>::value) {
         for (int64_t x = 0; x < d; ++x) o[x].bits = float_to_e4m3(to_float(s[x]), inv_scale);
       } else if constexpr (std::is_same<T, e5m2_t>::value) {
@@ -315,7 +329,8 @@ Plan make_plan(const Args& a, const Shape& s, const std::vector<Request>& reqs, 
       const int64_t rows = (q1 - q0) * g;
       // estimated cycles per key and KV head: bytes at ~8 per cycle, plus 2 FMAs per row and d at
       // 32 per cycle
-      const double rows_padded = decode ? static_cast<double>(rows) : static_cast<double>((rows + 15) / 16 * 16);
+      const double rows_padded =
+          decode ? static_cast<double>(rows) : static_cast<double>((rows + 15) / 16 * 16);
       const double per_key = bytes_per_key / 8.0 + rows_padded * static_cast<double>(d) / 16.0;
       const int64_t heads_per_item = decode ? a.num_kv_heads : 1;
       for (int64_t h = 0; h < a.num_kv_heads; h += heads_per_item) {
@@ -328,8 +343,9 @@ Plan make_plan(const Args& a, const Shape& s, const std::vector<Request>& reqs, 
         it.k_begin = kb;
         it.k_end = ke;
         it.kind = decode ? ItemKind::kDecode : ItemKind::kPrefill;
-        it.cost = static_cast<double>(heads_per_item) * (per_key * static_cast<double>(ke - kb) + 200.0 +
-                                                          static_cast<double>(rows * d) / 4.0);
+        it.cost =
+            static_cast<double>(heads_per_item) *
+            (per_key * static_cast<double>(ke - kb) + 200.0 + static_cast<double>(rows * d) / 4.0);
         plan.total_cost += it.cost;
         plan.items.push_back(it);
       }
@@ -356,7 +372,8 @@ Plan make_plan(const Args& a, const Shape& s, const std::vector<Request>& reqs, 
         WorkItem part = it;
         part.k_begin = k0;
         part.k_end = std::min(it.k_end, k0 + step);
-        part.cost = it.cost * static_cast<double>(part.k_end - part.k_begin) / static_cast<double>(keys);
+        part.cost =
+            it.cost * static_cast<double>(part.k_end - part.k_begin) / static_cast<double>(keys);
         part.partial = next_partial++;
         plan.partial_offset.push_back(plan.partial_floats);
         plan.partial_floats += rows * (s.dp + 2);
@@ -383,8 +400,8 @@ void write_row(const float* src, float scale, void* dst, int64_t d) {
   for (int64_t x = 0; x < d; ++x) from_float(src[x] * scale, o + x);
 }
 
-void combine(const Args& a, const Shape& s, const Request& rq, const CombineGroup& cg, float* partials,
-             const Plan& plan, float* tmp) {
+void combine(const Args& a, const Shape& s, const Request& rq, const CombineGroup& cg,
+             float* partials, const Plan& plan, float* tmp) {
   const int64_t g = s.group, dp = s.dp, d = a.head_dim;
   const int64_t per_head = (cg.q_end - cg.q_begin) * g;
   const int64_t rows = per_head * cg.kv_heads;
@@ -409,7 +426,8 @@ void combine(const Args& a, const Shape& s, const Request& rq, const CombineGrou
     const float scale = lsum > 0.0f ? s.out_scale / lsum : 0.0f;
     const int64_t hr = r % per_head;  // row within its KV head
     const int64_t j = cg.q_begin + hr / g, h = (cg.kv_head + r / per_head) * g + hr % g;
-    const int64_t off = rq.index * a.out.s_batch + (rq.q_start + j) * a.out.s_token + h * a.out.s_head;
+    const int64_t off =
+        rq.index * a.out.s_batch + (rq.q_start + j) * a.out.s_token + h * a.out.s_head;
     void* dst = static_cast<char*>(a.out.data) + off * static_cast<int64_t>(esize);
     switch (a.dtype) {
       case DType::kBFloat16: write_row<bf16_t>(tmp, scale, dst, d); break;
@@ -469,8 +487,8 @@ void flash_attn_with_kvcache(const Args& a) {
       const WorkItem& it = plan.items[static_cast<size_t>(i)];
       const Request& rq = reqs[static_cast<size_t>(it.request)];
       if (it.partial >= 0) {
-        const PartialView pv =
-            partial_view(partials, plan, it.partial, (it.q_end - it.q_begin) * s.group * it.kv_heads, s.dp);
+        const PartialView pv = partial_view(partials, plan, it.partial,
+                                            (it.q_end - it.q_begin) * s.group * it.kv_heads, s.dp);
         kt.run_item(a, s, rq, it, mine, &pv);
       } else {
         kt.run_item(a, s, rq, it, mine, nullptr);

@@ -22,10 +22,18 @@ namespace vattention {
 namespace attention {
 
 // Storage types of the element formats (distinct types so kernels can overload on them).
-struct bf16_t { uint16_t bits; };
-struct f16_t { uint16_t bits; };
-struct e4m3_t { uint8_t bits; };
-struct e5m2_t { uint8_t bits; };
+struct bf16_t {
+  uint16_t bits;
+};
+struct f16_t {
+  uint16_t bits;
+};
+struct e4m3_t {
+  uint8_t bits;
+};
+struct e5m2_t {
+  uint8_t bits;
+};
 
 inline uint32_t float_bits(float f) {
   uint32_t u;

@@ -18,8 +18,10 @@
 namespace vattention {
 namespace attention {
 namespace isa_avx2 {
+// clang-format off: the vector type must come before the kernels that use it.
 #include "attention/vec_avx2.h"
 #include "attention/kernel_impl.h"
+// clang-format on
 }  // namespace isa_avx2
 
 KernelTable kernels_avx2() { return isa_avx2::table("avx2"); }

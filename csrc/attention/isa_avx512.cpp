@@ -1,6 +1,7 @@
-// The attention kernels compiled for AVX-512 (F, BW, VL, DQ) + FMA + F16C, picked at run time by attention.cpp.
-// vec_avx512.h and kernel_impl.h are included inside namespace isa_avx512 under a target pragma,
-// so only these functions use the wider instructions (the rest of the build stays baseline).
+// The attention kernels compiled for AVX-512 (F, BW, VL, DQ) + FMA + F16C, picked at run time by
+// attention.cpp. vec_avx512.h and kernel_impl.h are included inside namespace isa_avx512 under a
+// target pragma, so only these functions use the wider instructions (the rest of the build stays
+// baseline).
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -23,8 +24,10 @@
 namespace vattention {
 namespace attention {
 namespace isa_avx512 {
+// clang-format off: the vector type must come before the kernels that use it.
 #include "attention/vec_avx512.h"
 #include "attention/kernel_impl.h"
+// clang-format on
 }  // namespace isa_avx512
 
 KernelTable kernels_avx512() { return isa_avx512::table("avx512"); }

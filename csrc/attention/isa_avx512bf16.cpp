@@ -1,7 +1,8 @@
-// The attention kernels compiled for AVX-512 (F, BW, VL, DQ) + FMA + F16C + BF16, picked at run time
-// by attention.cpp: as isa_avx512.cpp, plus vdpbf16ps for the decode dot products of bf16 caches.
-// vec_avx512.h and kernel_impl.h are included inside namespace isa_avx512bf16 under a target pragma,
-// so only these functions use the wider instructions (the rest of the build stays baseline).
+// The attention kernels compiled for AVX-512 (F, BW, VL, DQ) + FMA + F16C + BF16, picked at run
+// time by attention.cpp: as isa_avx512.cpp, plus vdpbf16ps for the decode dot products of bf16
+// caches. vec_avx512.h and kernel_impl.h are included inside namespace isa_avx512bf16 under a
+// target pragma, so only these functions use the wider instructions (the rest of the build stays
+// baseline).
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -25,8 +26,10 @@ namespace vattention {
 namespace attention {
 namespace isa_avx512bf16 {
 #define VATTN_AVX512_BF16 1
+// clang-format off: the vector type must come before the kernels that use it.
 #include "attention/vec_avx512.h"
 #include "attention/kernel_impl.h"
+// clang-format on
 }  // namespace isa_avx512bf16
 
 KernelTable kernels_avx512bf16() { return isa_avx512bf16::table("avx512bf16"); }

@@ -12,8 +12,10 @@
 namespace vattention {
 namespace attention {
 namespace isa_generic {
+// clang-format off: the vector type must come before the kernels that use it.
 #include "attention/vec_generic.h"
 #include "attention/kernel_impl.h"
+// clang-format on
 }  // namespace isa_generic
 
 KernelTable kernels_generic() { return isa_generic::table("generic"); }

@@ -95,7 +95,8 @@ inline const void* q_row(const Args& a, const Request& rq, int64_t j, int64_t h)
 
 inline void* out_row(const Args& a, const Request& rq, int64_t j, int64_t h) {
   const size_t esize = a.dtype == DType::kFloat32 ? 4 : 2;
-  const int64_t off = rq.index * a.out.s_batch + (rq.q_start + j) * a.out.s_token + h * a.out.s_head;
+  const int64_t off =
+      rq.index * a.out.s_batch + (rq.q_start + j) * a.out.s_token + h * a.out.s_head;
   return static_cast<char*>(a.out.data) + off * static_cast<int64_t>(esize);
 }
 
@@ -170,12 +171,14 @@ inline F qk_tile(const float* const* qrows, const KT* const* krows, int64_t dp, 
     for (int64_t x = 0; x < dfull; x += W) {
       const F kv = Vec::load(kr + x);
       VATTN_UNROLL
-      for (int r = 0; r < P; ++r) acc[j * P + r] = Vec::fmadd(Vec::load(qr + r * dp + x), kv, acc[j * P + r]);
+      for (int r = 0; r < P; ++r)
+        acc[j * P + r] = Vec::fmadd(Vec::load(qr + r * dp + x), kv, acc[j * P + r]);
     }
     if (dfull < d) {
       const F kv = load_n(kr + dfull, d - dfull);
       VATTN_UNROLL
-      for (int r = 0; r < P; ++r) acc[j * P + r] = Vec::fmadd(Vec::load(qr + r * dp + dfull), kv, acc[j * P + r]);
+      for (int r = 0; r < P; ++r)
+        acc[j * P + r] = Vec::fmadd(Vec::load(qr + r * dp + dfull), kv, acc[j * P + r]);
     }
   }
   return Vec::reduce(acc);
@@ -184,7 +187,8 @@ inline F qk_tile(const float* const* qrows, const KT* const* krows, int64_t dp, 
 // qk_tile for bf16 q and K with a bf16 dot product instruction (Vec::kBf16Dot): 2 W values of d
 // per step, no conversion; q rows (bf16, unscaled) are zero-padded to dq = round_up(d, 2 W).
 template <int P, int HC>
-inline F qk_tile_bf16(const bf16_t* const* qrows, const bf16_t* const* krows, int64_t dq, int64_t d) {
+inline F qk_tile_bf16(const bf16_t* const* qrows, const bf16_t* const* krows, int64_t dq,
+                      int64_t d) {
   constexpr int kPairs = W / P;
   F acc[W];
   VATTN_UNROLL
@@ -197,15 +201,18 @@ inline F qk_tile_bf16(const bf16_t* const* qrows, const bf16_t* const* krows, in
     for (int64_t x = 0; x < dfull; x += 2 * W) {
       const I kv = Vec::load_bits(kr + x);
       VATTN_UNROLL
-      for (int r = 0; r < P; ++r) acc[j * P + r] = Vec::dot_bf16(acc[j * P + r], qr + r * dq + x, kv);
+      for (int r = 0; r < P; ++r)
+        acc[j * P + r] = Vec::dot_bf16(acc[j * P + r], qr + r * dq + x, kv);
     }
     if (dfull < d) {
       bf16_t tail[2 * W];
       std::memset(static_cast<void*>(tail), 0, sizeof(tail));
-      std::memcpy(static_cast<void*>(tail), kr + dfull, static_cast<size_t>(d - dfull) * sizeof(bf16_t));
+      std::memcpy(static_cast<void*>(tail), kr + dfull,
+                  static_cast<size_t>(d - dfull) * sizeof(bf16_t));
       const I kv = Vec::load_bits(tail);
       VATTN_UNROLL
-      for (int r = 0; r < P; ++r) acc[j * P + r] = Vec::dot_bf16(acc[j * P + r], qr + r * dq + dfull, kv);
+      for (int r = 0; r < P; ++r)
+        acc[j * P + r] = Vec::dot_bf16(acc[j * P + r], qr + r * dq + dfull, kv);
     }
   }
   return Vec::reduce(acc);
@@ -221,7 +228,8 @@ inline void pv_token(float* acc, int64_t ald, int64_t d, const float* p, const V
   for (int64_t x = 0; x < dfull; x += W) {
     const F vv = Vec::load(v + x);
     VATTN_UNROLL
-    for (int r = 0; r < P; ++r) Vec::store(acc + r * ald + x, Vec::fmadd(pb[r], vv, Vec::load(acc + r * ald + x)));
+    for (int r = 0; r < P; ++r)
+      Vec::store(acc + r * ald + x, Vec::fmadd(pb[r], vv, Vec::load(acc + r * ald + x)));
   }
   if (dfull < d) {
     const F vv = load_n(v + dfull, d - dfull);
@@ -239,7 +247,8 @@ inline void pv_token(float* acc, int64_t ald, int64_t d, const float* p, const V
 // P V pass stalled on V; touching the lines in address order brings them into L2 for that pass
 // (GQA-4 decode on 2 threads: bf16 26 -> 36 GB/s, fp32 36 -> 40 GB/s).
 template <typename T>
-inline uint64_t touch_token(const T* p, int64_t heads, int64_t head_stride, int64_t d, uint64_t sink) {
+inline uint64_t touch_token(const T* p, int64_t heads, int64_t head_stride, int64_t d,
+                            uint64_t sink) {
   const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
   const bool adjacent = head_stride == d;
   const int64_t runs = adjacent ? 1 : heads;
@@ -255,19 +264,19 @@ inline uint64_t touch_token(const T* p, int64_t heads, int64_t head_stride, int6
 // the P rows of one head, acc in registers for the whole block (V comes from cache: the QK pass
 // touched it). The last vector reads `tail` < W elements when tail > 0.
 template <int P, int NV, typename VT, typename ProbFn>
-inline void pv_head(float* acc, int64_t ald, const VT* v, int64_t vst, int64_t nb, const ProbFn& prob,
-                    int64_t tail) {
+inline void pv_head(float* acc, int64_t ald, const VT* v, int64_t vst, int64_t nb,
+                    const ProbFn& prob, int64_t tail) {
   F o[P][NV];
   VATTN_UNROLL
-  for (int r = 0; r < P; ++r)
-    VATTN_UNROLL
-    for (int i = 0; i < NV; ++i) o[r][i] = Vec::load(acc + r * ald + i * W);
+  for (int r = 0; r < P; ++r) VATTN_UNROLL
+  for (int i = 0; i < NV; ++i) o[r][i] = Vec::load(acc + r * ald + i * W);
   for (int64_t kk = 0; kk < nb; ++kk) {
     const float* pk = prob(kk);
     const VT* vr = v + kk * vst;
     F vv[NV];
     VATTN_UNROLL
-    for (int i = 0; i < NV; ++i) vv[i] = (tail && i == NV - 1) ? load_n(vr + i * W, tail) : Vec::load(vr + i * W);
+    for (int i = 0; i < NV; ++i)
+      vv[i] = (tail && i == NV - 1) ? load_n(vr + i * W, tail) : Vec::load(vr + i * W);
     VATTN_UNROLL
     for (int r = 0; r < P; ++r) {
       const F pb = Vec::set1(pk[r]);
@@ -276,15 +285,83 @@ inline void pv_head(float* acc, int64_t ald, const VT* v, int64_t vst, int64_t n
     }
   }
   VATTN_UNROLL
-  for (int r = 0; r < P; ++r)
+  for (int r = 0; r < P; ++r) VATTN_UNROLL
+  for (int i = 0; i < NV; ++i) Vec::store(acc + r * ald + i * W, o[r][i]);
+}
+
+// Dense decode tiles: where a chunk's heads are adjacent in the cache (head stride d, as in every
+// vattention and vLLM cache) and d is VPD whole vectors, the K rows of a tile are kt tokens of
+// HC * d contiguous values, kst apart, so every address is one of kt row pointers plus a
+// compile-time offset. The general tiles keep one pointer per (token, head) pair: 16 of them
+// do not fit in the registers, and reloading them from the stack cost more than the dot products
+// where the rows are in cache (a shared prefix read by every request of a batch).
+template <int P, int HC, int VPD, typename KT>
+inline F qk_tile_dense(const float* q, const KT* k, int64_t kst) {
+  constexpr int kTok = W / (HC * P);
+  constexpr int64_t d = VPD * W;
+  F acc[W];
+  VATTN_UNROLL
+  for (int u = 0; u < W; ++u) acc[u] = Vec::zero();
+  VATTN_UNROLL
+  for (int t = 0; t < kTok; ++t) {
+    const KT* kr = k + t * kst;
     VATTN_UNROLL
-    for (int i = 0; i < NV; ++i) Vec::store(acc + r * ald + i * W, o[r][i]);
+    for (int hh = 0; hh < HC; ++hh) {
+      VATTN_UNROLL
+      for (int x = 0; x < VPD; ++x) {
+        const F kv = Vec::load(kr + hh * d + x * W);
+        VATTN_UNROLL
+        for (int r = 0; r < P; ++r) {
+          F& a = acc[(t * HC + hh) * P + r];
+          a = Vec::fmadd(Vec::load(q + (hh * P + r) * d + x * W), kv, a);
+        }
+      }
+    }
+  }
+  return Vec::reduce(acc);
+}
+
+// One row per head (P = 1), SH adjacent heads of a dense chunk over a block, token by token:
+// acc[h][0, d) += p[kk][h] * v[kk][h][0, d), the SH * VPD accumulators in registers (pv_token
+// loads and stores them once per token), V read in address order.
+template <int SH, int VPD, typename VT>
+inline void pv_dense(float* acc, const float* pt, int64_t pst, const VT* v, int64_t vst,
+                     int64_t nb) {
+  constexpr int kNv = SH * VPD;
+  F o[kNv];
+  VATTN_UNROLL
+  for (int i = 0; i < kNv; ++i) o[i] = Vec::load(acc + i * W);
+  for (int64_t kk = 0; kk < nb; ++kk) {
+    const VT* vr = v + kk * vst;
+    const float* pk = pt + kk * pst;
+    VATTN_UNROLL
+    for (int hh = 0; hh < SH; ++hh) {
+      const F pb = Vec::set1(pk[hh]);
+      VATTN_UNROLL
+      for (int x = 0; x < VPD; ++x)
+        o[hh * VPD + x] = Vec::fmadd(pb, Vec::load(vr + (hh * VPD + x) * W), o[hh * VPD + x]);
+    }
+  }
+  VATTN_UNROLL
+  for (int i = 0; i < kNv; ++i) Vec::store(acc + i * W, o[i]);
+}
+
+// pv_dense over the HC heads of a chunk, in groups of heads whose accumulators fit in half the
+// registers.
+template <int HC, int VPD, typename VT>
+inline void pv_dense_chunk(float* acc, const float* pt, const VT* v, int64_t vst, int64_t nb) {
+  constexpr int kFit = Vec::kRegs / 2 / VPD;
+  constexpr int kSh = HC <= kFit ? HC : (kFit >= 1 ? kFit : 1);
+  VATTN_UNROLL
+  for (int sub = 0; sub < HC; sub += kSh)
+    pv_dense<kSh, VPD>(acc + sub * VPD * W, pt + sub, HC, v + sub * VPD * W, vst, nb);
 }
 
 template <int P, typename VT, typename ProbFn>
 inline void pv_head_all(float* acc, int64_t ald, int64_t d, const VT* v, int64_t vst, int64_t nb,
                         const ProbFn& prob) {
-  constexpr int kNv = (Vec::kRegs / 2) / P >= 8 ? 8 : ((Vec::kRegs / 2) / P >= 1 ? (Vec::kRegs / 2) / P : 1);
+  constexpr int kNv =
+      (Vec::kRegs / 2) / P >= 8 ? 8 : ((Vec::kRegs / 2) / P >= 1 ? (Vec::kRegs / 2) / P : 1);
   const int64_t nfull = d / W;
   int64_t i = 0;
   for (; i + kNv <= nfull; i += kNv) pv_head<P, kNv>(acc + i * W, ald, v + i * W, vst, nb, prob, 0);
@@ -307,20 +384,21 @@ inline int64_t decode_chunk_heads(int64_t heads, int64_t p) {
 }
 
 // Writes row (query j, query head h) of the item: the output, or partial row `slot` of `part`.
-inline void emit_row(const Args& a, const Shape& s, const Request& rq, int64_t j, int64_t h, const float* acc,
-                     float m, float l, const PartialView* part, int64_t slot) {
+inline void emit_row(const Args& a, const Shape& s, const Request& rq, int64_t j, int64_t h,
+                     const float* acc, float m, float l, const PartialView* part, int64_t slot) {
   if (part) {
     part->m[slot] = m;
     part->l[slot] = l;
     std::memcpy(part->acc + slot * s.dp, acc, static_cast<size_t>(s.dp) * sizeof(float));
   } else {
-    store_out_row(acc, l > 0.0f ? s.out_scale / l : 0.0f, out_row(a, rq, j, h), a.dtype, a.head_dim);
+    store_out_row(acc, l > 0.0f ? s.out_scale / l : 0.0f, out_row(a, rq, j, h), a.dtype,
+                  a.head_dim);
   }
 }
 
 template <int P, int HC, typename KT>
-void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkItem& it, float* scratch,
-                 const PartialView* part) {
+void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkItem& it,
+                 float* scratch, const PartialView* part) {
   constexpr int kPairs = W / P;
   const int64_t d = a.head_dim, dp = s.dp, bk = s.block_keys, g = s.group;
   const int64_t nh = it.kv_heads;
@@ -360,7 +438,8 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
       if constexpr (kDotBf16) {
         bf16_t* dst = qb + (h * P + r) * dq;
         std::memset(static_cast<void*>(dst), 0, static_cast<size_t>(dq) * sizeof(bf16_t));
-        if (real) std::memcpy(static_cast<void*>(dst), src, static_cast<size_t>(d) * sizeof(bf16_t));
+        if (real)
+          std::memcpy(static_cast<void*>(dst), src, static_cast<size_t>(d) * sizeof(bf16_t));
       } else {
         float* dst = q + (h * P + r) * dp;
         if (real) {
@@ -382,6 +461,12 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
     Vec::store(lrun + c * W, Vec::zero());
   }
 
+  // Dense tiles (qk_tile_dense, pv_dense) where the heads are adjacent and d is 4 or 8 vectors
+  // (d 64 or 128 with AVX-512; 32 or 64 with AVX2): 0 where the general tiles run.
+  const int64_t dense_vpd = !kDotBf16 && a.k_cache.s_head == d && a.v_cache.s_head == d &&
+                                    d % W == 0 && nh % HC == 0 && (d / W == 4 || d / W == 8)
+                                ? d / W
+                                : 0;
   const KT* kbase = cache_ptr<KT>(a.k_cache, rq.row, 0, it.kv_head);
   const KT* vbase = cache_ptr<KT>(a.v_cache, rq.row, 0, it.kv_head);
   const int64_t kst = a.k_cache.s_token, ksh = a.k_cache.s_head;
@@ -403,25 +488,36 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
       // P >= 2: this tile's V rows, read in address order for the head-major P V pass below
       // (never past the range's end)
       if (P >= 2) {
-        for (int64_t key = key0; key < std::min(rr.ke, key0 + kt); ++key) touch = touch_token(vbase + key * vst, nh, vsh, d, touch);
+        for (int64_t key = key0; key < std::min(rr.ke, key0 + kt); ++key)
+          touch = touch_token(vbase + key * vst, nh, vsh, d, touch);
       }
+      const bool full_tile = dense_vpd && key0 + kt <= rr.ke;
       for (int64_t c = 0; c < chunks; ++c) {
-        const KT* krows[kPairs];
-        for (int j = 0; j < kPairs; ++j) {
-          const int64_t key = key0 + j / HC, h = c * HC + j % HC;
-          krows[j] = key < rr.ke && h < nh ? kbase + key * kst + h * ksh : zero;
-        }
         F sv;
-        if constexpr (kDotBf16) {
-          const bf16_t* qrows[HC];
-          for (int hh = 0; hh < HC; ++hh) qrows[hh] = qb + (c * HC + hh) * P * dq;
-          sv = Vec::mul(qk_tile_bf16<P, HC>(qrows, krows, dq, d), qscale);
+        if (full_tile) {
+          const float* qc = q + c * HC * P * d;
+          const KT* kc = kbase + key0 * kst + c * HC * d;
+          sv = dense_vpd == 4 ? qk_tile_dense<P, HC, 4>(qc, kc, kst)
+                              : qk_tile_dense<P, HC, 8>(qc, kc, kst);
         } else {
-          const float* qrows[HC];
-          for (int hh = 0; hh < HC; ++hh) qrows[hh] = q + (c * HC + hh) * P * dp;
-          sv = qk_tile<P, HC>(qrows, krows, dp, d);
+          const KT* krows[kPairs];
+          for (int j = 0; j < kPairs; ++j) {
+            const int64_t key = key0 + j / HC, h = c * HC + j % HC;
+            krows[j] = key < rr.ke && h < nh ? kbase + key * kst + h * ksh : zero;
+          }
+          if constexpr (kDotBf16) {
+            const bf16_t* qrows[HC];
+            for (int hh = 0; hh < HC; ++hh) qrows[hh] = qb + (c * HC + hh) * P * dq;
+            sv = Vec::mul(qk_tile_bf16<P, HC>(qrows, krows, dq, d), qscale);
+          } else {
+            const float* qrows[HC];
+            for (int hh = 0; hh < HC; ++hh) qrows[hh] = q + (c * HC + hh) * P * dp;
+            sv = qk_tile<P, HC>(qrows, krows, dp, d);
+          }
         }
-        if (mask) sv = Vec::mask_range(sv, Vec::iadd(Vec::iset1(static_cast<int32_t>(key0)), voff), vlo, vhi);
+        if (mask)
+          sv = Vec::mask_range(sv, Vec::iadd(Vec::iset1(static_cast<int32_t>(key0)), voff), vlo,
+                               vhi);
         Vec::store(sc + (c * tpb + t) * W, sv);
         Vec::store(mblk + c * W, Vec::max(Vec::load(mblk + c * W), sv));
       }
@@ -429,7 +525,8 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
     // online softmax, per chunk: lanes with the same (head, row) sit hc * P apart
     for (int64_t c = 0; c < chunks; ++c) {
       F mb = Vec::load(mblk + c * W);
-      for (int64_t sh = hc * P; sh < W; sh *= 2) mb = Vec::max(mb, Vec::rotate(mb, static_cast<int>(sh)));
+      for (int64_t sh = hc * P; sh < W; sh *= 2)
+        mb = Vec::max(mb, Vec::rotate(mb, static_cast<int>(sh)));
       const F m_old = Vec::load(mrun + c * W);
       const F m_new = Vec::max(m_old, mb);
       const F m_safe = Vec::replace_neginf(m_new, 0.0f);
@@ -459,27 +556,40 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
         pv_head_all<P>(acc + h * P * ald, ald, d, vbase + c0 * vst + h * vsh, vst, nb,
                        [&](int64_t kk) { return prob(kk, h); });
       }
+    } else if (dense_vpd) {
+      for (int64_t c = 0; c < chunks; ++c) {
+        float* ac = acc + c * HC * d;
+        const float* pt = sc + c * tpb * W;  // P = 1: token kk's HC probabilities at kk * HC
+        const KT* vc = vbase + c0 * vst + c * HC * d;
+        if (dense_vpd == 4) {
+          pv_dense_chunk<HC, 4>(ac, pt, vc, vst, nb);
+        } else {
+          pv_dense_chunk<HC, 8>(ac, pt, vc, vst, nb);
+        }
+      }
     } else {
       // one row per head: token by token, all heads of a token before the next, so V is read as
       // one stream the hardware prefetchers follow (two tokens at a time measured ~40% slower)
       for (int64_t kk = 0; kk < nb; ++kk) {
         const KT* vrow = vbase + (c0 + kk) * vst;
-        for (int64_t h = 0; h < nh; ++h) pv_token<P>(acc + h * P * ald, ald, d, prob(kk, h), vrow + h * vsh);
+        for (int64_t h = 0; h < nh; ++h)
+          pv_token<P>(acc + h * P * ald, ald, d, prob(kk, h), vrow + h * vsh);
       }
     }
   }
   asm volatile("" : : "r"(touch));
   for (int64_t c = 0; c < chunks; ++c) {
     F l = Vec::load(lrun + c * W);
-    for (int64_t sh = hc * P; sh < W; sh *= 2) l = Vec::add(l, Vec::rotate(l, static_cast<int>(sh)));
+    for (int64_t sh = hc * P; sh < W; sh *= 2)
+      l = Vec::add(l, Vec::rotate(l, static_cast<int>(sh)));
     Vec::store(lrun + c * W, l);
   }
   for (int64_t h = 0; h < nh; ++h) {
     const float* ml = mrun + (h / hc) * W + (h % hc) * P;
     const float* ll = lrun + (h / hc) * W + (h % hc) * P;
     for (int64_t r = 0; r < nrow; ++r) {
-      emit_row(a, s, rq, map.query(r), (it.kv_head + h) * g + r % g, acc + (h * P + r) * ald, ml[r], ll[r], part,
-               h * nrow + r);
+      emit_row(a, s, rq, map.query(r), (it.kv_head + h) * g + r % g, acc + (h * P + r) * ald, ml[r],
+               ll[r], part, h * nrow + r);
     }
   }
 }
@@ -493,9 +603,8 @@ inline void qk_micro(const float* qt, int64_t rp, int64_t d, const float* k, int
                      int64_t rv0) {
   F acc[KC][NV];
   VATTN_UNROLL
-  for (int c = 0; c < KC; ++c)
-    VATTN_UNROLL
-    for (int v = 0; v < NV; ++v) acc[c][v] = Vec::zero();
+  for (int c = 0; c < KC; ++c) VATTN_UNROLL
+  for (int v = 0; v < NV; ++v) acc[c][v] = Vec::zero();
   const float* qp = qt + rv0 * W;
   for (int64_t x = 0; x < d; ++x) {
     F qv[NV];
@@ -509,15 +618,15 @@ inline void qk_micro(const float* qt, int64_t rp, int64_t d, const float* k, int
     }
   }
   VATTN_UNROLL
-  for (int c = 0; c < KC; ++c)
-    VATTN_UNROLL
-    for (int v = 0; v < NV; ++v) Vec::store(sc + c * rp + (rv0 + v) * W, acc[c][v]);
+  for (int c = 0; c < KC; ++c) VATTN_UNROLL
+  for (int v = 0; v < NV; ++v) Vec::store(sc + c * rp + (rv0 + v) * W, acc[c][v]);
 }
 
 template <int NV>
 inline void qk_rows(const float* qt, int64_t rp, int64_t d, const float* k, int64_t kld, float* sc,
                     int64_t rv0, int64_t nb) {
-  constexpr int kKc = (Vec::kRegs - NV - 2) / NV >= 8 ? 8 : ((Vec::kRegs - NV - 2) / NV >= 4 ? 4 : 2);
+  constexpr int kKc =
+      (Vec::kRegs - NV - 2) / NV >= 8 ? 8 : ((Vec::kRegs - NV - 2) / NV >= 4 ? 4 : 2);
   int64_t c = 0;
   for (; c + kKc <= nb; c += kKc) qk_micro<kKc, NV>(qt, rp, d, k + c * kld, kld, sc + c * rp, rv0);
   for (; c < nb; ++c) qk_micro<1, NV>(qt, rp, d, k + c * kld, kld, sc + c * rp, rv0);
@@ -539,9 +648,8 @@ inline void pv_micro(float* o, int64_t dp, const float* pt, int64_t rp, const fl
                      int64_t nb) {
   F acc[RO][NV];
   VATTN_UNROLL
-  for (int r = 0; r < RO; ++r)
-    VATTN_UNROLL
-    for (int i = 0; i < NV; ++i) acc[r][i] = Vec::load(o + r * dp + i * W);
+  for (int r = 0; r < RO; ++r) VATTN_UNROLL
+  for (int i = 0; i < NV; ++i) acc[r][i] = Vec::load(o + r * dp + i * W);
   for (int64_t kc = 0; kc < nb; ++kc) {
     F vv[NV];
     VATTN_UNROLL
@@ -554,20 +662,21 @@ inline void pv_micro(float* o, int64_t dp, const float* pt, int64_t rp, const fl
     }
   }
   VATTN_UNROLL
-  for (int r = 0; r < RO; ++r)
-    VATTN_UNROLL
-    for (int i = 0; i < NV; ++i) Vec::store(o + r * dp + i * W, acc[r][i]);
+  for (int r = 0; r < RO; ++r) VATTN_UNROLL
+  for (int i = 0; i < NV; ++i) Vec::store(o + r * dp + i * W, acc[r][i]);
 }
 
-inline void pv_block_rows(float* o, int64_t dp, const float* pt, int64_t rp, const float* v, int64_t vld,
-                          int64_t nb, int64_t rows) {
+inline void pv_block_rows(float* o, int64_t dp, const float* pt, int64_t rp, const float* v,
+                          int64_t vld, int64_t nb, int64_t rows) {
   constexpr int kRo = 4;
   constexpr int kNv = Vec::kRegs >= 32 ? 4 : 2;
   const int64_t nvec = dp / W;
   for (int64_t r = 0; r < rows; r += kRo) {
     int64_t i = 0;
-    for (; i + kNv <= nvec; i += kNv) pv_micro<kRo, kNv>(o + r * dp + i * W, dp, pt + r, rp, v + i * W, vld, nb);
-    for (; i + 2 <= nvec && kNv > 2; i += 2) pv_micro<kRo, 2>(o + r * dp + i * W, dp, pt + r, rp, v + i * W, vld, nb);
+    for (; i + kNv <= nvec; i += kNv)
+      pv_micro<kRo, kNv>(o + r * dp + i * W, dp, pt + r, rp, v + i * W, vld, nb);
+    for (; i + 2 <= nvec && kNv > 2; i += 2)
+      pv_micro<kRo, 2>(o + r * dp + i * W, dp, pt + r, rp, v + i * W, vld, nb);
     for (; i < nvec; ++i) pv_micro<kRo, 1>(o + r * dp + i * W, dp, pt + r, rp, v + i * W, vld, nb);
   }
 }
@@ -578,8 +687,8 @@ inline void convert_rows(const KT* src, int64_t st, int64_t nb, int64_t d, float
 }
 
 template <typename KT>
-void prefill_item(const Args& a, const Shape& s, const Request& rq, const WorkItem& it, float* scratch,
-                  const PartialView* part) {
+void prefill_item(const Args& a, const Shape& s, const Request& rq, const WorkItem& it,
+                  float* scratch, const PartialView* part) {
   const int64_t d = a.head_dim, dp = s.dp, bk = s.block_keys;
   const RowMap map{it.q_begin, s.group, it.kv_head};
   const int64_t n = (it.q_end - it.q_begin) * s.group;
@@ -634,7 +743,8 @@ void prefill_item(const Args& a, const Shape& s, const Request& rq, const WorkIt
       for (int64_t kc = 0; kc < nb; ++kc) {
         const I key = Vec::iset1(static_cast<int32_t>(c0 + kc));
         for (int64_t v = 0; v < rp; v += W) {
-          Vec::store(sc + kc * rp + v, Vec::mask_range(Vec::load(sc + kc * rp + v), key, Vec::iload(lo + v), Vec::iload(hi + v)));
+          Vec::store(sc + kc * rp + v, Vec::mask_range(Vec::load(sc + kc * rp + v), key,
+                                                       Vec::iload(lo + v), Vec::iload(hi + v)));
         }
       }
     }
@@ -661,7 +771,8 @@ void prefill_item(const Args& a, const Shape& s, const Request& rq, const WorkIt
       for (int64_t r = 0; r < rp; ++r) {
         if (alpha[r] == 1.0f) continue;
         const F ar = Vec::set1(alpha[r]);
-        for (int64_t x = 0; x < dp; x += W) Vec::store(o + r * dp + x, Vec::mul(Vec::load(o + r * dp + x), ar));
+        for (int64_t x = 0; x < dp; x += W)
+          Vec::store(o + r * dp + x, Vec::mul(Vec::load(o + r * dp + x), ar));
       }
     }
     const float* v;
@@ -676,21 +787,22 @@ void prefill_item(const Args& a, const Shape& s, const Request& rq, const WorkIt
     }
     pv_block_rows(o, dp, sc, rp, v, vld, nb, rp);
   }
-  for (int64_t r = 0; r < n; ++r) emit_row(a, s, rq, map.query(r), map.head(r), o + r * dp, m[r], l[r], part, r);
+  for (int64_t r = 0; r < n; ++r)
+    emit_row(a, s, rq, map.query(r), map.head(r), o + r * dp, m[r], l[r], part, r);
 }
 
 // ------------------------------------------------------------------------------------------------
 // Entry points.
 
 template <int P, int HC, typename KT>
-inline void decode_dispatch(const Args& a, const Shape& s, const Request& rq, const WorkItem& it, float* scratch,
-                            const PartialView* part) {
+inline void decode_dispatch(const Args& a, const Shape& s, const Request& rq, const WorkItem& it,
+                            float* scratch, const PartialView* part) {
   if constexpr (HC * P <= W) decode_item<P, HC, KT>(a, s, rq, it, scratch, part);
 }
 
 template <typename KT>
-void run_item_typed(const Args& a, const Shape& s, const Request& rq, const WorkItem& it, float* scratch,
-                    const PartialView* part) {
+void run_item_typed(const Args& a, const Shape& s, const Request& rq, const WorkItem& it,
+                    float* scratch, const PartialView* part) {
   if (it.kind == ItemKind::kPrefill) return prefill_item<KT>(a, s, rq, it, scratch, part);
   const int64_t rows = (it.q_end - it.q_begin) * s.group;
   const int64_t p = rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : 8;
@@ -712,8 +824,8 @@ void run_item_typed(const Args& a, const Shape& s, const Request& rq, const Work
   }
 }
 
-inline void run_item(const Args& a, const Shape& s, const Request& rq, const WorkItem& it, float* scratch,
-                     const PartialView* part) {
+inline void run_item(const Args& a, const Shape& s, const Request& rq, const WorkItem& it,
+                     float* scratch, const PartialView* part) {
   switch (a.cache_dtype) {
     case DType::kBFloat16: return run_item_typed<bf16_t>(a, s, rq, it, scratch, part);
     case DType::kFloat16: return run_item_typed<f16_t>(a, s, rq, it, scratch, part);
@@ -741,4 +853,6 @@ inline int64_t scratch_floats(const Args& a, const Shape& s) {
   return std::max(decode, prefill);
 }
 
-inline KernelTable table(const char* name) { return KernelTable{name, W, &run_item, &scratch_floats}; }
+inline KernelTable table(const char* name) {
+  return KernelTable{name, W, &run_item, &scratch_floats};
+}

@@ -8,7 +8,9 @@ struct Vec {
   using F = __m256;
   using I = __m256i;
 
-  static I load_bits(const bf16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static I load_bits(const bf16_t* p) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  }
   static F dot_bf16(F acc, const bf16_t*, I) { return acc; }
   static F zero() { return _mm256_setzero_ps(); }
   static F set1(float x) { return _mm256_set1_ps(x); }
@@ -36,7 +38,8 @@ struct Vec {
     const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
     const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi32(0x7F));
     const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
-    const __m256i normal = _mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23));
+    const __m256i normal =
+        _mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23));
     const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(0.001953125f));
     const __m256 is_sub = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag));
     const __m256 is_nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7F)));
@@ -48,7 +51,8 @@ struct Vec {
   static void store(bf16_t* p, F x) {
     const __m256i u = _mm256_castps_si256(x);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+    __m256i r = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
     r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
     // pack the 8 low halves: 32-bit lanes -> 16-bit (values < 2^16: packus is exact)
@@ -73,7 +77,8 @@ struct Vec {
     p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022651e-1f));
     p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
     p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256i e =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
   }
 
@@ -89,7 +94,8 @@ struct Vec {
     const F h0 = _mm256_hadd_ps(a[0], a[1]), h1 = _mm256_hadd_ps(a[2], a[3]);
     const F h2 = _mm256_hadd_ps(a[4], a[5]), h3 = _mm256_hadd_ps(a[6], a[7]);
     const F k0 = _mm256_hadd_ps(h0, h1), k1 = _mm256_hadd_ps(h2, h3);
-    return _mm256_add_ps(_mm256_permute2f128_ps(k0, k1, 0x20), _mm256_permute2f128_ps(k0, k1, 0x31));
+    return _mm256_add_ps(_mm256_permute2f128_ps(k0, k1, 0x20),
+                         _mm256_permute2f128_ps(k0, k1, 0x31));
   }
 
   static F rotate(F x, int s) {
@@ -99,13 +105,15 @@ struct Vec {
     return _mm256_permutevar8x32_ps(x, idx);
   }
 
-  static I iload(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static I iload(const int32_t* p) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  }
   static I iset1(int32_t v) { return _mm256_set1_epi32(v); }
   static I iadd(I a, I b) { return _mm256_add_epi32(a, b); }
   static F mask_range(F x, I key, I lo, I hi) {
     // key >= lo  <=>  !(lo > key);  key < hi  <=>  hi > key
-    const __m256i ok = _mm256_andnot_si256(_mm256_cmpgt_epi32(lo, key), _mm256_cmpgt_epi32(hi, key));
+    const __m256i ok =
+        _mm256_andnot_si256(_mm256_cmpgt_epi32(lo, key), _mm256_cmpgt_epi32(hi, key));
     return _mm256_blendv_ps(_mm256_set1_ps(-__builtin_inff()), x, _mm256_castsi256_ps(ok));
   }
-
 };

@@ -48,8 +48,8 @@ void BlockTables::validate(const std::vector<int64_t>& lens,
         if (id < 0 || id >= N) continue;  // reported below
         if (!fresh.emplace(id, geo.group_columns(static_cast<int>(g)).size()).second) {
           throw table_error("block " + std::to_string(id) + " at page index " +
-                                std::to_string(u.start + k) + " of slot " +
-                                std::to_string(u.slot) + " (group " + std::to_string(g) +
+                                std::to_string(u.start + k) + " of slot " + std::to_string(u.slot) +
+                                " (group " + std::to_string(g) +
                                 ") is handed out fresh twice in one step",
                             u.slot);
         }
@@ -340,8 +340,7 @@ void BlockTables::apply(const std::vector<int64_t>& lens, const std::vector<Bloc
         for (size_t g = 0; g < G; ++g) {
           const int64_t b = s.table[g][p];
           if (b == kNoBlock) continue;
-          const bool fills_it =
-              p >= s.fresh_from && !reuse[static_cast<size_t>(r.slot)][p * G + g];
+          const bool fills_it = p >= s.fresh_from && !reuse[static_cast<size_t>(r.slot)][p * G + g];
           const std::vector<PageHandle>& pages = pages_of(b);
           for (size_t j = 0; j < cols[g].size(); ++j) {
             h[(p - r.from) * C + cols[g][j]] = pages[j];

@@ -22,7 +22,8 @@ namespace {
 using OperandTuple = std::tuple<uintptr_t, int64_t, int64_t, int64_t>;
 
 at::Operand operand(const OperandTuple& t) {
-  return at::Operand{reinterpret_cast<void*>(std::get<0>(t)), std::get<1>(t), std::get<2>(t), std::get<3>(t)};
+  return at::Operand{reinterpret_cast<void*>(std::get<0>(t)), std::get<1>(t), std::get<2>(t),
+                     std::get<3>(t)};
 }
 
 at::DType dtype(int code) {
@@ -37,12 +38,13 @@ at::DType dtype(int code) {
 void register_attention(py::module_& m) {
   m.def(
       "flash_attn_with_kvcache",
-      [](int64_t num_requests, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int dtype_code,
-         int cache_dtype_code, const OperandTuple& q, const OperandTuple& out, const OperandTuple& k_new,
-         const OperandTuple& v_new, const OperandTuple& k_cache, const OperandTuple& v_cache,
-         uintptr_t cu_seqlens_q, int64_t seqlen_q, int64_t q_tokens, int64_t seqlen_new, int64_t cache_batch,
-         int64_t cache_len, uintptr_t cache_seqlens, uintptr_t cache_batch_idx, float softmax_scale, bool causal,
-         int64_t window_left, int64_t window_right, float k_descale, float v_descale, int num_threads) {
+      [](int64_t num_requests, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+         int dtype_code, int cache_dtype_code, const OperandTuple& q, const OperandTuple& out,
+         const OperandTuple& k_new, const OperandTuple& v_new, const OperandTuple& k_cache,
+         const OperandTuple& v_cache, uintptr_t cu_seqlens_q, int64_t seqlen_q, int64_t q_tokens,
+         int64_t seqlen_new, int64_t cache_batch, int64_t cache_len, uintptr_t cache_seqlens,
+         uintptr_t cache_batch_idx, float softmax_scale, bool causal, int64_t window_left,
+         int64_t window_right, float k_descale, float v_descale, int num_threads) {
         at::Args a;
         a.num_requests = num_requests;
         a.num_heads = num_heads;
@@ -75,16 +77,19 @@ void register_attention(py::module_& m) {
         at::flash_attn_with_kvcache(a);
       },
       py::arg("num_requests"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
-      py::arg("dtype"), py::arg("cache_dtype"), py::arg("q"), py::arg("out"), py::arg("k_new"), py::arg("v_new"),
-      py::arg("k_cache"), py::arg("v_cache"), py::arg("cu_seqlens_q"), py::arg("seqlen_q"), py::arg("q_tokens"),
-      py::arg("seqlen_new"), py::arg("cache_batch"), py::arg("cache_len"), py::arg("cache_seqlens"),
-      py::arg("cache_batch_idx"), py::arg("softmax_scale"), py::arg("causal"), py::arg("window_left"),
-      py::arg("window_right"), py::arg("k_descale"), py::arg("v_descale"), py::arg("num_threads"),
-      "Raw entry of the CPU attention kernel; use vattention.integrations.flash_attn.flash_attn_with_kvcache.");
-  m.def("attention_kernel_isa", &at::kernel_isa, "Instruction set of the CPU attention kernels in use.");
+      py::arg("dtype"), py::arg("cache_dtype"), py::arg("q"), py::arg("out"), py::arg("k_new"),
+      py::arg("v_new"), py::arg("k_cache"), py::arg("v_cache"), py::arg("cu_seqlens_q"),
+      py::arg("seqlen_q"), py::arg("q_tokens"), py::arg("seqlen_new"), py::arg("cache_batch"),
+      py::arg("cache_len"), py::arg("cache_seqlens"), py::arg("cache_batch_idx"),
+      py::arg("softmax_scale"), py::arg("causal"), py::arg("window_left"), py::arg("window_right"),
+      py::arg("k_descale"), py::arg("v_descale"), py::arg("num_threads"),
+      "Raw entry of the CPU attention kernel; use "
+      "vattention.integrations.flash_attn.flash_attn_with_kvcache.");
+  m.def("attention_kernel_isa", &at::kernel_isa,
+        "Instruction set of the CPU attention kernels in use.");
   m.def(
-      "set_attention_kernel_isa", [](const std::string& name) { return at::set_kernel_isa(name.c_str()); },
-      py::arg("name"),
+      "set_attention_kernel_isa",
+      [](const std::string& name) { return at::set_kernel_isa(name.c_str()); }, py::arg("name"),
       "Select the CPU attention kernels ('avx512bf16', 'avx512', 'avx2', 'generic'; '' = best).\n"
       "False if this CPU cannot run them.");
 }

@@ -1,4 +1,5 @@
-// The CPU attention kernel (csrc/attention) from plain C++, built with -fsanitize=address,undefined:
+// The CPU attention kernel (csrc/attention) from plain C++, built with
+// -fsanitize=address,undefined:
 // - element conversions: every bf16/fp16/fp8 code decodes and re-encodes to itself; fp8 encoding
 //   follows vLLM's truncating rule on chosen values;
 // - random batches (GQA, head_dim with and without a vector tail, decode/prefill mixes, varlen and
@@ -60,8 +61,14 @@ void encode(DType t, float v, uint8_t* p, float inv_scale = 1.0f) {
   uint16_t h;
   switch (t) {
     case DType::kFloat32: std::memcpy(p, &v, 4); return;
-    case DType::kBFloat16: h = float_to_bf16(v); std::memcpy(p, &h, 2); return;
-    case DType::kFloat16: h = float_to_f16(v); std::memcpy(p, &h, 2); return;
+    case DType::kBFloat16:
+      h = float_to_bf16(v);
+      std::memcpy(p, &h, 2);
+      return;
+    case DType::kFloat16:
+      h = float_to_f16(v);
+      std::memcpy(p, &h, 2);
+      return;
     case DType::kFloat8E4M3: *p = float_to_e4m3(v, inv_scale); return;
     case DType::kFloat8E5M2: *p = float_to_e5m2(v, inv_scale); return;
   }
@@ -78,18 +85,23 @@ void test_conversions() {
   for (uint32_t c = 0; c < 256; ++c) {
     const uint8_t b = static_cast<uint8_t>(c);
     const float x = e4m3_to_float(b);
-    if (!std::isnan(x) && c != 0x80) check(float_to_e4m3(x, 1.0f) == b, "e4m3 round trip " + std::to_string(c));
+    if (!std::isnan(x) && c != 0x80)
+      check(float_to_e4m3(x, 1.0f) == b, "e4m3 round trip " + std::to_string(c));
     const float y = e5m2_to_float(b);
-    if (std::isfinite(y) && c != 0x80) check(float_to_e5m2(y, 1.0f) == b, "e5m2 round trip " + std::to_string(c));
+    if (std::isfinite(y) && c != 0x80)
+      check(float_to_e5m2(y, 1.0f) == b, "e5m2 round trip " + std::to_string(c));
   }
   // vLLM's rule: clamp, truncate toward zero, +-0 -> 0x00, tiny negative -> 0x80
-  check(float_to_e4m3(1e9f, 1.0f) == 0x7E && float_to_e4m3(-1e9f, 1.0f) == 0xFE, "e4m3 saturates to 448");
+  check(float_to_e4m3(1e9f, 1.0f) == 0x7E && float_to_e4m3(-1e9f, 1.0f) == 0xFE,
+        "e4m3 saturates to 448");
   check(float_to_e4m3(1.1f, 1.0f) == 0x38 && float_to_e4m3(1.124f, 1.0f) == 0x38, "e4m3 truncates");
   check(float_to_e4m3(-0.0f, 1.0f) == 0 && float_to_e4m3(-1e-4f, 1.0f) == 0x80, "e4m3 zeros");
   check(float_to_e4m3(0.003f, 1.0f) == 0x01, "e4m3 subnormal 0.003 -> 2^-9");
   check(float_to_e4m3(NAN, 1.0f) == 0x7E, "e4m3 NaN -> +448 (std::min/max order)");
-  check(float_to_e5m2(1e9f, 1.0f) == 0x7B && float_to_e5m2(1.3f, 1.0f) == 0x3D, "e5m2 saturates, truncates");
-  check(float_to_e4m3(3.0f, 1.0f / 2.0f) == float_to_e4m3(1.5f, 1.0f), "e4m3 scales by the inverse");
+  check(float_to_e5m2(1e9f, 1.0f) == 0x7B && float_to_e5m2(1.3f, 1.0f) == 0x3D,
+        "e5m2 saturates, truncates");
+  check(float_to_e4m3(3.0f, 1.0f / 2.0f) == float_to_e4m3(1.5f, 1.0f),
+        "e4m3 scales by the inverse");
 }
 
 // ---- a batch, filled with random data, and its double-precision reference.
@@ -106,10 +118,12 @@ struct Case {
 
 std::string describe(const Case& c, const char* isa) {
   char buf[256];
-  std::snprintf(buf, sizeof buf, "isa=%s n=%lld H=%lld Hkv=%lld D=%lld dtype=%d cache=%d varlen=%d causal=%d new=%d "
-                "window=(%lld,%lld) threads=%d mega=%d", isa, (long long)c.n, (long long)c.heads,
-                (long long)c.kv_heads, (long long)c.d, (int)c.dtype, (int)c.cache_dtype, c.varlen, c.causal,
-                c.with_new, (long long)c.wl, (long long)c.wr, c.threads, c.mega);
+  std::snprintf(buf, sizeof buf,
+                "isa=%s n=%lld H=%lld Hkv=%lld D=%lld dtype=%d cache=%d varlen=%d causal=%d new=%d "
+                "window=(%lld,%lld) threads=%d mega=%d",
+                isa, (long long)c.n, (long long)c.heads, (long long)c.kv_heads, (long long)c.d,
+                (int)c.dtype, (int)c.cache_dtype, c.varlen, c.causal, c.with_new, (long long)c.wl,
+                (long long)c.wr, c.threads, c.mega);
   return buf;
 }
 
@@ -187,7 +201,8 @@ void run_case(const Case& c, std::mt19937& rng, const char* isa) {
     const int64_t lq = c.lq[i], nnew = c.with_new ? lq : 0, lk = c.past[i] + nnew, row = c.rows[i];
     const int64_t qs = c.varlen ? cu[i] : i * maxq;
     auto kat = [&](std::vector<uint8_t>& cache, int64_t t, int64_t g, int64_t x) {
-      return &cache[static_cast<size_t>((row * s_batch + t * s_token + layer * hkv * d + g * s_head + x) * ce)];
+      return &cache[static_cast<size_t>(
+          (row * s_batch + t * s_token + layer * hkv * d + g * s_head + x) * ce)];
     };
     // appended keys: exactly the new rows, encoded as the cache stores them
     for (int64_t t = 0; t < nnew; ++t) {
@@ -213,8 +228,10 @@ void run_case(const Case& c, std::mt19937& rng, const char* isa) {
     for (int64_t j = 0; j < lq; ++j) {
       const int64_t p = j + lk - lq;
       int64_t lo = 0, hi = lk;
-      if (c.causal) hi = std::min(hi, p + 1);
-      else if (c.wr >= 0) hi = std::min(hi, p + c.wr + 1);
+      if (c.causal)
+        hi = std::min(hi, p + 1);
+      else if (c.wr >= 0)
+        hi = std::min(hi, p + c.wr + 1);
       if (c.wl >= 0) lo = std::max<int64_t>(0, p - c.wl);
       for (int64_t hh = 0; hh < h; ++hh) {
         const int64_t g = hh / (h / hkv);
@@ -223,27 +240,31 @@ void run_case(const Case& c, std::mt19937& rng, const char* isa) {
         const uint8_t* qr = &q[static_cast<size_t>(((qs + j) * h * d + hh * d) * qe)];
         for (int64_t t = lo; t < hi; ++t) {
           double dot = 0;
-          for (int64_t x = 0; x < d; ++x) dot += double(decode(c.dtype, qr + x * qe)) * decode(c.cache_dtype, kat(kc, t, g, x)) * c.k_descale;
+          for (int64_t x = 0; x < d; ++x)
+            dot += double(decode(c.dtype, qr + x * qe)) * decode(c.cache_dtype, kat(kc, t, g, x)) *
+                   c.k_descale;
           sc.push_back(dot * a.softmax_scale);
           mx = std::max(mx, sc.back());
         }
         for (int64_t t = lo; t < hi; ++t) {
           const double w = std::exp(sc[t - lo] - mx);
           sum += w;
-          for (int64_t x = 0; x < d; ++x) o[x] += w * decode(c.cache_dtype, kat(vc, t, g, x)) * c.v_descale;
+          for (int64_t x = 0; x < d; ++x)
+            o[x] += w * decode(c.cache_dtype, kat(vc, t, g, x)) * c.v_descale;
         }
         const uint8_t* orow = &out[static_cast<size_t>(((qs + j) * h * d + hh * d) * qe)];
         for (int64_t x = 0; x < d; ++x) {
           const double want = hi > lo ? o[x] / sum : 0.0;
           const double got = decode(c.dtype, orow + x * qe);
           const double err = std::fabs(got - want);
-          const double tol = c.dtype == DType::kFloat32 ? 2e-5 + 2e-5 * std::fabs(want)
-                                                        : (c.dtype == DType::kBFloat16 ? 1e-2 + 1e-2 * std::fabs(want)
-                                                                                       : 2e-3 + 2e-3 * std::fabs(want));
+          const double tol = c.dtype == DType::kFloat32
+                                 ? 2e-5 + 2e-5 * std::fabs(want)
+                                 : (c.dtype == DType::kBFloat16 ? 1e-2 + 1e-2 * std::fabs(want)
+                                                                : 2e-3 + 2e-3 * std::fabs(want));
           if (!(err <= tol)) {
-            check(false, what + ": request " + std::to_string(i) + " query " + std::to_string(j) + " head " +
-                             std::to_string(hh) + " dim " + std::to_string(x) + ": got " + std::to_string(got) +
-                             " want " + std::to_string(want));
+            check(false, what + ": request " + std::to_string(i) + " query " + std::to_string(j) +
+                             " head " + std::to_string(hh) + " dim " + std::to_string(x) +
+                             ": got " + std::to_string(got) + " want " + std::to_string(want));
             return;
           }
           worst = std::max(worst, err);
@@ -260,7 +281,9 @@ Case random_case(std::mt19937& rng, int threads) {
     std::vector<int64_t> v(xs);
     return v[std::uniform_int_distribution<size_t>(0, v.size() - 1)(rng)];
   };
-  auto uni = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  auto uni = [&](int64_t lo, int64_t hi) {
+    return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+  };
   Case c;
   c.kv_heads = pick({1, 2});
   c.heads = c.kv_heads * pick({1, 2, 4, 8});
@@ -314,7 +337,8 @@ void test_guard_pages(const char* isa) {
       mprotect(static_cast<char*>(m) + 3 * page, static_cast<size_t>(page), PROT_NONE);
     }
     const int64_t lq = mode == 0 ? 1 : 2 * tokens_per_page - 3;
-    std::vector<float> q(static_cast<size_t>(lq * 4 * d), 0.5f), out(q.size()), kn(static_cast<size_t>(lq * d), 1.0f);
+    std::vector<float> q(static_cast<size_t>(lq * 4 * d), 0.5f), out(q.size()),
+        kn(static_cast<size_t>(lq * d), 1.0f);
     std::vector<int32_t> past{static_cast<int32_t>(lk - lq)}, cu{0, static_cast<int32_t>(lq)};
     Args a;
     a.num_requests = 1;
@@ -369,7 +393,8 @@ void test_errors() {
       flash_attn_with_kvcache(bad);
       check(false, std::string(what) + ": no exception");
     } catch (const std::invalid_argument& e) {
-      check(std::string(e.what()).find(needle) != std::string::npos, std::string(what) + ": message '" + e.what() + "'");
+      check(std::string(e.what()).find(needle) != std::string::npos,
+            std::string(what) + ": message '" + e.what() + "'");
     }
     check(kc == before, std::string(what) + ": cache modified");
   };

@@ -41,8 +41,15 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-__all__ = ["flash_attn_with_kvcache", "decode", "prefill", "flash_attn_with_kvcache_reference",
-           "flash_kernel", "kernel_isa", "fp8_store_like_vllm"]
+__all__ = [
+    "flash_attn_with_kvcache",
+    "decode",
+    "prefill",
+    "flash_attn_with_kvcache_reference",
+    "flash_kernel",
+    "kernel_isa",
+    "fp8_store_like_vllm",
+]
 
 Kernel = Callable[..., torch.Tensor]
 IntArg = Union[int, torch.Tensor, Sequence[int], None]
@@ -53,14 +60,21 @@ _INT32_MAX = 2**31 - 1
 
 
 def flash_attn_with_kvcache(
-        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None,
-        cache_seqlens: IntArg = None, cache_batch_idx: Optional[torch.Tensor] = None,
-        cu_seqlens_q: Optional[torch.Tensor] = None, max_seqlen_q: Optional[int] = None,
-        softmax_scale: Optional[float] = None, causal: bool = False,
-        window_size: Tuple[int, int] = (-1, -1),
-        k_descale: Union[float, torch.Tensor, None] = None,
-        v_descale: Union[float, torch.Tensor, None] = None) -> torch.Tensor:
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: Optional[torch.Tensor] = None,
+    v: Optional[torch.Tensor] = None,
+    cache_seqlens: IntArg = None,
+    cache_batch_idx: Optional[torch.Tensor] = None,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    k_descale: Union[float, torch.Tensor, None] = None,
+    v_descale: Union[float, torch.Tensor, None] = None,
+) -> torch.Tensor:
     """Attention of a batch of queries over dense KV caches, appending new keys in place.
 
     FlashAttention's ``flash_attn_with_kvcache`` (no rotary, no paged block table). CPU tensors
@@ -136,22 +150,77 @@ def flash_attn_with_kvcache(
         flash = flash_kernel()
         if flash is None:
             return flash_attn_with_kvcache_reference(
-                q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cu_seqlens_q,
-                max_seqlen_q, softmax_scale, causal, window_size, k_descale, v_descale)
-        extra = {name: value for name, value in (
-            ("cu_seqlens_q", cu_seqlens_q), ("max_seqlen_q", max_seqlen_q),
-            ("k_descale", k_descale), ("v_descale", v_descale)) if value is not None}
+                q,
+                k_cache,
+                v_cache,
+                k,
+                v,
+                cache_seqlens,
+                cache_batch_idx,
+                cu_seqlens_q,
+                max_seqlen_q,
+                softmax_scale,
+                causal,
+                window_size,
+                k_descale,
+                v_descale,
+            )
+        extra = {
+            name: value
+            for name, value in (
+                ("cu_seqlens_q", cu_seqlens_q),
+                ("max_seqlen_q", max_seqlen_q),
+                ("k_descale", k_descale),
+                ("v_descale", v_descale),
+            )
+            if value is not None
+        }
         if tuple(window_size) != (-1, -1):
             extra["window_size"] = tuple(window_size)
-        return flash(q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
-                     cache_batch_idx=cache_batch_idx, softmax_scale=softmax_scale,
-                     causal=causal, **extra)
+        return flash(
+            q,
+            k_cache,
+            v_cache,
+            k=k,
+            v=v,
+            cache_seqlens=cache_seqlens,
+            cache_batch_idx=cache_batch_idx,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            **extra,
+        )
     if q.device.type != "cpu":
         return flash_attn_with_kvcache_reference(
-            q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cu_seqlens_q,
-            max_seqlen_q, softmax_scale, causal, window_size, k_descale, v_descale)
-    return _cpu_kernel(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cu_seqlens_q,
-                       softmax_scale, causal, window_size, k_descale, v_descale)
+            q,
+            k_cache,
+            v_cache,
+            k,
+            v,
+            cache_seqlens,
+            cache_batch_idx,
+            cu_seqlens_q,
+            max_seqlen_q,
+            softmax_scale,
+            causal,
+            window_size,
+            k_descale,
+            v_descale,
+        )
+    return _cpu_kernel(
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        cache_seqlens,
+        cache_batch_idx,
+        cu_seqlens_q,
+        softmax_scale,
+        causal,
+        window_size,
+        k_descale,
+        v_descale,
+    )
 
 
 def kernel_isa() -> str:
@@ -167,47 +236,81 @@ def kernel_isa() -> str:
     True
     """
     from .. import _C
+
     return _C.attention_kernel_isa()
 
 
 # ---- the native CPU path: argument checks, then one call into csrc/attention.
 
-def _cpu_kernel(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cu_seqlens_q,
-                softmax_scale, causal, window_size, k_descale, v_descale) -> torch.Tensor:
+
+def _cpu_kernel(
+    q,
+    k_cache,
+    v_cache,
+    k,
+    v,
+    cache_seqlens,
+    cache_batch_idx,
+    cu_seqlens_q,
+    softmax_scale,
+    causal,
+    window_size,
+    k_descale,
+    v_descale,
+) -> torch.Tensor:
     from .. import _C
+
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t is not None and t.device.type != "cpu":
-            raise ValueError(f"{name} is on {t.device}, q on cpu: all tensors must be on one device")
+            raise ValueError(
+                f"{name} is on {t.device}, q on cpu: all tensors must be on one device"
+            )
     dtype = q.dtype
     if dtype not in _DTYPE_CODES:
-        raise TypeError(f"q dtype must be float32, bfloat16 or float16 on CPU, got {dtype} "
-                        "(flash_attn_with_kvcache_reference takes any dtype)")
+        raise TypeError(
+            f"q dtype must be float32, bfloat16 or float16 on CPU, got {dtype} "
+            "(flash_attn_with_kvcache_reference takes any dtype)"
+        )
     if k_cache.dtype != v_cache.dtype:
-        raise TypeError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must share a dtype")
+        raise TypeError(
+            f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must share a dtype"
+        )
     fp8 = _FP8.get(k_cache.dtype)
     if k_cache.dtype != dtype and fp8 is None:
-        raise TypeError(f"k_cache/v_cache dtype must be q's ({dtype}) or torch.float8_e4m3fn / "
-                        f"torch.float8_e5m2, got {k_cache.dtype}")
+        raise TypeError(
+            f"k_cache/v_cache dtype must be q's ({dtype}) or torch.float8_e4m3fn / "
+            f"torch.float8_e5m2, got {k_cache.dtype}"
+        )
     cache_code = fp8[0] if fp8 else _DTYPE_CODES[dtype]
     varlen = cu_seqlens_q is not None
     if q.dim() != (3 if varlen else 4):
-        want = "[total_q, heads, head_dim] with cu_seqlens_q" if varlen else "[n, seqlen_q, heads, head_dim]"
+        want = (
+            "[total_q, heads, head_dim] with cu_seqlens_q"
+            if varlen
+            else "[n, seqlen_q, heads, head_dim]"
+        )
         raise ValueError(f"q must be {want}, got shape {tuple(q.shape)}")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError("k_cache and v_cache must be [batch_cache, seqlen_cache, kv_heads, head_dim] of one "
-                         f"shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+        raise ValueError(
+            "k_cache and v_cache must be [batch_cache, seqlen_cache, kv_heads, head_dim] of one "
+            f"shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
     batch_cache, seqlen_cache, kv_heads, head_dim = k_cache.shape
     heads = q.shape[-2]
     if q.shape[-1] != head_dim:
         raise ValueError(f"q head_dim {q.shape[-1]} != the cache's head_dim {head_dim}")
     if heads % kv_heads:
-        raise ValueError(f"q heads ({heads}) must be a multiple of the cache's KV heads ({kv_heads})")
+        raise ValueError(
+            f"q heads ({heads}) must be a multiple of the cache's KV heads ({kv_heads})"
+        )
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1 and head_dim > 1:
-            raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides "
-                             f"{tuple(t.stride())}")
+            raise ValueError(
+                f"{name} must have a contiguous last dimension (stride 1), got strides "
+                f"{tuple(t.stride())}"
+            )
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together")
     q = _last_dim_contiguous(q)
@@ -222,11 +325,17 @@ def _cpu_kernel(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cu_se
         if k.dtype != dtype or v.dtype != dtype:
             raise TypeError(f"k/v dtype must be q's ({dtype}), got {k.dtype} and {v.dtype}")
         if varlen and tuple(k.shape) != (q.shape[0], kv_heads, head_dim):
-            raise ValueError(f"k must be [total_q, kv_heads, head_dim] = {[q.shape[0], kv_heads, head_dim]} "
-                             f"(aligned with q's tokens), got {tuple(k.shape)}")
-        if not varlen and (k.dim() != 4 or k.shape[0] != n or tuple(k.shape[2:]) != (kv_heads, head_dim)):
-            raise ValueError(f"k must be [n, seqlen_new, kv_heads, head_dim] = [{n}, *, {kv_heads}, "
-                             f"{head_dim}], got {tuple(k.shape)}")
+            raise ValueError(
+                f"k must be [total_q, kv_heads, head_dim] = {[q.shape[0], kv_heads, head_dim]} "
+                f"(aligned with q's tokens), got {tuple(k.shape)}"
+            )
+        if not varlen and (
+            k.dim() != 4 or k.shape[0] != n or tuple(k.shape[2:]) != (kv_heads, head_dim)
+        ):
+            raise ValueError(
+                f"k must be [n, seqlen_new, kv_heads, head_dim] = [{n}, *, {kv_heads}, "
+                f"{head_dim}], got {tuple(k.shape)}"
+            )
         if v.shape != k.shape:
             raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
         k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
@@ -247,24 +356,40 @@ def _cpu_kernel(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cu_se
         return out
     zero = (0, 0, 0, 0)
     _C.flash_attn_with_kvcache(
-        num_requests=n, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        dtype=_DTYPE_CODES[dtype], cache_dtype=cache_code,
-        q=_operand(q, varlen), out=_operand(out, varlen),
+        num_requests=n,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=_DTYPE_CODES[dtype],
+        cache_dtype=cache_code,
+        q=_operand(q, varlen),
+        out=_operand(out, varlen),
         k_new=zero if k is None else _operand(k, varlen),
         v_new=zero if v is None else _operand(v, varlen),
-        k_cache=_operand(k_cache, False), v_cache=_operand(v_cache, False),
-        cu_seqlens_q=cu.data_ptr() if varlen else 0, seqlen_q=0 if varlen else q.shape[1],
+        k_cache=_operand(k_cache, False),
+        v_cache=_operand(v_cache, False),
+        cu_seqlens_q=cu.data_ptr() if varlen else 0,
+        seqlen_q=0 if varlen else q.shape[1],
         q_tokens=q.shape[0] if varlen else 0,
         seqlen_new=0 if (k is None or varlen) else k.shape[1],
-        cache_batch=batch_cache, cache_len=seqlen_cache, cache_seqlens=seqlens.data_ptr(),
-        cache_batch_idx=0 if rows is None else rows.data_ptr(), softmax_scale=scale,
-        causal=bool(causal), window_left=left, window_right=right, k_descale=kd, v_descale=vd,
-        num_threads=torch.get_num_threads())
+        cache_batch=batch_cache,
+        cache_len=seqlen_cache,
+        cache_seqlens=seqlens.data_ptr(),
+        cache_batch_idx=0 if rows is None else rows.data_ptr(),
+        softmax_scale=scale,
+        causal=bool(causal),
+        window_left=left,
+        window_right=right,
+        k_descale=kd,
+        v_descale=vd,
+        num_threads=torch.get_num_threads(),
+    )
     return out
 
 
 def _operand(t: torch.Tensor, varlen: bool) -> Tuple[int, int, int, int]:
-    """(data pointer, batch, token, head strides) of a [n, tokens, heads, D] or [tokens, heads, D]."""
+    """(data pointer, batch, token, head strides) of a [n, tokens, heads, D] or [tokens, heads,
+    D]."""
     s = t.stride()
     if varlen:
         return (t.data_ptr(), 0, s[0], s[1])
@@ -287,13 +412,17 @@ def _int32_tensor(values, name: str, n: Optional[int] = None) -> torch.Tensor:
             raise TypeError(f"{name} must hold integers, got {values!r}")
         t = torch.tensor(seq, dtype=torch.int64)
     if t.dim() != 1 or (n is not None and t.numel() != n):
-        raise ValueError(f"{name} must be 1-D with {n if n is not None else 'n + 1'} entries, got shape "
-                         f"{tuple(t.shape)}")
+        raise ValueError(
+            f"{name} must be 1-D with {n if n is not None else 'n + 1'} entries, got shape "
+            f"{tuple(t.shape)}"
+        )
     if t.device.type != "cpu":
         t = t.cpu()
     if t.dtype != torch.int32:
         if t.numel() and (int(t.min()) < -_INT32_MAX - 1 or int(t.max()) > _INT32_MAX):
-            raise ValueError(f"{name} values must fit in int32, got range [{int(t.min())}, {int(t.max())}]")
+            raise ValueError(
+                f"{name} values must fit in int32, got range [{int(t.min())}, {int(t.max())}]"
+            )
         t = t.to(torch.int32)
     return t.contiguous()
 
@@ -307,7 +436,9 @@ def _window(window_size) -> Tuple[int, int]:
         if isinstance(x, bool) or not isinstance(x, int):
             raise TypeError(f"window_size entries must be integers, got {window_size!r}")
         if x < -1:
-            raise ValueError(f"window_size entries must be >= -1 (-1: unlimited), got {window_size!r}")
+            raise ValueError(
+                f"window_size entries must be >= -1 (-1: unlimited), got {window_size!r}"
+            )
     return left, right
 
 
@@ -328,15 +459,23 @@ def _descale(value, name: str, fp8) -> float:
 
 # ---- the reference (torch SDPA, one request at a time, any device).
 
+
 def flash_attn_with_kvcache_reference(
-        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None,
-        cache_seqlens: IntArg = None, cache_batch_idx: Optional[torch.Tensor] = None,
-        cu_seqlens_q: Optional[torch.Tensor] = None, max_seqlen_q: Optional[int] = None,
-        softmax_scale: Optional[float] = None, causal: bool = False,
-        window_size: Tuple[int, int] = (-1, -1),
-        k_descale: Union[float, torch.Tensor, None] = None,
-        v_descale: Union[float, torch.Tensor, None] = None) -> torch.Tensor:
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: Optional[torch.Tensor] = None,
+    v: Optional[torch.Tensor] = None,
+    cache_seqlens: IntArg = None,
+    cache_batch_idx: Optional[torch.Tensor] = None,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    k_descale: Union[float, torch.Tensor, None] = None,
+    v_descale: Union[float, torch.Tensor, None] = None,
+) -> torch.Tensor:
     """Reference (torch SDPA) of :func:`flash_attn_with_kvcache`: same arguments and semantics.
 
     One SDPA call per request, in q's dtype (any dtype, any device). Causal requests whose query
@@ -390,14 +529,16 @@ def flash_attn_with_kvcache_reference(
     out = torch.empty_like(q)
     for i, (row, past) in enumerate(zip(rows, seqlens)):
         a, b = spans[i]
-        qi = q[a:b] if varlen else q[i]                              # [Lq, H, D]
+        qi = q[a:b] if varlen else q[i]  # [Lq, H, D]
         new_k = None if k is None else (k[a:b] if varlen else k[i])
         new_v = None if v is None else (v[a:b] if varlen else v[i])
         new = 0 if new_k is None else new_k.shape[0]
         total = past + new
         if total > k_cache.shape[1]:
-            raise ValueError(f"batch entry {i}: {past} cached + {new} new tokens exceed the "
-                             f"cache length {k_cache.shape[1]}")
+            raise ValueError(
+                f"batch entry {i}: {past} cached + {new} new tokens exceed the "
+                f"cache length {k_cache.shape[1]}"
+            )
         if new_k is not None:
             k_cache[row, past:total] = _to_cache(new_k, k_cache.dtype, kd)
             v_cache[row, past:total] = _to_cache(new_v, v_cache.dtype, vd)
@@ -408,17 +549,20 @@ def flash_attn_with_kvcache_reference(
         pos = torch.arange(lq, device=q.device) + (total - lq)
         hi = torch.full_like(pos, total) if right < 0 else (pos + right + 1).clamp(max=total)
         lo = torch.zeros_like(pos) if left < 0 else (pos - left).clamp(min=0)
-        start = int(lo[0]) if left >= 0 else 0                       # first key read
-        keys = _from_cache(k_cache[row, start:total], kd, q.dtype).transpose(0, 1)   # [Hkv, T, D]
+        start = int(lo[0]) if left >= 0 else 0  # first key read
+        keys = _from_cache(k_cache[row, start:total], kd, q.dtype).transpose(0, 1)  # [Hkv, T, D]
         vals = _from_cache(v_cache[row, start:total], vd, q.dtype).transpose(0, 1)
         # GQA without copying K/V: the group query heads of one KV head become extra query rows
         # of it, ordered (group, position).
-        qh = (qi.reshape(lq, kv_heads, group, head_dim).permute(1, 2, 0, 3)
-              .reshape(kv_heads, group * lq, head_dim))
+        qh = (
+            qi.reshape(lq, kv_heads, group, head_dim)
+            .permute(1, 2, 0, 3)
+            .reshape(kv_heads, group * lq, head_dim)
+        )
         mask, is_causal = None, False
         full = right < 0 and left < 0
         if causal and left < 0 and lq == total and group == 1:
-            is_causal = lq > 1              # square, one query row per head: SDPA's causal path
+            is_causal = lq > 1  # square, one query row per head: SDPA's causal path
         elif not full or (causal and lq > 1):
             t = torch.arange(start, total, device=q.device).view(1, -1)
             allowed = (t >= lo.view(-1, 1)) & (t < hi.view(-1, 1))
@@ -428,8 +572,9 @@ def flash_attn_with_kvcache_reference(
             o = torch.zeros(kv_heads, group * lq, head_dim, dtype=q.dtype, device=q.device)
         else:
             # 4-D inputs: torch's CPU SDPA takes a faster path for them than for 3-D ones
-            o = F.scaled_dot_product_attention(qh[None], keys[None], vals[None], attn_mask=mask,
-                                               is_causal=is_causal, scale=scale)[0]
+            o = F.scaled_dot_product_attention(
+                qh[None], keys[None], vals[None], attn_mask=mask, is_causal=is_causal, scale=scale
+            )[0]
         if mask is not None:  # flash-attn returns 0 for a query row that sees no key
             o = o.masked_fill(~mask.any(-1).view(1, -1, 1), 0.0)
         res = o.view(kv_heads, group, lq, head_dim).permute(2, 0, 1, 3).reshape(lq, heads, head_dim)
@@ -477,17 +622,17 @@ def fp8_store_like_vllm(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """
     code, fmax = _FP8[dtype]
     v = v.float()
-    v = torch.where(v < fmax, v, torch.full_like(v, fmax))            # NaN -> +max, as vLLM
+    v = torch.where(v < fmax, v, torch.full_like(v, fmax))  # NaN -> +max, as vLLM
     v = torch.where(-fmax < v, v, torch.full_like(v, -fmax))
     u = v.view(torch.int32)
     sign = (u >> 24) & 0x80
-    if code == 3:   # e4m3fn
+    if code == 3:  # e4m3fn
         a = v.abs()
         normal = ((u & 0x7FFFFFFF) - (120 << 23)) >> 20
-        sub = torch.round(a * 2.0**29).to(torch.int32) >> 20          # RNE, as the fp32 denormal
+        sub = torch.round(a * 2.0**29).to(torch.int32) >> 20  # RNE, as the fp32 denormal
         payload = torch.where(a >= 2.0**-6, normal, sub) & 0x7F
         q = torch.where(payload == 0, sign, sign | payload.clamp(max=0x7E))
-    else:           # e5m2
+    else:  # e5m2
         exp = ((u >> 23) & 0xFF) - 127
         man2 = (u >> 21) & 3
         shift = (-14 - exp).clamp(min=0)
@@ -513,10 +658,19 @@ def flash_kernel() -> Optional[Kernel]:
     return flash
 
 
-def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
-           v: torch.Tensor, cache_seqlens: torch.Tensor, cache_batch_idx: torch.Tensor, *,
-           softmax_scale: Optional[float] = None, kernel: Optional[Kernel] = None,
-           check_int32_offsets: bool = True) -> torch.Tensor:
+def decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    cache_batch_idx: torch.Tensor,
+    *,
+    softmax_scale: Optional[float] = None,
+    kernel: Optional[Kernel] = None,
+    check_int32_offsets: bool = True,
+) -> torch.Tensor:
     """One decode step over many slots: append ``k``/``v`` in place, attend causally.
 
     Parameters
@@ -560,15 +714,32 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: tor
     kernel = kernel or _default_kernel(q, k_cache)
     if check_int32_offsets and kernel not in _OWN_KERNELS:
         _check_offsets(k_cache, v_cache, cache_batch_idx)
-    return kernel(q, k_cache, v_cache, k=k, v=v, cache_seqlens=_int32(cache_seqlens, q.device),
-                  cache_batch_idx=_int32(cache_batch_idx, q.device),
-                  softmax_scale=softmax_scale, causal=True)
+    return kernel(
+        q,
+        k_cache,
+        v_cache,
+        k=k,
+        v=v,
+        cache_seqlens=_int32(cache_seqlens, q.device),
+        cache_batch_idx=_int32(cache_batch_idx, q.device),
+        softmax_scale=softmax_scale,
+        causal=True,
+    )
 
 
-def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-            v_cache: torch.Tensor, slot: int, *, start: int = 0,
-            softmax_scale: Optional[float] = None, kernel: Optional[Kernel] = None,
-            check_int32_offsets: bool = True) -> torch.Tensor:
+def prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot: int,
+    *,
+    start: int = 0,
+    softmax_scale: Optional[float] = None,
+    kernel: Optional[Kernel] = None,
+    check_int32_offsets: bool = True,
+) -> torch.Tensor:
     """Prefill one slot: write the prompt's ``k``/``v`` at ``[start, start + len)``, attend
     causally.
 
@@ -600,9 +771,17 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Te
     if check_int32_offsets and kernel not in _OWN_KERNELS:
         _check_offsets(k_cache, v_cache, [slot])
     device = q.device
-    out = kernel(q.unsqueeze(0), k_cache, v_cache, k=k.unsqueeze(0), v=v.unsqueeze(0),
-                 cache_seqlens=_int32([start], device), cache_batch_idx=_int32([slot], device),
-                 softmax_scale=softmax_scale, causal=True)
+    out = kernel(
+        q.unsqueeze(0),
+        k_cache,
+        v_cache,
+        k=k.unsqueeze(0),
+        v=v.unsqueeze(0),
+        cache_seqlens=_int32([start], device),
+        cache_batch_idx=_int32([slot], device),
+        softmax_scale=softmax_scale,
+        causal=True,
+    )
     return out.squeeze(0)
 
 
@@ -615,8 +794,11 @@ def _default_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> Kernel:
         if flash is not None:
             return flash
         return flash_attn_with_kvcache_reference
-    if q.device.type == "cpu" and q.dtype in _DTYPE_CODES and (
-            k_cache.dtype == q.dtype or k_cache.dtype in _FP8):
+    if (
+        q.device.type == "cpu"
+        and q.dtype in _DTYPE_CODES
+        and (k_cache.dtype == q.dtype or k_cache.dtype in _FP8)
+    ):
         return flash_attn_with_kvcache
     return flash_attn_with_kvcache_reference
 
@@ -629,7 +811,8 @@ def _check_offsets(k_cache: torch.Tensor, v_cache: torch.Tensor, slots) -> None:
             f"slot {top} starts {top * stride} elements into the cache (batch stride {stride}), "
             "beyond 2**31: flash-attn may compute this offset in 32 bits and write another row "
             "(Dao-AILab/flash-attention#772). Use fewer slots or a shorter max_seq_len, the "
-            "'layer' layout, or pass check_int32_offsets=False for a kernel known to be safe.")
+            "'layer' layout, or pass check_int32_offsets=False for a kernel known to be safe."
+        )
 
 
 def _int32(values, device: torch.device) -> torch.Tensor:
