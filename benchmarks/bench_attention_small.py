@@ -1,0 +1,144 @@
+"""vattention's CPU attention kernel against vLLM's CPU attention op on the shapes a small engine
+serves, where bench_attention.py's long rows are not the bottleneck: short decode rows that all
+read one shared prefix (what prefix-cache hits give both engines), short private decode rows, and
+prefill. Needs vLLM 0.32's venv:
+
+    .venv-vllm/bin/python benchmarks/bench_attention_small.py
+
+Both kernels run in this process on the same K/V values, fp32, over the same threads; vLLM's op
+reads them from its own paged layout (128-token blocks, written by its `cpu_attn_reshape_and_cache`)
+and attends over whole blocks only, so its rows are rounded down to a multiple of 128 tokens; the
+"per token" column scales our time by that ratio. Our decode calls append no token (vLLM writes
+K/V in a separate op). Each figure is the fastest of five rounds after a warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_attention import vllm_ops  # noqa: E402
+
+from vattention.integrations import flash_attn as fa  # noqa: E402
+
+BLOCK = 128
+
+
+def best_time(fn, calls: int) -> float:
+    for _ in range(max(3, calls // 10)):
+        fn()
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t) / calls)
+    return best
+
+
+def paged(ops, k, v):
+    """k, v [tokens, kv_heads, d] written into vLLM's CPU layout; (key_cache, value_cache)."""
+    tokens, hkv, d = k.shape
+    kv = torch.zeros(tokens // BLOCK, hkv, 2 * BLOCK, d, dtype=k.dtype)
+    kc, vc = kv.chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), kc, vc, torch.arange(tokens),
+                                   "vec")
+    return kc, vc
+
+
+def vllm_call(ops, q, kc, vc, block_table, qsl, seq_lens, hkv, d):
+    meta = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=seq_lens.numel(), num_heads=q.shape[1], num_kv_heads=hkv, head_dim=d,
+        seq_lens=seq_lens, dtype=q.dtype, query_start_loc=qsl, causal=True,
+        sliding_window_size=-1, isa="vec", enable_kv_split=False)
+    out = torch.empty_like(q)
+
+    def call():
+        ops.cpu_attention_with_kv_cache(
+            query=q, key_cache=kc, value_cache=vc, output=out, query_start_loc=qsl,
+            seq_lens=seq_lens, scale=d**-0.5, causal=True, alibi_slopes=None, sliding_window=-1,
+            block_table=block_table, softcap=0.0, scheduler_metadata=meta, s_aux=None)
+    return call
+
+
+def decode(ops, n, s, hkv, d, shared, calls):
+    """n decode rows of s cached tokens; shared: every row reads the same memory."""
+    rows = 1 if shared else n
+    k = torch.randn(rows, s, hkv, d)
+    v = torch.randn(rows, s, hkv, d)
+    q = torch.randn(n, 1, hkv, d)
+    k_cache = k.expand(n, -1, -1, -1) if shared else k
+    v_cache = v.expand(n, -1, -1, -1) if shared else v
+    lens = torch.full((n,), s, dtype=torch.int32)
+    ours = lambda: fa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,  # noqa: E731
+                                              causal=True)
+    sv = s // BLOCK * BLOCK
+    kc, vc = paged(ops, k[:, :sv].reshape(-1, hkv, d), v[:, :sv].reshape(-1, hkv, d))
+    per_row = sv // BLOCK
+    table = torch.arange(rows * per_row, dtype=torch.int32).view(rows, per_row)
+    table = table.expand(n, -1).contiguous() if shared else table
+    theirs = vllm_call(ops, q[:, 0].contiguous(), kc, vc, table,
+                       torch.arange(n + 1, dtype=torch.int32),
+                       torch.full((n,), sv, dtype=torch.int32), hkv, d)
+    return best_time(ours, calls), best_time(theirs, calls), sv
+
+
+def prefill(ops, s, heads, hkv, d, calls):
+    """One causal prompt of s tokens (a multiple of 128), nothing cached before it."""
+    q = torch.randn(s, heads, d)
+    k = torch.randn(s, hkv, d)
+    v = torch.randn(s, hkv, d)
+    k_cache = torch.zeros(1, s, hkv, d)
+    v_cache = torch.zeros_like(k_cache)
+    cu = torch.tensor([0, s], dtype=torch.int32)
+    past = torch.zeros(1, dtype=torch.int32)
+    ours = lambda: fa.flash_attn_with_kvcache(q, k_cache, v_cache, k, v,  # noqa: E731
+                                              cache_seqlens=past, cu_seqlens_q=cu,
+                                              max_seqlen_q=s, causal=True)
+    kc, vc = paged(ops, k, v)
+    theirs = vllm_call(ops, q, kc, vc, torch.arange(s // BLOCK, dtype=torch.int32)[None], cu,
+                       torch.tensor([s], dtype=torch.int32), hkv, d)
+    return best_time(ours, calls), best_time(theirs, calls)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = p.parse_args(argv)
+    ops, why = vllm_ops()
+    if ops is None:
+        print(f"vLLM's CPU op is not available here ({why}): run with .venv-vllm/bin/python",
+              file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, {args.threads} thread(s), kernel ISA "
+          f"{fa.kernel_isa()}; load average {os.getloadavg()[0]:.2f} at start\n")
+    print("| decode (fp32) | rows x tokens | KV heads x d | ours us | vLLM us (tokens) "
+          "| ours / vLLM per token |")
+    print("|---|---|---|---:|---:|---:|")
+    for shared in (True, False):
+        for n, s, hkv, d in ((16, 830, 4, 64), (16, 830, 8, 64), (16, 2048, 8, 64)):
+            a, b, sv = decode(ops, n, s, hkv, d, shared, calls=100)
+            kind = "shared prefix" if shared else "private rows"
+            print(f"| {kind} | {n} x {s} | {hkv} x {d} | {a * 1e6:.0f} | {b * 1e6:.0f} ({sv}) "
+                  f"| {a / b * sv / s:.2f} |")
+    print("\n| prefill (fp32, causal) | tokens | heads / KV heads x d | ours ms | vLLM ms "
+          "| ours / vLLM |")
+    print("|---|---:|---|---:|---:|---:|")
+    for s, heads, hkv, d in ((1024, 8, 8, 64), (2048, 32, 8, 128)):
+        a, b = prefill(ops, s, heads, hkv, d, calls=5)
+        print(f"| one prompt | {s} | {heads} / {hkv} x {d} | {a * 1e3:.2f} | {b * 1e3:.2f} "
+              f"| {a / b:.2f} |")
+    print(f"\nload average at end: {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Where one vLLM engine's time goes, component by component, on one `bench vllm` workload.
+
+One engine (stock vLLM, or vLLM with the vattention plugin) runs in this process, at vLLM's
+defaults plus sizes (1 GiB of KV, 16 sequences, max_model_len 4096, fp32). It is warmed up with two
+passes of the workload, then timed over three passes with new token ids each; the fastest pass is
+printed with the wall time spent inside each wrapped method (the engine step, the runner's parts,
+the attention forward, and for the plugin `KVCache.step` / `KVCache.prefetch`). Nested entries
+are indented: their time is part of the line above them. Run it once per engine, one after the
+other, on a quiet machine:
+
+    .venv-vllm/bin/python benchmarks/bench_vllm_breakdown.py stock shared-prefix small
+    .venv-vllm/bin/python benchmarks/bench_vllm_breakdown.py plugin shared-prefix small
+
+`python -m vattention bench vllm` is the throughput comparison (both engines alive, alternated);
+this script explains its ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import os
+import sys
+import tempfile
+import time
+from typing import Dict
+
+
+def main(argv=None) -> int:
+    from vattention.bench.vllm_bench import MODEL_SIZES, WORKLOADS
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("engine", choices=("stock", "plugin"))
+    p.add_argument("workload", choices=WORKLOADS)
+    p.add_argument("model_size", choices=tuple(MODEL_SIZES))
+    args = p.parse_args(argv)
+    if args.engine == "plugin":
+        os.environ["VATTENTION_VLLM"] = "1"
+    else:
+        os.environ.pop("VATTENTION_VLLM", None)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+    from vattention.bench.tiny_models import build_tiny_model
+    from vattention.bench.vllm_bench import make_workload
+
+    layers, hidden, heads, kv_heads, head_dim = MODEL_SIZES[args.model_size]
+    model = build_tiny_model(
+        os.path.join(tempfile.gettempdir(), f"vattention-breakdown-llama-{args.model_size}"),
+        "llama", num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=head_dim, max_positions=4096)
+
+    import vllm
+    from vllm.v1.attention.backends import cpu_attn
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    spent: Dict[str, float] = collections.defaultdict(float)
+
+    def timed(cls, name: str, label: str) -> None:
+        f = getattr(cls, name)
+
+        @functools.wraps(f)
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                spent[label] += time.perf_counter() - t
+
+        setattr(cls, name, wrapper)
+
+    timed(EngineCore, "step", "engine.step")
+    timed(Scheduler, "schedule", "scheduler.schedule")
+    timed(Scheduler, "update_from_output", "scheduler.update_from_output")
+    timed(GPUModelRunner, "execute_model", "runner.execute_model")
+    timed(GPUModelRunner, "_update_states", "runner._update_states (vLLM's)")
+    timed(GPUModelRunner, "_prepare_inputs", "runner._prepare_inputs")
+    timed(GPUModelRunner, "_build_attention_metadata", "runner._build_attention_metadata")
+    timed(GPUModelRunner, "sample_tokens", "runner.sample_tokens")
+    timed(cpu_attn.CPUAttentionBackendImpl, "forward", "attention (stock CPU_ATTN)")
+    if args.engine == "plugin":
+        from vattention.cache import KVCache
+        from vattention.integrations.vllm import attention, runner
+
+        timed(attention.VAttentionImpl, "forward", "attention (vattention)")
+        timed(runner.VAttentionRunnerMixin, "_update_states",
+              "runner._update_states (the plugin's, vLLM's included)")
+        timed(KVCache, "step", "  KVCache.step")
+        timed(KVCache, "prefetch", "  KVCache.prefetch")
+
+    llm = vllm.LLM(model=model, dtype="float32", max_model_len=4096, max_num_seqs=16,
+                   kv_cache_memory_bytes=1 << 30)
+    ns = argparse.Namespace(num_requests=64, length_scale=0.5, max_model_len=4096, seed=0)
+
+    def one_pass(round_: int):
+        reqs = make_workload(args.workload, round_, ns)
+        prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
+        params = [vllm.SamplingParams(**r["sampling"]) for r in reqs]
+        t = time.perf_counter()
+        out = llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - t, sum(len(c.token_ids) for o in out for c in o.outputs)
+
+    for warm in (100, 101):   # compilation, first pages, allocator: outside the timing
+        one_pass(warm)
+    best = None
+    for round_ in range(3):
+        before = dict(spent)
+        dt, tokens = one_pass(round_)
+        if best is None or dt < best[0]:
+            best = (dt, tokens, {k: v - before.get(k, 0.0) for k, v in spent.items()})
+    dt, tokens, parts = best
+    print(f"{args.engine}, {args.workload}, model {args.model_size}: fastest of 3 passes "
+          f"{dt * 1e3:.0f} ms, {tokens} tokens, {tokens / dt:.0f} tokens/s; load average "
+          f"{os.getloadavg()[0]:.2f}")
+    for label in sorted(parts, key=lambda k: -parts[k]):
+        print(f"  {label:58s} {parts[label] * 1e3:9.1f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
