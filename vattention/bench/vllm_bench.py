@@ -71,6 +71,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--kv-memory", default="1GB",
                    help="kv_cache_memory_bytes for both engines (default: 1GB)")
     p.add_argument("--seed", type=int, default=0, help="default: 0")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="both engines in eager mode (vLLM's default is the compiled model; "
+                        "eager starts faster, for quick checks)")
     p.add_argument("--model-dir", default=None,
                    help="where the random model is built (default: a temporary directory)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
@@ -207,7 +210,8 @@ def run(args: argparse.Namespace) -> int:
     # vLLM's defaults (prefix caching, compiled mode): only sizes, and the checkpoint's dtype.
     spec = {"model": model, "engine": {"dtype": "float32", "max_model_len": args.max_model_len,
                                        "max_num_seqs": args.max_num_seqs,
-                                       "kv_cache_memory_bytes": kv_bytes}}
+                                       "kv_cache_memory_bytes": kv_bytes,
+                                       **({"enforce_eager": True} if args.enforce_eager else {})}}
     spec_file = os.path.join(workdir, "spec.json")
     with open(spec_file, "w") as f:
         json.dump(spec, f)
@@ -215,7 +219,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"vLLM benchmark: random Llama '{args.model_size}' ({layers} layers, hidden {hidden}, "
           f"{heads} heads / {kv_heads} KV heads x {head_dim}, fp32), KV memory "
           f"{kv_bytes >> 20} MiB, max_num_seqs {args.max_num_seqs}, max_model_len "
-          f"{args.max_model_len}, vLLM's defaults; {args.repetitions} repetition(s) of A B B A; "
+          f"{args.max_model_len}, vLLM's defaults{' but eager' if args.enforce_eager else ''}; "
+          f"{args.repetitions} repetition(s) of A B B A; "
           f"load average {load_before[0]:.2f}; logs in {workdir}", file=sys.stderr)
     engines = {name: Engine(name, spec_file, workdir) for name in ENGINES}
     results: Dict[str, Dict] = {}
