@@ -20,9 +20,9 @@ Workloads (started together, awaited per test):
   request's windowed layers map O(window) pages.
 * ``fp8``: ``kv_cache_dtype="fp8"`` against stock vLLM's fp8 cache.
 
-The feature workloads other than ``llama``, ``prefix`` and the server run with
+The feature workloads other than ``llama``, the server, the docs block and the example run with
 ``enforce_eager=True`` (the same for both engines), which keeps the suite's time within its
-budget; the defaults' compiled mode is covered by ``llama``, ``prefix`` and the server.
+budget; the defaults' compiled mode is covered by those four.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def _start_all() -> dict:
     }
     prefix = {
         "model": models["llama"],
-        "engine": _sizes(max_model_len=1024, max_num_seqs=4, kv_cache_memory_bytes=16 << 20),
+        "engine": _eager(max_model_len=1024, max_num_seqs=4, kv_cache_memory_bytes=16 << 20),
         "requests": [{"prompt_token_ids": PREFIXES[p] + prompt(n, 300 + i), "sampling": greedy(8)}
                      for i, (p, n) in enumerate(PREFIX_REQUESTS)],
     }
