@@ -72,7 +72,8 @@ FAIL_FAST = [({"speculative_config": {"method": "ngram", "num_speculative_tokens
 
 
 # `bench vllm` at a size the suite can afford: both engines alive, warmed up, A B B A; eager
-# (compiled mode, vLLM's default, is covered by the llama and prefix workloads and the server)
+# (compiled mode, vLLM's default, is covered by the llama workload, the server, the docs block and
+# the example)
 BENCH_ARGS = ["--model-size", "tiny", "--workload", "sharegpt", "--workload", "shared-prefix",
               "--num-requests", "8", "--length-scale", "0.2", "--repetitions", "1",
               "--max-model-len", "1024", "--kv-memory", "64MB", "--enforce-eager"]
