@@ -268,8 +268,10 @@ inline void pv_head(float* acc, int64_t ald, const VT* v, int64_t vst, int64_t n
                     const ProbFn& prob, int64_t tail) {
   F o[P][NV];
   VATTN_UNROLL
-  for (int r = 0; r < P; ++r) VATTN_UNROLL
-  for (int i = 0; i < NV; ++i) o[r][i] = Vec::load(acc + r * ald + i * W);
+  for (int r = 0; r < P; ++r) {
+    VATTN_UNROLL
+    for (int i = 0; i < NV; ++i) o[r][i] = Vec::load(acc + r * ald + i * W);
+  }
   for (int64_t kk = 0; kk < nb; ++kk) {
     const float* pk = prob(kk);
     const VT* vr = v + kk * vst;
@@ -285,8 +287,10 @@ inline void pv_head(float* acc, int64_t ald, const VT* v, int64_t vst, int64_t n
     }
   }
   VATTN_UNROLL
-  for (int r = 0; r < P; ++r) VATTN_UNROLL
-  for (int i = 0; i < NV; ++i) Vec::store(acc + r * ald + i * W, o[r][i]);
+  for (int r = 0; r < P; ++r) {
+    VATTN_UNROLL
+    for (int i = 0; i < NV; ++i) Vec::store(acc + r * ald + i * W, o[r][i]);
+  }
 }
 
 // Dense decode tiles: where a chunk's heads are adjacent in the cache (head stride d, as in every
@@ -603,8 +607,10 @@ inline void qk_micro(const float* qt, int64_t rp, int64_t d, const float* k, int
                      int64_t rv0) {
   F acc[KC][NV];
   VATTN_UNROLL
-  for (int c = 0; c < KC; ++c) VATTN_UNROLL
-  for (int v = 0; v < NV; ++v) acc[c][v] = Vec::zero();
+  for (int c = 0; c < KC; ++c) {
+    VATTN_UNROLL
+    for (int v = 0; v < NV; ++v) acc[c][v] = Vec::zero();
+  }
   const float* qp = qt + rv0 * W;
   for (int64_t x = 0; x < d; ++x) {
     F qv[NV];
@@ -618,8 +624,10 @@ inline void qk_micro(const float* qt, int64_t rp, int64_t d, const float* k, int
     }
   }
   VATTN_UNROLL
-  for (int c = 0; c < KC; ++c) VATTN_UNROLL
-  for (int v = 0; v < NV; ++v) Vec::store(sc + c * rp + (rv0 + v) * W, acc[c][v]);
+  for (int c = 0; c < KC; ++c) {
+    VATTN_UNROLL
+    for (int v = 0; v < NV; ++v) Vec::store(sc + c * rp + (rv0 + v) * W, acc[c][v]);
+  }
 }
 
 template <int NV>
@@ -648,8 +656,10 @@ inline void pv_micro(float* o, int64_t dp, const float* pt, int64_t rp, const fl
                      int64_t nb) {
   F acc[RO][NV];
   VATTN_UNROLL
-  for (int r = 0; r < RO; ++r) VATTN_UNROLL
-  for (int i = 0; i < NV; ++i) acc[r][i] = Vec::load(o + r * dp + i * W);
+  for (int r = 0; r < RO; ++r) {
+    VATTN_UNROLL
+    for (int i = 0; i < NV; ++i) acc[r][i] = Vec::load(o + r * dp + i * W);
+  }
   for (int64_t kc = 0; kc < nb; ++kc) {
     F vv[NV];
     VATTN_UNROLL
@@ -662,8 +672,10 @@ inline void pv_micro(float* o, int64_t dp, const float* pt, int64_t rp, const fl
     }
   }
   VATTN_UNROLL
-  for (int r = 0; r < RO; ++r) VATTN_UNROLL
-  for (int i = 0; i < NV; ++i) Vec::store(o + r * dp + i * W, acc[r][i]);
+  for (int r = 0; r < RO; ++r) {
+    VATTN_UNROLL
+    for (int i = 0; i < NV; ++i) Vec::store(o + r * dp + i * W, acc[r][i]);
+  }
 }
 
 inline void pv_block_rows(float* o, int64_t dp, const float* pt, int64_t rp, const float* v,
