@@ -9,13 +9,16 @@ Both kernels run in this process on the same K/V values, fp32, over the same thr
 reads them from its own paged layout (128-token blocks, written by its `cpu_attn_reshape_and_cache`)
 and attends over whole blocks only, so its rows are rounded down to a multiple of 128 tokens; the
 "per token" column scales our time by that ratio. Our decode calls append no token (vLLM writes
-K/V in a separate op). Each figure is the fastest of five rounds after a warm-up.
+K/V in a separate op). Both kernels are warmed up, then timed alternately over six rounds; the
+tables print the min (median in brackets), and the outputs of the two kernels are compared
+first (same values within 1e-4, on the tokens both read).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -30,16 +33,25 @@ from vattention.integrations import flash_attn as fa  # noqa: E402
 BLOCK = 128
 
 
-def best_time(fn, calls: int) -> float:
-    for _ in range(max(3, calls // 10)):
-        fn()
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(calls):
+def compare(ours, theirs, calls: int):
+    """Both warmed up, then timed alternately (ours, theirs, theirs, ours, ...) over 6 rounds of
+    `calls` calls; (min, median) seconds per call of each."""
+    for fn in (ours, theirs):
+        for _ in range(max(3, calls // 10)):
             fn()
-        best = min(best, (time.perf_counter() - t) / calls)
-    return best
+    times = {ours: [], theirs: []}
+    for r in range(6):
+        for fn in ((ours, theirs) if r % 2 == 0 else (theirs, ours)):
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[fn].append((time.perf_counter() - t) / calls)
+    return [(min(times[fn]), statistics.median(times[fn])) for fn in (ours, theirs)]
+
+
+def check(a, b) -> None:
+    if not torch.allclose(a, b, atol=1e-4, rtol=1e-4):
+        raise SystemExit(f"outputs differ: max |ours - vLLM| = {(a - b).abs().max().item():.3g}")
 
 
 def paged(ops, k, v):
@@ -64,6 +76,7 @@ def vllm_call(ops, q, kc, vc, block_table, qsl, seq_lens, hkv, d):
             query=q, key_cache=kc, value_cache=vc, output=out, query_start_loc=qsl,
             seq_lens=seq_lens, scale=d**-0.5, causal=True, alibi_slopes=None, sliding_window=-1,
             block_table=block_table, softcap=0.0, scheduler_metadata=meta, s_aux=None)
+        return out
     return call
 
 
@@ -86,7 +99,10 @@ def decode(ops, n, s, hkv, d, shared, calls):
     theirs = vllm_call(ops, q[:, 0].contiguous(), kc, vc, table,
                        torch.arange(n + 1, dtype=torch.int32),
                        torch.full((n,), sv, dtype=torch.int32), hkv, d)
-    return best_time(ours, calls), best_time(theirs, calls), sv
+    lens_v = torch.full((n,), sv, dtype=torch.int32)   # the tokens vLLM's op reads
+    check(fa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens_v, causal=True)[:, 0],
+          theirs())
+    return (*compare(ours, theirs, calls), sv)
 
 
 def prefill(ops, s, heads, hkv, d, calls):
@@ -104,7 +120,8 @@ def prefill(ops, s, heads, hkv, d, calls):
     kc, vc = paged(ops, k, v)
     theirs = vllm_call(ops, q, kc, vc, torch.arange(s // BLOCK, dtype=torch.int32)[None], cu,
                        torch.tensor([s], dtype=torch.int32), hkv, d)
-    return best_time(ours, calls), best_time(theirs, calls)
+    check(ours(), theirs())
+    return compare(ours, theirs, calls)
 
 
 def main(argv=None) -> int:
@@ -121,21 +138,22 @@ def main(argv=None) -> int:
     print(f"torch {torch.__version__}, {args.threads} thread(s), kernel ISA "
           f"{fa.kernel_isa()}; load average {os.getloadavg()[0]:.2f} at start\n")
     print("| decode (fp32) | rows x tokens | KV heads x d | ours us | vLLM us (tokens) "
-          "| ours / vLLM per token |")
+          "| ours / vLLM per token (min) |")
     print("|---|---|---|---:|---:|---:|")
     for shared in (True, False):
         for n, s, hkv, d in ((16, 830, 4, 64), (16, 830, 8, 64), (16, 2048, 8, 64)):
             a, b, sv = decode(ops, n, s, hkv, d, shared, calls=100)
             kind = "shared prefix" if shared else "private rows"
-            print(f"| {kind} | {n} x {s} | {hkv} x {d} | {a * 1e6:.0f} | {b * 1e6:.0f} ({sv}) "
-                  f"| {a / b * sv / s:.2f} |")
+            print(f"| {kind} | {n} x {s} | {hkv} x {d} | {a[0] * 1e6:.0f} ({a[1] * 1e6:.0f}) "
+                  f"| {b[0] * 1e6:.0f} ({b[1] * 1e6:.0f}) over {sv} | "
+                  f"{a[0] / b[0] * sv / s:.2f} |")
     print("\n| prefill (fp32, causal) | tokens | heads / KV heads x d | ours ms | vLLM ms "
-          "| ours / vLLM |")
+          "| ours / vLLM (min) |")
     print("|---|---:|---|---:|---:|---:|")
     for s, heads, hkv, d in ((1024, 8, 8, 64), (2048, 32, 8, 128)):
         a, b = prefill(ops, s, heads, hkv, d, calls=5)
-        print(f"| one prompt | {s} | {heads} / {hkv} x {d} | {a * 1e3:.2f} | {b * 1e3:.2f} "
-              f"| {a / b:.2f} |")
+        print(f"| one prompt | {s} | {heads} / {hkv} x {d} | {a[0] * 1e3:.2f} ({a[1] * 1e3:.2f}) "
+              f"| {b[0] * 1e3:.2f} ({b[1] * 1e3:.2f}) | {a[0] / b[0]:.2f} |")
     print(f"\nload average at end: {os.getloadavg()[0]:.2f}")
     return 0
 
