@@ -261,6 +261,34 @@ def test_mixed_prefill_and_decodes(isa, threads):
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads,d", [(4, 64), (8, 64), (2, 128), (8, 128)])
+def test_dense_decode_tiles_over_rows_of_every_length(isa, dtype, kv_heads, d):
+    """Decode rows whose heads are adjacent (the dense tiles: several tokens per tile, fp32 and
+    bf16-dot), with lengths that end on and off a tile and a block, beside GQA-2 rows."""
+    gen = torch.Generator().manual_seed(11)
+    pasts = [0, 1, 3, 4, 5, 127, 128, 129, 255, 600, 1023, 1030]
+    n = len(pasts)
+    for group in (1, 2):
+        kc, vc = make_caches(n, 1100, kv_heads, d, dtype, gen=gen)
+        q = torch.randn(n, 1, kv_heads * group, d, generator=gen).to(dtype)
+        k = torch.randn(n, 1, kv_heads, d, generator=gen).to(dtype)
+        v = torch.randn(n, 1, kv_heads, d, generator=gen).to(dtype)
+        check_against_reference(q, kc, vc, k, v, cache_seqlens=torch.tensor(pasts), causal=True)
+
+
+@pytest.mark.parametrize("lq", [1, 5, 12, 17, 20, 31, 33, 47, 48, 64, 65, 100])
+def test_prefill_query_blocks_of_every_row_count(isa, lq):
+    """Prefill items of 1-64 rows: the register tiles (6 x 4 and 4 x 4 at d = 64 with AVX-512,
+    their remainders) cover every row once, nothing past the block (rows pad to a multiple of
+    the vector width)."""
+    gen = torch.Generator().manual_seed(12)
+    kc, vc = make_caches(2, 400, 2, 64, torch.float32, gen=gen)
+    q = torch.randn(2, lq, 2, 64, generator=gen)
+    k, v = torch.randn(2, lq, 2, 64, generator=gen), torch.randn(2, lq, 2, 64, generator=gen)
+    check_against_reference(q, kc, vc, k, v, cache_seqlens=torch.tensor([0, 150]), causal=True)
+
+
 def test_reference_gqa_square_causal_matches_naive_softmax():
     """The oracle itself: grouped heads, as many queries as keys, causal (SDPA's is_causal path
     must not be taken there: the group's heads are stacked as extra query rows)."""

@@ -306,9 +306,17 @@ inline F qk_tile_dense(const float* q, const KT* k, int64_t kst) {
   F acc[W];
   VATTN_UNROLL
   for (int u = 0; u < W; ++u) acc[u] = Vec::zero();
+  const KT* kr = k;
   VATTN_UNROLL
   for (int t = 0; t < kTok; ++t) {
-    const KT* kr = k + t * kst;
+    if (t > 0) {
+      // One register walks the token rows: the empty asm hides kr's value from the optimizer,
+      // which otherwise precomputes all kTok * HC * VPD addresses k + t * kst + offset, spills
+      // them and reloads one from the stack per FMA (16 x 1400 tokens x 4 heads x 64, fp32: the
+      // call took 1.4x vLLM's op time with the spills, 0.8x without)
+      kr += kst;
+      asm("" : "+r"(kr));
+    }
     VATTN_UNROLL
     for (int hh = 0; hh < HC; ++hh) {
       VATTN_UNROLL
@@ -318,6 +326,38 @@ inline F qk_tile_dense(const float* q, const KT* k, int64_t kst) {
         for (int r = 0; r < P; ++r) {
           F& a = acc[(t * HC + hh) * P + r];
           a = Vec::fmadd(Vec::load(q + (hh * P + r) * d + x * W), kv, a);
+        }
+      }
+    }
+  }
+  return Vec::reduce(acc);
+}
+
+// qk_tile_dense for bf16 q and K with the bf16 dot product instruction (Vec::kBf16Dot): d is VPD2
+// steps of 2 W values; q rows (bf16, unscaled) are d apart.
+template <int P, int HC, int VPD2>
+inline F qk_tile_dense_bf16(const bf16_t* q, const bf16_t* k, int64_t kst) {
+  constexpr int kTok = W / (HC * P);
+  constexpr int64_t d = VPD2 * 2 * W;
+  F acc[W];
+  VATTN_UNROLL
+  for (int u = 0; u < W; ++u) acc[u] = Vec::zero();
+  const bf16_t* kr = k;
+  VATTN_UNROLL
+  for (int t = 0; t < kTok; ++t) {
+    if (t > 0) {
+      kr += kst;
+      asm("" : "+r"(kr));  // see qk_tile_dense
+    }
+    VATTN_UNROLL
+    for (int hh = 0; hh < HC; ++hh) {
+      VATTN_UNROLL
+      for (int x = 0; x < VPD2; ++x) {
+        const I kv = Vec::load_bits(kr + hh * d + x * 2 * W);
+        VATTN_UNROLL
+        for (int r = 0; r < P; ++r) {
+          F& a = acc[(t * HC + hh) * P + r];
+          a = Vec::dot_bf16(a, q + (hh * P + r) * d + x * 2 * W, kv);
         }
       }
     }
@@ -467,8 +507,8 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
 
   // Dense tiles (qk_tile_dense, pv_dense) where the heads are adjacent and d is 4 or 8 vectors
   // (d 64 or 128 with AVX-512; 32 or 64 with AVX2): 0 where the general tiles run.
-  const int64_t dense_vpd = !kDotBf16 && a.k_cache.s_head == d && a.v_cache.s_head == d &&
-                                    d % W == 0 && nh % HC == 0 && (d / W == 4 || d / W == 8)
+  const int64_t dense_vpd = a.k_cache.s_head == d && a.v_cache.s_head == d && d % W == 0 &&
+                                    nh % HC == 0 && (d / W == 4 || d / W == 8)
                                 ? d / W
                                 : 0;
   const KT* kbase = cache_ptr<KT>(a.k_cache, rq.row, 0, it.kv_head);
@@ -499,10 +539,18 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
       for (int64_t c = 0; c < chunks; ++c) {
         F sv;
         if (full_tile) {
-          const float* qc = q + c * HC * P * d;
           const KT* kc = kbase + key0 * kst + c * HC * d;
-          sv = dense_vpd == 4 ? qk_tile_dense<P, HC, 4>(qc, kc, kst)
-                              : qk_tile_dense<P, HC, 8>(qc, kc, kst);
+          if constexpr (kDotBf16) {
+            // dq == d: d is 4 or 8 vectors of fp32, so a whole number of bf16 dot steps
+            const bf16_t* qc = qb + c * HC * P * d;
+            sv = Vec::mul(dense_vpd == 4 ? qk_tile_dense_bf16<P, HC, 2>(qc, kc, kst)
+                                         : qk_tile_dense_bf16<P, HC, 4>(qc, kc, kst),
+                          qscale);
+          } else {
+            const float* qc = q + c * HC * P * d;
+            sv = dense_vpd == 4 ? qk_tile_dense<P, HC, 4>(qc, kc, kst)
+                                : qk_tile_dense<P, HC, 8>(qc, kc, kst);
+          }
         } else {
           const KT* krows[kPairs];
           for (int j = 0; j < kPairs; ++j) {
@@ -633,8 +681,10 @@ inline void qk_micro(const float* qt, int64_t rp, int64_t d, const float* k, int
 template <int NV>
 inline void qk_rows(const float* qt, int64_t rp, int64_t d, const float* k, int64_t kld, float* sc,
                     int64_t rv0, int64_t nb) {
-  constexpr int kKc =
-      (Vec::kRegs - NV - 2) / NV >= 8 ? 8 : ((Vec::kRegs - NV - 2) / NV >= 4 ? 4 : 2);
+  // KC x NV accumulators, NV q vectors and a broadcast in the registers (KC 6 with AVX-512 at
+  // NV 4: 10 loads per 24 FMAs, where KC 4 took 8 per 16)
+  constexpr int kFit = (Vec::kRegs - NV - 2) / NV;
+  constexpr int kKc = kFit >= 8 ? 8 : (kFit >= 2 ? kFit : 1);
   int64_t c = 0;
   for (; c + kKc <= nb; c += kKc) qk_micro<kKc, NV>(qt, rp, d, k + c * kld, kld, sc + c * rp, rv0);
   for (; c < nb; ++c) qk_micro<1, NV>(qt, rp, d, k + c * kld, kld, sc + c * rp, rv0);
@@ -683,7 +733,16 @@ inline void pv_block_rows(float* o, int64_t dp, const float* pt, int64_t rp, con
   constexpr int kRo = 4;
   constexpr int kNv = Vec::kRegs >= 32 ? 4 : 2;
   const int64_t nvec = dp / W;
-  for (int64_t r = 0; r < rows; r += kRo) {
+  int64_t r0 = 0;
+  if (Vec::kRegs >= 32 && nvec == kNv) {
+    // d one tile wide (64 with AVX-512): 6 rows x 4 vectors, 10 loads per 24 FMAs, in pairs so
+    // that what is left (rows is a multiple of W) is a multiple of kRo for the loop below
+    for (; r0 + 12 <= rows; r0 += 12) {
+      pv_micro<6, kNv>(o + r0 * dp, dp, pt + r0, rp, v, vld, nb);
+      pv_micro<6, kNv>(o + (r0 + 6) * dp, dp, pt + r0 + 6, rp, v, vld, nb);
+    }
+  }
+  for (int64_t r = r0; r < rows; r += kRo) {
     int64_t i = 0;
     for (; i + kNv <= nvec; i += kNv)
       pv_micro<kRo, kNv>(o + r * dp + i * W, dp, pt + r, rp, v + i * W, vld, nb);
