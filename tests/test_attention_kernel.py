@@ -289,6 +289,57 @@ def test_prefill_query_blocks_of_every_row_count(isa, lq):
     check_against_reference(q, kc, vc, k, v, cache_seqlens=torch.tensor([0, 150]), causal=True)
 
 
+def test_output_written_in_place_into_a_given_buffer():
+    """The vLLM plugin's path: the kernel writes into a slice of the engine's output buffer (no
+    new tensor, no copy); a buffer of the wrong shape, dtype or strides is refused, nothing
+    written."""
+    gen = torch.Generator().manual_seed(13)
+    kc, vc = make_caches(2, 64, 2, 16, torch.float32, gen=gen)
+    q = torch.randn(5, 4, 16, generator=gen)
+    k, v = torch.randn(5, 2, 16, generator=gen), torch.randn(5, 2, 16, generator=gen)
+    meta = (torch.tensor([3, 7], dtype=torch.int32), torch.tensor([1, 0], dtype=torch.int32))
+    cu = torch.tensor([0, 4, 5], dtype=torch.int32)
+    want = fa.flash_attn_with_kvcache(
+        q,
+        kc.clone(),
+        vc.clone(),
+        k,
+        v,
+        cache_seqlens=meta[0],
+        cache_batch_idx=meta[1],
+        cu_seqlens_q=cu,
+        causal=True,
+    )
+    buffer = torch.full((8, 64), 7.0)
+    got = fa._cpu_kernel(
+        q,
+        kc,
+        vc,
+        k,
+        v,
+        *meta,
+        cu,
+        None,
+        True,
+        (-1, -1),
+        None,
+        None,
+        out=buffer[:5].view(5, 4, 16),
+    )
+    assert got.data_ptr() == buffer.data_ptr()
+    torch.testing.assert_close(buffer[:5].view(5, 4, 16), want)
+    assert torch.equal(buffer[5:], torch.full((3, 64), 7.0))
+    for bad in (
+        torch.empty(5, 4, 8),
+        torch.empty(5, 4, 16).bfloat16(),
+        torch.empty(5, 4, 32)[..., ::2],
+    ):
+        before = kc.clone()
+        with pytest.raises(ValueError, match="out must be"):
+            fa._cpu_kernel(q, kc, vc, k, v, *meta, cu, None, True, (-1, -1), None, None, out=bad)
+        assert torch.equal(kc, before)
+
+
 def test_reference_gqa_square_causal_matches_naive_softmax():
     """The oracle itself: grouped heads, as many queries as keys, causal (SDPA's is_causal path
     must not be taken there: the group's heads are stacked as extra query rows)."""

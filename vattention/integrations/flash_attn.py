@@ -257,7 +257,11 @@ def _cpu_kernel(
     window_size,
     k_descale,
     v_descale,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
+    """The CPU path of flash_attn_with_kvcache; `out` (q's shape and dtype, last dimension
+    contiguous, any other strides) receives the output in place of a new tensor (the vLLM
+    plugin passes its output buffer: no allocation, no copy)."""
     from .. import _C
 
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
@@ -351,7 +355,19 @@ def _cpu_kernel(
     left, right = _window(window_size)
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
     kd, vd = _descale(k_descale, "k_descale", fp8), _descale(v_descale, "v_descale", fp8)
-    out = torch.empty(q.shape, dtype=dtype)
+    if out is None:
+        out = torch.empty(q.shape, dtype=dtype)
+    elif (
+        out.shape != q.shape
+        or out.dtype != dtype
+        or out.device.type != "cpu"
+        or (out.stride(-1) != 1 and head_dim > 1)
+    ):
+        raise ValueError(
+            f"out must be a CPU tensor of q's shape {tuple(q.shape)} and dtype {dtype} with a "
+            f"contiguous last dimension, got {tuple(out.shape)} {out.dtype} on {out.device} "
+            f"with strides {tuple(out.stride())}"
+        )
     if n == 0 or (out.numel() == 0 and (k is None or k.numel() == 0)):
         return out
     zero = (0, 0, 0, 0)

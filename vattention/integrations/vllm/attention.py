@@ -135,11 +135,18 @@ class VAttentionImpl(AttentionImpl):
         if query.is_cuda and not _flash_varlen():
             _per_row(self, query[:n], key[:n], value[:n], k_cache, v_cache, m, output, scales)
             return output
-        output[:n] = fa.flash_attn_with_kvcache(
-            query[:n], k_cache, v_cache, k=key[:n], v=value[:n], cache_seqlens=m.cache_seqlens,
-            cache_batch_idx=m.cache_batch_idx, cu_seqlens_q=m.cu_seqlens_q,
-            max_seqlen_q=m.max_query_len, softmax_scale=self.scale, causal=True,
-            window_size=self.window_size, **scales)
+        if query.is_cuda:
+            output[:n] = fa.flash_attn_with_kvcache(
+                query[:n], k_cache, v_cache, k=key[:n], v=value[:n],
+                cache_seqlens=m.cache_seqlens, cache_batch_idx=m.cache_batch_idx,
+                cu_seqlens_q=m.cu_seqlens_q, max_seqlen_q=m.max_query_len,
+                softmax_scale=self.scale, causal=True, window_size=self.window_size, **scales)
+            return output
+        # CPU: the kernel writes straight into vLLM's output buffer (no new tensor, no copy)
+        fa._cpu_kernel(
+            query[:n], k_cache, v_cache, key[:n], value[:n], m.cache_seqlens, m.cache_batch_idx,
+            m.cu_seqlens_q, self.scale, True, self.window_size, scales.get("k_descale"),
+            scales.get("v_descale"), out=output[:n].view(query[:n].shape))
         return output
 
 
