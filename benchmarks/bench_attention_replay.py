@@ -1,0 +1,297 @@
+"""vattention's CPU attention kernel against vLLM's CPU attention op on the calls a real engine
+makes: the batches of one `bench vllm` workload, captured from the plugin, replayed through both
+kernels on the same K/V values.
+
+    .venv-vllm/bin/python benchmarks/bench_attention_replay.py capture long-context small calls.json
+    .venv-vllm/bin/python benchmarks/bench_attention_replay.py replay calls.json
+
+``capture`` runs the plugin in this process at vLLM's defaults plus sizes (those of
+``bench_vllm_breakdown.py``), warms it up with two passes of the workload, then records every
+attention call of the first layer during a third pass: each request's query tokens and cached
+tokens. ``replay`` gives both kernels caches of the model's shape for every layer (16 rows of 4096
+tokens, random values; vLLM's op reads the same values from its own paged layout, 128-token
+blocks written by its ``cpu_attn_reshape_and_cache``), then runs the recorded calls once per
+layer: ours through ``flash_attn_with_kvcache``'s CPU path, appending the new K/V in the call;
+vLLM's op as its CPU backend runs it, ``cpu_attn_reshape_and_cache`` then
+``cpu_attention_with_kv_cache`` (scheduler metadata built beforehand, as vLLM's metadata builder
+does once per step; KV splits on, vLLM's default). Calls with only decode rows and calls with a
+prefill chunk are timed separately; both kernels are warmed up, then alternated (A B B A) over
+``--rounds`` rounds, and the min (median) of each is printed. Outputs are compared first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_attention import vllm_ops  # noqa: E402
+
+from _timing import compare_min_median  # noqa: E402
+
+BLOCK = 128
+ROWS, TOKENS = 16, 4096
+
+
+def capture(workload: str, size: str, out_path: str) -> int:
+    os.environ["VATTENTION_VLLM"] = "1"
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    from vattention.bench.tiny_models import build_tiny_model
+    from vattention.bench.vllm_bench import MODEL_SIZES, make_workload
+
+    shape = MODEL_SIZES[size]
+    layers, hidden, heads, kv_heads, head_dim = shape
+    model = build_tiny_model(
+        os.path.join(tempfile.gettempdir(), f"vattention-breakdown-llama-{size}"),
+        "llama",
+        num_layers=layers,
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        max_positions=4096,
+    )
+    import vllm
+
+    from vattention.integrations.vllm import attention
+
+    calls, recording, first_layer = [], [False], []
+    forward = attention.VAttentionImpl.forward
+
+    def recorded(self, layer, *a, **k):
+        m = a[4] if len(a) > 4 else k.get("attn_metadata")
+        if m is not None:
+            if not first_layer:
+                first_layer.append(id(layer))
+            if recording[0] and id(layer) == first_layer[0]:
+                qs = m.query_start
+                calls.append(
+                    {"qlens": [qs[i + 1] - qs[i] for i in range(len(qs) - 1)], "past": list(m.past)}
+                )
+        return forward(self, layer, *a, **k)
+
+    attention.VAttentionImpl.forward = recorded
+    llm = vllm.LLM(
+        model=model,
+        dtype="float32",
+        max_model_len=4096,
+        max_num_seqs=ROWS,
+        kv_cache_memory_bytes=1 << 30,
+    )
+    ns = argparse.Namespace(num_requests=64, length_scale=0.5, max_model_len=4096, seed=0)
+    for round_ in (100, 101, 0):  # two warm-up passes, then the recorded one
+        recording[0] = round_ == 0
+        reqs = make_workload(workload, round_, ns)
+        llm.generate(
+            [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs],
+            [vllm.SamplingParams(**r["sampling"]) for r in reqs],
+            use_tqdm=False,
+        )
+    with open(out_path, "w") as f:
+        json.dump(
+            {"workload": workload, "model_size": size, "model": list(shape), "calls": calls}, f
+        )
+    print(f"{len(calls)} calls of the first layer recorded in {out_path}")
+    return 0
+
+
+class Replay:
+    """Both kernels' caches for every layer, filled with the same values."""
+
+    def __init__(self, ops, layers: int, heads: int, kv_heads: int, head_dim: int):
+        self.ops, self.layers, self.heads = ops, layers, heads
+        self.hkv, self.d = kv_heads, head_dim
+        self.ours, self.theirs = [], []
+        for _ in range(layers):
+            k = torch.randn(ROWS, TOKENS, kv_heads, head_dim)
+            v = torch.randn(ROWS, TOKENS, kv_heads, head_dim)
+            kv = torch.zeros(ROWS * TOKENS // BLOCK, kv_heads, 2 * BLOCK, head_dim)
+            kc, vc = kv.chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(
+                k.reshape(-1, kv_heads, head_dim),
+                v.reshape(-1, kv_heads, head_dim),
+                kc,
+                vc,
+                torch.arange(ROWS * TOKENS),
+                "vec",
+            )
+            self.ours.append((k, v))
+            self.theirs.append((kc, vc))
+        self.table = torch.arange(ROWS * TOKENS // BLOCK, dtype=torch.int32).view(ROWS, -1)
+
+    def prepare(self, call):
+        qlens, past = call["qlens"], call["past"]
+        n, total = len(qlens), sum(qlens)
+        cu = torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32)
+        past_t = torch.tensor(past, dtype=torch.int32)
+        seq = past_t + torch.tensor(qlens, dtype=torch.int32)
+        slots = torch.arange(n, dtype=torch.int32)
+        slot_mapping = torch.cat(
+            [torch.arange(i * TOKENS + past[i], i * TOKENS + past[i] + qlens[i]) for i in range(n)]
+        )
+        meta = self.ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=n,
+            num_heads=self.heads,
+            num_kv_heads=self.hkv,
+            head_dim=self.d,
+            seq_lens=seq,
+            dtype=torch.float32,
+            query_start_loc=cu,
+            causal=True,
+            sliding_window_size=-1,
+            isa="vec",
+            enable_kv_split=True,
+        )
+        return dict(
+            q=torch.randn(total, self.heads, self.d),
+            k=torch.randn(total, self.hkv, self.d),
+            v=torch.randn(total, self.hkv, self.d),
+            cu=cu,
+            past=past_t,
+            seq=seq,
+            slots=slots,
+            slot_mapping=slot_mapping,
+            meta=meta,
+            max_q=max(qlens),
+        )
+
+    def ours_fn(self, calls):
+        from vattention.integrations import flash_attn as fa
+
+        scale = self.d**-0.5
+
+        def run():
+            for c in calls:
+                for k_cache, v_cache in self.ours:
+                    out = fa.flash_attn_with_kvcache(
+                        c["q"],
+                        k_cache,
+                        v_cache,
+                        k=c["k"],
+                        v=c["v"],
+                        cache_seqlens=c["past"],
+                        cache_batch_idx=c["slots"],
+                        cu_seqlens_q=c["cu"],
+                        max_seqlen_q=c["max_q"],
+                        softmax_scale=scale,
+                        causal=True,
+                    )
+            return out
+
+        return run
+
+    def theirs_fn(self, calls):
+        scale = self.d**-0.5
+
+        def run():
+            for c in calls:
+                for kc, vc in self.theirs:
+                    self.ops.cpu_attn_reshape_and_cache(
+                        c["k"], c["v"], kc, vc, c["slot_mapping"], "vec"
+                    )
+                    out = torch.empty_like(c["q"])
+                    self.ops.cpu_attention_with_kv_cache(
+                        query=c["q"],
+                        key_cache=kc,
+                        value_cache=vc,
+                        output=out,
+                        query_start_loc=c["cu"],
+                        seq_lens=c["seq"],
+                        scale=scale,
+                        causal=True,
+                        alibi_slopes=None,
+                        sliding_window=-1,
+                        block_table=self.table,
+                        softcap=0.0,
+                        scheduler_metadata=c["meta"],
+                        s_aux=None,
+                    )
+            return out
+
+        return run
+
+
+def replay(path: str, rounds: int) -> int:
+    ops, why = vllm_ops()
+    if ops is None:
+        print(
+            f"vLLM's CPU op is not available here ({why}): run with .venv-vllm/bin/python",
+            file=sys.stderr,
+        )
+        return 2
+    with open(path) as f:
+        doc = json.load(f)
+    layers, _, heads, kv_heads, head_dim = doc["model"]
+    torch.manual_seed(0)
+    rep = Replay(ops, layers, heads, kv_heads, head_dim)
+    groups = {"decode rows only": [], "with a prefill chunk": []}
+    for call in doc["calls"]:
+        groups["decode rows only" if max(call["qlens"]) == 1 else "with a prefill chunk"].append(
+            rep.prepare(call)
+        )
+    # same outputs on one call of each group (the last layer's)
+    for calls in groups.values():
+        if calls:
+            a, b = rep.ours_fn(calls[:1])(), rep.theirs_fn(calls[:1])()
+            if not torch.allclose(a, b, atol=1e-4, rtol=1e-4):
+                raise SystemExit(f"outputs differ: max |ours - vLLM| = {(a - b).abs().max():.3g}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); {doc['workload']} "
+        f"{doc['model_size']} (layers, hidden, heads, KV heads, d = {tuple(doc['model'])}): "
+        f"{len(doc['calls'])} calls x {layers} layers; load average {os.getloadavg()[0]:.2f} "
+        "at start\n"
+    )
+    print("| calls | count | ours ms | vLLM op ms | ours / vLLM (min) |")
+    print("|---|---:|---:|---:|---:|")
+    totals = [0.0, 0.0]
+    for name, calls in groups.items():
+        if not calls:
+            continue
+        t = compare_min_median(
+            {"ours": rep.ours_fn(calls), "vllm": rep.theirs_fn(calls)}, calls=1, rounds=rounds
+        )
+        (omin, omed), (vmin, vmed) = t["ours"], t["vllm"]
+        totals[0] += omin
+        totals[1] += vmin
+        print(
+            f"| {name} | {len(calls)} | {omin * 1e3:.0f} ({omed * 1e3:.0f}) | "
+            f"{vmin * 1e3:.0f} ({vmed * 1e3:.0f}) | {omin / vmin:.2f} |"
+        )
+    print(
+        f"| all | {len(doc['calls'])} | {totals[0] * 1e3:.0f} | {totals[1] * 1e3:.0f} | "
+        f"{totals[0] / totals[1]:.2f} |"
+    )
+    print(f"\nload average at end: {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("capture", help="record the first layer's attention calls of one pass")
+    c.add_argument("workload")
+    c.add_argument("model_size")
+    c.add_argument("out")
+    r = sub.add_parser("replay", help="time both kernels on the recorded calls")
+    r.add_argument("calls")
+    r.add_argument("--rounds", type=int, default=4)
+    args = p.parse_args(argv)
+    if args.cmd == "capture":
+        from vattention.bench.vllm_bench import MODEL_SIZES, WORKLOADS
+
+        if args.workload not in WORKLOADS or args.model_size not in MODEL_SIZES:
+            p.error(f"workload one of {WORKLOADS}, model size one of {tuple(MODEL_SIZES)}")
+        return capture(args.workload, args.model_size, args.out)
+    return replay(args.calls, args.rounds)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
