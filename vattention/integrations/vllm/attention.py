@@ -135,7 +135,7 @@ class VAttentionImpl(AttentionImpl):
         if query.is_cuda and not _flash_varlen():
             _per_row(self, query[:n], key[:n], value[:n], k_cache, v_cache, m, output, scales)
             return output
-        if query.is_cuda:
+        if query.device.type != "cpu":
             output[:n] = fa.flash_attn_with_kvcache(
                 query[:n], k_cache, v_cache, k=key[:n], v=value[:n],
                 cache_seqlens=m.cache_seqlens, cache_batch_idx=m.cache_batch_idx,
