@@ -33,10 +33,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_attention import vllm_ops  # noqa: E402
+from bench_attention_small import BLOCK, paged  # noqa: E402
 
 from _timing import compare_min_median  # noqa: E402
 
-BLOCK = 128
 ROWS, TOKENS = 16, 4096
 
 
@@ -113,18 +113,10 @@ class Replay:
         for _ in range(layers):
             k = torch.randn(ROWS, TOKENS, kv_heads, head_dim)
             v = torch.randn(ROWS, TOKENS, kv_heads, head_dim)
-            kv = torch.zeros(ROWS * TOKENS // BLOCK, kv_heads, 2 * BLOCK, head_dim)
-            kc, vc = kv.chunk(2, dim=2)
-            ops.cpu_attn_reshape_and_cache(
-                k.reshape(-1, kv_heads, head_dim),
-                v.reshape(-1, kv_heads, head_dim),
-                kc,
-                vc,
-                torch.arange(ROWS * TOKENS),
-                "vec",
-            )
             self.ours.append((k, v))
-            self.theirs.append((kc, vc))
+            self.theirs.append(
+                paged(ops, k.reshape(-1, kv_heads, head_dim), v.reshape(-1, kv_heads, head_dim))
+            )
         self.table = torch.arange(ROWS * TOKENS // BLOCK, dtype=torch.int32).view(ROWS, -1)
 
     def prepare(self, call):

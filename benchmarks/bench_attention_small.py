@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 
@@ -30,23 +28,16 @@ from bench_attention import vllm_ops  # noqa: E402
 
 from vattention.integrations import flash_attn as fa  # noqa: E402
 
+from _timing import compare_min_median  # noqa: E402
+
 BLOCK = 128
 
 
 def compare(ours, theirs, calls: int):
-    """Both warmed up, then timed alternately (ours, theirs, theirs, ours, ...) over 6 rounds of
-    `calls` calls; (min, median) seconds per call of each."""
-    for fn in (ours, theirs):
-        for _ in range(max(3, calls // 10)):
-            fn()
-    times = {ours: [], theirs: []}
-    for r in range(6):
-        for fn in ((ours, theirs) if r % 2 == 0 else (theirs, ours)):
-            t = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times[fn].append((time.perf_counter() - t) / calls)
-    return [(min(times[fn]), statistics.median(times[fn])) for fn in (ours, theirs)]
+    """(min, median) seconds per call of ours and theirs: both warmed up, then alternated over six
+    rounds of `calls` calls (_timing.compare_min_median)."""
+    t = compare_min_median({"ours": ours, "theirs": theirs}, calls=calls, rounds=6)
+    return [t["ours"], t["theirs"]]
 
 
 def check(a, b) -> None:
