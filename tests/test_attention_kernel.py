@@ -277,15 +277,17 @@ def test_dense_decode_tiles_over_rows_of_every_length(isa, dtype, kv_heads, d):
         check_against_reference(q, kc, vc, k, v, cache_seqlens=torch.tensor(pasts), causal=True)
 
 
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("lq", [1, 5, 12, 17, 20, 31, 33, 47, 48, 64, 65, 100])
-def test_prefill_query_blocks_of_every_row_count(isa, lq):
-    """Prefill items of 1-64 rows: the register tiles (6 x 4 and 4 x 4 at d = 64 with AVX-512,
-    their remainders) cover every row once, nothing past the block (rows pad to a multiple of
-    the vector width)."""
+def test_prefill_query_blocks_of_every_row_count(isa, lq, d):
+    """Prefill items of 1-64 rows: the register tiles (6 x 4 and 4 x 4 per 4 vectors of d with
+    AVX-512, their remainders) cover every row once, nothing past the block (rows pad to a
+    multiple of the vector width); key blocks (128 keys at d = 64, 64 at d = 128) end in key
+    tiles of 4, 2 and 1 (block ends, and rows ending anywhere)."""
     gen = torch.Generator().manual_seed(12)
-    kc, vc = make_caches(2, 400, 2, 64, torch.float32, gen=gen)
-    q = torch.randn(2, lq, 2, 64, generator=gen)
-    k, v = torch.randn(2, lq, 2, 64, generator=gen), torch.randn(2, lq, 2, 64, generator=gen)
+    kc, vc = make_caches(2, 400, 2, d, torch.float32, gen=gen)
+    q = torch.randn(2, lq, 2, d, generator=gen)
+    k, v = torch.randn(2, lq, 2, d, generator=gen), torch.randn(2, lq, 2, d, generator=gen)
     check_against_reference(q, kc, vc, k, v, cache_seqlens=torch.tensor([0, 150]), causal=True)
 
 
