@@ -17,6 +17,11 @@ vLLM's op as its CPU backend runs it, ``cpu_attn_reshape_and_cache`` then
 does once per step; KV splits on, vLLM's default). Calls with only decode rows and calls with a
 prefill chunk are timed separately; both kernels are warmed up, then alternated (A B B A) over
 ``--rounds`` rounds, and the min (median) of each is printed. Outputs are compared first.
+
+``--layout mega`` / ``--layout layer`` (repeatable; default ``plain``) give our kernel the K/V in a
+vattention cache of that layout instead of plain tensors (same values, timed in the same
+alternation): ``mega`` is what the vLLM plugin uses by default, one row holding every layer of a
+token, so a layer's rows are a whole token's K apart.
 """
 
 from __future__ import annotations
@@ -106,18 +111,47 @@ def capture(workload: str, size: str, out_path: str) -> int:
 class Replay:
     """Both kernels' caches for every layer, filled with the same values."""
 
-    def __init__(self, ops, layers: int, heads: int, kv_heads: int, head_dim: int):
+    def __init__(self, ops, layers: int, heads: int, kv_heads: int, head_dim: int,
+                 layouts=("plain",)):
         self.ops, self.layers, self.heads = ops, layers, heads
         self.hkv, self.d = kv_heads, head_dim
-        self.ours, self.theirs = [], []
+        plain, self.theirs = [], []
         for _ in range(layers):
             k = torch.randn(ROWS, TOKENS, kv_heads, head_dim)
             v = torch.randn(ROWS, TOKENS, kv_heads, head_dim)
-            self.ours.append((k, v))
+            plain.append((k, v))
             self.theirs.append(
                 paged(ops, k.reshape(-1, kv_heads, head_dim), v.reshape(-1, kv_heads, head_dim))
             )
         self.table = torch.arange(ROWS * TOKENS // BLOCK, dtype=torch.int32).view(ROWS, -1)
+        self.ours, self.caches = {}, []   # layout -> per layer (k, v); the vattention caches
+        for layout in layouts:
+            self.ours[layout] = plain if layout == "plain" else self._cache(layout, plain)
+
+    def _cache(self, layout: str, values):
+        """A vattention cache of this layout, every row mapped, holding `values`."""
+        import vattention
+
+        cache = vattention.KVCache(vattention.KVCacheConfig(
+            num_layers=self.layers, num_kv_heads=self.hkv, head_dim=self.d,
+            max_batch_size=ROWS, max_seq_len=TOKENS, dtype=torch.float32, layout=layout))
+        self.caches.append(cache)
+        slots = [cache.alloc() for _ in range(ROWS)]
+        if slots != list(range(ROWS)):  # the calls name rows 0..ROWS-1, as in the plain tensors
+            raise SystemExit(f"a new cache handed out slots {slots}, not 0..{ROWS - 1}")
+        cache.step({s: TOKENS for s in slots})
+        tensors = []
+        for layer, (k, v) in enumerate(values):
+            kc, vc = cache.layer(layer)
+            kc.copy_(k)
+            vc.copy_(v)
+            tensors.append((kc, vc))
+        return tensors
+        return tensors
+
+    def close(self) -> None:
+        for cache in self.caches:
+            cache.close()
 
     def prepare(self, call):
         qlens, past = call["qlens"], call["past"]
@@ -155,14 +189,14 @@ class Replay:
             max_q=max(qlens),
         )
 
-    def ours_fn(self, calls):
+    def ours_fn(self, calls, layout: str = "plain"):
         from vattention.integrations import flash_attn as fa
 
         scale = self.d**-0.5
 
         def run():
             for c in calls:
-                for k_cache, v_cache in self.ours:
+                for k_cache, v_cache in self.ours[layout]:
                     out = fa.flash_attn_with_kvcache(
                         c["q"],
                         k_cache,
@@ -211,7 +245,7 @@ class Replay:
         return run
 
 
-def replay(path: str, rounds: int) -> int:
+def replay(path: str, rounds: int, layouts=("plain",)) -> int:
     ops, why = vllm_ops()
     if ops is None:
         print(
@@ -223,7 +257,14 @@ def replay(path: str, rounds: int) -> int:
         doc = json.load(f)
     layers, _, heads, kv_heads, head_dim = doc["model"]
     torch.manual_seed(0)
-    rep = Replay(ops, layers, heads, kv_heads, head_dim)
+    rep = Replay(ops, layers, heads, kv_heads, head_dim, layouts)
+    try:
+        return _replay(rep, doc, rounds, layouts)
+    finally:
+        rep.close()
+
+
+def _replay(rep: Replay, doc, rounds: int, layouts) -> int:
     groups = {"decode rows only": [], "with a prefill chunk": []}
     for call in doc["calls"]:
         groups["decode rows only" if max(call["qlens"]) == 1 else "with a prefill chunk"].append(
@@ -231,36 +272,42 @@ def replay(path: str, rounds: int) -> int:
         )
     # same outputs on one call of each group (the last layer's)
     for calls in groups.values():
-        if calls:
-            a, b = rep.ours_fn(calls[:1])(), rep.theirs_fn(calls[:1])()
-            if not torch.allclose(a, b, atol=1e-4, rtol=1e-4):
-                raise SystemExit(f"outputs differ: max |ours - vLLM| = {(a - b).abs().max():.3g}")
+        for layout in layouts:
+            if calls:
+                a, b = rep.ours_fn(calls[:1], layout)(), rep.theirs_fn(calls[:1])()
+                if not torch.allclose(a, b, atol=1e-4, rtol=1e-4):
+                    raise SystemExit(
+                        f"outputs differ ({layout}): max |ours - vLLM| = {(a - b).abs().max():.3g}"
+                    )
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); {doc['workload']} "
         f"{doc['model_size']} (layers, hidden, heads, KV heads, d = {tuple(doc['model'])}): "
-        f"{len(doc['calls'])} calls x {layers} layers; load average {os.getloadavg()[0]:.2f} "
-        "at start\n"
+        f"{len(doc['calls'])} calls x {rep.layers} layers; load average "
+        f"{os.getloadavg()[0]:.2f} at start\n"
     )
-    print("| calls | count | ours ms | vLLM op ms | ours / vLLM (min) |")
-    print("|---|---:|---:|---:|---:|")
-    totals = [0.0, 0.0]
+    print("| calls | count | our K/V | ours ms | vLLM op ms | ours / vLLM (min) |")
+    print("|---|---:|---|---:|---:|---:|")
+    totals = {layout: [0.0, 0.0] for layout in layouts}
     for name, calls in groups.items():
         if not calls:
             continue
-        t = compare_min_median(
-            {"ours": rep.ours_fn(calls), "vllm": rep.theirs_fn(calls)}, calls=1, rounds=rounds
-        )
-        (omin, omed), (vmin, vmed) = t["ours"], t["vllm"]
-        totals[0] += omin
-        totals[1] += vmin
+        fns = {layout: rep.ours_fn(calls, layout) for layout in layouts}
+        fns["vllm"] = rep.theirs_fn(calls)
+        t = compare_min_median(fns, calls=1, rounds=rounds)
+        vmin, vmed = t["vllm"]
+        for layout in layouts:
+            omin, omed = t[layout]
+            totals[layout][0] += omin
+            totals[layout][1] += vmin
+            print(
+                f"| {name} | {len(calls)} | {layout} | {omin * 1e3:.0f} ({omed * 1e3:.0f}) | "
+                f"{vmin * 1e3:.0f} ({vmed * 1e3:.0f}) | {omin / vmin:.2f} |"
+            )
+    for layout, (ours, theirs) in totals.items():
         print(
-            f"| {name} | {len(calls)} | {omin * 1e3:.0f} ({omed * 1e3:.0f}) | "
-            f"{vmin * 1e3:.0f} ({vmed * 1e3:.0f}) | {omin / vmin:.2f} |"
+            f"| all | {len(doc['calls'])} | {layout} | {ours * 1e3:.0f} | {theirs * 1e3:.0f} | "
+            f"{ours / theirs:.2f} |"
         )
-    print(
-        f"| all | {len(doc['calls'])} | {totals[0] * 1e3:.0f} | {totals[1] * 1e3:.0f} | "
-        f"{totals[0] / totals[1]:.2f} |"
-    )
     print(f"\nload average at end: {os.getloadavg()[0]:.2f}")
     return 0
 
@@ -275,6 +322,9 @@ def main(argv=None) -> int:
     r = sub.add_parser("replay", help="time both kernels on the recorded calls")
     r.add_argument("calls")
     r.add_argument("--rounds", type=int, default=4)
+    r.add_argument("--layout", action="append", choices=("plain", "mega", "layer"),
+                   help="our K/V: plain tensors (default) or a vattention cache of this layout; "
+                        "repeatable, all timed in one alternation")
     args = p.parse_args(argv)
     if args.cmd == "capture":
         from vattention.bench.vllm_bench import MODEL_SIZES, WORKLOADS
@@ -282,7 +332,7 @@ def main(argv=None) -> int:
         if args.workload not in WORKLOADS or args.model_size not in MODEL_SIZES:
             p.error(f"workload one of {WORKLOADS}, model size one of {tuple(MODEL_SIZES)}")
         return capture(args.workload, args.model_size, args.out)
-    return replay(args.calls, args.rounds)
+    return replay(args.calls, args.rounds, tuple(dict.fromkeys(args.layout or ["plain"])))
 
 
 if __name__ == "__main__":
