@@ -147,7 +147,6 @@ class Replay:
             vc.copy_(v)
             tensors.append((kc, vc))
         return tensors
-        return tensors
 
     def close(self) -> None:
         for cache in self.caches:
