@@ -144,9 +144,11 @@ class VAttentionImpl(AttentionImpl):
             return output
         # CPU: the kernel writes straight into vLLM's output buffer (no new tensor, no copy)
         fa._cpu_kernel(
-            query[:n], k_cache, v_cache, key[:n], value[:n], m.cache_seqlens, m.cache_batch_idx,
-            m.cu_seqlens_q, self.scale, True, self.window_size, scales.get("k_descale"),
-            scales.get("v_descale"), out=output[:n].view(query[:n].shape))
+            q=query[:n], k_cache=k_cache, v_cache=v_cache, k=key[:n], v=value[:n],
+            cache_seqlens=m.cache_seqlens, cache_batch_idx=m.cache_batch_idx,
+            cu_seqlens_q=m.cu_seqlens_q, softmax_scale=self.scale, causal=True,
+            window_size=self.window_size, k_descale=scales.get("k_descale"),
+            v_descale=scales.get("v_descale"), out=output[:n].view(query[:n].shape))
         return output
 
 
