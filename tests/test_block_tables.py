@@ -187,6 +187,86 @@ def test_hits_an_idle_row_still_maps_cost_no_map_call(make):
     assert cache._core.check_invariants() == ""
 
 
+def test_alloc_with_hits_takes_the_idle_row_that_still_maps_them(make):
+    """Three system prompts, rows left idle by their last requests: a new request with hits on
+    one of them gets the row mapping the longest run of its hits, and its step maps only its
+    fresh block. Without hits, the idle row with the most pages."""
+    cache = make(num_blocks=32, block_cache=True)
+    prompts = {"x": [1, 2, 3], "y": [4, 5], "z": [6]}
+    rows = {}
+    for name, ids in prompts.items():
+        rows[name] = cache.alloc()
+        cache.step({rows[name]: TPP * len(ids)}, blocks={rows[name]: (0, ids, 0)})
+        _write(cache, rows[name], 0, TPP * len(ids), tag=ord(name))
+    for row in rows.values():
+        cache.free(row)
+    one = cache.stats()["map_calls"] // 6                    # map calls of one block
+    b = cache.alloc(hits=[4, 5])
+    assert b == rows["y"]                                    # not x's row, which maps more
+    before = cache.stats()
+    cache.step({b: 2 * TPP + 3}, blocks={b: (0, [4, 5, 9], 2)})
+    after = cache.stats()
+    assert after["map_calls"] - before["map_calls"] == one   # block 9 only
+    assert after["block_hits"] - before["block_hits"] == 2
+    assert _read(cache, b, 0, 2 * TPP) == [ord("y") * 1000.0 + t for t in range(2 * TPP)]
+    assert cache.alloc(hits=[1, 7]) == rows["x"]             # a run of one hit still counts
+    assert cache.alloc() == rows["z"]                        # the last idle row
+    assert cache._core.check_invariants() == ""
+
+
+def test_alloc_without_a_row_mapping_the_hits_falls_back(make):
+    cache = make(num_blocks=16, block_cache=True)
+    a = cache.alloc()
+    cache.step({a: TPP}, blocks={a: (0, [3], 0)})
+    cache.free(a)
+    assert cache.alloc(hits=[8]) == a        # no row maps 8: the idle row with pages, as alloc()
+    b = cache.alloc(hits=[])                 # no hits at all: any slot
+    assert b != a
+
+
+@pytest.mark.parametrize("kw, error, match", [
+    (dict(hits=[16]), vattention.ConfigError, r"block 16 at page index 0 \(group 0\) is outside "
+                                              r"\[0, 16\) \(num_blocks=16"),
+    (dict(hits=[[1], [2]]), vattention.ConfigError, "2 groups of block ids; the cache has 1"),
+    (dict(hits="12"), TypeError, "hits must be a sequence of block ids"),
+    (dict(hits=[1.5]), TypeError, "block ids"),
+])
+def test_alloc_refuses_bad_hits_with_nothing_changed(make, kw, error, match):
+    cache = make(num_blocks=16, block_cache=True)
+    before = cache.stats()
+    with pytest.raises(error, match=match):
+        cache.alloc(**kw)
+    assert cache.stats() == before
+
+
+def test_alloc_hits_need_a_cache_named_by_blocks(make):
+    cache = make()
+    with pytest.raises(vattention.ConfigError, match=r"alloc\(hits=...\) needs a cache whose "
+                                                     r"pages are named by engine blocks"):
+        cache.alloc(hits=[1])
+    assert cache.stats()["active_slots"] == 0
+
+
+def test_scrub_keeps_the_hits_an_idle_row_hands_on_and_clears_its_fresh_ids(make):
+    """scrub=True zeroes what changes owner. An idle row's blocks stay the engine's (a hit on
+    them reads their tokens, in that row or another); a block the engine hands out fresh to the
+    row that already maps it is cleared."""
+    cache = make(num_blocks=16, block_cache=True, scrub=True)
+    a = cache.alloc()
+    cache.step({a: 2 * TPP}, blocks={a: (0, [1, 2], 0)})
+    _write(cache, a, 0, 2 * TPP, tag=7)
+    cache.free(a)
+    b = cache.alloc(hits=[1])
+    assert b == a
+    cache.step({b: 2 * TPP}, blocks={b: (0, [1, 2], 1)})     # 1 hit, 2 fresh again (evicted)
+    assert _read(cache, b, 0, TPP) == [7000.0 + t for t in range(TPP)]
+    assert _read(cache, b, TPP, 2 * TPP) == [0.0] * TPP
+    c = cache.alloc()
+    cache.step({c: TPP + 1}, blocks={c: (0, [1, 3], 1)})     # the hit from another row
+    assert _read(cache, c, 0, TPP) == [7000.0 + t for t in range(TPP)]
+    assert cache._core.check_invariants() == ""
+
+
 def test_a_fresh_block_adopts_prefetched_pages_without_a_map_call(make):
     cache = make(num_blocks=16, block_cache=True)
     a = cache.alloc()
@@ -448,7 +528,9 @@ class Engine:
                     for b in hits + [b for b in fresh if b is not None]:
                         self._release(b)
                     continue
-                r.update(table=hits + fresh, computed=computed, slot=self.cache.alloc())
+                # As the plugin does: the row that still maps the hits, if any (half the time).
+                slot = self.cache.alloc(hits=hits if self.rng.random() < 0.5 else None)
+                r.update(table=hits + fresh, computed=computed, slot=slot)
                 updates[r["slot"]] = (0, list(r["table"]), len(hits))
                 r["new_from"] = computed
                 lens[r["slot"]] = len(r["tokens"])
@@ -514,8 +596,10 @@ def _write_tokens(cache, slot, toks, start, end):
 @pytest.mark.parametrize("window", [None, 40])
 def test_rows_read_back_what_the_engine_wrote(device, caching, window):
     rng = random.Random(11 + caching + (window or 0))
+    # scrub: an idle row's pages go to the next request, the hits among them must not be zeroed.
     cfg = _config(device, "mega" if window is None else "layer", num_layers=2, max_batch_size=6,
-                  max_seq_len=256, sliding_window=window, num_blocks=40, block_cache=caching)
+                  max_seq_len=256, sliding_window=window, num_blocks=40, block_cache=caching,
+                  scrub=window is None)
     with vattention.KVCache(cfg, memory_budget=40 * cfg.pages_per_index * cfg.page_bytes) as cache:
         engine = Engine(cache, 40, caching, window, rng)
         prefixes = [[rng.randrange(10**6) for _ in range(n)] for n in (0, 16, 35, 48)]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import vattention.__main__
 import vattention.bench.cli
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,15 +30,26 @@ def _run(args, cwd=None, timeout=120):
     (["info", "--help"], "usage: python -m vattention info [-h]"),
     (["--help"], "usage: python -m vattention [-h] {info,demo,bench}"),
 ])
-def test_each_command_prints_its_own_usage(args, usage):
-    proc = _run(["vattention", *args])
+def test_each_command_prints_its_own_usage(args, usage, capsys):
+    # In this process (a fresh interpreter per command costs a torch import each); the module
+    # entry point itself runs in the test below.
+    with pytest.raises(SystemExit) as exit_:
+        vattention.__main__.main(args)
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(usage), out[:300]
+
+
+def test_python_dash_m_runs_the_command_line():
+    proc = _run(["vattention", "--help"])
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith(usage), proc.stdout[:300]
+    assert proc.stdout.startswith("usage: python -m vattention [-h] {info,demo,bench}")
 
 
-def test_unknown_command_is_a_usage_error():
-    proc = _run(["vattention", "bogus"])
-    assert proc.returncode == 2 and "invalid choice: 'bogus'" in proc.stderr
+def test_unknown_command_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        vattention.__main__.main(["bogus"])
+    assert exit_.value.code == 2 and "invalid choice: 'bogus'" in capsys.readouterr().err
 
 
 def test_bench_cli_docstring_example_runs(tmp_path):

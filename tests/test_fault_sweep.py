@@ -43,8 +43,8 @@ STATE_EXEMPT = {"map_calls", "unmap_calls", "set_access_calls", "step_map_calls"
                 "pages_free", "bytes_reserved", "committed_bytes", "oom_events", "fence_waits",
                 "reclaimed_pages", "cow_pages_copied", "swap_out_pages", "swap_in_pages",
                 "prefetch_shortfall_pages", "steps", "scrubbed_pages", "step_driver_calls",
-                "prefetch_driver_calls", "prefetch_errors", "block_hits", "blocks_adopted",
-                "blocks_reused", "blocks_detached"}
+                "prefetch_driver_calls", "prefetch_errors", "block_hits", "block_hits_in_place",
+                "blocks_adopted", "blocks_reused", "blocks_detached"}
 
 
 def _config(device, shapes="uniform"):

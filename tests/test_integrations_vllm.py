@@ -236,6 +236,9 @@ def test_prefix_cache_hits_map_the_cached_pages_once(runs):
     # The first wave (max_num_seqs=4) prefills before anything is cached; every later request
     # of a prompt hits its two full blocks (300 tokens: 2 x 128 cached, the rest recomputed).
     assert stats["block_hits"] >= 2 * (len(PREFIX_REQUESTS) - 4)
+    # A new request takes the idle row that still maps its prompt's blocks (alloc(hits=...)):
+    # from the second wave on, some hits cost no map call.
+    assert stats["block_hits_in_place"] > 0
     # Pages held: one copy of each prompt's two blocks, plus each request's own blocks; not a
     # copy of the prompt per request.
     own_blocks = sum(-(-(300 + n + 8) // BLOCK) - 2 for _, n in PREFIX_REQUESTS)

@@ -271,12 +271,23 @@ class KVCache(SharingMixin):
                      for kv in (0, 1))
 
     # ---- slots --------------------------------------------------------------------------------
-    def alloc(self) -> int:
+    def alloc(self, *, hits: Optional[Sequence] = None) -> int:
         """Take a slot for a new request (an idle one that still holds pages if possible).
 
-        Raises :class:`InvalidSlotError` when all ``max_batch_size`` slots are active.
+        Parameters
+        ----------
+        hits : sequence of int, or one sequence per KV cache group, optional
+            Caches created with ``num_blocks``: the block ids the request's table starts with
+            (its prefix-cache hits, what :meth:`step` will get as its first ``cached`` ids). The
+            idle slot whose row still maps the longest run of them is taken first: :meth:`step`
+            serves those hits with no map call (a shared system prompt costs nothing to map in
+            the row that held it).
+
+        Raises :class:`InvalidSlotError` when all ``max_batch_size`` slots are active, and
+        :class:`ConfigError` for ``hits`` on a cache not named by blocks, or a block id outside
+        ``[0, num_blocks)`` (``-1``, the null block, aside); nothing changes then.
         """
-        return self._core.alloc()
+        return self._core.alloc(hits)
 
     def free(self, slot: int, *, stream=None) -> None:
         """End the request in ``slot``. Its pages stay mapped until needed (deferred reclamation).

@@ -46,6 +46,7 @@ void BlockPages::add_stats(Stats& out) const {
   out.emplace_back("blocks_with_pages", with_pages);
   out.emplace_back("cached_blocks", cached);
   out.emplace_back("block_hits", static_cast<int64_t>(hits_));
+  out.emplace_back("block_hits_in_place", static_cast<int64_t>(hits_in_place_));
   out.emplace_back("blocks_adopted", static_cast<int64_t>(adopted_));
   out.emplace_back("blocks_reused", static_cast<int64_t>(reused_));
   out.emplace_back("blocks_detached", static_cast<int64_t>(detached_));

@@ -61,7 +61,11 @@ class BlockPages final : public CacheFeature {
   void drop(int64_t b);
 
   // Counters of what steps did with blocks (stats()).
-  void count_hit() { ++hits_; }
+  // A hit the row already mapped (a new request in the row of an earlier one): no map call.
+  void count_hit(bool in_place) {
+    ++hits_;
+    if (in_place) ++hits_in_place_;
+  }
   void count_adopted() { ++adopted_; }
   void count_reused() { ++reused_; }
   void count_detached() { ++detached_; }
@@ -85,7 +89,7 @@ class BlockPages final : public CacheFeature {
   const SlotTable& slots_;
   std::vector<Entry> entries_;
   bool cache_ = false;
-  uint64_t hits_ = 0, adopted_ = 0, reused_ = 0, detached_ = 0;
+  uint64_t hits_ = 0, hits_in_place_ = 0, adopted_ = 0, reused_ = 0, detached_ = 0;
 };
 
 }  // namespace vattention

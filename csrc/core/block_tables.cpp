@@ -162,6 +162,54 @@ void BlockTables::validate(const std::vector<int64_t>& lens,
   }
 }
 
+void BlockTables::validate_hits(const std::vector<std::vector<int64_t>>& ids) const {
+  const BlockPages& blocks = parts_.blocks;
+  if (!blocks.enabled()) {
+    throw Error(Error::Kind::Config,
+                "alloc(hits=...) needs a cache whose pages are named by engine blocks: create it "
+                "with KVCacheConfig(num_blocks=...)");
+  }
+  const size_t G = static_cast<size_t>(parts_.geo.num_groups());
+  if (ids.size() != G) {
+    throw Error(Error::Kind::Config, "alloc(hits=...) has " + std::to_string(ids.size()) +
+                                         " groups of block ids; the cache has " +
+                                         std::to_string(G) + " KV cache groups (layer_groups)");
+  }
+  const int64_t N = blocks.num_blocks();
+  for (size_t g = 0; g < G; ++g) {
+    if (ids[g].size() != ids[0].size()) {
+      throw Error(Error::Kind::Config, "alloc(hits=...) gives " + std::to_string(ids[g].size()) +
+                                           " ids for group " + std::to_string(g) + " but " +
+                                           std::to_string(ids[0].size()) + " for group 0");
+    }
+    for (size_t p = 0; p < ids[g].size(); ++p) {
+      const int64_t id = ids[g][p];
+      if (id != kNoBlock && (id < 0 || id >= N)) {
+        throw Error(Error::Kind::Config,
+                    "alloc(hits=...): block " + std::to_string(id) + " at page index " +
+                        std::to_string(p) + " (group " + std::to_string(g) + ") is outside [0, " +
+                        std::to_string(N) + ") (num_blocks=" + std::to_string(N) +
+                        "; -1 is the null block)");
+      }
+    }
+  }
+}
+
+size_t BlockTables::kept_hits(const Slot& s, const std::vector<std::vector<int64_t>>& ids) const {
+  const size_t G = ids.size();
+  const size_t n = std::min(s.mapped, ids.empty() ? 0 : ids[0].size());
+  size_t p = 0;
+  for (; p < n; ++p) {
+    for (size_t g = 0; g < G; ++g) {
+      // The same rule as step 1 of apply() for a hit: the row maps that block there, or, for the
+      // null block, has a hole there.
+      const bool agrees = ids[g][p] == kNoBlock ? hole(s, p, g) : s.blocks[p * G + g] == ids[g][p];
+      if (!agrees) return p;
+    }
+  }
+  return p;
+}
+
 void BlockTables::free_fresh(int64_t b, int slot, size_t page, size_t group) {
   BlockPages& blocks = parts_.blocks;
   if (blocks.mappings(b) > 0) {
@@ -203,6 +251,11 @@ void BlockTables::apply(const std::vector<int64_t>& lens, const std::vector<Bloc
 
   // 1. the new tables; each row keeps what agrees with its table, and anonymous pages under fresh
   //    entries (they are adopted below).
+  struct Index {
+    int slot;
+    size_t page, group;
+  };
+  std::vector<Index> kept_fresh;  // a fresh id the row already maps there: cleared in 5
   for (const BlockUpdate& u : updates) {
     Slot& s = slots[static_cast<size_t>(u.slot)];
     const size_t end = u.start + u.ids[0].size();
@@ -234,11 +287,18 @@ void BlockTables::apply(const std::vector<int64_t>& lens, const std::vector<Bloc
       }
     }
     if (cut < s.mapped) parts_.memory.unmap_tail(s, u.slot, cut);
+    for (size_t p = std::max(u.start, s.fresh_from); p < std::min(cut, end); ++p) {
+      for (size_t g = 0; g < G; ++g) {
+        if (s.table[g][p] != kNoBlock && s.blocks[p * G + g] == s.table[g][p]) {
+          kept_fresh.push_back(Index{u.slot, p, g});
+        }
+      }
+    }
     // Hits the row still maps (an idle row's blocks, kept for its next request) are hits served
     // with no map call at all; step 5 counts the ones it maps.
     for (size_t p = u.start; p < std::min(cut, u.start + u.cached); ++p) {
       for (size_t g = 0; g < G; ++g) {
-        if (s.table[g][p] != kNoBlock) blocks.count_hit();
+        if (s.table[g][p] != kNoBlock) blocks.count_hit(true);
       }
     }
   }
@@ -378,7 +438,7 @@ void BlockTables::apply(const std::vector<int64_t>& lens, const std::vector<Bloc
         if (b == kNoBlock) continue;
         s.blocks[p * G + g] = b;
         if (p < s.fresh_from) {
-          blocks.count_hit();
+          blocks.count_hit(false);
         } else {
           if (reuse[static_cast<size_t>(r.slot)][p * G + g]) {
             blocks.count_reused();
@@ -391,6 +451,7 @@ void BlockTables::apply(const std::vector<int64_t>& lens, const std::vector<Bloc
       }
     }
   }
+  for (const Index& k : kept_fresh) parts_.scrubber.scrub_columns(k.slot, k.page, cols[k.group]);
 }
 
 void BlockTables::commit(const std::vector<int64_t>& lens) {

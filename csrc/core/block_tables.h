@@ -61,6 +61,13 @@ class BlockTables {
   // tokens below a row's length), which is what lets two rows map one block.
   void commit(const std::vector<int64_t>& lens);
 
+  // For alloc(hits): checks a new request's leading cache hits (ids[g] per group, kNoBlock for
+  // the null block) against the cache (Config naming the bad value; changes nothing), and counts
+  // the leading page indices a row already maps as they say: a new request in that row is served
+  // those hits with no map call (step 1 keeps them).
+  void validate_hits(const std::vector<std::vector<int64_t>>& ids) const;
+  size_t kept_hits(const Slot& s, const std::vector<std::vector<int64_t>>& ids) const;
+
  private:
   // Step 2 for fresh id b (except for the row `slot` at page index `page`, group `group`).
   void free_fresh(int64_t b, int slot, size_t page, size_t group);

@@ -108,8 +108,9 @@ uint64_t KVCacheCore::driver_calls() const {
 
 // ---- slots --------------------------------------------------------------------------------------
 
-int KVCacheCore::alloc() {
+int KVCacheCore::alloc(const std::vector<std::vector<int64_t>>* hits) {
   Lock lock = enter();
+  if (hits != nullptr) tables_.validate_hits(*hits);
   // A slot freed while the prefetch thread maps it is a candidate here, and its new owner may
   // unmap (reset_slot) or map below the range in flight: let that mapping publish first.
   while (gate_.flight().slot >= 0 &&
@@ -119,7 +120,10 @@ int KVCacheCore::alloc() {
     rethrow_background_error();
   }
   supply_.drain_eager();
-  const int best = slots_.pick_for_alloc();
+  const int best =
+      hits == nullptr
+          ? slots_.pick_for_alloc()
+          : slots_.pick_for_alloc([&](const Slot& s) { return tables_.kept_hits(s, *hits); });
   Slot& s = slots_[static_cast<size_t>(best)];
   // Before the fence goes: features may unmap what the new request must not inherit.
   for (CacheFeature* f : features_) f->reset_slot(s, best);

@@ -89,8 +89,10 @@ class KVCacheCore {
 
   // ---- slots and steps ---------------------------------------------------------------------
   // Returns a slot for a new request: an idle slot holding the most pages, else a free one.
-  // Throws InvalidSlot when every slot is active.
-  int alloc();
+  // With `hits` (engine blocks: the request's leading cache hits, one list per group), the idle
+  // slot whose row already maps the longest run of them comes first (BlockTables::kept_hits).
+  // Throws InvalidSlot when every slot is active, Config for bad hits (nothing changed).
+  int alloc(const std::vector<std::vector<int64_t>>* hits = nullptr);
   // Ends the request in `slot`. Records a fence on `stream` (0 = legacy default stream) so the
   // slot's pages are unmapped only after work already queued there has finished.
   void free(int slot, uintptr_t stream);

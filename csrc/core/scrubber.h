@@ -8,7 +8,10 @@
 // Where: at hand-out, after the page is mapped into its new owner's slot, so zeroing needs no extra
 // mapping: in step()'s growth, in the prefetch thread (zero() without the cache mutex, on the range
 // only it maps, before publishing), in alloc() for an idle slot's pages (reset_slot), and for the
-// fresh part of a fork's partial page. Pages overwritten whole (swap-in's and ensure_private's
+// fresh part of a fork's partial page. A row that follows an engine's block table is not cleared
+// in alloc(): its pages belong to blocks the engine may still hit in its prefix cache; a block's
+// pages are cleared when the engine hands the block out fresh to a row (BlockTables::apply), which
+// covers everything a new request can read. Pages overwritten whole (swap-in's and ensure_private's
 // copies) are not zeroed first. Host memory is cleared with memset; device memory with copies from
 // a page of zeros in host memory (Backend::copy_from_host on the legacy default stream, which
 // orders before later work on blocking streams; the cache's close() waits for that stream before

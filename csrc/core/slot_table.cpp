@@ -64,13 +64,19 @@ void SlotTable::validate_lens(const std::vector<int64_t>& lens, bool require_act
   }
 }
 
-int SlotTable::pick_for_alloc() const {
+int SlotTable::pick_for_alloc(const std::function<size_t(const Slot&)>& kept) const {
   int best = -1;
+  size_t best_kept = 0;
   for (size_t i = 0; i < slots_.size(); ++i) {
     const Slot& s = slots_[i];
     if (s.state == Slot::State::Idle) {
+      const size_t k = kept && s.mapped > 0 ? kept(s) : 0;
       const Slot* b = best < 0 ? nullptr : &slots_[static_cast<size_t>(best)];
-      if (!b || b->state != Slot::State::Idle || s.mapped > b->mapped) best = static_cast<int>(i);
+      if (!b || b->state != Slot::State::Idle || k > best_kept ||
+          (k == best_kept && s.mapped > b->mapped)) {
+        best = static_cast<int>(i);
+        best_kept = k;
+      }
     } else if (s.state == Slot::State::Free && best < 0) {
       best = static_cast<int>(i);
     }

@@ -11,6 +11,7 @@
 #include <climits>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -43,8 +44,10 @@ class SlotTable {
   Error no_free_slot() const;
 
   // For a new request: the idle slot holding the most pages, else a free one (deferred
-  // reclamation: the request inherits mapped memory). Throws InvalidSlot when all are active.
-  int pick_for_alloc() const;
+  // reclamation: the request inherits mapped memory). With `kept` (pages an idle slot already maps
+  // as the request needs them), the idle slot where it is largest comes first, the most pages
+  // breaking ties. Throws InvalidSlot when all are active.
+  int pick_for_alloc(const std::function<size_t(const Slot&)>& kept = {}) const;
   // For a slot about to be filled from elsewhere (fork, swap-in): a free slot (nothing to unmap),
   // else the least recently freed idle one. Throws InvalidSlot when all are active.
   int pick_fresh() const;

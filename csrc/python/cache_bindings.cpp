@@ -170,8 +170,38 @@ vattention::HostBackend& host_backend(KVCacheCore& core) {
   return *host;
 }
 
-// {slot: (start, ids, cached)}: ids a sequence of block ids (one KV cache group) or one sequence
-// per group. Types are checked here; values by the core (BlockTables::validate).
+// A sequence of block ids (one KV cache group) or one sequence per group. Types are checked here,
+// values by the core.
+std::vector<std::vector<int64_t>> parse_block_ids(py::handle obj, int groups,
+                                                  const std::string& who) {
+  if (!PySequence_Check(obj.ptr()) || PyUnicode_Check(obj.ptr())) {
+    throw py::type_error(who + " must be a sequence of block ids, or one per KV cache group");
+  }
+  std::vector<std::vector<int64_t>> out;
+  py::sequence ids = py::reinterpret_borrow<py::sequence>(obj);
+  const bool nested =
+      py::len(ids) > 0 && PySequence_Check(ids[0].ptr()) && !PyLong_Check(ids[0].ptr());
+  if (!nested) {
+    if (groups != 1) {
+      throw Error(Error::Kind::Config, who + " gives one list of block ids; the cache has " +
+                                           std::to_string(groups) +
+                                           " KV cache groups: give one per group");
+    }
+    out.emplace_back();
+    for (auto id : ids) out.back().push_back(as_int(id.ptr(), "block ids"));
+  } else {
+    for (auto group : ids) {
+      out.emplace_back();
+      for (auto id : py::reinterpret_borrow<py::sequence>(group)) {
+        out.back().push_back(as_int(id.ptr(), "block ids"));
+      }
+    }
+  }
+  return out;
+}
+
+// {slot: (start, ids, cached)}: ids as parse_block_ids reads them. Types are checked here; values
+// by the core (BlockTables::validate).
 std::vector<BlockUpdate> parse_updates(py::handle obj, int groups) {
   std::vector<BlockUpdate> out;
   if (obj.is_none()) return out;
@@ -195,27 +225,7 @@ std::vector<BlockUpdate> parse_updates(py::handle obj, int groups) {
     }
     u.start = static_cast<size_t>(start);
     u.cached = static_cast<size_t>(cached);
-    py::sequence ids = py::reinterpret_borrow<py::sequence>(entry[1]);
-    const bool nested =
-        py::len(ids) > 0 && PySequence_Check(ids[0].ptr()) && !PyLong_Check(ids[0].ptr());
-    if (!nested) {
-      if (groups != 1) {
-        throw Error(Error::Kind::Config, "blocks[" + std::to_string(u.slot) +
-                                             "] gives one list of block ids; the "
-                                             "cache has " +
-                                             std::to_string(groups) +
-                                             " KV cache groups: give one per group");
-      }
-      u.ids.emplace_back();
-      for (auto id : ids) u.ids.back().push_back(as_int(id.ptr(), "block ids"));
-    } else {
-      for (auto group : ids) {
-        u.ids.emplace_back();
-        for (auto id : py::reinterpret_borrow<py::sequence>(group)) {
-          u.ids.back().push_back(as_int(id.ptr(), "block ids"));
-        }
-      }
-    }
+    u.ids = parse_block_ids(entry[1], groups, "blocks[" + std::to_string(u.slot) + "]");
     out.push_back(std::move(u));
   }
   return out;
@@ -251,7 +261,14 @@ void bind_cache(py::module_& m) {
            py::arg("eager") = false, py::arg("lookahead_tokens") = 0, py::arg("num_blocks") = 0,
            py::arg("block_cache") = false)
       .def_property_readonly("geometry", &KVCacheCore::geometry)
-      .def("alloc", &KVCacheCore::alloc)
+      .def(
+          "alloc",
+          [](KVCacheCore& core, py::handle hits) {
+            if (hits.is_none()) return core.alloc();
+            const auto ids = parse_block_ids(hits, core.geometry().num_groups(), "hits");
+            return core.alloc(&ids);
+          },
+          py::arg("hits") = py::none())
       .def("free", &KVCacheCore::free, py::arg("slot"), py::arg("stream") = 0,
            py::call_guard<py::gil_scoped_release>())
       .def(

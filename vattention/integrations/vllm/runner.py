@@ -11,7 +11,8 @@ things:
   attention metadata builders the step's batch, and binds empty placeholders where vLLM expects
   its buffer;
 * ``_update_states`` (the start of every step): frees the slots of finished, aborted and
-  preempted requests, gives each new (or resumed) request a slot, turns the step's block ids into
+  preempted requests, gives each new (or resumed) request a slot (the idle one whose row still
+  maps its prefix-cache hits, if any: no map call for them), turns the step's block ids into
   table updates (a new or resumed request's whole table, its prefix-cache hits first; a running
   request's appended blocks), calls ``KVCache.step()`` with every scheduled request's length and
   table update, and ``prefetch()`` with its expected length after the next step;
@@ -57,6 +58,11 @@ class BatchSlots:
 def _ids(block_ids) -> List[List[int]]:
     """vLLM's per-group block ids as the cache's (the null block is -1)."""
     return [[-1 if b == NULL_BLOCK else b for b in group] for group in block_ids]
+
+
+def _hits(ids: List[List[int]], cached: int) -> Optional[List[List[int]]]:
+    """A new table's leading cache hits per group, for ``KVCache.alloc(hits=...)`` (None: none)."""
+    return [group[:cached] for group in ids] if cached > 0 else None
 
 
 class VAttentionRunnerMixin:
@@ -135,8 +141,9 @@ class VAttentionRunnerMixin:
         updates = {}
         for new in scheduler_output.scheduled_new_reqs:
             ids = _ids(new.block_ids)
+            hits = new.num_computed_tokens // bs
             slots.replace_table(new.req_id, len(ids[0]))
-            updates[slots.slot_for(new.req_id)] = (0, ids, new.num_computed_tokens // bs)
+            updates[slots.slot_for(new.req_id, _hits(ids, hits))] = (0, ids, hits)
         cached = scheduler_output.scheduled_cached_reqs
         resumed = cached.resumed_req_ids or ()
         for i, req_id in enumerate(cached.req_ids):
@@ -144,11 +151,14 @@ class VAttentionRunnerMixin:
             if new_ids is None:
                 continue
             ids = _ids(new_ids)
-            slot = slots.slot_for(req_id)
             if req_id in resumed:   # its table is replaced, hits (recomputed prefix) first
+                hits = cached.num_computed_tokens[i] // bs
+                slot = slots.slot_for(req_id, _hits(ids, hits))
                 slots.replace_table(req_id, len(ids[0]))
-                updates[slot] = (0, ids, cached.num_computed_tokens[i] // bs)
-            elif ids[0]:
+                updates[slot] = (0, ids, hits)
+                continue
+            slot = slots.slot_for(req_id)
+            if ids[0]:
                 updates[slot] = (slots.table(req_id, len(ids[0])), ids, 0)
         return updates
 

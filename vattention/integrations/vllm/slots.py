@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, Iterable
+from typing import Dict, Iterable, List, Optional
 
 from ... import KVCache
 
@@ -43,11 +43,12 @@ class RequestSlots:
         """Slots held now."""
         return len(self._slots)
 
-    def slot_for(self, req_id: str) -> int:
-        """The request's slot, allocated on its first call."""
+    def slot_for(self, req_id: str, hits: Optional[List[List[int]]] = None) -> int:
+        """The request's slot, allocated on its first call (``hits``: its leading prefix-cache
+        hits per group, so that a row still mapping them is preferred: :meth:`KVCache.alloc`)."""
         slot = self._slots.get(req_id)
         if slot is None:
-            slot = self._slots[req_id] = self._cache.alloc()
+            slot = self._slots[req_id] = self._cache.alloc(hits=hits)
             self.served += 1
             self.peak = max(self.peak, len(self._slots))
         return slot
