@@ -22,6 +22,15 @@ prefill chunk are timed separately; both kernels are warmed up, then alternated 
 vattention cache of that layout instead of plain tensors (same values, timed in the same
 alternation): ``mega`` is what the vLLM plugin uses by default, one row holding every layer of a
 token, so a layer's rows are a whole token's K apart.
+
+The **rate** columns say how close each kernel runs to this machine's limits: for the decode
+calls, the K/V bytes they must read (every row's cached and new tokens, K and V, once) per second,
+next to the machine's streaming read (``src.sum()``) and copy (read + write bytes) rates over
+1 GiB, measured in this process before and after the timing (they swing with the machine's
+load); for the calls with a prefill chunk, FLOPs per second (QK and P.V: 4 per query head, key
+and dimension, causal rows counting the keys they see), which compute bounds. With a pass
+breakdown of stock vLLM (``bench_vllm_breakdown.py``) they bound the end-to-end ratio any
+attention kernel could reach here.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 
 import torch
 
@@ -244,6 +254,32 @@ class Replay:
         return run
 
 
+def machine_rates(rounds: int = 5):
+    """(read, copy) bytes/s of this machine over 1 GiB, same threads, best of `rounds`."""
+    src = torch.ones(1 << 28)                      # 1 GiB of float32: far beyond the caches
+    dst = torch.zeros_like(src)
+    read = copy = 0.0
+    for _ in range(rounds):
+        t = time.perf_counter()
+        src.sum()
+        read = max(read, src.nbytes / (time.perf_counter() - t))
+        t = time.perf_counter()
+        dst.copy_(src)
+        copy = max(copy, 2 * src.nbytes / (time.perf_counter() - t))
+    return read, copy
+
+
+def call_work(call, heads: int, kv_heads: int, head_dim: int, elem: int = 4):
+    """(K/V bytes, FLOPs) of one layer's call: every row reads its cached and new K and V once;
+    a query token of a causal row meets the keys up to its own position."""
+    nbytes = flops = 0
+    for q, past in zip(call["qlens"], call["past"]):
+        nbytes += (past + q) * kv_heads * head_dim * elem * 2
+        keys = q * past + q * (q + 1) // 2
+        flops += 4 * heads * head_dim * keys
+    return nbytes, flops
+
+
 def replay(path: str, rounds: int, layouts=("plain",)) -> int:
     ops, why = vllm_ops()
     if ops is None:
@@ -265,10 +301,17 @@ def replay(path: str, rounds: int, layouts=("plain",)) -> int:
 
 def _replay(rep: Replay, doc, rounds: int, layouts) -> int:
     groups = {"decode rows only": [], "with a prefill chunk": []}
+    work = {"decode rows only": 0.0, "with a prefill chunk": 0.0}  # K/V bytes; FLOPs
     for call in doc["calls"]:
-        groups["decode rows only" if max(call["qlens"]) == 1 else "with a prefill chunk"].append(
-            rep.prepare(call)
-        )
+        name = "decode rows only" if max(call["qlens"]) == 1 else "with a prefill chunk"
+        groups[name].append(rep.prepare(call))
+        nbytes, flops = call_work(call, rep.heads, rep.hkv, rep.d)
+        work[name] += rep.layers * (nbytes if name == "decode rows only" else flops)
+
+    def rate(name: str, seconds: float) -> str:
+        return (f"{work[name] / seconds / 1e9:.1f} GB/s" if name == "decode rows only"
+                else f"{work[name] / seconds / 1e9:.0f} GFLOP/s")
+
     # same outputs on one call of each group (the last layer's)
     for calls in groups.values():
         for layout in layouts:
@@ -284,8 +327,10 @@ def _replay(rep: Replay, doc, rounds: int, layouts) -> int:
         f"{len(doc['calls'])} calls x {rep.layers} layers; load average "
         f"{os.getloadavg()[0]:.2f} at start\n"
     )
-    print("| calls | count | our K/V | ours ms | vLLM op ms | ours / vLLM (min) |")
-    print("|---|---:|---|---:|---:|---:|")
+    read, copy = machine_rates()
+    print("| calls | count | our K/V | ours ms | vLLM op ms | ours / vLLM (min) | ours: rate | "
+          "vLLM op: rate |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|")
     totals = {layout: [0.0, 0.0] for layout in layouts}
     for name, calls in groups.items():
         if not calls:
@@ -300,14 +345,19 @@ def _replay(rep: Replay, doc, rounds: int, layouts) -> int:
             totals[layout][1] += vmin
             print(
                 f"| {name} | {len(calls)} | {layout} | {omin * 1e3:.0f} ({omed * 1e3:.0f}) | "
-                f"{vmin * 1e3:.0f} ({vmed * 1e3:.0f}) | {omin / vmin:.2f} |"
+                f"{vmin * 1e3:.0f} ({vmed * 1e3:.0f}) | {omin / vmin:.2f} | {rate(name, omin)} | "
+                f"{rate(name, vmin)} |"
             )
     for layout, (ours, theirs) in totals.items():
         print(
             f"| all | {len(doc['calls'])} | {layout} | {ours * 1e3:.0f} | {theirs * 1e3:.0f} | "
-            f"{ours / theirs:.2f} |"
+            f"{ours / theirs:.2f} | | |"
         )
-    print(f"\nload average at end: {os.getloadavg()[0]:.2f}")
+    read_end, copy_end = machine_rates()
+    print(f"\nthis machine, same threads, 1 GiB: read {read / 1e9:.1f} GB/s before and "
+          f"{read_end / 1e9:.1f} after; copy (read + write bytes) {copy / 1e9:.1f} and "
+          f"{copy_end / 1e9:.1f}")
+    print(f"load average at end: {os.getloadavg()[0]:.2f}")
     return 0
 
 

@@ -321,7 +321,8 @@ def test_startup_log_lines(runs):
     assert len(lines) == 1 and "INFO" in lines[0]
     assert "4 slots x 1024 tokens, layout mega, page 65536 bytes" in lines[0]
     assert "budget 16777216 bytes" in lines[0] and "prefix caching on" in lines[0]
-    assert any("VLLM_USE_V2_MODEL_RUNNER=0" in line and "INFO" in line for line in log)
+    assert any("VLLM_USE_V2_MODEL_RUNNER=0" in line and "INFO" in line for line in log), \
+        "\n".join(line for line in log if "vattention" in line or "V2" in line)
 
 
 def test_vllms_cuda_platform_config_code_keeps_the_plugins_config(runs):

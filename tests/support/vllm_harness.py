@@ -24,6 +24,9 @@ BASE_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",   # binding threads on 2 cores slows it several-fold
     "HF_HUB_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    # Many engines share two cores here: an OpenMP thread waiting for work sleeps instead of
+    # spinning on a core another engine needs (libgomp's default spins first).
+    "OMP_WAIT_POLICY": "PASSIVE",
 }
 
 
