@@ -31,8 +31,11 @@ BASE_ENV = {
 
 
 def vllm_env(plugin: bool, **extra: str) -> Dict[str, str]:
-    """The environment of a vLLM process: this one's, minus any plugin switch, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VATTENTION_VLLM")}
+    """The environment of a vLLM process: this one's, minus any plugin switch and vLLM's runner
+    switch (a unit test in this process may set it for a moment while these processes start),
+    plus ``extra``."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("VATTENTION_VLLM") and k != "VLLM_USE_V2_MODEL_RUNNER"}
     env.update(BASE_ENV)
     if plugin:
         env["VATTENTION_VLLM"] = "1"
