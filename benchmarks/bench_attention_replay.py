@@ -300,17 +300,18 @@ def replay(path: str, rounds: int, layouts=("plain",)) -> int:
 
 
 def _replay(rep: Replay, doc, rounds: int, layouts) -> int:
-    groups = {"decode rows only": [], "with a prefill chunk": []}
-    work = {"decode rows only": 0.0, "with a prefill chunk": 0.0}  # K/V bytes; FLOPs
+    decode, prefill = "decode rows only", "with a prefill chunk"
+    groups = {decode: [], prefill: []}
+    work = {decode: 0.0, prefill: 0.0}  # decode: K/V bytes; prefill: FLOPs
     for call in doc["calls"]:
-        name = "decode rows only" if max(call["qlens"]) == 1 else "with a prefill chunk"
+        name = decode if max(call["qlens"]) == 1 else prefill
         groups[name].append(rep.prepare(call))
         nbytes, flops = call_work(call, rep.heads, rep.hkv, rep.d)
-        work[name] += rep.layers * (nbytes if name == "decode rows only" else flops)
+        work[name] += rep.layers * (nbytes if name == decode else flops)
 
     def rate(name: str, seconds: float) -> str:
-        return (f"{work[name] / seconds / 1e9:.1f} GB/s" if name == "decode rows only"
-                else f"{work[name] / seconds / 1e9:.0f} GFLOP/s")
+        per_s = work[name] / seconds / 1e9
+        return f"{per_s:.1f} GB/s" if name == decode else f"{per_s:.0f} GFLOP/s"
 
     # same outputs on one call of each group (the last layer's)
     for calls in groups.values():

@@ -14,6 +14,38 @@ Error table_error(const std::string& message, int slot) {
 
 size_t table_size(const Slot& s) { return s.table.empty() ? 0 : s.table[0].size(); }
 
+// The shape every list of block ids must have: one list per KV cache group, all as long, every id
+// in [0, N) or the null block. `who` names the list; its first id is at page index `start`;
+// `of` follows the page index in messages (" of slot 3"); slot < 0: no slot to name.
+void check_ids(const std::vector<std::vector<int64_t>>& ids, size_t G, int64_t N, size_t start,
+               const std::string& who, const std::string& of, int slot) {
+  auto error = [&](const std::string& message) {
+    Error e(Error::Kind::Config, message);
+    return slot < 0 ? e : e.with("slot", slot);
+  };
+  if (ids.size() != G) {
+    throw error(who + " has " + std::to_string(ids.size()) +
+                " groups of block ids; the cache has " + std::to_string(G) +
+                " KV cache groups (layer_groups)");
+  }
+  const size_t n = ids[0].size();
+  for (size_t g = 0; g < G; ++g) {
+    if (ids[g].size() != n) {
+      throw error(who + " gives " + std::to_string(ids[g].size()) + " ids for group " +
+                  std::to_string(g) + " but " + std::to_string(n) +
+                  " for group 0; every group's table covers the same page indices");
+    }
+    for (size_t k = 0; k < n; ++k) {
+      const int64_t id = ids[g][k];
+      if (id < kNoBlock || id >= N) {
+        throw error("block " + std::to_string(id) + " at page index " + std::to_string(start + k) +
+                    of + " (group " + std::to_string(g) + ") is outside [0, " + std::to_string(N) +
+                    ") (num_blocks=" + std::to_string(N) + "; -1 is the null block)");
+      }
+    }
+  }
+}
+
 }  // namespace
 
 bool BlockTables::hole(const Slot& s, size_t p, size_t g) const {
@@ -68,21 +100,8 @@ void BlockTables::validate(const std::vector<int64_t>& lens,
                         u.slot);
     }
     updated[static_cast<size_t>(u.slot)] = 1;
-    if (u.ids.size() != G) {
-      throw table_error(who + " has " + std::to_string(u.ids.size()) +
-                            " groups of block ids; the cache has " + std::to_string(G) +
-                            " KV cache groups (layer_groups)",
-                        u.slot);
-    }
+    check_ids(u.ids, G, N, u.start, who, " of slot " + std::to_string(u.slot), u.slot);
     const size_t n = u.ids[0].size();
-    for (size_t g = 1; g < G; ++g) {
-      if (u.ids[g].size() != n) {
-        throw table_error(who + " gives " + std::to_string(u.ids[g].size()) + " ids for group " +
-                              std::to_string(g) + " but " + std::to_string(n) +
-                              " for group 0; every group's table covers the same page indices",
-                          u.slot);
-      }
-    }
     const Slot& s = slots[static_cast<size_t>(u.slot)];
     const size_t have = table_size(s);
     if (u.start > have) {
@@ -110,11 +129,6 @@ void BlockTables::validate(const std::vector<int64_t>& lens,
         const std::string at = "block " + std::to_string(id) + " at page index " +
                                std::to_string(p) + " of slot " + std::to_string(u.slot) +
                                " (group " + std::to_string(g) + ")";
-        if (id < kNoBlock || id >= N) {
-          throw table_error(at + " is outside [0, " + std::to_string(N) +
-                                ") (num_blocks=" + std::to_string(N) + "; -1 is the null block)",
-                            u.slot);
-        }
         const bool hit = k < u.cached;
         if (id == kNoBlock) {
           const int64_t before = p == 0 ? kNoBlock : (k == 0 ? s.table[g][p - 1] : u.ids[g][k - 1]);
@@ -169,30 +183,8 @@ void BlockTables::validate_hits(const std::vector<std::vector<int64_t>>& ids) co
                 "alloc(hits=...) needs a cache whose pages are named by engine blocks: create it "
                 "with KVCacheConfig(num_blocks=...)");
   }
-  const size_t G = static_cast<size_t>(parts_.geo.num_groups());
-  if (ids.size() != G) {
-    throw Error(Error::Kind::Config, "alloc(hits=...) has " + std::to_string(ids.size()) +
-                                         " groups of block ids; the cache has " +
-                                         std::to_string(G) + " KV cache groups (layer_groups)");
-  }
-  const int64_t N = blocks.num_blocks();
-  for (size_t g = 0; g < G; ++g) {
-    if (ids[g].size() != ids[0].size()) {
-      throw Error(Error::Kind::Config, "alloc(hits=...) gives " + std::to_string(ids[g].size()) +
-                                           " ids for group " + std::to_string(g) + " but " +
-                                           std::to_string(ids[0].size()) + " for group 0");
-    }
-    for (size_t p = 0; p < ids[g].size(); ++p) {
-      const int64_t id = ids[g][p];
-      if (id != kNoBlock && (id < 0 || id >= N)) {
-        throw Error(Error::Kind::Config,
-                    "alloc(hits=...): block " + std::to_string(id) + " at page index " +
-                        std::to_string(p) + " (group " + std::to_string(g) + ") is outside [0, " +
-                        std::to_string(N) + ") (num_blocks=" + std::to_string(N) +
-                        "; -1 is the null block)");
-      }
-    }
-  }
+  check_ids(ids, static_cast<size_t>(parts_.geo.num_groups()), blocks.num_blocks(), 0,
+            "alloc(hits=...)", "", -1);
 }
 
 size_t BlockTables::kept_hits(const Slot& s, const std::vector<std::vector<int64_t>>& ids) const {
