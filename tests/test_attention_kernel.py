@@ -177,6 +177,12 @@ def run_batch(b):
         k = v = None
     if fp8:
         extra.update(k_descale=descale[0], v_descale=torch.tensor([descale[1]]))
+    if b.get("shared"):
+        groups, lens, copied = b["shared"]
+        for r in order[1:].tolist():  # every row holds the first row's first `copied` tokens
+            kc[r, :copied] = kc[order[0], :copied]
+            vc[r, :copied] = vc[order[0], :copied]
+        extra.update(prefix_groups=torch.tensor(groups), prefix_lens=torch.tensor(lens))
     check_against_reference(
         q,
         kc,
@@ -197,6 +203,40 @@ def test_random_batches_match_the_reference(b):
     run_batch(b)
 
 
+@st.composite
+def shared_prefix_batches(draw):
+    """Batches whose rows share their first tokens (prefix-cache hits), with the prefix hint:
+    mostly decode rows (the shared items' members), some prefill rows and windows (which the
+    kernel must leave out of a group), groups and claimed lengths at random within the truth."""
+    b = draw(batches(big=False))
+    n = draw(st.integers(2, 12))
+    copied = draw(st.integers(0, 300))
+    b["lqs"] = [draw(st.sampled_from([1, 1, 1, 2, 0, 9])) for _ in range(n)]
+    if not b["varlen"]:
+        b["lqs"] = [b["lqs"][0] or 1] * n
+    b["pasts"] = [copied + draw(st.integers(-20, 120)) for _ in range(n)]
+    b["pasts"] = [max(0, p) for p in b["pasts"]]
+    if draw(st.booleans()):
+        b["window"] = (-1, 0 if b["causal"] else -1)
+    groups = [draw(st.sampled_from([-1, 0, 0, 0, 1])) for _ in range(n)]
+    lens = [draw(st.integers(0, copied)) if draw(st.integers(0, 4)) == 0 else copied
+            for _ in range(n)]
+    b["shared"] = (groups, lens, copied)
+    return b
+
+
+@pytest.mark.parametrize("nthreads", [1, 2])
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(b=shared_prefix_batches())
+def test_shared_prefix_hint_keeps_the_result(nthreads, b):
+    before = torch.get_num_threads()
+    torch.set_num_threads(nthreads)
+    try:
+        run_batch(b)
+    finally:
+        torch.set_num_threads(before)
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
 @given(b=batches(big=False))
 def test_random_small_batches_on_every_isa_and_thread_count(b):
@@ -214,6 +254,38 @@ def test_random_small_batches_on_every_isa_and_thread_count(b):
 
 
 # ---- targeted cases ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_shared_prefix_is_read_from_one_row(isa, threads, dtype):
+    """16 decode rows (GQA 2) behind one 300-token prefix, and two prefill rows: with the hint the
+    kernel reads the prefix from one member's row (a hint that lies shows it: the other rows'
+    prefix is not read), and the result is the reference's."""
+    gen = torch.Generator().manual_seed(5)
+    n, prefix = 18, 300
+    kc, vc = make_caches(n, 520, 2, 64, dtype, gen=gen)
+    for r in range(1, n):
+        kc[r, :prefix], vc[r, :prefix] = kc[0, :prefix], vc[0, :prefix]
+    lqs = [1] * 16 + [40, 1]
+    q = torch.randn(sum(lqs), 4, 64, generator=gen)
+    q = q.to(torch.float32 if dtype in FP8 else dtype)
+    k = torch.randn(sum(lqs), 2, 64, generator=gen).to(q.dtype)
+    v = torch.randn(sum(lqs), 2, 64, generator=gen).to(q.dtype)
+    cu = torch.tensor([0, *torch.tensor(lqs).cumsum(0).tolist()], dtype=torch.int32)
+    past = torch.tensor([prefix + 7 * i for i in range(16)] + [prefix, prefix + 3])
+    hint = dict(prefix_groups=torch.tensor([0] * 17 + [-1]), prefix_lens=torch.full((n,), prefix))
+    kw = dict(cache_seqlens=past, cu_seqlens_q=cu, causal=True)
+    check_against_reference(q, kc, vc, k, v, **kw, **hint)
+    # a lying hint: rows 1.. now differ from row 0 in the prefix, yet the hinted call reads row
+    # 0's prefix for every decode member; the prefill row (17th) and the row outside any group
+    # read their own
+    kc[1:, :prefix] = make_caches(n - 1, prefix, 2, 64, dtype, gen=gen)[0]
+    truth = fa.flash_attn_with_kvcache(q, kc, vc, **kw)
+    lied = fa.flash_attn_with_kvcache(q, kc, vc, **kw, **hint)
+    tol = TOL[q.dtype]
+    assert not torch.allclose(lied[1:16].float(), truth[1:16].float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(lied[0].float(), truth[0].float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(lied[16:].float(), truth[16:].float(), atol=tol, rtol=tol)
 
 
 def test_long_decode_rows_split_across_threads(isa, threads):

@@ -12,6 +12,7 @@ import pytest
 @pytest.mark.parametrize("module", ["vattention.compat", "vattention.integrations.flash_attn",
                                     "vattention.integrations.transformers",
                                     "vattention.integrations.vllm.geometry",
+                                    "vattention.integrations.vllm.prefix_hint",
                                     "vattention.integrations.vllm.plugin",
                                     "vattention.integrations.vllm.stats_writer",
                                     "vattention.integrations.vllm.slots",

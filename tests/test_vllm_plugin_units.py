@@ -147,3 +147,66 @@ def test_stats_writer_writes_periodically_and_a_final_document(tmp_path):
     assert json.loads(path.read_text()) == {"final": True}
     assert [p.name for p in tmp_path.iterdir()] == ["kv.json"]   # no temporary left behind
     assert stats_path(str(path), 3, 4).endswith("kv.json.rank3")
+
+
+# ---- the shared-prefix hint read from block tables (prefix_hint) ----------------------------
+
+
+@st.composite
+def _tables(draw):
+    """A batch's block tables: requests copy a random run of a few 'prompts' (shared blocks),
+    then own blocks; some holes (null block 0) as a sliding window leaves them."""
+    n, width, bs = draw(st.integers(1, 10)), draw(st.integers(1, 8)), draw(st.sampled_from([1, 16]))
+    prompts = [[draw(st.integers(1, 6)) * 10 + j for j in range(width)] for _ in range(3)]
+    rows, past, own = [], [], 1000
+    for _ in range(n):
+        p = prompts[draw(st.integers(0, 2))]
+        keep = draw(st.integers(0, width))
+        row = p[:keep]
+        while len(row) < width:
+            row.append(own)
+            own += 1
+        if draw(st.integers(0, 5)) == 0:
+            row[draw(st.integers(0, width - 1))] = 0
+        rows.append(row)
+        past.append(draw(st.integers(0, width * bs)))
+    return torch.tensor(rows, dtype=torch.int32), past, bs
+
+
+@given(_tables())
+def test_shared_prefix_hint_never_claims_more_than_the_tables_share(case):
+    from vattention.integrations.vllm.prefix_hint import SharedPrefixMemo, shared_prefixes
+
+    table, past, bs = case
+    groups, lens = shared_prefixes(table, past, bs)
+    ids = table.tolist()
+
+    def shared_tokens(i, j):   # whole cached blocks both rows name alike (holes never match)
+        run = 0
+        while (run < len(ids[i]) and ids[i][run] == ids[j][run] and ids[i][run] != 0
+               and (run + 1) * bs <= min(past[i], past[j])):
+            run += 1
+        return run * bs
+
+    if groups is None:   # no two requests with the same non-null first block, both cached
+        firsts = [ids[i][0] for i in range(len(ids)) if ids[i][0] and past[i] >= bs]
+        assert len(firsts) == len(set(firsts))
+        return
+    g, n = groups.tolist(), lens.tolist()
+    assert groups.dtype == lens.dtype == torch.int32
+    for i in range(len(ids)):
+        assert n[i] <= past[i] and (g[i] >= 0 or n[i] == 0)
+        for j in range(len(ids)):
+            if i != j and g[i] >= 0 and g[i] == g[j]:
+                assert min(n[i], n[j]) <= shared_tokens(i, j)
+                assert ids[i][0] == ids[j][0]
+            elif i != j and ids[i][0] == ids[j][0] and ids[i][0] and min(past[i], past[j]) >= bs:
+                assert g[i] == g[j] >= 0   # requests sharing a cached first block: one group
+        if g[i] >= 0:   # and no less than it shares with its group's first request
+            lead = g.index(g[i])
+            assert min(n[i], n[lead]) == (shared_tokens(i, lead) if i != lead else n[i])
+    # the memo answers the same, and again without recomputing while nothing changed
+    memo = SharedPrefixMemo()
+    first = memo(table, past, bs)
+    assert [x.tolist() for x in first] == [g, n]
+    assert memo(table, past, bs) is first

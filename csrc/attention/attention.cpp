@@ -41,6 +41,7 @@ namespace {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int64_t kMinSplitKeys = 256;  // keys per split item, at least
 constexpr int64_t kMaxSplits = 64;
+constexpr int64_t kMinSharedKeys = 16;  // shorter shared prefixes are read per request
 constexpr double kSerialCost =
     100000;  // below this estimated cost (~25 us) a call runs on one thread
 
@@ -174,6 +175,8 @@ std::vector<Request> check_args(const Args& a) {
     fail("k and v must be given together");
   if (!a.cache_seqlens) fail("cache_seqlens is required");
   if (a.cache_batch < 1) fail("k_cache has no rows (batch 0)");
+  if ((a.prefix_group == nullptr) != (a.prefix_len == nullptr))
+    fail("prefix_groups and prefix_lens must be given together");
   const bool has_new = a.k_new.data != nullptr;
   if (a.cu_seqlens_q) {
     if (a.cu_seqlens_q[0] < 0)
@@ -215,6 +218,14 @@ std::vector<Request> check_args(const Args& a) {
     if (r.past < 0)
       fail("cache_seqlens[" + std::to_string(i) + "] = " + std::to_string(r.past) + " is negative");
     r.lk = r.past + r.nnew;
+    if (a.prefix_group && a.prefix_group[i] < -1) {
+      fail("prefix_groups[" + std::to_string(i) + "] = " + std::to_string(a.prefix_group[i]) +
+           " must be >= -1 (-1: no group)");
+    }
+    if (a.prefix_len && a.prefix_len[i] < 0) {
+      fail("prefix_lens[" + std::to_string(i) + "] = " + std::to_string(a.prefix_len[i]) +
+           " is negative");
+    }
     if (r.lk > a.cache_len) {
       fail("request " + std::to_string(i) + ": cache_seqlens " + std::to_string(r.past) + " + " +
            std::to_string(r.nnew) + " new tokens exceed the cache length " +
@@ -293,6 +304,11 @@ struct CombineGroup {
   int32_t first_partial, num_partials;
 };
 
+// A query row of a shared-prefix item before the partial buffer exists: request, query, head.
+struct SharedRowRef {
+  int32_t request, query, head;
+};
+
 struct Plan {
   std::vector<AppendChunk> appends;
   std::vector<WorkItem> items;
@@ -300,12 +316,99 @@ struct Plan {
   std::vector<int64_t> partial_offset;  // floats, per partial slot
   int64_t partial_floats = 0;
   double total_cost = 0;
+  std::vector<SharedRowRef> shared_refs;  // kShared items' rows, [it.rows_begin, + num_rows)
+  std::vector<SharedRow> shared_rows;     // the same, resolved (resolve_shared)
+  std::vector<int32_t> prefix_slot;  // per request: partial slot of its shared prefix, or -1
 };
+
+// Requests that read one shared prefix [0, prefix) once per KV head (Args::prefix_group).
+struct ShareGroup {
+  int64_t prefix = 0;
+  std::vector<int32_t> members;
+};
+
+// The groups worth a shared item: decode requests of one prefix_group whose queries all see the
+// whole prefix, at least two of them, over a prefix of at least kMinSharedKeys keys. The prefix is
+// the smallest member's prefix_len, clipped to what every member had cached before the call (new
+// keys differ per request by definition).
+std::vector<ShareGroup> share_groups(const Args& a, const Shape& s,
+                                     const std::vector<Request>& reqs) {
+  std::vector<ShareGroup> out;
+  if (!a.prefix_group) return out;
+  std::vector<std::pair<int32_t, int32_t>> keyed;  // (group, request)
+  for (const Request& rq : reqs) {
+    const int32_t gid = a.prefix_group[rq.index];
+    if (gid >= 0 && rq.lq > 0 && rq.lq * s.group <= kMaxDecodeRows)
+      keyed.emplace_back(gid, static_cast<int32_t>(rq.index));
+  }
+  std::sort(keyed.begin(), keyed.end());
+  for (size_t b = 0, e; b < keyed.size(); b = e) {
+    for (e = b; e < keyed.size() && keyed[e].first == keyed[b].first; ++e) {
+    }
+    ShareGroup g;
+    g.prefix = INT64_MAX;
+    for (size_t x = b; x < e; ++x) {
+      const Request& rq = reqs[static_cast<size_t>(keyed[x].second)];
+      g.prefix = std::min({g.prefix, static_cast<int64_t>(a.prefix_len[rq.index]), rq.past});
+    }
+    if (e - b < 2 || g.prefix < kMinSharedKeys) continue;
+    for (size_t x = b; x < e; ++x) {
+      const Request& rq = reqs[static_cast<size_t>(keyed[x].second)];
+      bool sees_all = true;
+      for (int64_t j = 0; j < rq.lq && sees_all; ++j) {
+        int64_t lo, hi;
+        key_range(a, rq, j, &lo, &hi);
+        sees_all = lo == 0 && hi >= g.prefix;
+      }
+      if (sees_all) g.members.push_back(static_cast<int32_t>(rq.index));
+    }
+    if (g.members.size() >= 2) out.push_back(std::move(g));
+  }
+  return out;
+}
 
 Plan make_plan(const Args& a, const Shape& s, const std::vector<Request>& reqs, int threads) {
   Plan plan;
   const int64_t g = s.group, d = a.head_dim;
   const double bytes_per_key = 2.0 * static_cast<double>(d * element_bytes(a.cache_dtype));
+  // estimated cycles of an item: per key and KV head, bytes at ~8 per cycle plus 2 FMAs per row
+  // and d at 32 per cycle; plus a fixed part and the output rows
+  auto item_cost = [&](double rows_padded, int64_t rows, int64_t keys) {
+    const double per_key = bytes_per_key / 8.0 + rows_padded * static_cast<double>(d) / 16.0;
+    return per_key * static_cast<double>(keys) + 200.0 + static_cast<double>(rows * d) / 4.0;
+  };
+  std::vector<int64_t> prefix_of(reqs.size(), 0);
+  for (const ShareGroup& sg : share_groups(a, s, reqs)) {
+    for (int32_t m : sg.members) prefix_of[static_cast<size_t>(m)] = sg.prefix;
+    // one item per KV head and run of members whose rows fill at most kPrefillRows
+    for (int64_t h = 0; h < a.num_kv_heads; ++h) {
+      size_t x = 0;
+      while (x < sg.members.size()) {
+        WorkItem it;
+        it.kind = ItemKind::kShared;
+        it.request = sg.members[x];
+        it.kv_head = static_cast<int32_t>(h);
+        it.k_begin = 0;
+        it.k_end = sg.prefix;
+        it.rows_begin = static_cast<int32_t>(plan.shared_refs.size());
+        for (; x < sg.members.size(); ++x) {
+          const Request& rq = reqs[static_cast<size_t>(sg.members[x])];
+          if (it.num_rows > 0 && it.num_rows + rq.lq * g > kPrefillRows) break;
+          for (int64_t j = 0; j < rq.lq; ++j) {
+            for (int64_t gi = 0; gi < g; ++gi) {
+              plan.shared_refs.push_back({static_cast<int32_t>(rq.index), static_cast<int32_t>(j),
+                                          static_cast<int32_t>(h * g + gi)});
+              ++it.num_rows;
+            }
+          }
+        }
+        it.cost =
+            item_cost(static_cast<double>((it.num_rows + 15) / 16 * 16), it.num_rows, sg.prefix);
+        plan.total_cost += it.cost;
+        plan.items.push_back(it);
+      }
+    }
+  }
   for (const Request& rq : reqs) {
     for (int64_t t = 0; t < rq.nnew; t += 64) {
       plan.appends.push_back({static_cast<int32_t>(rq.index), t, std::min(rq.nnew, t + 64)});
@@ -327,11 +430,10 @@ Plan make_plan(const Args& a, const Shape& s, const std::vector<Request>& reqs, 
         }
       }
       const int64_t rows = (q1 - q0) * g;
-      // estimated cycles per key and KV head: bytes at ~8 per cycle, plus 2 FMAs per row and d at
-      // 32 per cycle
       const double rows_padded =
           decode ? static_cast<double>(rows) : static_cast<double>((rows + 15) / 16 * 16);
-      const double per_key = bytes_per_key / 8.0 + rows_padded * static_cast<double>(d) / 16.0;
+      const int64_t prefix = prefix_of[static_cast<size_t>(rq.index)];
+      if (prefix > 0) kb = std::max(kb, prefix);  // the shared item reads [0, prefix)
       const int64_t heads_per_item = decode ? a.num_kv_heads : 1;
       for (int64_t h = 0; h < a.num_kv_heads; h += heads_per_item) {
         WorkItem it;
@@ -343,47 +445,63 @@ Plan make_plan(const Args& a, const Shape& s, const std::vector<Request>& reqs, 
         it.k_begin = kb;
         it.k_end = ke;
         it.kind = decode ? ItemKind::kDecode : ItemKind::kPrefill;
-        it.cost =
-            static_cast<double>(heads_per_item) *
-            (per_key * static_cast<double>(ke - kb) + 200.0 + static_cast<double>(rows * d) / 4.0);
+        it.after_prefix = prefix > 0;
+        it.cost = static_cast<double>(heads_per_item) *
+                  item_cost(rows_padded, rows, std::max<int64_t>(0, ke - kb));
         plan.total_cost += it.cost;
         plan.items.push_back(it);
       }
     }
   }
-  if (threads > 1 && plan.total_cost >= kSerialCost) {
-    const double target = plan.total_cost / (4.0 * threads);
-    std::vector<WorkItem> split;
-    split.reserve(plan.items.size());
-    int32_t next_partial = 0;
-    for (const WorkItem& it : plan.items) {
-      const int64_t keys = it.k_end - it.k_begin;
-      int64_t parts = static_cast<int64_t>(std::ceil(it.cost / target));
-      parts = std::min({parts, keys / kMinSplitKeys, kMaxSplits});
-      if (parts < 2) {
-        split.push_back(it);
-        continue;
-      }
-      const int64_t rows = (it.q_end - it.q_begin) * g * it.kv_heads;
-      const int64_t chunk = (keys + parts - 1) / parts;
-      const int64_t step = (chunk + 15) / 16 * 16;
-      CombineGroup cg{it.request, it.kv_head, it.kv_heads, it.q_begin, it.q_end, next_partial, 0};
-      for (int64_t k0 = it.k_begin; k0 < it.k_end; k0 += step) {
-        WorkItem part = it;
-        part.k_begin = k0;
-        part.k_end = std::min(it.k_end, k0 + step);
-        part.cost =
-            it.cost * static_cast<double>(part.k_end - part.k_begin) / static_cast<double>(keys);
-        part.partial = next_partial++;
-        plan.partial_offset.push_back(plan.partial_floats);
-        plan.partial_floats += rows * (s.dp + 2);
-        ++cg.num_partials;
-        split.push_back(part);
-      }
-      plan.combines.push_back(cg);
+  // Key splits (flash-decoding), and the partial slots of requests after a shared prefix: the
+  // prefix's slot first, then the slots of the request's own keys, combined in one group.
+  const bool allow_split = threads > 1 && plan.total_cost >= kSerialCost;
+  const double target = plan.total_cost / (4.0 * threads);
+  plan.prefix_slot.assign(reqs.size(), -1);
+  std::vector<WorkItem> split;
+  split.reserve(plan.items.size());
+  int32_t next_partial = 0;
+  auto new_slot = [&](int64_t rows) {
+    plan.partial_offset.push_back(plan.partial_floats);
+    plan.partial_floats += rows * (s.dp + 2);
+    return next_partial++;
+  };
+  for (const WorkItem& it : plan.items) {
+    if (it.kind == ItemKind::kShared) {
+      split.push_back(it);
+      continue;
     }
-    plan.items.swap(split);
+    const int64_t keys = it.k_end - it.k_begin;
+    int64_t parts = 1;
+    if (allow_split) {
+      parts = static_cast<int64_t>(std::ceil(it.cost / target));
+      parts = std::max<int64_t>(1, std::min({parts, keys / kMinSplitKeys, kMaxSplits}));
+    }
+    if (parts < 2 && !it.after_prefix) {
+      split.push_back(it);
+      continue;
+    }
+    const int64_t rows = (it.q_end - it.q_begin) * g * it.kv_heads;
+    const int64_t chunk = (keys + parts - 1) / parts;
+    const int64_t step = std::max<int64_t>(16, (chunk + 15) / 16 * 16);
+    CombineGroup cg{it.request, it.kv_head, it.kv_heads, it.q_begin, it.q_end, next_partial, 0};
+    if (it.after_prefix) {
+      plan.prefix_slot[static_cast<size_t>(it.request)] = new_slot(rows);
+      ++cg.num_partials;
+    }
+    for (int64_t k0 = it.k_begin; k0 < it.k_end; k0 += step) {  // none when the prefix is all
+      WorkItem part = it;
+      part.k_begin = k0;
+      part.k_end = std::min(it.k_end, k0 + step);
+      part.cost =
+          it.cost * static_cast<double>(part.k_end - part.k_begin) / static_cast<double>(keys);
+      part.partial = new_slot(rows);
+      ++cg.num_partials;
+      split.push_back(part);
+    }
+    plan.combines.push_back(cg);
   }
+  plan.items.swap(split);
   std::stable_sort(plan.items.begin(), plan.items.end(),
                    [](const WorkItem& x, const WorkItem& y) { return x.cost > y.cost; });
   return plan;
@@ -392,6 +510,29 @@ Plan make_plan(const Args& a, const Shape& s, const std::vector<Request>& reqs, 
 PartialView partial_view(float* base, const Plan& plan, int32_t slot, int64_t rows, int64_t dp) {
   float* p = base + plan.partial_offset[static_cast<size_t>(slot)];
   return PartialView{p, p + rows, p + 2 * rows};
+}
+
+// Points every shared item's rows at their queries and at the rows of their requests' prefix
+// slots (laid out as a decode item's: KV head * rows per head + query * group + group member).
+void resolve_shared(const Args& a, const Shape& s, const std::vector<Request>& reqs,
+                    float* partials, Plan& plan) {
+  if (plan.shared_refs.empty()) return;
+  const int64_t g = s.group;
+  plan.shared_rows.resize(plan.shared_refs.size());
+  for (size_t x = 0; x < plan.shared_refs.size(); ++x) {
+    const SharedRowRef& ref = plan.shared_refs[x];
+    const Request& rq = reqs[static_cast<size_t>(ref.request)];
+    const int64_t per_head = rq.lq * g;
+    const PartialView pv =
+        partial_view(partials, plan, plan.prefix_slot[static_cast<size_t>(ref.request)],
+                     per_head * a.num_kv_heads, s.dp);
+    const int64_t r = (ref.head / g) * per_head + ref.query * g + ref.head % g;
+    plan.shared_rows[x] =
+        SharedRow{q_row(a, rq, ref.query, ref.head), pv.m + r, pv.l + r, pv.acc + r * s.dp};
+  }
+  for (WorkItem& it : plan.items) {
+    if (it.kind == ItemKind::kShared) it.rows = plan.shared_rows.data() + it.rows_begin;
+  }
 }
 
 template <typename T>
@@ -405,7 +546,6 @@ void combine(const Args& a, const Shape& s, const Request& rq, const CombineGrou
   const int64_t g = s.group, dp = s.dp, d = a.head_dim;
   const int64_t per_head = (cg.q_end - cg.q_begin) * g;
   const int64_t rows = per_head * cg.kv_heads;
-  const size_t esize = static_cast<size_t>(element_bytes(a.dtype));
   for (int64_t r = 0; r < rows; ++r) {
     float mmax = -HUGE_VALF;
     for (int32_t p = 0; p < cg.num_partials; ++p) {
@@ -426,9 +566,7 @@ void combine(const Args& a, const Shape& s, const Request& rq, const CombineGrou
     const float scale = lsum > 0.0f ? s.out_scale / lsum : 0.0f;
     const int64_t hr = r % per_head;  // row within its KV head
     const int64_t j = cg.q_begin + hr / g, h = (cg.kv_head + r / per_head) * g + hr % g;
-    const int64_t off =
-        rq.index * a.out.s_batch + (rq.q_start + j) * a.out.s_token + h * a.out.s_head;
-    void* dst = static_cast<char*>(a.out.data) + off * static_cast<int64_t>(esize);
+    void* dst = out_row(a, rq, j, h);
     switch (a.dtype) {
       case DType::kBFloat16: write_row<bf16_t>(tmp, scale, dst, d); break;
       case DType::kFloat16: write_row<f16_t>(tmp, scale, dst, d); break;
@@ -460,12 +598,13 @@ void flash_attn_with_kvcache(const Args& a) {
   s.q_scale = a.softmax_scale * kLog2e * (fp8 ? a.k_descale : 1.0f);
   s.out_scale = fp8 ? a.v_descale : 1.0f;
 
-  const Plan plan = make_plan(a, s, reqs, a.num_threads);
+  Plan plan = make_plan(a, s, reqs, a.num_threads);
   const int threads = plan.total_cost >= kSerialCost ? a.num_threads : 1;
   const int64_t per_thread = (kt.scratch_floats(a, s) + 15) / 16 * 16;
   thread_local ScratchBuffer scratch_buffer, partial_buffer;
   float* scratch = scratch_buffer.get(per_thread * threads);
   float* partials = plan.partial_floats ? partial_buffer.get(plan.partial_floats) : nullptr;
+  resolve_shared(a, s, reqs, partials, plan);
   const int64_t n_append = static_cast<int64_t>(plan.appends.size());
   const int64_t n_items = static_cast<int64_t>(plan.items.size());
   const int64_t n_combine = static_cast<int64_t>(plan.combines.size());

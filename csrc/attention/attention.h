@@ -17,7 +17,8 @@
 // - GQA: query head h reads KV head h / (num_heads / num_kv_heads).
 // - Memory: no key position at or beyond Lk_i, nor below the window start of the request's
 //   first query, is ever read (those pages may be unmapped). Nothing is written before every
-//   argument has been checked.
+//   argument has been checked. A shared prefix is read from one member's row, below its
+//   cache_seqlens.
 // - fp8 caches hold raw bytes (e4m3fn or e5m2); a cache value is stored * descale. New fp32/bf16/
 //   fp16 keys are written as vLLM 0.32's CPU backend writes them (cpu_attn_reshape_and_cache):
 //   x * (1 / descale), clamped to the format's largest finite value, mantissa truncated toward
@@ -82,6 +83,15 @@ struct Args {
   int64_t window_right = -1;  // -1: unlimited (ignored when causal: 0)
   float k_descale = 1.0f;     // fp8 caches only
   float v_descale = 1.0f;
+
+  // Shared prefixes (both nullptr: none), a hint that never changes the result. Requests with
+  // the same prefix_group[i] >= 0 promise identical K/V at key positions [0, min(prefix_len[i],
+  // prefix_len[j])) of their rows (-1: no group). The kernel then reads that prefix once for the
+  // group's decode queries that see all of it (cascade attention: one item per KV head with the
+  // queries of every member as its rows), and each member's own keys separately. A prefix-cache
+  // hit gives this: the same block's pages behind several rows.
+  const int32_t* prefix_group = nullptr;  // [n] or nullptr
+  const int32_t* prefix_len = nullptr;    // [n] or nullptr
 
   int num_threads = 1;  // OpenMP team size (pass torch.get_num_threads())
 };

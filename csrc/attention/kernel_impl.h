@@ -87,19 +87,6 @@ inline void store_out_row(const float* src, float scale, void* dst, DType dt, in
   }
 }
 
-inline const void* q_row(const Args& a, const Request& rq, int64_t j, int64_t h) {
-  const size_t esize = a.dtype == DType::kFloat32 ? 4 : 2;
-  const int64_t off = rq.index * a.q.s_batch + (rq.q_start + j) * a.q.s_token + h * a.q.s_head;
-  return static_cast<const char*>(a.q.data) + off * static_cast<int64_t>(esize);
-}
-
-inline void* out_row(const Args& a, const Request& rq, int64_t j, int64_t h) {
-  const size_t esize = a.dtype == DType::kFloat32 ? 4 : 2;
-  const int64_t off =
-      rq.index * a.out.s_batch + (rq.q_start + j) * a.out.s_token + h * a.out.s_head;
-  return static_cast<char*>(a.out.data) + off * static_cast<int64_t>(esize);
-}
-
 // Row r of an item -> (query j within the request, query head h).
 struct RowMap {
   int64_t q_begin, group, kv_head;
@@ -769,33 +756,35 @@ inline void convert_rows(const KT* src, int64_t st, int64_t nb, int64_t d, float
   for (int64_t kc = 0; kc < nb; ++kc) row_to_f32(src + kc * st, d, 1.0f, dst + kc * dp, dp);
 }
 
-template <typename KT>
-void prefill_item(const Args& a, const Shape& s, const Request& rq, const WorkItem& it,
-                  float* scratch, const PartialView* part) {
-  const int64_t d = a.head_dim, dp = s.dp, bk = s.block_keys;
-  const RowMap map{it.q_begin, s.group, it.kv_head};
-  const int64_t n = (it.q_end - it.q_begin) * s.group;
-  const int64_t rp = round_up(n, W);
-  float* qt = scratch;             // [d][rp]
-  float* sc = qt + d * rp;         // [bk][rp]
-  float* o = sc + bk * rp;         // [rp][dp]
-  float* kf = o + rp * dp;         // [bk][dp]
-  float* vf = kf + bk * dp;        // [bk][dp]
-  float* m = vf + bk * dp;         // [rp]
-  float* l = m + rp;               // [rp]
-  float* alpha = l + rp;           // [rp]
-  int32_t* lo = reinterpret_cast<int32_t*>(alpha + rp);  // [rp]
-  int32_t* hi = lo + rp;                                  // [rp]
-
-  const RowRanges rr = row_ranges(a, rq, it, map, n, rp, lo, hi);
-  // q rows into o (as a staging area), then transposed into qt
-  for (int64_t r = 0; r < rp; ++r) {
-    if (r < n) {
-      load_q_row(q_row(a, rq, map.query(r), map.head(r)), a.dtype, d, s.q_scale, o + r * dp, dp);
-    } else {
-      std::memset(o + r * dp, 0, static_cast<size_t>(dp) * sizeof(float));
-    }
+// Scratch of a prefill or shared item (rp padded rows).
+struct RowsScratch {
+  float *qt, *sc, *o, *kf, *vf, *m, *l, *alpha;
+  int32_t *lo, *hi;
+  RowsScratch(float* scratch, int64_t d, int64_t rp, int64_t bk, int64_t dp) {
+    qt = scratch;     // [d][rp]
+    sc = qt + d * rp;  // [bk][rp]
+    o = sc + bk * rp;  // [rp][dp]
+    kf = o + rp * dp;  // [bk][dp]
+    vf = kf + bk * dp;  // [bk][dp]
+    m = vf + bk * dp;  // [rp]
+    l = m + rp;        // [rp]
+    alpha = l + rp;    // [rp]
+    lo = reinterpret_cast<int32_t*>(alpha + rp);  // [rp]
+    hi = lo + rp;                                 // [rp]
   }
+};
+
+// The rows' online softmax over keys [rr.kb, rr.ke) of one KV head (K and V rows at kbase,
+// vbase, s_token apart). On entry w.o holds the n real q rows (scaled, fp32) and w.lo / w.hi
+// every padded row's visible range; on return w.o, w.m, w.l hold each row's unnormalized
+// output, running max and sum.
+template <typename KT>
+void attend_rows(const Args& a, const Shape& s, const KT* kbase, const KT* vbase,
+                 const RowRanges& rr, int64_t n, int64_t rp, const RowsScratch& w) {
+  const int64_t d = a.head_dim, dp = s.dp, bk = s.block_keys;
+  float *qt = w.qt, *sc = w.sc, *o = w.o, *m = w.m, *l = w.l, *alpha = w.alpha;
+  for (int64_t r = n; r < rp; ++r)
+    std::memset(o + r * dp, 0, static_cast<size_t>(dp) * sizeof(float));
   for (int64_t r = 0; r < rp; ++r)
     for (int64_t x = 0; x < d; ++x) qt[x * rp + r] = o[r * dp + x];
   std::memset(o, 0, static_cast<size_t>(rp * dp) * sizeof(float));
@@ -804,8 +793,6 @@ void prefill_item(const Args& a, const Shape& s, const Request& rq, const WorkIt
     l[r] = 0.0f;
   }
 
-  const KT* kbase = cache_ptr<KT>(a.k_cache, rq.row, 0, it.kv_head);
-  const KT* vbase = cache_ptr<KT>(a.v_cache, rq.row, 0, it.kv_head);
   const int64_t kst = a.k_cache.s_token, vst = a.v_cache.s_token;
   constexpr bool kF32 = std::is_same<KT, float>::value;
   const bool v_direct = kF32 && d % W == 0;
@@ -817,8 +804,8 @@ void prefill_item(const Args& a, const Shape& s, const Request& rq, const WorkIt
       k = kbase + c0 * kst;
       kld = kst;
     } else {
-      convert_rows(kbase + c0 * kst, kst, nb, d, kf, dp);
-      k = kf;
+      convert_rows(kbase + c0 * kst, kst, nb, d, w.kf, dp);
+      k = w.kf;
       kld = dp;
     }
     qk_block(qt, rp, d, k, kld, sc, nb);
@@ -827,7 +814,7 @@ void prefill_item(const Args& a, const Shape& s, const Request& rq, const WorkIt
         const I key = Vec::iset1(static_cast<int32_t>(c0 + kc));
         for (int64_t v = 0; v < rp; v += W) {
           Vec::store(sc + kc * rp + v, Vec::mask_range(Vec::load(sc + kc * rp + v), key,
-                                                       Vec::iload(lo + v), Vec::iload(hi + v)));
+                                                       Vec::iload(w.lo + v), Vec::iload(w.hi + v)));
         }
       }
     }
@@ -864,14 +851,55 @@ void prefill_item(const Args& a, const Shape& s, const Request& rq, const WorkIt
       v = reinterpret_cast<const float*>(vbase + c0 * vst);  // KT is float here
       vld = vst;
     } else {
-      convert_rows(vbase + c0 * vst, vst, nb, d, vf, dp);
-      v = vf;
+      convert_rows(vbase + c0 * vst, vst, nb, d, w.vf, dp);
+      v = w.vf;
       vld = dp;
     }
     pv_block_rows(o, dp, sc, rp, v, vld, nb, rp);
   }
+}
+
+template <typename KT>
+void prefill_item(const Args& a, const Shape& s, const Request& rq, const WorkItem& it,
+                  float* scratch, const PartialView* part) {
+  const int64_t d = a.head_dim, dp = s.dp;
+  const RowMap map{it.q_begin, s.group, it.kv_head};
+  const int64_t n = (it.q_end - it.q_begin) * s.group;
+  const int64_t rp = round_up(n, W);
+  const RowsScratch w(scratch, d, rp, s.block_keys, dp);
+  const RowRanges rr = row_ranges(a, rq, it, map, n, rp, w.lo, w.hi);
   for (int64_t r = 0; r < n; ++r)
-    emit_row(a, s, rq, map.query(r), map.head(r), o + r * dp, m[r], l[r], part, r);
+    load_q_row(q_row(a, rq, map.query(r), map.head(r)), a.dtype, d, s.q_scale, w.o + r * dp, dp);
+  attend_rows(a, s, cache_ptr<KT>(a.k_cache, rq.row, 0, it.kv_head),
+              cache_ptr<KT>(a.v_cache, rq.row, 0, it.kv_head), rr, n, rp, w);
+  for (int64_t r = 0; r < n; ++r)
+    emit_row(a, s, rq, map.query(r), map.head(r), w.o + r * dp, w.m[r], w.l[r], part, r);
+}
+
+// A shared prefix: every row sees all of [k_begin, k_end) (the planner checked), read from the
+// row of `rq`; each row's partial result goes where its SharedRow points.
+template <typename KT>
+void shared_item(const Args& a, const Shape& s, const Request& rq, const WorkItem& it,
+                 float* scratch) {
+  const int64_t d = a.head_dim, dp = s.dp, n = it.num_rows;
+  const int64_t rp = round_up(n, W);
+  const RowsScratch w(scratch, d, rp, s.block_keys, dp);
+  for (int64_t r = 0; r < rp; ++r) {
+    w.lo[r] = static_cast<int32_t>(it.k_begin);
+    w.hi[r] = static_cast<int32_t>(it.k_end);
+  }
+  RowRanges rr;
+  rr.kb = rr.max_lo = it.k_begin;
+  rr.ke = rr.min_hi = it.k_end;
+  for (int64_t r = 0; r < n; ++r) load_q_row(it.rows[r].q, a.dtype, d, s.q_scale, w.o + r * dp, dp);
+  attend_rows(a, s, cache_ptr<KT>(a.k_cache, rq.row, 0, it.kv_head),
+              cache_ptr<KT>(a.v_cache, rq.row, 0, it.kv_head), rr, n, rp, w);
+  for (int64_t r = 0; r < n; ++r) {
+    const SharedRow& row = it.rows[r];
+    *row.m = w.m[r];
+    *row.l = w.l[r];
+    std::memcpy(row.acc, w.o + r * dp, static_cast<size_t>(dp) * sizeof(float));
+  }
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -887,6 +915,7 @@ template <typename KT>
 void run_item_typed(const Args& a, const Shape& s, const Request& rq, const WorkItem& it,
                     float* scratch, const PartialView* part) {
   if (it.kind == ItemKind::kPrefill) return prefill_item<KT>(a, s, rq, it, scratch, part);
+  if (it.kind == ItemKind::kShared) return shared_item<KT>(a, s, rq, it, scratch);
   const int64_t rows = (it.q_end - it.q_begin) * s.group;
   const int64_t p = rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : 8;
   switch (p * 100 + decode_chunk_heads(it.kv_heads, p)) {

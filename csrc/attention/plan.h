@@ -43,13 +43,40 @@ inline void key_range(const Args& a, const Request& rq, int64_t j, int64_t* lo, 
   *hi = h;
 }
 
-enum class ItemKind : int32_t { kDecode = 0, kPrefill = 1 };
+// Query row (token j of request rq, query head h) of q, and its output row.
+inline const void* q_row(const Args& a, const Request& rq, int64_t j, int64_t h) {
+  const int64_t esize = a.dtype == DType::kFloat32 ? 4 : 2;
+  const int64_t off = rq.index * a.q.s_batch + (rq.q_start + j) * a.q.s_token + h * a.q.s_head;
+  return static_cast<const char*>(a.q.data) + off * esize;
+}
+
+inline void* out_row(const Args& a, const Request& rq, int64_t j, int64_t h) {
+  const int64_t esize = a.dtype == DType::kFloat32 ? 4 : 2;
+  const int64_t off =
+      rq.index * a.out.s_batch + (rq.q_start + j) * a.out.s_token + h * a.out.s_head;
+  return static_cast<char*>(a.out.data) + off * esize;
+}
+
+enum class ItemKind : int32_t { kDecode = 0, kPrefill = 1, kShared = 2 };
+
+// One row of a shared-prefix item: a member's query row (its q, already offset to the query and
+// head) and where the row's partial result (m, l, acc[dp]) goes.
+struct SharedRow {
+  const void* q = nullptr;
+  float* m = nullptr;
+  float* l = nullptr;
+  float* acc = nullptr;
+};
 
 // One unit of parallel work: the rows of queries [q_begin, q_end) x all group heads of KV heads
 // [kv_head, kv_head + kv_heads) of one request, against keys [k_begin, k_end) (already clipped
 // to what those rows see). Decode items take every KV head of a request, prefill items one.
 // partial >= 0: a key split; the item writes (m, l, unnormalized acc) of its rows (row index
 // head * rows_per_head + row) to partial slot `partial` and a combine step writes the output.
+// kShared: the prefix [k_begin, k_end) of a group of requests for KV head kv_head, read from the
+// row of `request`; its rows are `rows[0, num_rows)` (any members' queries), each writing its own
+// partial row. The members' decode items then cover only the keys after the prefix
+// (after_prefix: they always write a partial, combined with the prefix's).
 struct WorkItem {
   int32_t request = 0;
   int32_t kv_head = 0;
@@ -60,6 +87,10 @@ struct WorkItem {
   int64_t k_end = 0;
   ItemKind kind = ItemKind::kDecode;
   int32_t partial = -1;
+  bool after_prefix = false;
+  const SharedRow* rows = nullptr;  // kShared
+  int32_t num_rows = 0;
+  int32_t rows_begin = 0;           // kShared: index of rows in the plan (until resolved)
   double cost = 0;
 };
 

@@ -44,7 +44,8 @@ void register_attention(py::module_& m) {
          const OperandTuple& v_cache, uintptr_t cu_seqlens_q, int64_t seqlen_q, int64_t q_tokens,
          int64_t seqlen_new, int64_t cache_batch, int64_t cache_len, uintptr_t cache_seqlens,
          uintptr_t cache_batch_idx, float softmax_scale, bool causal, int64_t window_left,
-         int64_t window_right, float k_descale, float v_descale, int num_threads) {
+         int64_t window_right, float k_descale, float v_descale, int num_threads,
+         uintptr_t prefix_group, uintptr_t prefix_len) {
         at::Args a;
         a.num_requests = num_requests;
         a.num_heads = num_heads;
@@ -73,6 +74,8 @@ void register_attention(py::module_& m) {
         a.k_descale = k_descale;
         a.v_descale = v_descale;
         a.num_threads = num_threads;
+        a.prefix_group = reinterpret_cast<const int32_t*>(prefix_group);
+        a.prefix_len = reinterpret_cast<const int32_t*>(prefix_len);
         py::gil_scoped_release nogil;
         at::flash_attn_with_kvcache(a);
       },
@@ -83,6 +86,7 @@ void register_attention(py::module_& m) {
       py::arg("cache_len"), py::arg("cache_seqlens"), py::arg("cache_batch_idx"),
       py::arg("softmax_scale"), py::arg("causal"), py::arg("window_left"), py::arg("window_right"),
       py::arg("k_descale"), py::arg("v_descale"), py::arg("num_threads"),
+      py::arg("prefix_group") = 0, py::arg("prefix_len") = 0,
       "Raw entry of the CPU attention kernel; use "
       "vattention.integrations.flash_attn.flash_attn_with_kvcache.");
   m.def("attention_kernel_isa", &at::kernel_isa,

@@ -114,16 +114,19 @@ struct Case {
   int threads = 1;
   std::vector<int32_t> lq, past, rows;
   float k_descale = 1.0f, v_descale = 1.0f;
+  // shared prefix: the first `copied` tokens of every row equal rows[0]'s; the hint (empty: none)
+  int64_t copied = 0;
+  std::vector<int32_t> prefix_group, prefix_len;
 };
 
 std::string describe(const Case& c, const char* isa) {
   char buf[256];
   std::snprintf(buf, sizeof buf,
                 "isa=%s n=%lld H=%lld Hkv=%lld D=%lld dtype=%d cache=%d varlen=%d causal=%d new=%d "
-                "window=(%lld,%lld) threads=%d mega=%d",
+                "window=(%lld,%lld) threads=%d mega=%d shared=%lld hint=%d",
                 isa, (long long)c.n, (long long)c.heads, (long long)c.kv_heads, (long long)c.d,
                 (int)c.dtype, (int)c.cache_dtype, c.varlen, c.causal, c.with_new, (long long)c.wl,
-                (long long)c.wr, c.threads, c.mega);
+                (long long)c.wr, c.threads, c.mega, (long long)c.copied, !c.prefix_group.empty());
   return buf;
 }
 
@@ -139,6 +142,11 @@ void run_case(const Case& c, std::mt19937& rng, const char* isa) {
   for (size_t i = 0; i < kc.size() / ce; ++i) {
     encode(c.cache_dtype, normal(rng) * c.k_descale, &kc[i * ce], kinv);
     encode(c.cache_dtype, normal(rng) * c.v_descale, &vc[i * ce], vinv);
+  }
+  for (int64_t i = 1; i < n; ++i) {  // rows[i]'s first `copied` tokens := rows[0]'s
+    const size_t bytes = static_cast<size_t>(c.copied * s_token * ce);
+    std::memcpy(&kc[c.rows[i] * s_batch * ce], &kc[c.rows[0] * s_batch * ce], bytes);
+    std::memcpy(&vc[c.rows[i] * s_batch * ce], &vc[c.rows[0] * s_batch * ce], bytes);
   }
   std::vector<int32_t> cu(n + 1, 0);
   int64_t maxq = 0;
@@ -187,6 +195,10 @@ void run_case(const Case& c, std::mt19937& rng, const char* isa) {
   a.k_descale = c.k_descale;
   a.v_descale = c.v_descale;
   a.num_threads = c.threads;
+  if (!c.prefix_group.empty()) {
+    a.prefix_group = c.prefix_group.data();
+    a.prefix_len = c.prefix_len.data();
+  }
   const std::vector<uint8_t> kc_before = kc;
   try {
     flash_attn_with_kvcache(a);
@@ -319,6 +331,35 @@ Case random_case(std::mt19937& rng, int threads) {
   return c;
 }
 
+// Many decode rows (and some prefill rows) over one shared prefix, with the hint: groups and
+// claimed lengths at random within the truth (the kernel's cascade path, and its fallbacks).
+Case shared_prefix_case(std::mt19937& rng, int threads) {
+  auto uni = [&](int64_t lo, int64_t hi) {
+    return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+  };
+  Case c = random_case(rng, threads);
+  c.n = uni(2, 14);
+  c.batch = c.n + uni(0, 2);
+  c.varlen = true;
+  c.copied = uni(0, 300);
+  c.seq = c.copied + 200;
+  std::vector<int32_t> rows(c.batch);
+  for (int64_t r = 0; r < c.batch; ++r) rows[r] = static_cast<int32_t>(r);
+  std::shuffle(rows.begin(), rows.end(), rng);
+  c.lq.clear();
+  c.past.clear();
+  c.rows.clear();
+  for (int64_t i = 0; i < c.n; ++i) {
+    c.lq.push_back(static_cast<int32_t>(uni(0, 5) == 0 ? uni(0, 12) : 1));
+    c.past.push_back(static_cast<int32_t>(std::max<int64_t>(0, c.copied + uni(-20, 120))));
+    c.rows.push_back(rows[i]);
+    c.prefix_group.push_back(static_cast<int32_t>(uni(-1, 2) < 0 ? -1 : uni(0, 1)));
+    c.prefix_len.push_back(static_cast<int32_t>(uni(0, 4) == 0 ? uni(0, c.copied) : c.copied));
+  }
+  if (uni(0, 1)) c.wl = -1;  // half the batches without a window: the groups hold
+  return c;
+}
+
 // ---- guard pages: reading outside [window start, length) of the row faults.
 
 void test_guard_pages(const char* isa) {
@@ -415,6 +456,15 @@ void test_errors() {
   b.cache_dtype = DType::kFloat8E4M3;
   b.k_descale = 0.0f;
   expect_throw(b, "descale", "k_descale/v_descale");
+  b = a;
+  int32_t group = -2, len = 4;
+  b.prefix_group = &group;
+  expect_throw(b, "prefix hint alone", "must be given together");
+  b.prefix_len = &len;
+  expect_throw(b, "prefix group", "prefix_groups[0] = -2 must be >= -1");
+  group = 0;
+  len = -1;
+  expect_throw(b, "prefix length", "prefix_lens[0] = -1 is negative");
   flash_attn_with_kvcache(a);  // the valid call works
   check(kc[7 * 16] == 1.0f, "valid append");
 }
@@ -448,6 +498,11 @@ int main() {
       c.past = {static_cast<int32_t>(i % 2 ? 2400 : 700)};
       c.rows = {0};
       c.batch = 1;
+      run_case(c, rng, isa);
+      ++cases;
+    }
+    for (int i = 0; i < 24; ++i) {
+      Case c = shared_prefix_case(rng, i % 2 ? 2 : 1);
       run_case(c, rng, isa);
       ++cases;
     }

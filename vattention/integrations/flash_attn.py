@@ -74,6 +74,9 @@ def flash_attn_with_kvcache(
     window_size: Tuple[int, int] = (-1, -1),
     k_descale: Union[float, torch.Tensor, None] = None,
     v_descale: Union[float, torch.Tensor, None] = None,
+    *,
+    prefix_groups: Optional[torch.Tensor] = None,
+    prefix_lens: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of a batch of queries over dense KV caches, appending new keys in place.
 
@@ -119,6 +122,13 @@ def flash_attn_with_kvcache(
         number times the descale. New keys are stored as vLLM 0.32's CPU backend stores them:
         ``k * (1 / k_descale)``, clamped to the format's largest finite value (448 for e4m3fn,
         57344 for e5m2), mantissa truncated toward zero.
+    prefix_groups, prefix_lens : int Tensor ``[n]``, optional, keyword only (vattention's own)
+        A hint for the CPU kernel that never changes the result: requests with the same
+        ``prefix_groups[i] >= 0`` hold the same K/V at positions ``[0, min(prefix_lens[i],
+        prefix_lens[j]))`` of their rows (-1: no group), as prefix-cache hits give. The kernel
+        then reads that prefix once per KV head for all the group's decode queries that see all
+        of it (cascade attention), instead of once per request. The caller vouches for the
+        sameness; a wrong hint gives wrong output. CUDA and the reference ignore it.
 
     Returns
     -------
@@ -144,6 +154,18 @@ def flash_attn_with_kvcache(
     >>> out.shape, bool(torch.equal(kc[1, 5:8], k[:3])), bool(torch.equal(kc[0, 0], k[3]))
     (torch.Size([4, 2, 8]), True, True)
     >>> bool(torch.equal(out[3], v[3].expand(2, 8)))   # the decode's one key: its value
+    True
+
+    Two decode rows over one shared 32-token prefix (rows 0 and 1 hold the same first 32 keys):
+
+    >>> kc = torch.randn(2, 48, 1, 8); vc = torch.randn(2, 48, 1, 8)
+    >>> kc[1, :32] = kc[0, :32]; vc[1, :32] = vc[0, :32]
+    >>> q = torch.randn(2, 1, 2, 8); lens = torch.tensor([40, 45])
+    >>> plain = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True)
+    >>> hinted = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True,
+    ...                                  prefix_groups=torch.tensor([0, 0]),
+    ...                                  prefix_lens=torch.tensor([32, 32]))
+    >>> bool(torch.allclose(plain, hinted, atol=1e-6))
     True
     """
     if q.device.type == "cuda":
@@ -220,6 +242,8 @@ def flash_attn_with_kvcache(
         window_size,
         k_descale,
         v_descale,
+        prefix_groups=prefix_groups,
+        prefix_lens=prefix_lens,
     )
 
 
@@ -258,6 +282,8 @@ def _cpu_kernel(
     k_descale,
     v_descale,
     out: Optional[torch.Tensor] = None,
+    prefix_groups=None,
+    prefix_lens=None,
 ) -> torch.Tensor:
     """The CPU path of flash_attn_with_kvcache; `out` (q's shape and dtype, last dimension
     contiguous, any other strides) receives the output in place of a new tensor (the vLLM
@@ -352,6 +378,11 @@ def _cpu_kernel(
     else:
         seqlens = _int32_tensor(cache_seqlens, "cache_seqlens", n)
     rows = None if cache_batch_idx is None else _int32_tensor(cache_batch_idx, "cache_batch_idx", n)
+    if (prefix_groups is None) != (prefix_lens is None):
+        raise ValueError("prefix_groups and prefix_lens must be given together")
+    if prefix_groups is not None:
+        prefix_groups = _int32_tensor(prefix_groups, "prefix_groups", n)
+        prefix_lens = _int32_tensor(prefix_lens, "prefix_lens", n)
     left, right = _window(window_size)
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
     kd, vd = _descale(k_descale, "k_descale", fp8), _descale(v_descale, "v_descale", fp8)
@@ -399,6 +430,8 @@ def _cpu_kernel(
         k_descale=kd,
         v_descale=vd,
         num_threads=torch.get_num_threads(),
+        prefix_group=0 if prefix_groups is None else prefix_groups.data_ptr(),
+        prefix_len=0 if prefix_lens is None else prefix_lens.data_ptr(),
     )
     return out
 
@@ -491,6 +524,9 @@ def flash_attn_with_kvcache_reference(
     window_size: Tuple[int, int] = (-1, -1),
     k_descale: Union[float, torch.Tensor, None] = None,
     v_descale: Union[float, torch.Tensor, None] = None,
+    *,
+    prefix_groups: Optional[torch.Tensor] = None,
+    prefix_lens: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Reference (torch SDPA) of :func:`flash_attn_with_kvcache`: same arguments and semantics.
 
@@ -506,6 +542,8 @@ def flash_attn_with_kvcache_reference(
     q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cu_seqlens_q, max_seqlen_q,
     softmax_scale, causal, window_size, k_descale, v_descale
         As in :func:`flash_attn_with_kvcache`.
+    prefix_groups, prefix_lens
+        Accepted and ignored (a hint for the CPU kernel's speed).
 
     Returns
     -------

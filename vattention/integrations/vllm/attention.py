@@ -33,6 +33,7 @@ from vllm.v1.attention.backend import (
 
 from .. import flash_attn as fa
 from .geometry import FP8_DTYPES
+from .prefix_hint import SharedPrefixMemo
 
 __all__ = ["VAttentionBackend", "VAttentionCPUBackend", "VAttentionFlashBackend",
            "VAttentionImpl", "VAttentionMetadata", "VAttentionMetadataBuilder"]
@@ -51,6 +52,9 @@ class VAttentionMetadata:
     cache_batch_idx: torch.Tensor    # int32 [rows]
     cache_seqlens: torch.Tensor      # int32 [rows]
     max_query_len: int
+    # CPU with prefix caching: rows sharing cached blocks (the kernel's prefix hint), else None
+    prefix_groups: Optional[torch.Tensor] = None
+    prefix_lens: Optional[torch.Tensor] = None
 
 
 class VAttentionMetadataBuilder(AttentionMetadataBuilder[VAttentionMetadata]):
@@ -84,9 +88,25 @@ class VAttentionMetadataBuilder(AttentionMetadataBuilder[VAttentionMetadata]):
 
 class VAttentionCPUMetadataBuilder(VAttentionMetadataBuilder):
     """The CPU kernel takes decode rows and prefill chunks in any order in its one call: vLLM
-    need not reorder the batch each step (it costs about as much as the runner's own update)."""
+    need not reorder the batch each step (it costs about as much as the runner's own update).
+    With prefix caching it also tells the kernel which rows share cached blocks
+    (:mod:`.prefix_hint`)."""
 
     reorder_batch_threshold: ClassVar[Optional[int]] = None
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
+        self.shared_prefixes = SharedPrefixMemo()
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> VAttentionMetadata:
+        m = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        if self.prefix_caching:
+            cm = common_attn_metadata
+            m.prefix_groups, m.prefix_lens = self.shared_prefixes(
+                cm.block_table_tensor[:cm.num_reqs], m.past, self.kv_cache_spec.block_size)
+        return m
 
 
 class VAttentionImpl(AttentionImpl):
@@ -148,7 +168,8 @@ class VAttentionImpl(AttentionImpl):
             cache_seqlens=m.cache_seqlens, cache_batch_idx=m.cache_batch_idx,
             cu_seqlens_q=m.cu_seqlens_q, softmax_scale=self.scale, causal=True,
             window_size=self.window_size, k_descale=scales.get("k_descale"),
-            v_descale=scales.get("v_descale"), out=output[:n].view(query[:n].shape))
+            v_descale=scales.get("v_descale"), out=output[:n].view(query[:n].shape),
+            prefix_groups=m.prefix_groups, prefix_lens=m.prefix_lens)
         return output
 
 
