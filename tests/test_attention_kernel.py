@@ -256,6 +256,22 @@ def test_random_small_batches_on_every_isa_and_thread_count(b):
 # ---- targeted cases ----------------------------------------------------------------------------
 
 
+def test_long_shared_prefix_split_across_threads(isa, threads):
+    """One KV head, a 1500-token prefix behind 12 decode rows: on 2 threads the shared items are
+    split by keys like a long row (each member then merges several prefix parts and its own)."""
+    gen = torch.Generator().manual_seed(6)
+    n, prefix = 12, 1500
+    kc, vc = make_caches(n, 1700, 1, 128, torch.float32, gen=gen)
+    for r in range(1, n):
+        kc[r, :prefix], vc[r, :prefix] = kc[0, :prefix], vc[0, :prefix]
+    q = torch.randn(n, 1, 8, 128, generator=gen)
+    k, v = torch.randn(n, 1, 1, 128, generator=gen), torch.randn(n, 1, 1, 128, generator=gen)
+    check_against_reference(
+        q, kc, vc, k, v, cache_seqlens=torch.tensor([prefix + 13 * i for i in range(n)]),
+        causal=True, prefix_groups=torch.zeros(n, dtype=torch.int32),
+        prefix_lens=torch.full((n,), prefix, dtype=torch.int32))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_shared_prefix_is_read_from_one_row(isa, threads, dtype):
     """16 decode rows (GQA 2) behind one 300-token prefix, and two prefill rows: with the hint the

@@ -317,8 +317,9 @@ struct Plan {
   int64_t partial_floats = 0;
   double total_cost = 0;
   std::vector<SharedRowRef> shared_refs;  // kShared items' rows, [it.rows_begin, + num_rows)
-  std::vector<SharedRow> shared_rows;     // the same, resolved (resolve_shared)
-  std::vector<int32_t> prefix_slot;  // per request: partial slot of its shared prefix, or -1
+  std::vector<SharedRow> shared_rows;     // per kShared item, its rows resolved (resolve_shared)
+  // per request: the first of its prefix's partial slots (one per part of the prefix), or -1
+  std::vector<int32_t> prefix_slot;
 };
 
 // Requests that read one shared prefix [0, prefix) once per KV head (Args::prefix_group).
@@ -378,14 +379,21 @@ Plan make_plan(const Args& a, const Shape& s, const std::vector<Request>& reqs, 
     return per_key * static_cast<double>(keys) + 200.0 + static_cast<double>(rows * d) / 4.0;
   };
   std::vector<int64_t> prefix_of(reqs.size(), 0);
-  for (const ShareGroup& sg : share_groups(a, s, reqs)) {
-    for (int32_t m : sg.members) prefix_of[static_cast<size_t>(m)] = sg.prefix;
+  std::vector<int32_t> group_of(reqs.size(), -1);
+  const std::vector<ShareGroup> groups = share_groups(a, s, reqs);
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    const ShareGroup& sg = groups[gi];
+    for (int32_t m : sg.members) {
+      prefix_of[static_cast<size_t>(m)] = sg.prefix;
+      group_of[static_cast<size_t>(m)] = static_cast<int32_t>(gi);
+    }
     // one item per KV head and run of members whose rows fill at most kPrefillRows
     for (int64_t h = 0; h < a.num_kv_heads; ++h) {
       size_t x = 0;
       while (x < sg.members.size()) {
         WorkItem it;
         it.kind = ItemKind::kShared;
+        it.share_group = static_cast<int32_t>(gi);
         it.request = sg.members[x];
         it.kv_head = static_cast<int32_t>(h);
         it.k_begin = 0;
@@ -454,10 +462,22 @@ Plan make_plan(const Args& a, const Shape& s, const std::vector<Request>& reqs, 
     }
   }
   // Key splits (flash-decoding), and the partial slots of requests after a shared prefix: the
-  // prefix's slot first, then the slots of the request's own keys, combined in one group.
+  // prefix's slots first (one per part: a long prefix is split like a long row, every item of a
+  // group in the same parts), then the slots of the request's own keys, combined in one group.
   const bool allow_split = threads > 1 && plan.total_cost >= kSerialCost;
   const double target = plan.total_cost / (4.0 * threads);
+  auto split_step = [&](const WorkItem& it) {  // keys per part (all of them: one part)
+    const int64_t keys = it.k_end - it.k_begin;
+    int64_t parts = 1;
+    if (allow_split) {
+      parts = static_cast<int64_t>(std::ceil(it.cost / target));
+      parts = std::max<int64_t>(1, std::min({parts, keys / kMinSplitKeys, kMaxSplits}));
+    }
+    if (parts < 2) return std::max<int64_t>(keys, 1);
+    return ((keys + parts - 1) / parts + 15) / 16 * 16;
+  };
   plan.prefix_slot.assign(reqs.size(), -1);
+  std::vector<int64_t> group_step(groups.size(), 0);  // keys per part of each group's prefix
   std::vector<WorkItem> split;
   split.reserve(plan.items.size());
   int32_t next_partial = 0;
@@ -467,27 +487,37 @@ Plan make_plan(const Args& a, const Shape& s, const std::vector<Request>& reqs, 
     return next_partial++;
   };
   for (const WorkItem& it : plan.items) {
-    if (it.kind == ItemKind::kShared) {
-      split.push_back(it);
+    if (it.kind == ItemKind::kShared) {  // these come first: each group's parts are set here
+      int64_t& step = group_step[static_cast<size_t>(it.share_group)];
+      if (step == 0) step = split_step(it);
+      int32_t part_index = 0;
+      for (int64_t k0 = it.k_begin; k0 < it.k_end; k0 += step) {
+        WorkItem part = it;
+        part.k_begin = k0;
+        part.k_end = std::min(it.k_end, k0 + step);
+        part.cost = it.cost * static_cast<double>(part.k_end - part.k_begin) /
+                    static_cast<double>(it.k_end - it.k_begin);
+        part.prefix_part = part_index++;
+        split.push_back(part);
+      }
       continue;
     }
     const int64_t keys = it.k_end - it.k_begin;
-    int64_t parts = 1;
-    if (allow_split) {
-      parts = static_cast<int64_t>(std::ceil(it.cost / target));
-      parts = std::max<int64_t>(1, std::min({parts, keys / kMinSplitKeys, kMaxSplits}));
-    }
-    if (parts < 2 && !it.after_prefix) {
+    const int64_t step = split_step(it);
+    if (step >= keys && !it.after_prefix) {
       split.push_back(it);
       continue;
     }
     const int64_t rows = (it.q_end - it.q_begin) * g * it.kv_heads;
-    const int64_t chunk = (keys + parts - 1) / parts;
-    const int64_t step = std::max<int64_t>(16, (chunk + 15) / 16 * 16);
     CombineGroup cg{it.request, it.kv_head, it.kv_heads, it.q_begin, it.q_end, next_partial, 0};
     if (it.after_prefix) {
-      plan.prefix_slot[static_cast<size_t>(it.request)] = new_slot(rows);
-      ++cg.num_partials;
+      const size_t gi = static_cast<size_t>(group_of[static_cast<size_t>(it.request)]);
+      const int64_t prefix = groups[gi].prefix, pstep = group_step[gi];
+      plan.prefix_slot[static_cast<size_t>(it.request)] = next_partial;
+      for (int64_t k0 = 0; k0 < prefix; k0 += pstep) {
+        new_slot(rows);
+        ++cg.num_partials;
+      }
     }
     for (int64_t k0 = it.k_begin; k0 < it.k_end; k0 += step) {  // none when the prefix is all
       WorkItem part = it;
@@ -518,20 +548,24 @@ void resolve_shared(const Args& a, const Shape& s, const std::vector<Request>& r
                     float* partials, Plan& plan) {
   if (plan.shared_refs.empty()) return;
   const int64_t g = s.group;
-  plan.shared_rows.resize(plan.shared_refs.size());
-  for (size_t x = 0; x < plan.shared_refs.size(); ++x) {
-    const SharedRowRef& ref = plan.shared_refs[x];
-    const Request& rq = reqs[static_cast<size_t>(ref.request)];
-    const int64_t per_head = rq.lq * g;
-    const PartialView pv =
-        partial_view(partials, plan, plan.prefix_slot[static_cast<size_t>(ref.request)],
-                     per_head * a.num_kv_heads, s.dp);
-    const int64_t r = (ref.head / g) * per_head + ref.query * g + ref.head % g;
-    plan.shared_rows[x] =
-        SharedRow{q_row(a, rq, ref.query, ref.head), pv.m + r, pv.l + r, pv.acc + r * s.dp};
-  }
+  size_t total = 0;
+  for (const WorkItem& it : plan.items)
+    if (it.kind == ItemKind::kShared) total += static_cast<size_t>(it.num_rows);
+  plan.shared_rows.clear();
+  plan.shared_rows.reserve(total);  // no reallocation below: items point into it
   for (WorkItem& it : plan.items) {
-    if (it.kind == ItemKind::kShared) it.rows = plan.shared_rows.data() + it.rows_begin;
+    if (it.kind != ItemKind::kShared) continue;
+    it.rows = plan.shared_rows.data() + plan.shared_rows.size();
+    for (int32_t x = 0; x < it.num_rows; ++x) {
+      const SharedRowRef& ref = plan.shared_refs[static_cast<size_t>(it.rows_begin + x)];
+      const Request& rq = reqs[static_cast<size_t>(ref.request)];
+      const int64_t per_head = rq.lq * g;
+      const int32_t slot = plan.prefix_slot[static_cast<size_t>(ref.request)] + it.prefix_part;
+      const PartialView pv = partial_view(partials, plan, slot, per_head * a.num_kv_heads, s.dp);
+      const int64_t r = (ref.head / g) * per_head + ref.query * g + ref.head % g;
+      plan.shared_rows.push_back(
+          SharedRow{q_row(a, rq, ref.query, ref.head), pv.m + r, pv.l + r, pv.acc + r * s.dp});
+    }
   }
 }
 

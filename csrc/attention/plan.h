@@ -73,10 +73,10 @@ struct SharedRow {
 // to what those rows see). Decode items take every KV head of a request, prefill items one.
 // partial >= 0: a key split; the item writes (m, l, unnormalized acc) of its rows (row index
 // head * rows_per_head + row) to partial slot `partial` and a combine step writes the output.
-// kShared: the prefix [k_begin, k_end) of a group of requests for KV head kv_head, read from the
-// row of `request`; its rows are `rows[0, num_rows)` (any members' queries), each writing its own
-// partial row. The members' decode items then cover only the keys after the prefix
-// (after_prefix: they always write a partial, combined with the prefix's).
+// kShared: the prefix [k_begin, k_end) (or part `prefix_part` of it) of group `share_group` for
+// KV head kv_head, read from the row of `request`; its rows are `rows[0, num_rows)` (any members'
+// queries), each writing its own partial row. The members' decode items then cover only the keys
+// after the prefix (after_prefix: they always write a partial, combined with the prefix's).
 struct WorkItem {
   int32_t request = 0;
   int32_t kv_head = 0;
@@ -88,6 +88,8 @@ struct WorkItem {
   ItemKind kind = ItemKind::kDecode;
   int32_t partial = -1;
   bool after_prefix = false;
+  int32_t share_group = -1;         // kShared
+  int32_t prefix_part = 0;          // kShared
   const SharedRow* rows = nullptr;  // kShared
   int32_t num_rows = 0;
   int32_t rows_begin = 0;           // kShared: index of rows in the plan (until resolved)

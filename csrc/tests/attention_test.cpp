@@ -341,7 +341,7 @@ Case shared_prefix_case(std::mt19937& rng, int threads) {
   c.n = uni(2, 14);
   c.batch = c.n + uni(0, 2);
   c.varlen = true;
-  c.copied = uni(0, 300);
+  c.copied = uni(0, 3) == 0 ? uni(520, 900) : uni(0, 300);  // long ones: split on 2 threads
   c.seq = c.copied + 200;
   std::vector<int32_t> rows(c.batch);
   for (int64_t r = 0; r < c.batch; ++r) rows[r] = static_cast<int32_t>(r);
