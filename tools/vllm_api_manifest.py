@@ -170,6 +170,9 @@ MANIFEST = [
     ("attribute", BACKEND, "CommonAttentionMetadata.num_reqs"),
     ("attribute", BACKEND, "CommonAttentionMetadata.num_actual_tokens"),
     ("attribute", BACKEND, "CommonAttentionMetadata.query_start_loc_cpu"),
+    # the prefix hint (CPU builder): each group's block table and block size
+    ("attribute", BACKEND, "CommonAttentionMetadata.block_table_tensor"),
+    ("attribute", BACKEND, "AttentionMetadataBuilder.kv_cache_spec"),
     ("attribute", BACKEND, "AttentionType.DECODER"),
     # the layers' fp8 K/V scales (set_default_quant_scales: 1.0 unless a checkpoint brings its own)
     ("assigned", "vllm.model_executor.layers.attention.attention", "_k_scale_float"),
