@@ -403,9 +403,9 @@ Plan make_plan(const Args& a, const Shape& s, const std::vector<Request>& reqs, 
           const Request& rq = reqs[static_cast<size_t>(sg.members[x])];
           if (it.num_rows > 0 && it.num_rows + rq.lq * g > kPrefillRows) break;
           for (int64_t j = 0; j < rq.lq; ++j) {
-            for (int64_t gi = 0; gi < g; ++gi) {
+            for (int64_t gm = 0; gm < g; ++gm) {  // group member: query head h * g + gm
               plan.shared_refs.push_back({static_cast<int32_t>(rq.index), static_cast<int32_t>(j),
-                                          static_cast<int32_t>(h * g + gi)});
+                                          static_cast<int32_t>(h * g + gm)});
               ++it.num_rows;
             }
           }

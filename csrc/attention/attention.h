@@ -86,7 +86,9 @@ struct Args {
 
   // Shared prefixes (both nullptr: none), a hint that never changes the result. Requests with
   // the same prefix_group[i] >= 0 promise identical K/V at key positions [0, min(prefix_len[i],
-  // prefix_len[j])) of their rows (-1: no group). The kernel then reads that prefix once for the
+  // prefix_len[j])) of their rows (-1: no group), as the rows read after this call's appends (the
+  // kernel only uses positions below every member's cache_seqlens, which no append of this call
+  // writes in a member's own row). The kernel then reads that prefix once for the
   // group's decode queries that see all of it (cascade attention: one item per KV head with the
   // queries of every member as its rows), and each member's own keys separately. A prefix-cache
   // hit gives this: the same block's pages behind several rows.

@@ -103,6 +103,9 @@ class VAttentionCPUMetadataBuilder(VAttentionMetadataBuilder):
               fast_build: bool = False) -> VAttentionMetadata:
         m = super().build(common_prefix_len, common_attn_metadata, fast_build)
         if self.prefix_caching:
+            # block ids count kv_cache_spec.block_size tokens: the backend takes any kernel block
+            # size (MultipleOf(1)), so vLLM keeps its manager's block size for this table
+            # (select_common_block_size)
             cm = common_attn_metadata
             m.prefix_groups, m.prefix_lens = self.shared_prefixes(
                 cm.block_table_tensor[:cm.num_reqs], m.past, self.kv_cache_spec.block_size)
