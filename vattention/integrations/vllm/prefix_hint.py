@@ -73,7 +73,7 @@ def shared_prefixes(
 class SharedPrefixMemo:
     """:func:`shared_prefixes` of the previous step again while the batch's tables (up to its
     whole cached blocks) and whole cached block counts are unchanged: most steps, since a decode
-    row crosses a block boundary once every ``block_size`` tokens (about 2 us where the grouping
+    row crosses a block boundary once every ``block_size`` tokens (about 3 us where the grouping
     takes 15-20 for 16 rows).
 
     >>> memo = SharedPrefixMemo()
