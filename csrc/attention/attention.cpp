@@ -378,15 +378,11 @@ Plan make_plan(const Args& a, const Shape& s, const std::vector<Request>& reqs, 
     const double per_key = bytes_per_key / 8.0 + rows_padded * static_cast<double>(d) / 16.0;
     return per_key * static_cast<double>(keys) + 200.0 + static_cast<double>(rows * d) / 4.0;
   };
-  std::vector<int64_t> prefix_of(reqs.size(), 0);
-  std::vector<int32_t> group_of(reqs.size(), -1);
+  std::vector<int32_t> group_of(reqs.size(), -1);  // a member's share group, or -1
   const std::vector<ShareGroup> groups = share_groups(a, s, reqs);
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     const ShareGroup& sg = groups[gi];
-    for (int32_t m : sg.members) {
-      prefix_of[static_cast<size_t>(m)] = sg.prefix;
-      group_of[static_cast<size_t>(m)] = static_cast<int32_t>(gi);
-    }
+    for (int32_t m : sg.members) group_of[static_cast<size_t>(m)] = static_cast<int32_t>(gi);
     // one item per KV head and run of members whose rows fill at most kPrefillRows
     for (int64_t h = 0; h < a.num_kv_heads; ++h) {
       size_t x = 0;
@@ -440,8 +436,9 @@ Plan make_plan(const Args& a, const Shape& s, const std::vector<Request>& reqs, 
       const int64_t rows = (q1 - q0) * g;
       const double rows_padded =
           decode ? static_cast<double>(rows) : static_cast<double>((rows + 15) / 16 * 16);
-      const int64_t prefix = prefix_of[static_cast<size_t>(rq.index)];
-      if (prefix > 0) kb = std::max(kb, prefix);  // the shared item reads [0, prefix)
+      const int32_t group = group_of[static_cast<size_t>(rq.index)];
+      if (group >= 0)  // a member (a decode request): its group's shared items read the prefix
+        kb = std::max(kb, groups[static_cast<size_t>(group)].prefix);
       const int64_t heads_per_item = decode ? a.num_kv_heads : 1;
       for (int64_t h = 0; h < a.num_kv_heads; h += heads_per_item) {
         WorkItem it;
@@ -453,7 +450,6 @@ Plan make_plan(const Args& a, const Shape& s, const std::vector<Request>& reqs, 
         it.k_begin = kb;
         it.k_end = ke;
         it.kind = decode ? ItemKind::kDecode : ItemKind::kPrefill;
-        it.after_prefix = prefix > 0;
         it.cost = static_cast<double>(heads_per_item) *
                   item_cost(rows_padded, rows, std::max<int64_t>(0, ke - kb));
         plan.total_cost += it.cost;
@@ -504,14 +500,15 @@ Plan make_plan(const Args& a, const Shape& s, const std::vector<Request>& reqs, 
     }
     const int64_t keys = it.k_end - it.k_begin;
     const int64_t step = split_step(it);
-    if (step >= keys && !it.after_prefix) {
+    const int32_t group = group_of[static_cast<size_t>(it.request)];  // >= 0: after a prefix
+    if (step >= keys && group < 0) {
       split.push_back(it);
       continue;
     }
     const int64_t rows = (it.q_end - it.q_begin) * g * it.kv_heads;
     CombineGroup cg{it.request, it.kv_head, it.kv_heads, it.q_begin, it.q_end, next_partial, 0};
-    if (it.after_prefix) {
-      const size_t gi = static_cast<size_t>(group_of[static_cast<size_t>(it.request)]);
+    if (group >= 0) {
+      const size_t gi = static_cast<size_t>(group);
       const int64_t prefix = groups[gi].prefix, pstep = group_step[gi];
       plan.prefix_slot[static_cast<size_t>(it.request)] = next_partial;
       for (int64_t k0 = 0; k0 < prefix; k0 += pstep) {

@@ -76,7 +76,7 @@ struct SharedRow {
 // kShared: the prefix [k_begin, k_end) (or part `prefix_part` of it) of group `share_group` for
 // KV head kv_head, read from the row of `request`; its rows are `rows[0, num_rows)` (any members'
 // queries), each writing its own partial row. The members' decode items then cover only the keys
-// after the prefix (after_prefix: they always write a partial, combined with the prefix's).
+// after the prefix (they always write a partial, combined with the prefix's).
 struct WorkItem {
   int32_t request = 0;
   int32_t kv_head = 0;
@@ -87,7 +87,6 @@ struct WorkItem {
   int64_t k_end = 0;
   ItemKind kind = ItemKind::kDecode;
   int32_t partial = -1;
-  bool after_prefix = false;
   int32_t share_group = -1;         // kShared
   int32_t prefix_part = 0;          // kShared
   const SharedRow* rows = nullptr;  // kShared
