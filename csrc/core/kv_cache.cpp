@@ -236,6 +236,7 @@ Stats KVCacheCore::stats() const {
       {"bytes_used_by_tokens", tokens * geo_.bytes_per_token()},
       {"virtual_bytes", static_cast<int64_t>(geo_.virtual_bytes())},
       {"committed_bytes", backend_->committed_bytes()},
+      {"huge_page_bytes", backend_->huge_page_bytes()},
       {"memory_budget", pool_.budget_bytes()},
       {"lookahead_tokens", lookahead_tokens_},
       {"active_slots", active},

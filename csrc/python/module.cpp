@@ -88,7 +88,8 @@ PYBIND11_MODULE(_C, m) {
       .def("map", &vattention::Backend::map, py::arg("va"), py::arg("page"))
       .def("set_access", &vattention::Backend::set_access, py::arg("va"), py::arg("bytes"))
       .def("unmap", &vattention::Backend::unmap, py::arg("va"), py::arg("bytes"))
-      .def("committed_bytes", &vattention::Backend::committed_bytes);
+      .def("committed_bytes", &vattention::Backend::committed_bytes)
+      .def("huge_page_bytes", &vattention::Backend::huge_page_bytes);
 
   // The page pool over such a backend, for the pool's own contract tests (tests/test_page_pool.py).
   using vattention::PagePool;

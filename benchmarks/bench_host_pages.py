@@ -1,0 +1,140 @@
+"""Host backend pages in 2 MB huge pages of the OS against 4 KB ones (host/host_backend.h).
+
+Two caches of the same geometry live in one process: one whose pages were gathered into 2 MB
+folios (the default where the page size is a whole number of 2 MB and the kernel has
+MADV_COLLAPSE), one made with ``VATTENTION_HOST_HUGE_PAGES=0`` (4 KB pages, the baseline). Both
+are warmed up, then timed alternately (A B B A), min and median printed:
+
+- **remap**: 16 rows take tables of 7 blocks each, rotated every round so that every row maps
+  other blocks' existing pages (unmap, map, populate: what `step()` does when an engine hands a
+  row new blocks); no page is created.
+- **read**: `sum()` over the whole K tensor of one layer, every row mapped (a streaming read
+  through the cache's mappings: the TLB reach of the two page sizes).
+- **create**: a new cache and its first step, which creates every page (the one-time cost the
+  huge pages add: the collapse copies each page once).
+
+    .venv/bin/python benchmarks/bench_host_pages.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import vattention  # noqa: E402
+
+from _timing import compare_min_median  # noqa: E402
+
+ROWS, BLOCKS_PER_ROW = 16, 7
+
+
+@contextlib.contextmanager
+def huge_pages(on: bool):
+    old = os.environ.get("VATTENTION_HOST_HUGE_PAGES")
+    os.environ["VATTENTION_HOST_HUGE_PAGES"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["VATTENTION_HOST_HUGE_PAGES"]
+        else:
+            os.environ["VATTENTION_HOST_HUGE_PAGES"] = old
+
+
+def config(layers: int) -> vattention.KVCacheConfig:
+    # mega layout, 128 tokens a page: layers x 8 KV heads x 64 x 4 bytes x 128 = layers x 256 KB.
+    return vattention.KVCacheConfig(
+        num_layers=layers, num_kv_heads=8, head_dim=64, max_batch_size=ROWS, max_seq_len=4096,
+        dtype=torch.float32, page_size=layers * (256 << 10), layout="mega", device="cpu",
+        num_blocks=ROWS * BLOCKS_PER_ROW + 1, block_cache=True)
+
+
+class Remapper:
+    """A cache whose rows are handed rotated block tables, one round per call."""
+
+    def __init__(self, cfg: vattention.KVCacheConfig, huge: bool) -> None:
+        with huge_pages(huge):
+            self.cache = vattention.KVCache(cfg)
+        self.tokens = BLOCKS_PER_ROW * cfg.tokens_per_page
+        self.round = 0
+        self.call()                       # creates every page once
+        self.huge_bytes = self.cache.stats()["huge_page_bytes"]
+
+    def call(self) -> None:
+        slots = [self.cache.alloc() for _ in range(ROWS)]
+        updates = {}
+        for i, s in enumerate(slots):
+            j = (i + self.round) % ROWS
+            updates[s] = (0, list(range(1 + BLOCKS_PER_ROW * j, 1 + BLOCKS_PER_ROW * (j + 1))), 0)
+        self.cache.step({s: self.tokens for s in slots}, blocks=updates)
+        for s in slots:
+            self.cache.free(s)
+        self.round += 1
+
+    def reader(self):
+        slots = [self.cache.alloc() for _ in range(ROWS)]
+        self.cache.step({s: self.tokens for s in slots},
+                        blocks={s: (0, list(range(1 + BLOCKS_PER_ROW * i,
+                                                  1 + BLOCKS_PER_ROW * (i + 1))), 0)
+                                for i, s in enumerate(slots)})
+        k, _ = self.cache.layer(0)
+        rows = k[:, :self.tokens]
+        return lambda: rows.sum()
+
+
+def create_once(cfg: vattention.KVCacheConfig, huge: bool) -> None:
+    with huge_pages(huge):
+        cache = vattention.KVCache(cfg)
+    with cache:
+        slots = [cache.alloc() for _ in range(ROWS)]
+        cache.step({s: BLOCKS_PER_ROW * cfg.tokens_per_page for s in slots},
+                   blocks={s: (0, list(range(1 + BLOCKS_PER_ROW * i,
+                                             1 + BLOCKS_PER_ROW * (i + 1))), 0)
+                           for i, s in enumerate(slots)})
+
+
+def fmt(t) -> str:
+    return f"{t[0] * 1e3:.2f} ({t[1] * 1e3:.2f})"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=6)
+    args = p.parse_args()
+    print(f"{ROWS} rows x {BLOCKS_PER_ROW} blocks of 128 tokens, mega layout, fp32, 8 KV heads x "
+          f"64; {torch.get_num_threads()} thread(s); load average {os.getloadavg()[0]:.2f}\n")
+    print("| layers | page | huge pages in use | remap ms, huge (4 KB) | ratio | "
+          "read ms, huge (4 KB) | ratio | create ms, huge (4 KB) | ratio |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+    for layers in (4, 8, 16):
+        cfg = config(layers)
+        caches = {"huge": Remapper(cfg, True), "4k": Remapper(cfg, False)}
+        in_use = caches["huge"].huge_bytes
+        state = ("n/a (page not whole 2 MB)" if in_use < 0 else
+                 "yes" if in_use > 0 else "no (the kernel would not)")
+        remap = compare_min_median({n: c.call for n, c in caches.items()}, calls=3,
+                                   rounds=args.rounds)
+        read = compare_min_median({n: c.reader() for n, c in caches.items()}, calls=3,
+                                  rounds=args.rounds)
+        for c in caches.values():
+            c.cache.close()
+        create = compare_min_median({"huge": lambda: create_once(cfg, True),
+                                     "4k": lambda: create_once(cfg, False)}, calls=1,
+                                    rounds=args.rounds)
+        ratio = [t["huge"][1] / t["4k"][1] for t in (remap, read, create)]
+        print(f"| {layers} | {cfg.page_bytes >> 10} KB | {state} | "
+              f"{fmt(remap['huge'])} ({fmt(remap['4k'])}) | {ratio[0]:.2f} | "
+              f"{fmt(read['huge'])} ({fmt(read['4k'])}) | {ratio[1]:.2f} | "
+              f"{fmt(create['huge'])} ({fmt(create['4k'])}) | {ratio[2]:.2f} |")
+    print("\nms: min (median) per call; ratio: huge / 4 KB medians. load average at end "
+          f"{os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
