@@ -188,6 +188,22 @@ def test_reserve_the_whole_virtual_size_works_and_one_more_page_does_not(make_ca
     assert cache.stats()["pages_total"] * cfg.page_bytes == cfg.virtual_bytes
 
 
+def test_a_block_cache_may_reserve_its_cached_blocks_pages_beyond_its_virtual_size(make_cache):
+    # Engine blocks keep their pages while cached (block_pages.h): a vLLM budget of more blocks
+    # than the rows can map at once is a pool that large.
+    cache = make_cache(num_layers=1, max_batch_size=1, max_seq_len=512, memory_budget=None,
+                       num_blocks=64, block_cache=True)
+    cfg = cache.config
+    page_indices = cfg.max_seq_len // cfg.tokens_per_page          # of the one row
+    width = cfg.virtual_bytes // cfg.page_bytes // page_indices     # pages per page index
+    limit = cfg.virtual_bytes + 64 * width * cfg.page_bytes
+    with pytest.raises(ConfigError, match=rf"plus {64 * width} pages its engine blocks may keep"):
+        cache.reserve(limit + 1)
+    assert cache.stats()["pages_total"] == 0
+    cache.reserve(limit)
+    assert cache.stats()["pages_total"] * cfg.page_bytes == limit
+
+
 # ---- item 7: streams ---------------------------------------------------------------------------
 
 class FakeStream:

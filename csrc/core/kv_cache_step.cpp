@@ -227,15 +227,23 @@ Capacity KVCacheCore::capacity(const std::vector<int64_t>& lens,
 
 void KVCacheCore::reserve(size_t bytes) {
   Lock lock = enter();
-  // Overflow-safe rounding up; no cache can use more pages than its virtual tensors hold.
+  // Overflow-safe rounding up. No cache can use more pages than its virtual tensors hold, plus,
+  // when engine blocks keep their pages after the last row unmaps them (block_pages.h), those.
   const size_t pages = bytes / geo_.page_bytes + (bytes % geo_.page_bytes != 0 ? 1 : 0);
-  const size_t usable = geo_.virtual_bytes() / geo_.page_bytes;
+  const size_t mappable = geo_.virtual_bytes() / geo_.page_bytes;
+  const size_t cached =
+      blocks_.caching() ? static_cast<size_t>(blocks_.num_blocks()) * geo_.group_width() : 0;
+  const size_t usable = mappable + cached;
   if (pages > usable) {
     throw Error(Error::Kind::Config,
                 "reserve of " + std::to_string(bytes) + " bytes (" + std::to_string(pages) +
                     " pages) exceeds what this cache can ever map: " + std::to_string(usable) +
                     " pages of " + std::to_string(geo_.page_bytes) + " bytes (its virtual size, " +
-                    std::to_string(usable * geo_.page_bytes) + " bytes)")
+                    std::to_string(mappable * geo_.page_bytes) + " bytes" +
+                    (cached ? ", plus " + std::to_string(cached) +
+                                  " pages its engine blocks may keep cached"
+                            : std::string()) +
+                    ")")
         .with("bytes", static_cast<int64_t>(bytes > INT64_MAX ? INT64_MAX : bytes))
         .with("pages_possible", static_cast<int64_t>(usable));
   }

@@ -19,6 +19,9 @@
 #ifndef MADV_POPULATE_READ
 #define MADV_POPULATE_READ 22  // Linux 5.14; older headers lack it
 #endif
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14
+#endif
 #ifndef MADV_COLLAPSE
 #define MADV_COLLAPSE 25  // Linux 6.1
 #endif
@@ -151,7 +154,7 @@ PageHandle HostBackend::create_page() {
   int fd;
   size_t offset;
   PageHandle page = commit_extent(&fd, &offset);
-  if (try_huge_ && collapse(fd, offset)) {
+  if (instantiate(fd, offset)) {
     std::lock_guard<std::mutex> lock(mu_);
     if (huge_.size() <= page) huge_.resize(page + 1, 0);
     huge_[page] = 1;
@@ -202,28 +205,35 @@ PageHandle HostBackend::commit_extent(int* fd_out, size_t* offset_out) {
   return page;
 }
 
-bool HostBackend::collapse(int fd, size_t offset) {
+bool HostBackend::instantiate(int fd, size_t offset) {
   // A scratch mapping at a 2 MB-aligned address (over-reserve, then map inside): MADV_COLLAPSE
   // works on a mapping, and only on whole aligned 2 MB ranges. It gathers the extent's fallocated
-  // 4 KB pages into 2 MB folios that stay in the memfd after the scratch mapping goes (measured:
-  // 0.4-1 ms per 2 MB, on top of the fallocate's 0.5 ms). It fails with EINVAL on a range with no
-  // pages at all, hence after the fallocate.
-  const size_t span = page_bytes_ + kHugeBytes;
+  // 4 KB pages into zero-filled 2 MB folios that stay in the memfd after the scratch mapping goes
+  // (measured: 0.4-1 ms per 2 MB, on top of the fallocate's 0.5 ms). It fails with EINVAL on a
+  // range with no pages at all, hence after the fallocate. Without it, MADV_POPULATE_WRITE has
+  // the kernel clear the 4 KB pages now. Both are best effort: a page they could not instantiate
+  // is cleared at its first fault, as before.
+  const bool huge = try_huge_;
+  const size_t align = huge ? kHugeBytes : granularity_;
+  const size_t span = page_bytes_ + align;
   void* raw = mmap(nullptr, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (raw == MAP_FAILED) return false;
   const uintptr_t begin = reinterpret_cast<uintptr_t>(raw);
-  void* va = reinterpret_cast<void*>((begin + kHugeBytes - 1) / kHugeBytes * kHugeBytes);
-  bool ok = false;
+  void* va = reinterpret_cast<void*>((begin + align - 1) / align * align);
+  bool collapsed = false;
   if (mmap(va, page_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd,
            static_cast<off_t>(offset)) != MAP_FAILED) {
-    ok = madvise(va, page_bytes_, MADV_COLLAPSE) == 0;
-    // EINVAL: this kernel has no MADV_COLLAPSE or refuses it for shmem (shmem_enabled=deny); it
-    // will not change its mind, so stop trying. Other errors (EAGAIN, ENOMEM: no free 2 MB block
-    // now) are worth another try with the next page.
-    if (!ok && errno == EINVAL) try_huge_ = false;
+    if (huge) {
+      collapsed = madvise(va, page_bytes_, MADV_COLLAPSE) == 0;
+      // EINVAL: this kernel has no MADV_COLLAPSE or refuses it for shmem (shmem_enabled=deny);
+      // it will not change its mind, so stop trying. Other errors (EAGAIN, ENOMEM: no free 2 MB
+      // block now) are worth another try with the next page.
+      if (!collapsed && errno == EINVAL) try_huge_ = false;
+    }
+    if (!collapsed) (void)madvise(va, page_bytes_, MADV_POPULATE_WRITE);
   }
   munmap(raw, span);
-  return ok;
+  return collapsed;
 }
 
 int64_t HostBackend::huge_page_bytes() const {

@@ -4,9 +4,12 @@
 // the faults are the same on both backends.
 //  - A reservation is mmap(PROT_NONE, MAP_NORESERVE): address space only, touching it faults.
 //  - Physical pages are page_bytes extents of a few large memfd "arenas" (one fd per page would
-//  need
-//    131,072 descriptors for 8 GB of 64 KB pages). A page is committed with fallocate() when
-//    created, so creating pages really reserves memory, and handed back with PUNCH_HOLE.
+//    need 131,072 descriptors for 8 GB of 64 KB pages). A page is committed with fallocate() when
+//    created, so creating pages really reserves memory, and handed back with PUNCH_HOLE. Creating
+//    also instantiates the memory (zero-filled through a scratch mapping), like cuMemCreate: the
+//    kernel clears a fallocated shmem page only at its first fault, which made the first mapping
+//    of a page 4-5x dearer than later ones (measured: populate 400-540 against 84-109 us per MB),
+//    a cost that would otherwise land on whichever step first maps the page.
 //  - map() is mmap(MAP_FIXED|MAP_SHARED) of the page's extent at its arena offset, with no access,
 //    like cuMemMap; set_access() is mprotect(RW); prefault() is MADV_POPULATE_READ, so mapped
 //    memory is resident like device memory (the prefetch thread runs it outside the cache lock);
@@ -81,9 +84,9 @@ class HostBackend final : public Backend {
   int arena_fd(PageHandle page, size_t* offset) const;
   // create_page() under mu_: takes a free extent (or the next unused one) and fallocates it.
   PageHandle commit_extent(int* fd, size_t* offset);
-  // Gathers the extent [offset, offset + page_bytes_) of fd into 2 MB folios; false if the kernel
-  // would not. Called without mu_ held (it copies the page).
-  bool collapse(int fd, size_t offset);
+  // Instantiates the extent [offset, offset + page_bytes_) of fd, in 2 MB folios where try_huge_
+  // and the kernel allow (returns true then). Called without mu_ held (it writes the page).
+  bool instantiate(int fd, size_t offset);
 
   const size_t granularity_;
   const size_t page_bytes_;
@@ -94,7 +97,7 @@ class HostBackend final : public Backend {
   std::vector<PageHandle> free_extents_;  // punched extents ready for reuse
   std::vector<char> huge_;  // per page handle: its memory is in 2 MB folios
   int64_t huge_pages_ = 0;  // live pages with huge_ set
-  // Whether create_page() tries collapse(): page_bytes a multiple of 2 MB, not turned off, and
+  // Whether instantiate() tries MADV_COLLAPSE: page_bytes a multiple of 2 MB, not turned off, and
   // the kernel has not answered that it cannot (cleared on EINVAL: no MADV_COLLAPSE, or denied).
   std::atomic<bool> try_huge_{false};
   struct Fault {

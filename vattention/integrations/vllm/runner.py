@@ -86,6 +86,13 @@ class VAttentionRunnerMixin:
             device="cpu" if self.device.type == "cpu" else f"cuda:{self.device.index or 0}",
             block_cache=bool(self.cache_config.enable_prefix_caching))
         self._vattention = KVCache(config, memory_budget=kv.memory_budget(config))
+        if config.block_cache:
+            # With prefix caching a block keeps its pages until vLLM hands its id out fresh, and
+            # vLLM hands out every id once before it reuses any: memory reaches the budget after
+            # the first budget's worth of tokens whatever we do. Creating the pages now, as stock
+            # vLLM zeroes its whole buffer now, keeps page creation out of the steps (up to tens
+            # of ms on a step that admits new requests) and reports a shortage at start-up.
+            self._vattention.reserve(kv.memory_budget(config))
         self._vattention_slots = RequestSlots(self._vattention)
         self._vattention_block_size = kv.block_size
         self._vattention_preemptions = 0
@@ -106,9 +113,10 @@ class VAttentionRunnerMixin:
                         builder.batch_source = self.vattention_batch
         logger.info(
             "vattention KV cache: %d slots x %d tokens, layout %s, page %d bytes (%d tokens, one "
-            "vLLM block), budget %d bytes (%d blocks), %d layers in %d KV cache group(s), "
+            "vLLM block), budget %d bytes (%d blocks, %s), %d layers in %d KV cache group(s), "
             "prefix caching %s", config.max_batch_size, config.max_seq_len, config.layout,
             config.page_bytes, kv.block_size, kv.memory_budget(config), kv.num_blocks,
+            "created at start-up" if config.block_cache else "created as tokens arrive",
             len(kv.layer_names), kv.num_groups, "on" if config.block_cache else "off")
         self._start_stats_writer()
         return placeholders
