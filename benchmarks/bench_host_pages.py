@@ -8,8 +8,8 @@ are warmed up, then timed alternately (A B B A), min and median printed:
 - **remap**: 16 rows take tables of 7 blocks each, rotated every round so that every row maps
   other blocks' existing pages (unmap, map, populate: what `step()` does when an engine hands a
   row new blocks); no page is created.
-- **read**: `sum()` over the whole K tensor of one layer, every row mapped (a streaming read
-  through the cache's mappings: the TLB reach of the two page sizes).
+- **read**: `sum()` over every row's K (all layers), every row mapped: a streaming read through
+  the cache's mappings, where the two page sizes differ only in TLB reach.
 - **create**: a new cache and its first step, which creates every page (the one-time cost the
   huge pages add: the collapse copies each page once).
 
@@ -82,7 +82,7 @@ class Remapper:
                         blocks={s: (0, list(range(1 + BLOCKS_PER_ROW * i,
                                                   1 + BLOCKS_PER_ROW * (i + 1))), 0)
                                 for i, s in enumerate(slots)})
-        k, _ = self.cache.layer(0)
+        k, _ = self.cache.mega_tensors()          # [rows, tokens, layers, heads, head_dim]
         rows = k[:, :self.tokens]
         return lambda: rows.sum()
 
