@@ -182,7 +182,7 @@ def test_reserve_beyond_the_address_space_is_refused(make_cache, size):
 def test_reserve_the_whole_virtual_size_works_and_one_more_page_does_not(make_cache):
     cache = make_cache(num_layers=1, max_batch_size=1, max_seq_len=512, memory_budget=None)
     cfg = cache.config
-    with pytest.raises(ConfigError, match=r"exceeds what this cache can ever map"):
+    with pytest.raises(ConfigError, match=r"exceeds what this cache can ever hold"):
         cache.reserve(cfg.virtual_bytes + 1)
     cache.reserve(cfg.virtual_bytes)
     assert cache.stats()["pages_total"] * cfg.page_bytes == cfg.virtual_bytes
@@ -194,8 +194,7 @@ def test_a_block_cache_may_reserve_its_cached_blocks_pages_beyond_its_virtual_si
     cache = make_cache(num_layers=1, max_batch_size=1, max_seq_len=512, memory_budget=None,
                        num_blocks=64, block_cache=True)
     cfg = cache.config
-    page_indices = cfg.max_seq_len // cfg.tokens_per_page          # of the one row
-    width = cfg.virtual_bytes // cfg.page_bytes // page_indices     # pages per page index
+    width = cfg.pages_per_index                                     # pages a block names
     limit = cfg.virtual_bytes + 64 * width * cfg.page_bytes
     with pytest.raises(ConfigError, match=rf"plus {64 * width} pages its engine blocks may keep"):
         cache.reserve(limit + 1)

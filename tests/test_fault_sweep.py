@@ -40,7 +40,8 @@ CUDA_ENTRIES = ("cuMemCreate", "cuMemRelease", "cuMemMap", "cuMemUnmap", "cuMemS
 # size (pages created for a failed call may stay in the pool as free pages, invisible to requests).
 STATE_EXEMPT = {"map_calls", "unmap_calls", "set_access_calls", "step_map_calls",
                 "prefetch_map_calls", "pages_created", "pages_destroyed", "pages_total",
-                "pages_free", "bytes_reserved", "committed_bytes", "oom_events", "fence_waits",
+                "pages_free", "bytes_reserved", "committed_bytes", "huge_page_bytes", "oom_events",
+                "fence_waits",
                 "reclaimed_pages", "cow_pages_copied", "swap_out_pages", "swap_in_pages",
                 "prefetch_shortfall_pages", "steps", "scrubbed_pages", "step_driver_calls",
                 "prefetch_driver_calls", "prefetch_errors", "block_hits", "block_hits_in_place",

@@ -13,7 +13,8 @@ Workloads (started together, awaited per test):
   seeded request whose prompt is chunked, "CPU Generator does not use offset"). Only sizes are
   given (and float32, the checkpoint's dtype, for the transformers reference): vLLM's defaults.
 * ``prefix``: 12 requests, three 300-token system prompts of four requests each: prefix-cache
-  hits map the cached blocks' pages, and the pages created hold about one copy of each prompt.
+  hits map the cached blocks' pages, and the blocks holding pages are about one copy of each
+  prompt.
 * ``qwen-tight``: 8 blocks of KV memory for 6 requests of ~300 tokens, so vLLM must preempt.
 * ``mistral-window``, ``gemma3`` (local and global layers: two KV cache groups), ``qwen2-window``:
   sliding windows of 64 tokens over 300-token generations: tokens equal stock vLLM's, and a

@@ -92,8 +92,9 @@ class Backend {
 
   // Bytes the OS/driver really holds for this backend's pages (host: memfd blocks). -1 if unknown.
   virtual int64_t committed_bytes() const { return -1; }
-  // Bytes of live pages whose memory is in huge (2 MB) pages of the OS, so that a mapping at an
-  // aligned address costs one page-table entry per 2 MB (host backend). -1 if not applicable.
+  // Bytes of live pages collapsed into huge (2 MB) pages of the OS when created, so that a mapping
+  // at an aligned address costs one page-table entry per 2 MB (host backend). -1 if not
+  // applicable (another backend, a page size not a multiple of 2 MB, base pages not 4 KB).
   virtual int64_t huge_page_bytes() const { return -1; }
 
   // Called once per cache after its tensors are reserved at `bases` (one per tensor, as

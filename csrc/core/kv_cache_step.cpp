@@ -237,7 +237,7 @@ void KVCacheCore::reserve(size_t bytes) {
   if (pages > usable) {
     throw Error(Error::Kind::Config,
                 "reserve of " + std::to_string(bytes) + " bytes (" + std::to_string(pages) +
-                    " pages) exceeds what this cache can ever map: " + std::to_string(usable) +
+                    " pages) exceeds what this cache can ever hold: " + std::to_string(usable) +
                     " pages of " + std::to_string(geo_.page_bytes) + " bytes (its virtual size, " +
                     std::to_string(mappable * geo_.page_bytes) + " bytes" +
                     (cached ? ", plus " + std::to_string(cached) +

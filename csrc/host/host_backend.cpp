@@ -156,7 +156,6 @@ PageHandle HostBackend::create_page() {
   PageHandle page = commit_extent(&fd, &offset);
   if (instantiate(fd, offset)) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (huge_.size() <= page) huge_.resize(page + 1, 0);
     huge_[page] = 1;
     ++huge_pages_;
   }
@@ -182,6 +181,8 @@ PageHandle HostBackend::commit_extent(int* fd_out, size_t* offset_out) {
     }
     page = (arenas_.size() - 1) * pages_per_arena_ + arenas_.back().next_unused;
   }
+  // Sized before the fallocate, so that nothing can fail once the extent is committed.
+  if (huge_.size() <= page) huge_.resize(page + 1, 0);
   const int fd = arenas_[page / pages_per_arena_].fd;
   const off_t offset = static_cast<off_t>((page % pages_per_arena_) * page_bytes_);
   if (fallocate(fd, 0, offset, static_cast<off_t>(page_bytes_)) != 0) {
@@ -225,10 +226,16 @@ bool HostBackend::instantiate(int fd, size_t offset) {
            static_cast<off_t>(offset)) != MAP_FAILED) {
     if (huge) {
       collapsed = madvise(va, page_bytes_, MADV_COLLAPSE) == 0;
-      // EINVAL: this kernel has no MADV_COLLAPSE or refuses it for shmem (shmem_enabled=deny);
-      // it will not change its mind, so stop trying. Other errors (EAGAIN, ENOMEM: no free 2 MB
-      // block now) are worth another try with the next page.
-      if (!collapsed && errno == EINVAL) try_huge_ = false;
+      // EINVAL before any success: no MADV_COLLAPSE in this kernel, or refused for shmem
+      // (shmem_enabled=deny, THP disabled for the process); it will not change its mind, so
+      // stop trying. After a success, EINVAL is also the kernel's answer for a failure of one
+      // range (a page it could not get or copy), as EAGAIN and ENOMEM (no free 2 MB block now)
+      // are: the next page tries again.
+      if (collapsed) {
+        ever_collapsed_ = true;
+      } else if (errno == EINVAL && !ever_collapsed_) {
+        try_huge_ = false;
+      }
     }
     if (!collapsed) (void)madvise(va, page_bytes_, MADV_POPULATE_WRITE);
   }

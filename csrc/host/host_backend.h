@@ -6,7 +6,8 @@
 //  - Physical pages are page_bytes extents of a few large memfd "arenas" (one fd per page would
 //    need 131,072 descriptors for 8 GB of 64 KB pages). A page is committed with fallocate() when
 //    created, so creating pages really reserves memory, and handed back with PUNCH_HOLE. Creating
-//    also instantiates the memory (zero-filled through a scratch mapping), like cuMemCreate: the
+//    also backs the memory now (faulted in, zero-filled, through a scratch mapping), as
+//    cuMemCreate backs a device page: the
 //    kernel clears a fallocated shmem page only at its first fault, which made the first mapping
 //    of a page 4-5x dearer than later ones (measured: populate 400-540 against 84-109 us per MB),
 //    a cost that would otherwise land on whichever step first maps the page.
@@ -14,7 +15,8 @@
 //    like cuMemMap; set_access() is mprotect(RW); prefault() is MADV_POPULATE_READ, so mapped
 //    memory is resident like device memory (the prefetch thread runs it outside the cache lock);
 //    unmap() re-establishes the PROT_NONE reservation.
-//  - Huge pages: when page_bytes is a whole number of 2 MB, create_page() gathers the new page's
+//  - Huge pages: when page_bytes is a whole number of 2 MB (4 KB base pages), create_page() gathers
+//  the new page's
 //    memory into 2 MB folios (MADV_COLLAPSE on a scratch mapping; shmem's own huge pages are off by
 //    default, the collapse is not). Every later mapping of it at its 2 MB-aligned address is then
 //    one page-table entry per 2 MB instead of 512: measured here, map + populate + unmap of a 2 MB
@@ -92,7 +94,7 @@ class HostBackend final : public Backend {
   const size_t page_bytes_;
   const size_t pages_per_arena_;
   mutable std::mutex
-      mu_;  // guards arenas_, free_extents_, faults_ (leaf lock: nothing taken inside)
+      mu_;  // guards arenas_, free_extents_, huge_, huge_pages_, faults_, calls_ (a leaf lock)
   std::vector<Arena> arenas_;
   std::vector<PageHandle> free_extents_;  // punched extents ready for reuse
   std::vector<char> huge_;  // per page handle: its memory is in 2 MB folios
@@ -100,6 +102,7 @@ class HostBackend final : public Backend {
   // Whether instantiate() tries MADV_COLLAPSE: page_bytes a multiple of 2 MB, not turned off, and
   // the kernel has not answered that it cannot (cleared on EINVAL: no MADV_COLLAPSE, or denied).
   std::atomic<bool> try_huge_{false};
+  std::atomic<bool> ever_collapsed_{false};  // one collapse succeeded: EINVAL is then per range
   struct Fault {
     int countdown;
     bool out_of_memory;

@@ -85,14 +85,19 @@ class VAttentionRunnerMixin:
             max_batch_size=self.max_num_reqs, max_seq_len=self.max_model_len,
             device="cpu" if self.device.type == "cpu" else f"cuda:{self.device.index or 0}",
             block_cache=bool(self.cache_config.enable_prefix_caching))
-        self._vattention = KVCache(config, memory_budget=kv.memory_budget(config))
+        cache = KVCache(config, memory_budget=kv.memory_budget(config))
         if config.block_cache:
             # With prefix caching a block keeps its pages until vLLM hands its id out fresh, and
             # vLLM hands out every id once before it reuses any: memory reaches the budget after
             # the first budget's worth of tokens whatever we do. Creating the pages now, as stock
-            # vLLM zeroes its whole buffer now, keeps page creation out of the steps (up to tens
-            # of ms on a step that admits new requests) and reports a shortage at start-up.
-            self._vattention.reserve(kv.memory_budget(config))
+            # vLLM allocates its whole buffer now, keeps page creation out of the steps (up to
+            # tens of ms on a step that admits new requests).
+            try:
+                cache.reserve(kv.memory_budget(config))
+            except BaseException:
+                cache.close()
+                raise
+        self._vattention = cache
         self._vattention_slots = RequestSlots(self._vattention)
         self._vattention_block_size = kv.block_size
         self._vattention_preemptions = 0
