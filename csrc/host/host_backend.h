@@ -7,22 +7,21 @@
 //    need 131,072 descriptors for 8 GB of 64 KB pages). A page is committed with fallocate() when
 //    created, so creating pages really reserves memory, and handed back with PUNCH_HOLE. Creating
 //    also backs the memory now (faulted in, zero-filled, through a scratch mapping), as
-//    cuMemCreate backs a device page: the
-//    kernel clears a fallocated shmem page only at its first fault, which made the first mapping
-//    of a page 4-5x dearer than later ones (measured: populate 400-540 against 84-109 us per MB),
-//    a cost that would otherwise land on whichever step first maps the page.
+//    cuMemCreate backs a device page: the kernel clears a fallocated shmem page only at its first
+//    fault, which made the first mapping of a page 4-5x dearer than later ones (measured:
+//    populate 400-540 against 84-109 us per MB), on whichever step first mapped it.
 //  - map() is mmap(MAP_FIXED|MAP_SHARED) of the page's extent at its arena offset, with no access,
 //    like cuMemMap; set_access() is mprotect(RW); prefault() is MADV_POPULATE_READ, so mapped
 //    memory is resident like device memory (the prefetch thread runs it outside the cache lock);
 //    unmap() re-establishes the PROT_NONE reservation.
-//  - Huge pages: when page_bytes is a whole number of 2 MB (4 KB base pages), create_page() gathers
-//  the new page's
-//    memory into 2 MB folios (MADV_COLLAPSE on a scratch mapping; shmem's own huge pages are off by
-//    default, the collapse is not). Every later mapping of it at its 2 MB-aligned address is then
-//    one page-table entry per 2 MB instead of 512: measured here, map + populate + unmap of a 2 MB
-//    page 240 us -> 6.5 us, and attention reads it with 2 MB TLB entries. Best effort: a kernel
-//    without MADV_COLLAPSE (before 6.1), shmem_enabled=deny or no free 2 MB block leaves 4 KB
-//    pages, which work as before; $VATTENTION_HOST_HUGE_PAGES=0 turns it off.
+//  - Huge pages: when page_bytes is a whole number of 2 MB (and base pages are 4 KB),
+//    create_page() gathers the new page's memory into 2 MB folios (MADV_COLLAPSE on a scratch
+//    mapping; shmem's own huge pages are off by default, the collapse is not). Every later
+//    mapping of it at its 2 MB-aligned address is then one page-table entry per 2 MB instead of
+//    512: measured here, map + populate + unmap of a 2 MB page 240 us -> 6.5 us, and attention
+//    reads it with 2 MB TLB entries. Best effort: a kernel without MADV_COLLAPSE (before 6.1),
+//    shmem_enabled=deny, THP disabled for the process or no free 2 MB block leaves 4 KB pages,
+//    which work as before; $VATTENTION_HOST_HUGE_PAGES=0 turns it off.
 #pragma once
 
 #include <atomic>
@@ -100,7 +99,7 @@ class HostBackend final : public Backend {
   std::vector<char> huge_;  // per page handle: its memory is in 2 MB folios
   int64_t huge_pages_ = 0;  // live pages with huge_ set
   // Whether instantiate() tries MADV_COLLAPSE: page_bytes a multiple of 2 MB, not turned off, and
-  // the kernel has not answered that it cannot (cleared on EINVAL: no MADV_COLLAPSE, or denied).
+  // the kernel has not answered that it cannot (cleared on EINVAL before any success).
   std::atomic<bool> try_huge_{false};
   std::atomic<bool> ever_collapsed_{false};  // one collapse succeeded: EINVAL is then per range
   struct Fault {
