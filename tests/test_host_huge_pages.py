@@ -201,7 +201,7 @@ backend.set_access(va, 3 << 21)
 ctypes.memset(va, 7, 3 << 21)
 view = (ctypes.c_ubyte * (3 << 21)).from_address(va)
 assert view[0] == 7 and view[(3 << 21) - 1] == 7
-print(backend.huge_page_bytes())
+print(backend.huge_page_bytes(), vattention._C.host_huge_unit())
 """
 
 
@@ -214,4 +214,11 @@ def test_a_kernel_that_refuses_leaves_4kb_pages_that_work():
     out = subprocess.run([sys.executable, "-c", FALLBACK], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["0" if BASE_4K else "-1"]
+    # and an engine asking whether to size its pages for huge pages is told no
+    assert out.stdout.split() == ["0" if BASE_4K else "-1", "0"]
+
+
+def test_the_huge_unit_is_what_this_kernel_gives(monkeypatch):
+    assert C.host_huge_unit() == (MB2 if HUGE else 0)
+    monkeypatch.setenv("VATTENTION_HOST_HUGE_PAGES", "0")
+    assert C.host_huge_unit() == 0

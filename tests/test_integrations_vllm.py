@@ -42,6 +42,8 @@ import urllib.request
 
 import pytest
 
+import vattention
+
 from support.vllm_harness import (
     MISSING,
     ROOT,
@@ -181,6 +183,8 @@ def _start_all() -> dict:
                              plugin=True, VLLM_USE_V2_MODEL_RUNNER="1"),
         "cuda-config": Inline([str(ROOT / "tests" / "support" / "vllm_cuda_config_check.py"),
                                models["mistral"]], workdir, "cuda-config", plugin=False),
+        "cpu-config": Inline([str(ROOT / "tests" / "support" / "vllm_cpu_config_check.py"),
+                              str(workdir)], workdir, "cpu-config", plugin=True),
         "bench": Inline(["-m", "vattention", "bench", "vllm", *BENCH_ARGS,
                          "--json", str(workdir / "bench.json")], workdir, "bench", plugin=False),
         "server": Server(models["mistral"], workdir),
@@ -344,6 +348,17 @@ def test_vllms_cuda_platform_config_code_keeps_the_plugins_config(runs):
     assert result["cudagraph_mode"] == "PIECEWISE"
     assert result["block_size"] % result["requested_block_size"] == 0
     assert result["block_size_in_worker"] == result["block_size"]     # not reset to 16
+
+
+def test_on_the_cpu_a_block_up_to_twice_vllms_makes_pages_huge_unless_one_is_given(runs):
+    """vLLM's CPU config code and the plugin's hook (tests/support/vllm_cpu_config_check.py), on a
+    model whose 128-token block is a 1 MB page: 256 tokens where host pages can be huge."""
+    rc, out = runs["cpu-config"].wait()
+    assert rc == 0, out[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["huge_unit"] == vattention._C.host_huge_unit()
+    assert result["default"] == (256 if result["huge_unit"] else 128)
+    assert result["given"] == 128 and result["huge_off"] == 128
 
 
 def test_bench_vllm_alternates_both_engines_and_compares_tokens(runs, workdir):

@@ -33,6 +33,20 @@ def test_aligned_block_is_the_smallest_page_aligned_multiple(block, heads, dim, 
     assert all((m * unit) % gran for m in range(block, aligned, block))
 
 
+@given(block=st.sampled_from([16, 32, 128, 256]),
+       unit=st.integers(1, 1 << 16).map(lambda u: u * 16), huge=st.sampled_from([0, 2 << 20]))
+def test_huge_block_is_at_most_twice_the_block_and_only_for_whole_huge_pages(block, unit, huge):
+    chosen = geometry.huge_block_size(block, unit, huge)
+
+    def whole(b):
+        return huge and (b * unit) % huge == 0
+
+    if whole(block) or not whole(2 * block):   # nothing to gain, or 2x is not enough
+        assert chosen == block
+    else:
+        assert chosen == 2 * block
+
+
 def _spec(window=None, heads=2, dim=32, block=128):
     return NS(block_size=block, num_kv_heads=heads, head_size=dim, sliding_window=window)
 

@@ -94,6 +94,33 @@ HostBackend::HostBackend(size_t page_bytes)
   try_huge_ = granularity_ == 4096 && page_bytes % kHugeBytes == 0 && huge_pages_wanted();
 }
 
+int64_t HostBackend::huge_unit() {
+  // Probed once per process, as instantiate() does it: a 2 MB memfd extent, fallocated, mapped at
+  // an aligned address, collapsed. Kernels before 6.1 (no MADV_COLLAPSE), shmem_enabled=deny and
+  // processes with THP disabled refuse, and a page size chosen for huge pages would gain nothing.
+  static const bool kernel_collapses = [] {
+    if (sysconf(_SC_PAGESIZE) != 4096) return false;
+    const int fd = memfd_create("vattention-huge-probe", MFD_CLOEXEC);
+    if (fd < 0) return false;
+    bool ok = false;
+    void* raw = mmap(nullptr, 2 * kHugeBytes, PROT_NONE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (raw != MAP_FAILED) {
+      const uintptr_t begin = reinterpret_cast<uintptr_t>(raw);
+      void* va = reinterpret_cast<void*>((begin + kHugeBytes - 1) / kHugeBytes * kHugeBytes);
+      ok = ftruncate(fd, static_cast<off_t>(kHugeBytes)) == 0 &&
+           fallocate(fd, 0, 0, static_cast<off_t>(kHugeBytes)) == 0 &&
+           mmap(va, kHugeBytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) !=
+               MAP_FAILED &&
+           madvise(va, kHugeBytes, MADV_COLLAPSE) == 0;
+      munmap(raw, 2 * kHugeBytes);
+    }
+    close(fd);
+    return ok;
+  }();
+  return kernel_collapses && huge_pages_wanted() ? static_cast<int64_t>(kHugeBytes) : 0;
+}
+
 HostBackend::~HostBackend() {
   for (Arena& a : arenas_) close(a.fd);
 }

@@ -67,6 +67,12 @@ class HostBackend final : public Backend {
   // Error(OutOfPages): recoverable and transactional. $VATTENTION_HOST_MAX_MAPPINGS overrides it.
   static int64_t mapping_limit();
 
+  // Pages whose size is a multiple of this many bytes are created in 2 MB huge pages of the OS;
+  // 0 where none can be (base pages other than 4 KB, a kernel that refuses MADV_COLLAPSE for
+  // shmem, or $VATTENTION_HOST_HUGE_PAGES=0). An engine that picks its page size asks for it
+  // (the vLLM plugin's block size).
+  static int64_t huge_unit();
+
   // Test hook: the nth next call (1 = the very next) of `op` ("create_page", "map", "set_access",
   // "unmap", "reserve", "destroy_page") fails with Error(Kind::Driver), or Kind::OutOfPages for
   // create_page when out_of_memory is set. Lets tests prove rollback without exhausting real

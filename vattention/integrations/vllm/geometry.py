@@ -29,8 +29,8 @@ import torch
 from ...config import KVCacheConfig
 from ...errors import ConfigError
 
-__all__ = ["KVLayout", "LAYOUTS", "aligned_block_size", "kv_cache_dtype", "kv_layout",
-           "model_unit_bytes", "token_unit_bytes"]
+__all__ = ["KVLayout", "LAYOUTS", "aligned_block_size", "huge_block_size", "kv_cache_dtype",
+           "kv_layout", "model_unit_bytes", "token_unit_bytes"]
 
 LAYOUTS = ("mega", "layer")
 # vLLM's --kv-cache-dtype -> the cache's element type ("auto": the model's dtype).
@@ -84,6 +84,26 @@ def aligned_block_size(block_size: int, unit_bytes: int, granularity: int) -> in
                          f"granularity={granularity} must be >= 1")
     step = granularity // math.gcd(granularity, unit_bytes)   # tokens per aligned unit
     return block_size * step // math.gcd(block_size, step)     # lcm(block_size, step)
+
+
+def huge_block_size(block_size: int, unit_bytes: int, huge_bytes: int, max_factor: int = 2) -> int:
+    """``block_size``, or its smallest multiple whose block is a whole number of ``huge_bytes``
+    (the host backend's huge pages, ``_C.host_huge_unit()``) where that is at most ``max_factor``
+    times ``block_size``: a prefix-cache hit then lands on a boundary at most that much coarser.
+
+    >>> huge_block_size(128, 8192, 2 << 20)     # a 1 MB page becomes one 2 MB huge page
+    256
+    >>> huge_block_size(128, 2048, 2 << 20)     # 256 KB: 8x the block would be needed
+    128
+    >>> huge_block_size(128, 16384, 2 << 20)    # already 2 MB
+    128
+    >>> huge_block_size(128, 8192, 0)           # no huge pages here
+    128
+    """
+    if huge_bytes <= 0:
+        return block_size
+    huge = aligned_block_size(block_size, unit_bytes, huge_bytes)
+    return huge if huge <= max_factor * block_size else block_size
 
 
 @dataclasses.dataclass(frozen=True)

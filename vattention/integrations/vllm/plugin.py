@@ -5,8 +5,9 @@ chooses the worker class for an unmodified command line: the platform's
 ``check_and_update_config`` turns ``worker_cls="auto"`` into its own worker. So this module wraps
 that one classmethod of the current platform, in one place: the original runs first, then
 :func:`configure` checks what the plugin cannot honour (failing fast with the vLLM option to
-change), aligns the block size with vattention's pages, and names the vattention worker. A user
-``--worker-cls`` is refused rather than overridden.
+change), aligns the block size with vattention's pages (on the CPU, where vLLM's block size was
+not given and a block up to twice as large makes a page whole 2 MB huge pages, that one), and
+names the vattention worker. A user ``--worker-cls`` is refused rather than overridden.
 
 vLLM's defaults are the supported configuration (DESIGN.md section 9):
 
@@ -30,7 +31,7 @@ import os
 from typing import Any
 
 from ...errors import ConfigError
-from .geometry import LAYOUTS, aligned_block_size, kv_cache_dtype, model_unit_bytes
+from .geometry import LAYOUTS, aligned_block_size, huge_block_size, kv_cache_dtype, model_unit_bytes
 from .settings import (
     ENV_ALLOW_UNTESTED,
     ENV_LAYOUT,
@@ -200,6 +201,16 @@ def configure(vllm_config: Any, *, device_type: str) -> None:
         logger.warning("vattention: block size %d -> %d tokens so that one %s-layout page "
                        "(a multiple of %d bytes) holds one block", requested, block_size,
                        layout, granularity)
+    if device_type == "cpu" and not cache.user_specified_block_size:
+        # Mapping a page of whole 2 MB huge pages costs one page-table entry per 2 MB, and
+        # attention reading a mega-layout row (one layer's share of every token) misses the TLB
+        # far less: worth a block up to twice vLLM's, not more (docs/vllm.md).
+        huge = huge_block_size(block_size, unit, _C.host_huge_unit())
+        if huge != block_size:
+            logger.info("vattention: block size %d -> %d tokens so that one %s-layout page "
+                        "(%d bytes) is whole 2 MB huge pages of the OS; --block-size keeps "
+                        "another", block_size, huge, layout, huge * unit)
+            block_size = huge
     cache.block_size = block_size
     # Each worker's update_block_size_for_backend resets a block size the user did not give
     # (CUDA: to the backend's preference; CPU 0.33: to 128): this one must reach the workers.
