@@ -10,6 +10,9 @@ are warmed up, then timed alternately (A B B A), min and median printed:
   row new blocks); no page is created.
 - **read**: `sum()` over every row's K (all layers), every row mapped: a streaming read through
   the cache's mappings, where the two page sizes differ only in TLB reach.
+- **decode**: one decode attention call (`flash_attn_with_kvcache`, one query token per row) over
+  layer 0 of every row: in the mega layout a layer's K and V are `1 / layers` of every token's
+  row, so each token's read lands in another 4 KB page, where the page sizes differ most.
 - **create**: a new cache and its first step, which creates every page (the one-time cost the
   huge pages add: the collapse copies each page once).
 
@@ -86,6 +89,16 @@ class Remapper:
         rows = k[:, :self.tokens]
         return lambda: rows.sum()
 
+    def decoder(self):
+        """Decode attention over layer 0 of every row (the rows `reader` mapped)."""
+        from vattention.integrations.flash_attn import flash_attn_with_kvcache
+
+        k, v = self.cache.layer(0)
+        q = torch.randn(ROWS, 1, k.shape[2], k.shape[3], generator=torch.Generator().manual_seed(0))
+        lens = torch.full((ROWS,), self.tokens, dtype=torch.int32)
+        return lambda: flash_attn_with_kvcache(q, k[:ROWS], v[:ROWS], cache_seqlens=lens,
+                                               causal=True)
+
 
 def create_once(cfg: vattention.KVCacheConfig, huge: bool) -> None:
     with huge_pages(huge):
@@ -107,8 +120,9 @@ def main() -> int:
     print(f"{ROWS} rows x {BLOCKS_PER_ROW} blocks of 128 tokens, mega layout, fp32, 8 KV heads x "
           f"64; {torch.get_num_threads()} thread(s); load average {os.getloadavg()[0]:.2f}\n")
     print("| layers | page | huge pages in use | remap ms, huge (4 KB) | ratio | "
-          "read ms, huge (4 KB) | ratio | create ms, huge (4 KB) | ratio |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+          "read ms, huge (4 KB) | ratio | decode ms, huge (4 KB) | ratio | "
+          "create ms, huge (4 KB) | ratio |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for layers in (4, 8, 16):
         cfg = config(layers)
         caches = {"huge": Remapper(cfg, True), "4k": Remapper(cfg, False)}
@@ -122,16 +136,20 @@ def main() -> int:
         if sums["huge"] != sums["4k"]:     # the same memory contents (zeros) through both
             raise SystemExit(f"the two caches read differently: {sums}")
         read = compare_min_median(readers, calls=3, rounds=args.rounds)
+        decoders = {n: c.decoder() for n, c in caches.items()}
+        outs = {n: d() for n, d in decoders.items()}
+        if not torch.equal(outs["huge"], outs["4k"]):
+            raise SystemExit("the two caches' attention outputs differ")
+        decode = compare_min_median(decoders, calls=5, rounds=args.rounds)
         for c in caches.values():
             c.cache.close()
         create = compare_min_median({"huge": lambda: create_once(cfg, True),
                                      "4k": lambda: create_once(cfg, False)}, calls=1,
                                     rounds=args.rounds)
-        ratio = [t["huge"][1] / t["4k"][1] for t in (remap, read, create)]
-        print(f"| {layers} | {cfg.page_bytes >> 10} KB | {state} | "
-              f"{fmt(remap['huge'])} ({fmt(remap['4k'])}) | {ratio[0]:.2f} | "
-              f"{fmt(read['huge'])} ({fmt(read['4k'])}) | {ratio[1]:.2f} | "
-              f"{fmt(create['huge'])} ({fmt(create['4k'])}) | {ratio[2]:.2f} |")
+        cells = []
+        for t in (remap, read, decode, create):
+            cells.append(f"{fmt(t['huge'])} ({fmt(t['4k'])}) | {t['huge'][1] / t['4k'][1]:.2f}")
+        print(f"| {layers} | {cfg.page_bytes >> 10} KB | {state} | " + " | ".join(cells) + " |")
     print("\nms: min (median) per call; ratio: huge / 4 KB medians. load average at end "
           f"{os.getloadavg()[0]:.2f}")
     return 0
