@@ -33,9 +33,15 @@ def test_aligned_block_is_the_smallest_page_aligned_multiple(block, heads, dim, 
     assert all((m * unit) % gran for m in range(block, aligned, block))
 
 
-@given(block=st.sampled_from([16, 32, 128, 256]),
-       unit=st.integers(1, 1 << 16).map(lambda u: u * 16), huge=st.sampled_from([0, 2 << 20]))
-def test_huge_block_is_at_most_twice_the_block_and_only_for_whole_huge_pages(block, unit, huge):
+@given(block=st.sampled_from([16, 32, 128, 256]), huge=st.sampled_from([0, 2 << 20]),
+       data=st.data())
+def test_huge_block_is_at_most_twice_the_block_and_only_for_whole_huge_pages(block, huge, data):
+    # token sizes of any kind, and odd multiples of 2 MB / (f x block): a block f times as large
+    # is the first of whole huge pages (f = 2: taken; f = 4: too coarse)
+    unit = data.draw(st.one_of(
+        st.integers(1, 1 << 16).map(lambda u: u * 16),
+        *(st.integers(0, 63).map(lambda k, f=f: (2 * k + 1) * (2 << 20) // (f * block))
+          for f in (2, 4))))
     chosen = geometry.huge_block_size(block, unit, huge)
 
     def whole(b):
