@@ -85,7 +85,10 @@ def main(argv=None) -> int:
         from vattention.cache import KVCache
         from vattention.integrations.vllm import attention, runner
 
+        import vattention._C as native
+
         timed(attention.VAttentionImpl, "forward", "attention (vattention)")
+        timed(native, "flash_attn_with_kvcache", "  the native kernel call")
         timed(runner.VAttentionRunnerMixin, "_update_states",
               "runner._update_states (the plugin's, vLLM's included)")
         timed(KVCache, "step", "  KVCache.step")
