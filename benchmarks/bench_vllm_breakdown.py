@@ -82,10 +82,9 @@ def main(argv=None) -> int:
     timed(GPUModelRunner, "sample_tokens", "runner.sample_tokens")
     timed(cpu_attn.CPUAttentionBackendImpl, "forward", "attention (stock CPU_ATTN)")
     if args.engine == "plugin":
+        import vattention._C as native
         from vattention.cache import KVCache
         from vattention.integrations.vllm import attention, runner
-
-        import vattention._C as native
 
         timed(attention.VAttentionImpl, "forward", "attention (vattention)")
         timed(native, "flash_attn_with_kvcache", "  the native kernel call")
