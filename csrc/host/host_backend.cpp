@@ -40,6 +40,23 @@ bool huge_pages_wanted() {
   return env == nullptr || std::strcmp(env, "0") != 0;
 }
 
+// Maps [offset, offset + bytes) of fd read-write at an `align`-aligned address (over-reserve,
+// then map inside), runs use(va) on it and unmaps it. MADV_COLLAPSE works on a mapping, and only
+// on whole aligned 2 MB ranges. False when the mapping could not be made (use did not run).
+template <typename Use>
+bool with_aligned_mapping(int fd, size_t offset, size_t bytes, size_t align, Use use) {
+  const size_t span = bytes + align;
+  void* raw = mmap(nullptr, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (raw == MAP_FAILED) return false;
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(raw);
+  void* va = reinterpret_cast<void*>((begin + align - 1) / align * align);
+  const bool mapped = mmap(va, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd,
+                           static_cast<off_t>(offset)) != MAP_FAILED;
+  if (mapped) use(va);
+  munmap(raw, span);
+  return mapped;
+}
+
 std::string hex(uintptr_t value) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "0x%zx", static_cast<size_t>(value));
@@ -95,25 +112,19 @@ HostBackend::HostBackend(size_t page_bytes)
 }
 
 int64_t HostBackend::huge_unit() {
-  // Probed once per process, as instantiate() does it: a 2 MB memfd extent, fallocated, mapped at
-  // an aligned address, collapsed. Kernels before 6.1 (no MADV_COLLAPSE), shmem_enabled=deny and
-  // processes with THP disabled refuse, and a page size chosen for huge pages would gain nothing.
+  // Probed once per process as instantiate() collapses a page: a 2 MB memfd extent, fallocated,
+  // mapped at an aligned address, collapsed. Kernels before 6.1 (no MADV_COLLAPSE),
+  // shmem_enabled=deny and processes with THP disabled refuse, and a page size chosen for huge
+  // pages would gain nothing.
   static const bool kernel_collapses = [] {
     if (sysconf(_SC_PAGESIZE) != 4096) return false;
     const int fd = memfd_create("vattention-huge-probe", MFD_CLOEXEC);
     if (fd < 0) return false;
     bool ok = false;
-    void* raw = mmap(nullptr, 2 * kHugeBytes, PROT_NONE,
-                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (raw != MAP_FAILED) {
-      const uintptr_t begin = reinterpret_cast<uintptr_t>(raw);
-      void* va = reinterpret_cast<void*>((begin + kHugeBytes - 1) / kHugeBytes * kHugeBytes);
-      ok = ftruncate(fd, static_cast<off_t>(kHugeBytes)) == 0 &&
-           fallocate(fd, 0, 0, static_cast<off_t>(kHugeBytes)) == 0 &&
-           mmap(va, kHugeBytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) !=
-               MAP_FAILED &&
-           madvise(va, kHugeBytes, MADV_COLLAPSE) == 0;
-      munmap(raw, 2 * kHugeBytes);
+    if (ftruncate(fd, static_cast<off_t>(kHugeBytes)) == 0 &&
+        fallocate(fd, 0, 0, static_cast<off_t>(kHugeBytes)) == 0) {
+      with_aligned_mapping(fd, 0, kHugeBytes, kHugeBytes,
+                           [&](void* va) { ok = madvise(va, kHugeBytes, MADV_COLLAPSE) == 0; });
     }
     close(fd);
     return ok;
@@ -234,23 +245,15 @@ PageHandle HostBackend::commit_extent(int* fd_out, size_t* offset_out) {
 }
 
 bool HostBackend::instantiate(int fd, size_t offset) {
-  // A scratch mapping at a 2 MB-aligned address (over-reserve, then map inside): MADV_COLLAPSE
-  // works on a mapping, and only on whole aligned 2 MB ranges. It gathers the extent's fallocated
-  // 4 KB pages into zero-filled 2 MB folios that stay in the memfd after the scratch mapping goes
-  // (measured: 0.4-1 ms per 2 MB, on top of the fallocate's 0.5 ms). It fails with EINVAL on a
-  // range with no pages at all, hence after the fallocate. Without it, MADV_POPULATE_WRITE has
-  // the kernel clear the 4 KB pages now. Both are best effort: a page they could not instantiate
-  // is cleared at its first fault, as before.
+  // A scratch mapping at a 2 MB-aligned address (with_aligned_mapping). MADV_COLLAPSE gathers the
+  // extent's fallocated 4 KB pages into zero-filled 2 MB folios that stay in the memfd after the
+  // scratch mapping goes (measured: 0.4-1 ms per 2 MB, on top of the fallocate's 0.5 ms). It fails
+  // with EINVAL on a range with no pages at all, hence after the fallocate. Without it,
+  // MADV_POPULATE_WRITE has the kernel clear the 4 KB pages now. Both are best effort: a page they
+  // could not instantiate is cleared at its first fault, as before.
   const bool huge = try_huge_;
-  const size_t align = huge ? kHugeBytes : granularity_;
-  const size_t span = page_bytes_ + align;
-  void* raw = mmap(nullptr, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (raw == MAP_FAILED) return false;
-  const uintptr_t begin = reinterpret_cast<uintptr_t>(raw);
-  void* va = reinterpret_cast<void*>((begin + align - 1) / align * align);
   bool collapsed = false;
-  if (mmap(va, page_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd,
-           static_cast<off_t>(offset)) != MAP_FAILED) {
+  with_aligned_mapping(fd, offset, page_bytes_, huge ? kHugeBytes : granularity_, [&](void* va) {
     if (huge) {
       collapsed = madvise(va, page_bytes_, MADV_COLLAPSE) == 0;
       // EINVAL before any success: no MADV_COLLAPSE in this kernel, or refused for shmem
@@ -265,8 +268,7 @@ bool HostBackend::instantiate(int fd, size_t offset) {
       }
     }
     if (!collapsed) (void)madvise(va, page_bytes_, MADV_POPULATE_WRITE);
-  }
-  munmap(raw, span);
+  });
   return collapsed;
 }
 
