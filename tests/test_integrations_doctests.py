@@ -16,7 +16,7 @@ import pytest
                                     "vattention.integrations.vllm.plugin",
                                     "vattention.integrations.vllm.stats_writer",
                                     "vattention.integrations.vllm.slots",
-                                    "vattention.bench.tiny_models",
+                                    "vattention.bench.tiny_models", "vattention.bench.vllm_bench",
                                     "vattention.bench.workload", "vattention.bench.traces",
                                     "vattention.bench.progress", "vattention.bench.sizing",
                                     "vattention.bench.allocators", "vattention.config",

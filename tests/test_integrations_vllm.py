@@ -186,7 +186,8 @@ def _start_all() -> dict:
         "cpu-config": Inline([str(ROOT / "tests" / "support" / "vllm_cpu_config_check.py"),
                               str(workdir)], workdir, "cpu-config", plugin=True),
         "bench": Inline(["-m", "vattention", "bench", "vllm", *BENCH_ARGS,
-                         "--json", str(workdir / "bench.json")], workdir, "bench", plugin=False),
+                         "--json", str(workdir / "bench.json")], workdir, "bench", plugin=False,
+                       VATTENTION_VLLM_LAYOUT="mega"),   # handed to the plugin's engine only
         "server": Server(models["mistral"], workdir),
         "doc-blocks": start_doc_blocks(workdir),
         "example": Inline([str(ROOT / "examples" / "vllm_offline.py")], workdir, "example",
@@ -365,10 +366,17 @@ def test_bench_vllm_alternates_both_engines_and_compares_tokens(runs, workdir):
     rc, out = runs["bench"].wait()
     assert rc == 0, out[-3000:]
     assert "| sharegpt |" in out and "| shared-prefix |" in out and "load average" in out
+    assert "plugin VATTENTION_VLLM_LAYOUT=mega" in out
     result = json.loads((workdir / "bench.json").read_text())
+    assert result["plugin_settings"] == {"VATTENTION_VLLM_LAYOUT": "mega"}
+    logs = re.search(r"logs in (\S+?);", out).group(1)
+    assert "layout mega" in pathlib.Path(logs, "vattention.log").read_text()
+    assert "vattention KV cache" not in pathlib.Path(logs, "stock.log").read_text()
     for name in ("sharegpt", "shared-prefix"):
         res = result["results"][name]
-        assert res["tokens_identical"]
+        assert res["tokens_identical"] and res["first_divergence"] is None
+        same, total = res["identical_requests"]
+        assert same == total > 0
         assert [len(res["rounds"][e]) for e in ("stock", "vattention")] == [2, 2]   # A B B A
         assert min(res["rounds"]["stock"] + res["rounds"]["vattention"]) > 0
     # the shared prompt's 6 full blocks were mapped from vLLM's prefix cache, in both passes

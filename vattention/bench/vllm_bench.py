@@ -36,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 __all__ = ["add_parser", "run", "make_requests", "make_workload", "MODEL_SIZES", "WORKLOADS"]
 
@@ -140,17 +140,40 @@ def make_workload(name: str, round_: int, args: argparse.Namespace) -> List[Dict
             for p, n in shape[name]]
 
 
+def plugin_settings(environ) -> Dict[str, str]:
+    """The caller's ``VATTENTION_VLLM_*`` settings that the plugin's engine keeps (the layout, the
+    untested-version switch); the benchmark sets the switch and the statistics file itself."""
+    return {k: v for k, v in environ.items() if k.startswith("VATTENTION_VLLM_")
+            and k not in ("VATTENTION_VLLM_STATS",)}
+
+
+def engine_env(name: str, environ, stats_file: str) -> Dict[str, str]:
+    """The environment of one engine process: stock gets no ``VATTENTION_VLLM*`` variable, the
+    plugin's engine the switch, its statistics file and the caller's plugin settings.
+
+    >>> env = {"PATH": "/bin", "VATTENTION_VLLM": "1", "VATTENTION_VLLM_LAYOUT": "layer"}
+    >>> sorted(k for k in engine_env("stock", env, "s.json") if k.startswith("VATTENTION"))
+    []
+    >>> plugin = engine_env("vattention", env, "s.json")
+    >>> [plugin[k] for k in ("VATTENTION_VLLM", "VATTENTION_VLLM_LAYOUT", "VATTENTION_VLLM_STATS")]
+    ['1', 'layer', 's.json']
+    """
+    env = {k: v for k, v in environ.items() if not k.startswith("VATTENTION_VLLM")}
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if name == "vattention":
+        env.update(plugin_settings(environ), VATTENTION_VLLM="1",
+                   VATTENTION_VLLM_STATS=stats_file)
+    return env
+
+
 class Engine:
     """One engine process (``vllm_run --serve``): started, warmed up, then driven by lines."""
 
     def __init__(self, name: str, spec_file: str, workdir: str) -> None:
         self.name = name
-        env = {k: v for k, v in os.environ.items() if not k.startswith("VATTENTION_VLLM")}
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.stats_file = os.path.join(workdir, "stats.json")
-        if name == "vattention":
-            env.update(VATTENTION_VLLM="1", VATTENTION_VLLM_STATS=self.stats_file)
+        env = engine_env(name, os.environ, self.stats_file)
         self.log_file = os.path.join(workdir, f"{name}.log")
         self._log = open(self.log_file, "w")
         self.proc = subprocess.Popen(
@@ -187,6 +210,38 @@ def _round(engines: Dict[str, Engine], order: Tuple[str, str], requests: List[Di
     return {name: engines[name].generate(requests) for name in order}
 
 
+def compare_tokens(stock: List, plugin: List) -> Tuple[int, Optional[Dict]]:
+    """How many requests got identical tokens from both engines, and where the first that did
+    not first differs (its index, completion and token position; None if all are identical).
+
+    ``stock`` and ``plugin`` hold, per request, the token ids of each completion. In fp32 two
+    correct kernels that add in different orders differ in the last bits, and a greedy pick
+    between two logits closer than that can go either way; the position says how far the
+    request went before it did.
+
+    >>> compare_tokens([[[5, 6, 7]], [[1, 2]]], [[[5, 6, 7]], [[1, 3]]])
+    (1, {'request': 1, 'completion': 0, 'token': 1})
+    >>> compare_tokens([[[5, 6]]], [[[5, 6]]])
+    (1, None)
+    >>> compare_tokens([[[5, 6, 7]]], [[[5, 6]]])   # one stopped early: differs at its end
+    (0, {'request': 0, 'completion': 0, 'token': 2})
+    >>> compare_tokens([[[5], [6]]], [[[5]]])       # a completion missing
+    (0, {'request': 0, 'completion': 1, 'token': 0})
+    """
+    same, first = 0, None
+    for i, (s, p) in enumerate(zip(stock, plugin)):
+        if s == p:
+            same += 1
+            continue
+        if first is None:
+            # the first completion that differs (past the shorter list: the count differs)
+            c = next((c for c, (a, b) in enumerate(zip(s, p)) if a != b), min(len(s), len(p)))
+            a, b = (s[c], p[c]) if c < min(len(s), len(p)) else ([], [])
+            token = next((t for t, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            first = {"request": i, "completion": c, "token": token}
+    return same, first
+
+
 def _summary(values: List[float]) -> Tuple[float, float]:
     return min(values), statistics.median(values)
 
@@ -221,7 +276,9 @@ def run(args: argparse.Namespace) -> int:
           f"{kv_bytes >> 20} MiB, max_num_seqs {args.max_num_seqs}, max_model_len "
           f"{args.max_model_len}, vLLM's defaults{' but eager' if args.enforce_eager else ''}; "
           f"{args.repetitions} repetition(s) of A B B A; "
-          f"load average {load_before[0]:.2f}; logs in {workdir}", file=sys.stderr)
+          f"load average {load_before[0]:.2f}; logs in {workdir}"
+          + "".join(f"; plugin {k}={v}" for k, v in sorted(plugin_settings(os.environ).items())),
+          file=sys.stderr)
     engines = {name: Engine(name, spec_file, workdir) for name in ENGINES}
     results: Dict[str, Dict] = {}
     try:
@@ -233,16 +290,20 @@ def run(args: argparse.Namespace) -> int:
             engine.generate(warm)
         for name in workloads:
             t0 = time.perf_counter()
-            rounds, same = {e: [] for e in ENGINES}, True
+            rounds, same, total, first = {e: [] for e in ENGINES}, 0, 0, None
             for r in range(args.repetitions):
                 for k, order in enumerate((ENGINES, ENGINES[::-1])):   # A B B A
                     # fresh token ids each pass: no prefix-cache hits carried between passes
                     requests = make_workload(name, 2 * r + k, args)
                     out = _round(engines, order, requests)
-                    same = same and out["stock"]["tokens"] == out["vattention"]["tokens"]
+                    n, diff = compare_tokens(out["stock"]["tokens"], out["vattention"]["tokens"])
+                    if diff is not None and first is None:
+                        first = {"pass": 2 * r + k, **diff}
+                    same, total = same + n, total + len(requests)
                     for e in ENGINES:
                         rounds[e].append(out[e]["tokens_per_s"])
-            results[name] = {"rounds": rounds, "tokens_identical": same,
+            results[name] = {"rounds": rounds, "tokens_identical": same == total,
+                             "identical_requests": [same, total], "first_divergence": first,
                              "seconds": time.perf_counter() - t0}
             print(f"  {name}: done in {results[name]['seconds']:.0f} s", file=sys.stderr)
     finally:
@@ -256,8 +317,13 @@ def run(args: argparse.Namespace) -> int:
     for name, res in results.items():
         (smin, smed), (pmin, pmed) = (_summary(res["rounds"][e]) for e in ENGINES)
         ok = ok and res["tokens_identical"]
+        same, total = res["identical_requests"]
+        first = res["first_divergence"]
+        identical = "yes" if res["tokens_identical"] else (
+            f"{same} of {total} requests (first difference: pass {first['pass']}, request "
+            f"{first['request']}, token {first['token']})")
         print(f"| {name} | {smin:.0f} / {smed:.0f} | {pmin:.0f} / {pmed:.0f} | "
-              f"{pmed / smed:.2f}x | {res['tokens_identical']} |")
+              f"{pmed / smed:.2f}x | {identical} |")
     stats = {}
     if os.path.exists(engines["vattention"].stats_file):
         with open(engines["vattention"].stats_file) as f:
@@ -269,5 +335,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results, "load": [load_before, load_after],
-                       "plugin_stats": stats}, f)
+                       "plugin_settings": plugin_settings(os.environ), "plugin_stats": stats}, f)
     return 0 if ok else 1
