@@ -4,9 +4,10 @@ One engine (stock vLLM, or vLLM with the vattention plugin) runs in this process
 defaults plus sizes (1 GiB of KV, 16 sequences, max_model_len 4096, fp32). It is warmed up with two
 passes of the workload, then timed over three passes with new token ids each; the fastest pass is
 printed with the wall time spent inside each wrapped method (the engine step, the runner's parts,
-the attention forward, and for the plugin `KVCache.step` / `KVCache.prefetch`). Nested entries
-are indented: their time is part of the line above them. Run it once per engine, one after the
-other, on a quiet machine:
+the attention forward, split into calls with a prefill chunk and decode-only calls, stock's K/V
+cache write (a separate op; the plugin's forward appends K/V inside its kernel call), and for the
+plugin `KVCache.step` / `KVCache.prefetch`). Nested entries are indented: their time is part of
+the line above them. Run it once per engine, one after the other, on a quiet machine:
 
     .venv-vllm/bin/python benchmarks/bench_vllm_breakdown.py stock shared-prefix small
     .venv-vllm/bin/python benchmarks/bench_vllm_breakdown.py plugin shared-prefix small
@@ -58,9 +59,13 @@ def main(argv=None) -> int:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     spent: Dict[str, float] = collections.defaultdict(float)
+    parent: Dict[str, str] = {}   # a nested entry's label -> the label whose time includes it
+    shown: Dict[str, str] = {}    # a label -> the text printed for it, where they differ
 
-    def timed(cls, name: str, label: str) -> None:
+    def timed(cls, name: str, label: str, within: str = "") -> None:
         f = getattr(cls, name)
+        if within:
+            parent[label] = within
 
         @functools.wraps(f)
         def wrapper(*a, **k):
@@ -80,18 +85,46 @@ def main(argv=None) -> int:
     timed(GPUModelRunner, "_prepare_inputs", "runner._prepare_inputs")
     timed(GPUModelRunner, "_build_attention_metadata", "runner._build_attention_metadata")
     timed(GPUModelRunner, "sample_tokens", "runner.sample_tokens")
-    timed(cpu_attn.CPUAttentionBackendImpl, "forward", "attention (stock CPU_ATTN)")
+    def timed_attention(cls, label: str) -> None:
+        """Times the forward, and again by kind of call: with a prefill chunk, or decode only."""
+        f = cls.forward
+        for kind in ("with a prefill chunk", "decode only"):
+            parent[f"calls {kind} ({label})"] = label
+            shown[f"calls {kind} ({label})"] = f"calls {kind}"
+
+        @functools.wraps(f)
+        def wrapper(self, *a, **k):
+            t = time.perf_counter()
+            try:
+                return f(self, *a, **k)
+            finally:
+                dt = time.perf_counter() - t
+                spent[label] += dt
+                md = k.get("attn_metadata", a[5] if len(a) > 5 else None)
+                if md is not None:   # None: vLLM's warm-up and profiling runs
+                    kind = "with a prefill chunk" if md.max_query_len > 1 else "decode only"
+                    spent[f"calls {kind} ({label})"] += dt
+
+        cls.forward = wrapper
+
+    timed_attention(cpu_attn.CPUAttentionBackendImpl, "attention (stock CPU_ATTN)")
+    # stock writes the new K/V in a separate op (its backend's forward_includes_kv_cache_update
+    # is False); the plugin's forward appends them inside its kernel call
+    timed(cpu_attn.CPUAttentionBackendImpl, "do_kv_cache_update",
+          "K/V cache write (stock, outside its attention forward)")
     if args.engine == "plugin":
         import vattention._C as native
         from vattention.cache import KVCache
         from vattention.integrations.vllm import attention, runner
 
-        timed(attention.VAttentionImpl, "forward", "attention (vattention)")
-        timed(native, "flash_attn_with_kvcache", "  the native kernel call")
-        timed(runner.VAttentionRunnerMixin, "_update_states",
-              "runner._update_states (the plugin's, vLLM's included)")
-        timed(KVCache, "step", "  KVCache.step")
-        timed(KVCache, "prefetch", "  KVCache.prefetch")
+        timed_attention(attention.VAttentionImpl, "attention (vattention)")
+        timed(native, "flash_attn_with_kvcache", "the native kernel call",
+              "attention (vattention)")
+        plugin_states = "runner._update_states (the plugin's, vLLM's included)"
+        timed(runner.VAttentionRunnerMixin, "_update_states", plugin_states)
+        timed(KVCache, "step", "KVCache.step", plugin_states)
+        timed(KVCache, "prefetch", "KVCache.prefetch", plugin_states)
+        parent["runner._update_states (vLLM's)"] = plugin_states   # the plugin's calls super()
 
     llm = vllm.LLM(model=model, dtype="float32", max_model_len=4096, max_num_seqs=16,
                    kv_cache_memory_bytes=1 << 30)
@@ -117,8 +150,15 @@ def main(argv=None) -> int:
     print(f"{args.engine}, {args.workload}, model {args.model_size}: fastest of 3 passes "
           f"{dt * 1e3:.0f} ms, {tokens} tokens, {tokens / dt:.0f} tokens/s; load average "
           f"{os.getloadavg()[0]:.2f}")
-    for label in sorted(parts, key=lambda k: -parts[k]):
-        print(f"  {label:58s} {parts[label] * 1e3:9.1f} ms")
+
+    def show(within: str, depth: int) -> None:
+        for label in sorted((k for k in parts if parent.get(k, "") == within),
+                            key=lambda k: -parts[k]):
+            text = shown.get(label, label)
+            print(f"  {'  ' * depth}{text:{58 - 2 * depth}s} {parts[label] * 1e3:9.1f} ms")
+            show(label, depth + 1)
+
+    show("", 0)
     return 0
 
 
