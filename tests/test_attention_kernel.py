@@ -498,15 +498,21 @@ def test_fp8_writes_are_bit_identical_to_vllm_cpu_backend(tmp_path):
         import sys, torch
         sys.path.insert(0, sys.argv[1])
         import vllm._custom_ops as ops
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
         from vattention.integrations import flash_attn as fa
         torch.manual_seed(0)
         H, D, bs = 2, 64, 256
+        try:   # vLLM's own choice for this CPU: fp8 caches need AVX-512 or AMX in 0.32
+            isa = _get_attn_isa(torch.float32, bs, D, "fp8")
+        except NotImplementedError as e:
+            print("vLLM refuses:", e)
+            sys.exit(0)
         x = (torch.randn(bs, H, D) * torch.logspace(-14, 14, bs, base=2).view(bs, 1, 1)).float()
         x[0, 0, :3] = torch.tensor([float("nan"), -0.0, 1e30])
         for name, dt in (("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)):
             for scale in (0.37, 1.0, 7.3):
                 kc = torch.zeros(1, H, bs, D, dtype=torch.uint8); vc = torch.zeros_like(kc)
-                ops.cpu_attn_reshape_and_cache(x, x, kc, vc, torch.arange(bs), "vec", k_scale=scale,
+                ops.cpu_attn_reshape_and_cache(x, x, kc, vc, torch.arange(bs), isa, k_scale=scale,
                                                v_scale=scale, kv_cache_dtype=name)
                 vllm_bytes = vc[0].transpose(0, 1)                     # value rows: [bs, H, D]
                 ours_k = torch.zeros(1, bs, H, D, dtype=dt); ours_v = torch.zeros_like(ours_k)
@@ -521,6 +527,8 @@ def test_fp8_writes_are_bit_identical_to_vllm_cpu_backend(tmp_path):
     proc = subprocess.run(
         [VLLM_PYTHON, "-c", code, ROOT], capture_output=True, text=True, env=env, timeout=300
     )
+    if proc.returncode == 0 and "vLLM refuses:" in proc.stdout:
+        pytest.skip(f"no fp8 cache in vLLM's CPU backend on this CPU ({proc.stdout.strip()})")
     assert proc.returncode == 0 and "identical" in proc.stdout, proc.stdout + proc.stderr
 
 

@@ -297,13 +297,22 @@ def test_gemma3_runs_two_kv_cache_groups_in_the_layer_layout(runs):
 
 
 def test_fp8_cache_matches_stock_vllms_fp8(runs):
-    stock, plugin = runs["fp8-stock"].result(), runs["fp8-plugin"].result()
-    # The plugin writes K/V into the fp8 cache as vLLM's CPU kernel does (x / scale, clamped,
-    # rounded toward zero), so the cached bytes, and greedy tokens, are the same.
-    assert plugin["tokens"] == stock["tokens"]
+    plugin = runs["fp8-plugin"].result()
     stats = plugin["vattention_stats"]
     assert stats["oom_events"] == 0
     assert stats["bytes_used_by_tokens"] == 0 or stats["page_bytes"] > 0
+    try:
+        stock = runs["fp8-stock"].result()
+    except AssertionError as e:
+        # vLLM 0.32's CPU backend itself refuses fp8 caches without AVX-512 or AMX
+        # (cpu_attn._get_attn_isa); the plugin's kernel has them on every ISA
+        if "requires x86 with AVX-512 or AMX" not in str(e):
+            raise
+        pytest.skip("stock vLLM has no fp8 KV cache on this CPU (no AVX-512 or AMX): the "
+                    "plugin ran, nothing to compare its tokens with")
+    # The plugin writes K/V into the fp8 cache as vLLM's CPU kernel does (x / scale, clamped,
+    # rounded toward zero), so the cached bytes, and greedy tokens, are the same.
+    assert plugin["tokens"] == stock["tokens"]
 
 
 def test_tensor_parallel_two_workers_each_own_a_cache(runs, workdir):
