@@ -62,7 +62,9 @@ def main(argv=None) -> int:
     parent: Dict[str, str] = {}   # a nested entry's label -> the label whose time includes it
     shown: Dict[str, str] = {}    # a label -> the text printed for it, where they differ
 
-    def timed(cls, name: str, label: str, within: str = "") -> None:
+    def timed(cls, name: str, label: str, within: str = "", kind=None) -> None:
+        """Wraps cls.name to add its wall time to `label`, and to the nested entry that
+        `kind(args, kwargs)` names, if any."""
         f = getattr(cls, name)
         if within:
             parent[label] = within
@@ -73,9 +75,28 @@ def main(argv=None) -> int:
             try:
                 return f(*a, **k)
             finally:
-                spent[label] += time.perf_counter() - t
+                dt = time.perf_counter() - t
+                spent[label] += dt
+                sub = kind(a, k) if kind else None
+                if sub:
+                    spent[sub] += dt
 
         setattr(cls, name, wrapper)
+
+    def timed_attention(cls, label: str) -> None:
+        """Times the forward, and again by kind of call: with a prefill chunk, or decode only."""
+        for kind in ("with a prefill chunk", "decode only"):
+            parent[f"calls {kind} ({label})"] = label
+            shown[f"calls {kind} ({label})"] = f"calls {kind}"
+
+        def call_kind(a, k):   # forward(self, layer, q, k, v, kv_cache, attn_metadata, ...)
+            md = k.get("attn_metadata", a[6] if len(a) > 6 else None)
+            if md is None:     # vLLM's warm-up and profiling runs
+                return None
+            return f"calls {'with a prefill chunk' if md.max_query_len > 1 else 'decode only'} " \
+                   f"({label})"
+
+        timed(cls, "forward", label, kind=call_kind)
 
     timed(EngineCore, "step", "engine.step")
     timed(Scheduler, "schedule", "scheduler.schedule")
@@ -85,28 +106,6 @@ def main(argv=None) -> int:
     timed(GPUModelRunner, "_prepare_inputs", "runner._prepare_inputs")
     timed(GPUModelRunner, "_build_attention_metadata", "runner._build_attention_metadata")
     timed(GPUModelRunner, "sample_tokens", "runner.sample_tokens")
-    def timed_attention(cls, label: str) -> None:
-        """Times the forward, and again by kind of call: with a prefill chunk, or decode only."""
-        f = cls.forward
-        for kind in ("with a prefill chunk", "decode only"):
-            parent[f"calls {kind} ({label})"] = label
-            shown[f"calls {kind} ({label})"] = f"calls {kind}"
-
-        @functools.wraps(f)
-        def wrapper(self, *a, **k):
-            t = time.perf_counter()
-            try:
-                return f(self, *a, **k)
-            finally:
-                dt = time.perf_counter() - t
-                spent[label] += dt
-                md = k.get("attn_metadata", a[5] if len(a) > 5 else None)
-                if md is not None:   # None: vLLM's warm-up and profiling runs
-                    kind = "with a prefill chunk" if md.max_query_len > 1 else "decode only"
-                    spent[f"calls {kind} ({label})"] += dt
-
-        cls.forward = wrapper
-
     timed_attention(cpu_attn.CPUAttentionBackendImpl, "attention (stock CPU_ATTN)")
     # stock writes the new K/V in a separate op (its backend's forward_includes_kv_cache_update
     # is False); the plugin's forward appends them inside its kernel call

@@ -38,6 +38,8 @@ import tempfile
 import time
 from typing import Dict, List, Optional, Tuple
 
+from ..integrations.vllm.settings import ENV_ENABLE, ENV_STATS
+
 __all__ = ["add_parser", "run", "make_requests", "make_workload", "MODEL_SIZES", "WORKLOADS"]
 
 ENGINES = ("stock", "vattention")
@@ -143,8 +145,7 @@ def make_workload(name: str, round_: int, args: argparse.Namespace) -> List[Dict
 def plugin_settings(environ) -> Dict[str, str]:
     """The caller's ``VATTENTION_VLLM_*`` settings that the plugin's engine keeps (the layout, the
     untested-version switch); the benchmark sets the switch and the statistics file itself."""
-    return {k: v for k, v in environ.items() if k.startswith("VATTENTION_VLLM_")
-            and k not in ("VATTENTION_VLLM_STATS",)}
+    return {k: v for k, v in environ.items() if k.startswith(ENV_ENABLE + "_") and k != ENV_STATS}
 
 
 def engine_env(name: str, environ, stats_file: str) -> Dict[str, str]:
@@ -158,12 +159,11 @@ def engine_env(name: str, environ, stats_file: str) -> Dict[str, str]:
     >>> [plugin[k] for k in ("VATTENTION_VLLM", "VATTENTION_VLLM_LAYOUT", "VATTENTION_VLLM_STATS")]
     ['1', 'layer', 's.json']
     """
-    env = {k: v for k, v in environ.items() if not k.startswith("VATTENTION_VLLM")}
+    env = {k: v for k, v in environ.items() if not k.startswith(ENV_ENABLE)}
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if name == "vattention":
-        env.update(plugin_settings(environ), VATTENTION_VLLM="1",
-                   VATTENTION_VLLM_STATS=stats_file)
+        env.update(plugin_settings(environ), **{ENV_ENABLE: "1", ENV_STATS: stats_file})
     return env
 
 
