@@ -157,7 +157,8 @@ def _start_all() -> dict:
     }
     started = {}
     _pair(started, "llama", workdir, llama, hf=True)
-    _pair(started, "prefix", workdir, prefix)
+    # the mega layout, where auto now takes layer: prefix hits and sharing checked in both
+    _pair(started, "prefix", workdir, prefix, plugin_env={"VATTENTION_VLLM_LAYOUT": "mega"})
     _pair(started, "qwen", workdir, qwen, hf=True)
     for family in WINDOWED:
         _pair(started, family, workdir, {
@@ -218,7 +219,7 @@ def test_slots_freed_and_vllm_buffer_never_allocated(runs):
     assert 1 <= stats["max_active_slots"] <= 4           # max_num_seqs
     assert stats["vllm_kv_buffer_bytes"] == 0
     assert stats["oom_events"] == 0
-    assert stats["layout"] == "mega"
+    assert stats["layout"] == "layer"                    # auto on the CPU, sizes this small
     assert stats["tokens_per_page"] == BLOCK             # one page index holds one vLLM block
     assert stats["engine_blocks"] > 0                    # pages named by vLLM's block ids
 
@@ -228,9 +229,9 @@ def test_mapped_bytes_follow_live_tokens_not_max_model_len(runs):
     stats = result["vattention_stats"]
     longest = max(n + m for n, m in LLAMA_REQUESTS)
     blocks_per_slot = -(-longest // BLOCK)               # 3 blocks of the 8 a 1024-token row has
-    # rows map at most their blocks (K and V tensors: 2 pages a block); cached blocks are held
-    # like stock vLLM's, within its budget
-    assert 0 < stats["peak_mappings_at_step"] <= stats["max_active_slots"] * blocks_per_slot * 2
+    # rows map at most their blocks (layer layout: K and V of 2 layers, 4 pages a block); cached
+    # blocks are held like stock vLLM's, within its budget
+    assert 0 < stats["peak_mappings_at_step"] <= stats["max_active_slots"] * blocks_per_slot * 4
     assert stats["peak_bytes_mapped_at_step"] <= stats["memory_budget"] == 16 << 20
     assert result["max_concurrency"] == stats["max_active_slots"]
 
@@ -239,6 +240,7 @@ def test_prefix_cache_hits_map_the_cached_pages_once(runs):
     stock, plugin = runs["prefix-stock"].result(), runs["prefix-plugin"].result()
     assert plugin["tokens"] == stock["tokens"]
     stats = plugin["vattention_stats"]
+    assert stats["layout"] == "mega"
     # The first wave (max_num_seqs=4) prefills before anything is cached; every later request
     # of a prompt hits its two full blocks (300 tokens: 2 x 128 cached, the rest recomputed).
     assert stats["block_hits"] >= 2 * (len(PREFIX_REQUESTS) - 4)
@@ -321,8 +323,8 @@ def test_tensor_parallel_two_workers_each_own_a_cache(runs, workdir):
     for rank in (0, 1):
         stats = json.loads((workdir / f"llama-tp2.stats.json.rank{rank}").read_text())
         assert stats["requests_served"] == 5 and stats["active_slots"] == 0
-        # one of the two KV heads per rank: 128 tokens x 2 layers (mega) x 1 x 32 x fp32
-        assert stats["page_bytes"] == 128 * 2 * 1 * 32 * 4
+        # one of the two KV heads per rank: 128 tokens x 1 layer (layer layout) x 1 x 32 x fp32
+        assert stats["layout"] == "layer" and stats["page_bytes"] == 128 * 1 * 32 * 4
     assert not (workdir / "llama-tp2.stats.json").exists()
 
 
@@ -338,9 +340,12 @@ def test_startup_log_lines(runs):
     log = runs["llama-plugin"].log().splitlines()
     lines = [line for line in log if "vattention KV cache:" in line]
     assert len(lines) == 1 and "INFO" in lines[0]
-    assert "4 slots x 1024 tokens, layout mega, page 65536 bytes" in lines[0]
+    assert "4 slots x 1024 tokens, layout layer, page 32768 bytes" in lines[0]
     assert "budget 16777216 bytes (128 blocks, created at start-up)" in lines[0]
     assert "prefix caching on" in lines[0]
+    # auto's choice on the CPU, with its reason: 4 seqs x 8 blocks x 2 layers x K,V
+    assert any("vattention: layout layer: at most 128 page mappings" in line and "INFO" in line
+               for line in log)
     assert any("VLLM_USE_V2_MODEL_RUNNER=0" in line and "INFO" in line for line in log), \
         "\n".join(line for line in log if "vattention" in line or "V2" in line)
 
@@ -360,15 +365,21 @@ def test_vllms_cuda_platform_config_code_keeps_the_plugins_config(runs):
     assert result["block_size_in_worker"] == result["block_size"]     # not reset to 16
 
 
-def test_on_the_cpu_a_block_up_to_twice_vllms_makes_pages_huge_unless_one_is_given(runs):
+def test_on_the_cpu_auto_takes_layer_where_it_fits_and_mega_pages_go_huge(runs):
     """vLLM's CPU config code and the plugin's hook (tests/support/vllm_cpu_config_check.py), on a
-    model whose 128-token block is a 1 MB page: 256 tokens where host pages can be huge."""
+    model whose 128-token block is a 1 MB page in the mega layout: ``auto`` takes ``layer`` (128
+    tokens, 512 KB pages) at small sizes and ``mega`` at vLLM's default max_num_seqs with 8k rows;
+    a mega block doubles to 256 tokens where host pages can be huge, unless one is given."""
     rc, out = runs["cpu-config"].wait()
     assert rc == 0, out[-3000:]
     result = json.loads(out.strip().splitlines()[-1])
     assert result["huge_unit"] == vattention._C.host_huge_unit()
-    assert result["default"] == (256 if result["huge_unit"] else 128)
-    assert result["given"] == 128 and result["huge_off"] == 128
+    assert result["mapping_limit"] == vattention._C.host_mapping_limit()
+    mega_default = 256 if result["huge_unit"] else 128
+    assert result["default"] == ["layer", 128]
+    assert result["large"] == ["mega", mega_default]
+    assert result["mega"] == ["mega", mega_default]
+    assert result["mega_given"] == ["mega", 128] and result["mega_huge_off"] == ["mega", 128]
 
 
 def test_bench_vllm_alternates_both_engines_and_compares_tokens(runs, workdir):

@@ -129,6 +129,19 @@ def test_layout_env_is_checked(monkeypatch):
     assert plugin.layout_from_env() == "auto"
 
 
+def test_cpu_auto_layout_is_layer_only_while_its_mappings_fit_half_the_limit(caplog):
+    # bench vllm's small model: 16 seqs x 32 blocks x 2 x 4 layers = 4096 mappings
+    caplog.set_level("INFO", logger=plugin.logger.name)
+    assert plugin._cpu_auto_layout(16, 4096, 4, 128, 28669) == "layer"
+    assert "layout layer: at most 4096 page mappings" in caplog.text
+    assert plugin._cpu_auto_layout(16, 4096, 4, 128, 8192) == "layer"      # exactly half
+    assert plugin._cpu_auto_layout(16, 4096, 4, 128, 8191) == "mega"
+    assert "could need 4096 page mappings" in caplog.text and "--max-num-seqs" in caplog.text
+    # vLLM's CPU defaults (256 seqs) and an 8B model's 8k rows: 32 layers x 64 blocks x 2 x 256
+    assert plugin._cpu_auto_layout(256, 8192, 32, 128, 28669) == "mega"
+    assert plugin._cpu_auto_layout(1, 100, 1, 128, 0) == "mega"            # no mappings allowed
+
+
 def test_the_v1_runner_is_selected_and_an_explicit_v2_refused(monkeypatch):
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     plugin.select_v1_runner()

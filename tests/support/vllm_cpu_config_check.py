@@ -1,13 +1,18 @@
 """vLLM's own CPU-platform config code with the plugin's hook, on a model whose 128-token block
-is a 1 MB page: the block size each engine would run with, without starting one.
+is a 1 MB page in the mega layout: the layout and block size each engine would run with, without
+starting one.
 
 Run in the vLLM venv with ``VATTENTION_VLLM=1`` (``python vllm_cpu_config_check.py DIR``); prints
-one JSON document. vLLM loads the plugin through its entry point, ``EngineArgs`` builds the config
-and the platform's ``check_and_update_config`` (hooked by the plugin) sets the block size, for:
+one JSON document of ``[layout, block size]`` pairs. vLLM loads the plugin through its entry
+point, ``EngineArgs`` builds the config and the platform's ``check_and_update_config`` (hooked by
+the plugin) sets both, for:
 
-* ``default``: vLLM's defaults (its CPU block size, 128 tokens);
-* ``given``: ``--block-size 128`` on the command line;
-* ``huge_off``: ``VATTENTION_HOST_HUGE_PAGES=0``.
+* ``default``: vLLM's defaults (its CPU block size, 128 tokens) with small sizes (4 seqs x 1024
+  tokens: the layer layout's mappings fit);
+* ``large``: vLLM's default ``max_num_seqs`` (256) and 8192-token rows (they do not);
+* ``mega``: ``VATTENTION_VLLM_LAYOUT=mega``;
+* ``mega_given``: that and ``--block-size 128`` on the command line;
+* ``mega_huge_off``: that and ``VATTENTION_HOST_HUGE_PAGES=0``.
 """
 
 from __future__ import annotations
@@ -21,25 +26,31 @@ from vllm.plugins import load_general_plugins
 
 import vattention
 from vattention.bench.tiny_models import build_tiny_model
+from vattention.integrations.vllm.settings import LAYOUT_KEY
 
 # mega layout: 2 layers x 8 KV heads x 128 x fp32 = 8 KB per token, 1 MB per 128-token block
 GEOMETRY = dict(num_layers=2, hidden_size=256, num_heads=8, num_kv_heads=8, head_dim=128)
 
 
-def block_size(model: str, **args) -> int:
-    config = EngineArgs(model=model, dtype="float32", max_model_len=1024, max_num_seqs=4,
-                        kv_cache_memory_bytes=64 << 20, **args).create_engine_config()
-    return config.cache_config.block_size
+def layout_and_block_size(model: str, **args) -> list:
+    sizes = dict(max_model_len=1024, max_num_seqs=4, kv_cache_memory_bytes=64 << 20)
+    config = EngineArgs(model=model, dtype="float32", **{**sizes, **args}).create_engine_config()
+    return [config.additional_config[LAYOUT_KEY], config.cache_config.block_size]
 
 
 def main(workdir: str) -> None:
     load_general_plugins()
-    model = build_tiny_model(os.path.join(workdir, "llama-8kb-rows"), "llama", max_positions=1024,
+    model = build_tiny_model(os.path.join(workdir, "llama-8kb-rows"), "llama", max_positions=8192,
                              **GEOMETRY)
-    out = {"huge_unit": vattention._C.host_huge_unit(), "default": block_size(model),
-           "given": block_size(model, block_size=128)}
+    out = {"huge_unit": vattention._C.host_huge_unit(),
+           "mapping_limit": vattention._C.host_mapping_limit(),
+           "default": layout_and_block_size(model),
+           "large": layout_and_block_size(model, max_num_seqs=None, max_model_len=8192)}
+    os.environ["VATTENTION_VLLM_LAYOUT"] = "mega"
+    out["mega"] = layout_and_block_size(model)
+    out["mega_given"] = layout_and_block_size(model, block_size=128)
     os.environ["VATTENTION_HOST_HUGE_PAGES"] = "0"
-    out["huge_off"] = block_size(model)
+    out["mega_huge_off"] = layout_and_block_size(model)
     print(json.dumps(out))
 
 

@@ -30,7 +30,7 @@ from ...config import KVCacheConfig
 from ...errors import ConfigError
 
 __all__ = ["KVLayout", "LAYOUTS", "aligned_block_size", "huge_block_size", "kv_cache_dtype",
-           "kv_layout", "model_unit_bytes", "token_unit_bytes"]
+           "kv_layout", "layer_layout_mappings", "model_unit_bytes", "token_unit_bytes"]
 
 LAYOUTS = ("mega", "layer")
 # vLLM's --kv-cache-dtype -> the cache's element type ("auto": the model's dtype).
@@ -104,6 +104,22 @@ def huge_block_size(block_size: int, unit_bytes: int, huge_bytes: int, max_facto
         return block_size
     huge = aligned_block_size(block_size, unit_bytes, huge_bytes)
     return huge if huge <= max_factor * block_size else block_size
+
+
+def layer_layout_mappings(num_slots: int, max_seq_len: int, block_size: int,
+                          num_layers: int) -> int:
+    """The most page mappings a ``layer``-layout cache can hold: every page index of every row,
+    in each layer's K and V tensors. Each mapping sits at its own page of the reserved rows, so
+    no budget or sharing of pages between rows (prefix hits) can exceed this.
+
+    >>> layer_layout_mappings(16, 4096, 128, 4)       # bench vllm's small model: 16 x 32 x 2 x 4
+    4096
+    >>> layer_layout_mappings(256, 8192, 128, 32)     # vLLM's CPU defaults, an 8B model
+    1048576
+    >>> layer_layout_mappings(4, 1000, 128, 2)        # a row's last page index is partly used
+    128
+    """
+    return num_slots * -(-max_seq_len // block_size) * 2 * num_layers
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,14 @@ import os
 from typing import Any
 
 from ...errors import ConfigError
-from .geometry import LAYOUTS, aligned_block_size, huge_block_size, kv_cache_dtype, model_unit_bytes
+from .geometry import (
+    LAYOUTS,
+    aligned_block_size,
+    huge_block_size,
+    kv_cache_dtype,
+    layer_layout_mappings,
+    model_unit_bytes,
+)
 from .settings import (
     ENV_ALLOW_UNTESTED,
     ENV_LAYOUT,
@@ -131,8 +138,9 @@ def _unsupported(what: str, option: str) -> ConfigError:
 
 
 def model_layout(model, env_layout: str) -> str:
-    """The cache layout: ``mega`` for models whose layers share one KV spec, ``layer`` when
-    windows or shapes differ between layers (vLLM then makes several KV cache groups)."""
+    """The cache layout: ``layer`` when windows or shapes differ between layers (vLLM then makes
+    several KV cache groups), else ``mega`` (on the CPU, :func:`configure` may then take ``layer``
+    for ``auto``: :func:`_cpu_auto_layout`)."""
     text = model.hf_config.get_text_config() if hasattr(model.hf_config, "get_text_config") \
         else model.hf_config
     layer_types = set(getattr(text, "layer_types", None) or ())
@@ -188,14 +196,25 @@ def configure(vllm_config: Any, *, device_type: str) -> None:
         _piecewise_cuda_graphs(vllm_config)
 
     from ... import _C
-    layout = model_layout(model, layout_from_env())
     if not isinstance(vllm_config.additional_config, dict):
         raise _unsupported("a non-dict additional_config", "drop --additional-config")
-    vllm_config.additional_config[LAYOUT_KEY] = layout    # the workers build this layout
-    unit = model_unit_bytes(layout, model.get_num_layers(parallel),
-                            model.get_num_kv_heads(parallel), model.get_head_size(), dtype)
+    num_layers = model.get_num_layers(parallel)
     granularity = _C.backend_granularity("cpu" if device_type == "cpu" else "cuda:0")
     requested = cache.block_size or type(cache).DEFAULT_BLOCK_SIZE
+
+    def unit_bytes(layout: str) -> int:
+        return model_unit_bytes(layout, num_layers, model.get_num_kv_heads(parallel),
+                                model.get_head_size(), dtype)
+
+    env_layout = layout_from_env()
+    layout = model_layout(model, env_layout)
+    if env_layout == "auto" and layout == "mega" and device_type == "cpu":
+        layout = _cpu_auto_layout(
+            vllm_config.scheduler_config.max_num_seqs, model.max_model_len, num_layers,
+            aligned_block_size(requested, unit_bytes("layer"), granularity),
+            _C.host_mapping_limit())
+    vllm_config.additional_config[LAYOUT_KEY] = layout    # the workers build this layout
+    unit = unit_bytes(layout)
     block_size = aligned_block_size(requested, unit, granularity)
     if block_size != requested:
         logger.warning("vattention: block size %d -> %d tokens so that one %s-layout page "
@@ -215,6 +234,30 @@ def configure(vllm_config: Any, *, device_type: str) -> None:
     # Each worker's update_block_size_for_backend resets a block size the user did not give
     # (CUDA: to the backend's preference; CPU 0.33: to 128): this one must reach the workers.
     cache.user_specified_block_size = True
+
+
+def _cpu_auto_layout(max_num_seqs: int, max_model_len: int, num_layers: int, block_size: int,
+                     mapping_limit: int) -> str:
+    """``auto``'s layout on the CPU for a model whose layers share one KV spec.
+
+    ``layer`` reads a long row as one stream per layer, where ``mega`` interleaves the layers
+    token by token; on the CPU that made decode attention and ``bench vllm`` faster (docs/vllm.md).
+    But it maps every block once per layer, and the host backend refuses mappings beyond its share
+    of ``vm.max_map_count``: ``layer`` only where the most mappings its rows can ever hold are at
+    most half of that share (the other half for any other cache in the process), else ``mega``.
+    """
+    most = layer_layout_mappings(max_num_seqs, max_model_len, block_size, num_layers)
+    if most <= mapping_limit // 2:
+        logger.info("vattention: layout layer: at most %d page mappings (%d seqs x %d tokens in "
+                    "%d-token blocks x %d layers x K,V), within half of the %d this process may "
+                    "hold", most, max_num_seqs, max_model_len, block_size, num_layers,
+                    mapping_limit)
+        return "layer"
+    logger.info("vattention: layout mega: the layer layout could need %d page mappings (%d seqs x "
+                "%d tokens in %d-token blocks x %d layers x K,V), over half of the %d this process "
+                "may hold; a smaller --max-num-seqs or --max-model-len makes it fit",
+                most, max_num_seqs, max_model_len, block_size, num_layers, mapping_limit)
+    return "mega"
 
 
 def _log_v1_selection() -> None:
