@@ -377,7 +377,7 @@ def test_on_the_cpu_auto_takes_layer_where_it_fits_and_mega_pages_go_huge(runs):
     assert result["mapping_limit"] == vattention._C.host_mapping_limit()
     mega_default = 256 if result["huge_unit"] else 128
     assert result["default"] == ["layer", 128]
-    assert result["large"] == ["mega", mega_default]
+    assert result["large"] == ["mega", mega_default] and result["middle"] == result["large"]
     assert result["mega"] == ["mega", mega_default]
     assert result["mega_given"] == ["mega", 128] and result["mega_huge_off"] == ["mega", 128]
 

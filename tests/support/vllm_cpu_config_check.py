@@ -9,7 +9,8 @@ the plugin) sets both, for:
 
 * ``default``: vLLM's defaults (its CPU block size, 128 tokens) with small sizes (4 seqs x 1024
   tokens: the layer layout's mappings fit);
-* ``large``: vLLM's default ``max_num_seqs`` (256) and 8192-token rows (they do not);
+* ``large``: vLLM's default ``max_num_seqs`` and 8192-token rows (they do not);
+* ``middle``: 100 seqs of 8192 tokens (they do not; they would in 256-token blocks);
 * ``mega``: ``VATTENTION_VLLM_LAYOUT=mega``;
 * ``mega_given``: that and ``--block-size 128`` on the command line;
 * ``mega_huge_off``: that and ``VATTENTION_HOST_HUGE_PAGES=0``.
@@ -22,6 +23,7 @@ import os
 import sys
 
 from vllm.engine.arg_utils import EngineArgs
+from vllm.platforms import current_platform
 from vllm.plugins import load_general_plugins
 
 import vattention
@@ -35,7 +37,13 @@ GEOMETRY = dict(num_layers=2, hidden_size=256, num_heads=8, num_kv_heads=8, head
 def layout_and_block_size(model: str, **args) -> list:
     sizes = dict(max_model_len=1024, max_num_seqs=4, kv_cache_memory_bytes=64 << 20)
     config = EngineArgs(model=model, dtype="float32", **{**sizes, **args}).create_engine_config()
-    return [config.additional_config[LAYOUT_KEY], config.cache_config.block_size]
+    chosen = [config.additional_config[LAYOUT_KEY], config.cache_config.block_size]
+    # vLLM may check a config again (VllmConfig.__post_init__ after dataclasses.replace): the
+    # hook must keep what it chose, not choose again from the block size it set
+    current_platform.check_and_update_config(config)
+    again = [config.additional_config[LAYOUT_KEY], config.cache_config.block_size]
+    assert again == chosen, (args, chosen, again)
+    return chosen
 
 
 def main(workdir: str) -> None:
@@ -45,7 +53,10 @@ def main(workdir: str) -> None:
     out = {"huge_unit": vattention._C.host_huge_unit(),
            "mapping_limit": vattention._C.host_mapping_limit(),
            "default": layout_and_block_size(model),
-           "large": layout_and_block_size(model, max_num_seqs=None, max_model_len=8192)}
+           "large": layout_and_block_size(model, max_num_seqs=None, max_model_len=8192),
+           # 100 x 64 blocks x 2 x 2 = 25600 mappings: mega, whose 256-token blocks would halve
+           # the count (a check of the config again must not then take layer)
+           "middle": layout_and_block_size(model, max_num_seqs=100, max_model_len=8192)}
     os.environ["VATTENTION_VLLM_LAYOUT"] = "mega"
     out["mega"] = layout_and_block_size(model)
     out["mega_given"] = layout_and_block_size(model, block_size=128)

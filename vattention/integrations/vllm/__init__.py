@@ -27,8 +27,9 @@ Environment
     Each worker writes ``KVCache.stats()`` plus ``max_active_slots`` as JSON to ``<path>``
     (``<path>.rank<N>`` when the world size is > 1) every few seconds and at shutdown.
 ``VATTENTION_VLLM_LAYOUT=auto|mega|layer``
-    Cache layout (default ``auto``: ``mega`` for models whose layers share one KV spec, two
-    mappings per block instead of two per layer; ``layer`` for hybrid models).
+    Cache layout (default ``auto``: ``layer`` for hybrid models; for models whose layers share
+    one KV spec, ``mega`` on CUDA (two mappings per block instead of two per layer) and on the
+    CPU ``layer`` where its mappings fit within half of the host backend's limit, else ``mega``).
 ``VATTENTION_VLLM_ALLOW_UNTESTED=1``
     Run on a vLLM version other than the supported ones (at your own risk).
 """

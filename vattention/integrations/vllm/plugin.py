@@ -209,7 +209,8 @@ def configure(vllm_config: Any, *, device_type: str) -> None:
     env_layout = layout_from_env()
     layout = model_layout(model, env_layout)
     if env_layout == "auto" and layout == "mega" and device_type == "cpu":
-        layout = _cpu_auto_layout(
+        # A config checked again keeps its choice: its block size is already the chosen one.
+        layout = vllm_config.additional_config.get(LAYOUT_KEY) or _cpu_auto_layout(
             vllm_config.scheduler_config.max_num_seqs, model.max_model_len, num_layers,
             aligned_block_size(requested, unit_bytes("layer"), granularity),
             _C.host_mapping_limit())
