@@ -51,7 +51,7 @@ from support.vllm_harness import (
     Background,
     Inline,
     Scenario,
-    build_model,
+    build_models,
     greedy,
     prompt,
     vllm_env,
@@ -132,8 +132,7 @@ def _pair(started, name, workdir, spec, plugin_env=None, hf=False):
 
 def _start_all() -> dict:
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="vattention-vllm-tests-"))
-    models = {family: build_model(workdir / family, family)
-              for family in ("llama", "qwen2", "mistral") + WINDOWED}
+    models = build_models(workdir, ["llama", "qwen2", "mistral", *WINDOWED])
     llama = {
         "model": models["llama"],
         "engine": _sizes(max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=64,
