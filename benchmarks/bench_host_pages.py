@@ -16,6 +16,10 @@ are warmed up, then timed alternately (A B B A), min and median printed:
 - **create**: a new cache and its first step, which creates every page (the one-time cost the
   huge pages add: the collapse copies each page once).
 
+Every token's K and V hold a mark of its row and position, the same in both caches; the run stops
+if the caches' sums or attention outputs differ, or if the outputs differ from the attention the
+marks imply (a page mapped at the wrong row or place).
+
     .venv/bin/python benchmarks/bench_host_pages.py
 """
 
@@ -85,8 +89,14 @@ class Remapper:
     def reader(self):
         slots = [self.cache.alloc() for _ in range(ROWS)]
         self.cache.step({s: self.tokens for s in slots}, blocks=tables(slots))
-        k, _ = self.cache.mega_tensors()          # [rows, tokens, layers, heads, head_dim]
+        k, v = self.cache.mega_tensors()          # [rows, tokens, layers, heads, head_dim]
         rows = k[:, :self.tokens]
+        # every token's K and V hold its own (row, token) mark, the same in both caches, so a page
+        # mapped at the wrong row or place changes the sums and the attention outputs compared
+        mark = (torch.arange(ROWS * self.tokens, dtype=torch.float32) / (ROWS * self.tokens))
+        mark = mark.view(ROWS, self.tokens, 1, 1, 1)
+        rows.copy_(mark.expand_as(rows))
+        v[:, :self.tokens].copy_((1.0 - mark).expand_as(rows))
         return lambda: rows.sum()
 
     def decoder(self):
@@ -95,9 +105,20 @@ class Remapper:
 
         k, v = self.cache.layer(0)
         q = torch.randn(ROWS, 1, k.shape[2], k.shape[3], generator=torch.Generator().manual_seed(0))
+        self.q = q
         lens = torch.full((ROWS,), self.tokens, dtype=torch.int32)
         return lambda: flash_attn_with_kvcache(q, k[:ROWS], v[:ROWS], cache_seqlens=lens,
                                                causal=True)
+
+    def expected_decode(self) -> torch.Tensor:
+        """What `decoder` must return, from the marks `reader` wrote: token t of row i has K =
+        m[i, t] and V = 1 - m[i, t] in every element."""
+        m = (torch.arange(ROWS * self.tokens, dtype=torch.float64) / (ROWS * self.tokens))
+        m = m.view(ROWS, 1, self.tokens)
+        q = self.q.double()[:, 0]                               # [rows, heads, head_dim]
+        scores = m * q.sum(-1, keepdim=True) / q.shape[-1] ** 0.5  # [rows, heads, tokens]
+        out = (scores.softmax(-1) * (1.0 - m)).sum(-1)          # [rows, heads]
+        return out[:, None, :, None].expand_as(self.q).float()
 
 
 def create_once(cfg: vattention.KVCacheConfig, huge: bool) -> None:
@@ -133,13 +154,17 @@ def main() -> int:
                                    rounds=args.rounds)
         readers = {n: c.reader() for n, c in caches.items()}
         sums = {n: float(r()) for n, r in readers.items()}
-        if sums["huge"] != sums["4k"]:     # the same memory contents (zeros) through both
+        if sums["huge"] != sums["4k"] or sums["huge"] <= 0:   # the same marks through both
             raise SystemExit(f"the two caches read differently: {sums}")
         read = compare_min_median(readers, calls=3, rounds=args.rounds)
         decoders = {n: c.decoder() for n, c in caches.items()}
         outs = {n: d() for n, d in decoders.items()}
         if not torch.equal(outs["huge"], outs["4k"]):
             raise SystemExit("the two caches' attention outputs differ")
+        expected = caches["huge"].expected_decode()
+        if not torch.allclose(outs["huge"], expected, rtol=1e-4, atol=1e-5):
+            err = (outs["huge"] - expected).abs().max().item()
+            raise SystemExit(f"the attention outputs differ from the marks' (max error {err:.3g})")
         decode = compare_min_median(decoders, calls=5, rounds=args.rounds)
         for c in caches.values():
             c.cache.close()
