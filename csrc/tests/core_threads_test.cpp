@@ -22,8 +22,11 @@ using vattention::testing::check;
 
 namespace {
 
-std::unique_ptr<KVCacheCore> make_core(bool mega, int64_t budget, ReclaimPolicy policy) {
-  return testing::host_core(testing::small_geometry(4, 16, 4096, mega), budget, policy);
+std::unique_ptr<KVCacheCore> make_core(bool mega, int64_t budget, ReclaimPolicy policy,
+                                       int64_t page_bytes = 64 << 10) {
+  CacheGeometry g = testing::small_geometry(4, 16, 4096, mega);
+  g.page_bytes = page_bytes;
+  return testing::host_core(g, budget, policy);
 }
 
 void hammer(KVCacheCore& core, unsigned seed, std::chrono::steady_clock::time_point stop,
@@ -70,8 +73,10 @@ void hammer(KVCacheCore& core, unsigned seed, std::chrono::steady_clock::time_po
   for (auto& [s, n] : mine) core.free(s, 0);
 }
 
-void test_threads(bool mega, ReclaimPolicy policy) {
-  auto core = make_core(mega, 24 << 20, policy);
+// page_bytes 2 MB: pages created in 2 MB huge pages where this kernel collapses them
+// (HostBackend::instantiate from the stepping and prefetching threads at once).
+void test_threads(bool mega, ReclaimPolicy policy, int64_t page_bytes = 64 << 10) {
+  auto core = make_core(mega, page_bytes > (64 << 10) ? 64 << 20 : 24 << 20, policy, page_bytes);
   std::atomic<long> steps{0};
   const auto stop = std::chrono::steady_clock::now() + std::chrono::milliseconds(1500);
   std::vector<std::thread> threads;
@@ -81,6 +86,11 @@ void test_threads(bool mega, ReclaimPolicy policy) {
   core->wait();
   check(steps > 20, "too few steps: " + std::to_string(steps.load()));
   check(core->check_invariants().empty(), "invariants: " + core->check_invariants());
+  if (page_bytes > (64 << 10) && policy == ReclaimPolicy::Deferred && HostBackend::huge_unit()) {
+    // the freed rows' pages wait in the pool: some of them must be huge
+    const auto& host = static_cast<const HostBackend&>(core->backend());
+    check(host.huge_page_bytes() > 0, "no page was created in huge pages");
+  }
   core->close();
   core->close();
 }
@@ -117,6 +127,8 @@ int main() {
   test_threads(false, ReclaimPolicy::Deferred);
   test_threads(true, ReclaimPolicy::Deferred);
   test_threads(false, ReclaimPolicy::Eager);
+  test_threads(true, ReclaimPolicy::Deferred, 2 << 20);
+  test_threads(false, ReclaimPolicy::Eager, 2 << 20);
   test_rollback_through_faults();
   return vattention::testing::report("core thread/rollback tests");
 }
