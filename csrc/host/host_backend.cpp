@@ -109,9 +109,9 @@ HostBackend::HostBackend(size_t page_bytes)
         .with("granularity", static_cast<int64_t>(granularity_));
   }
   // the same answer huge_unit() gives an engine choosing its page size (base pages of 4 KB, the
-  // kernel's collapse probe, $VATTENTION_HOST_HUGE_PAGES): one decision, not two that may differ
-  const int64_t unit = huge_unit();
-  try_huge_ = unit > 0 && page_bytes % static_cast<size_t>(unit) == 0;
+  // kernel's collapse probe, $VATTENTION_HOST_HUGE_PAGES): one decision, not two that may differ.
+  // Pages that are not whole 2 MB never ask, so they never pay for the probe.
+  try_huge_ = page_bytes % kHugeBytes == 0 && huge_unit() > 0;
 }
 
 int64_t HostBackend::huge_unit() {

@@ -104,8 +104,8 @@ class HostBackend final : public Backend {
   std::vector<PageHandle> free_extents_;  // punched extents ready for reuse
   std::vector<char> huge_;  // per page handle: its memory is in 2 MB folios
   int64_t huge_pages_ = 0;  // live pages with huge_ set
-  // Whether instantiate() tries MADV_COLLAPSE: page_bytes a multiple of huge_unit() (which is 0
-  // for 4 KB base pages missing, the kernel's probe failing, or huge pages turned off), and the
+  // Whether instantiate() tries MADV_COLLAPSE: page_bytes a multiple of huge_unit() (0 where the
+  // base pages are not 4 KB, the kernel's probe fails or huge pages are turned off), and the
   // kernel has not answered that it cannot (cleared on EINVAL before any success).
   std::atomic<bool> try_huge_{false};
   std::atomic<bool> ever_collapsed_{false};  // one collapse succeeded: EINVAL is then per range
