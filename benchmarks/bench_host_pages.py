@@ -68,6 +68,11 @@ def tables(slots, rotate: int = 0):
             for i, s in enumerate(slots)}
 
 
+def marks(tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    """[ROWS, tokens]: token t of row i is marked (i * tokens + t) / (ROWS * tokens)."""
+    return (torch.arange(ROWS * tokens, dtype=dtype) / (ROWS * tokens)).view(ROWS, tokens)
+
+
 class Remapper:
     """A cache whose rows are handed rotated block tables, one round per call."""
 
@@ -93,8 +98,7 @@ class Remapper:
         rows = k[:, :self.tokens]
         # every token's K and V hold its own (row, token) mark, the same in both caches, so a page
         # mapped at the wrong row or place changes the sums and the attention outputs compared
-        mark = (torch.arange(ROWS * self.tokens, dtype=torch.float32) / (ROWS * self.tokens))
-        mark = mark.view(ROWS, self.tokens, 1, 1, 1)
+        mark = marks(self.tokens, torch.float32).view(ROWS, self.tokens, 1, 1, 1)
         rows.copy_(mark.expand_as(rows))
         v[:, :self.tokens].copy_((1.0 - mark).expand_as(rows))
         return lambda: rows.sum()
@@ -113,8 +117,7 @@ class Remapper:
     def expected_decode(self) -> torch.Tensor:
         """What `decoder` must return, from the marks `reader` wrote: token t of row i has K =
         m[i, t] and V = 1 - m[i, t] in every element."""
-        m = (torch.arange(ROWS * self.tokens, dtype=torch.float64) / (ROWS * self.tokens))
-        m = m.view(ROWS, 1, self.tokens)
+        m = marks(self.tokens, torch.float64).view(ROWS, 1, self.tokens)
         q = self.q.double()[:, 0]                               # [rows, heads, head_dim]
         scores = m * q.sum(-1, keepdim=True) / q.shape[-1] ** 0.5  # [rows, heads, tokens]
         out = (scores.softmax(-1) * (1.0 - m)).sum(-1)          # [rows, heads]
