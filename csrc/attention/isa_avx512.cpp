@@ -13,7 +13,7 @@
 #endif
 #include "attention/plan.h"
 
-#if defined(__x86_64__)
+#if defined(__x86_64__) && !defined(VATTENTION_SKIP_AVX512)
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
 // GCC 12's AVX-512 intrinsics self-initialize their "undefined" operands (__Y = __Y), which
@@ -35,7 +35,9 @@ bool avx512_compiled() { return true; }
 }  // namespace attention
 }  // namespace vattention
 #pragma GCC pop_options
-#else  // not x86-64: the generic kernels stand in
+#else
+// Not x86-64, or a build that leaves these kernels out (VATTENTION_SKIP_AVX512: the sanitizer
+// build on a CPU that cannot run them, Makefile): the generic kernels stand in.
 namespace vattention {
 namespace attention {
 KernelTable kernels_avx512() { return kernels_generic(); }
