@@ -19,7 +19,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.vllm-stamp
 VLLM_PLUGIN_STAMP := $(VLLM_VENV)/.plugin-stamp
 
-.PHONY: all build demo test test-deps sanitize lint format-cpp clean vllm
+.PHONY: all build demo test test-deps sanitize sanitize-build lint format-cpp clean vllm
 
 CXX ?= g++
 SAN_DIR := build-sanitize
@@ -122,7 +122,9 @@ $(SAN_DIR)/attention_asan: $(ATTN_SAN_OBJS)
 # attention_asan first: its objects take longest to compile.
 SAN_BINS := attention_asan $(foreach t,$(SAN_TESTS),$(t)_tsan $(t)_asan)
 
-sanitize: $(addprefix $(SAN_DIR)/,$(SAN_BINS))
+sanitize-build: $(addprefix $(SAN_DIR)/,$(SAN_BINS))
+
+sanitize: sanitize-build
 	@echo "sanitizers: running $(words $(SAN_BINS)) test binaries"
 	@set -e; for t in $(SAN_TESTS); do \
 	  TSAN_OPTIONS="halt_on_error=1 exitcode=66" $(SAN_DIR)/$${t}_tsan; \
@@ -145,14 +147,21 @@ lint: $(TEST_DEPS_STAMP)
 format-cpp: $(TEST_DEPS_STAMP)
 	$(VENV)/bin/clang-format -i $(CPP_FILES)
 
-# Runs the sanitizer build too when this compiler has the runtimes (gcc on Debian does), then
-# pytest (even when a sanitizer run failed, so one run reports both), and ends with one line
-# summing up both; fails if either failed.
-test: build $(TEST_DEPS_STAMP) $(VLLM_PLUGIN_STAMP) lint
-	@mkdir -p $(SAN_DIR); \
-	if printf 'int main(){return 0;}' | $(CXX) -fsanitize=thread -x c++ - -o /dev/null 2>/dev/null && \
-	    printf 'int main(){return 0;}' | $(CXX) -fsanitize=address,undefined -x c++ - -o /dev/null 2>/dev/null; \
-	then \
+# Whether this compiler has the sanitizer runtimes (gcc on Debian does): "yes", or empty.
+SAN_RUNTIMES = $(shell printf 'int main(){return 0;}' | $(CXX) -fsanitize=thread -x c++ - -o /dev/null \
+  2>/dev/null && printf 'int main(){return 0;}' | $(CXX) -fsanitize=address,undefined -x c++ - \
+  -o /dev/null 2>/dev/null && echo yes)
+
+# Runs the sanitizer build too when this compiler has the runtimes, then pytest (even when a
+# sanitizer run failed, so one run reports both), and ends with one line summing up both; fails
+# if either failed. vLLM's venv installs (mostly pip and the disk) beside the sanitizer compile;
+# -k: the install goes on where a compile fails (the sanitizer run below reports it), and a
+# failed install is retried once, alone, and stops the run.
+test: build $(TEST_DEPS_STAMP) lint
+	@mkdir -p $(SAN_DIR); san_ok="$(SAN_RUNTIMES)"; \
+	$(MAKE) -s -k -j2 $(VLLM_PLUGIN_STAMP) $${san_ok:+sanitize-build} || true; \
+	$(MAKE) -s $(VLLM_PLUGIN_STAMP) || exit 1; \
+	if [ -n "$$san_ok" ]; then \
 	  if $(MAKE) -s -j2 sanitize; then san="$(words $(SAN_BINS)) of $(words $(SAN_BINS)) passed"; \
 	  else san="FAILED (see above)"; fi; \
 	else san="skipped (no sanitizer runtimes)"; fi; \
