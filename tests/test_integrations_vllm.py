@@ -51,6 +51,7 @@ from support.vllm_harness import (
     Background,
     Inline,
     Scenario,
+    Zygote,
     build_models,
     greedy,
     prompt,
@@ -115,23 +116,34 @@ def runs():
     started = _BACKGROUND.result()
     yield started
     for run in started.values():
-        if isinstance(run, pathlib.Path):
+        if isinstance(run, (pathlib.Path, Zygote)):
             continue
         for proc in [r.proc for r in run] if isinstance(run, list) else [run.proc]:
             if proc.poll() is None:
                 proc.kill()
+    started["zygote"].close()
     shutil.rmtree(started["workdir"], ignore_errors=True)
 
 
-def _pair(started, name, workdir, spec, plugin_env=None, hf=False):
-    started[f"{name}-stock"] = Scenario(f"{name}-stock", workdir, spec, plugin=False)
+def _pair(started, name, workdir, spec, zygote, plugin_env=None, hf=False):
+    started[f"{name}-stock"] = Scenario(f"{name}-stock", workdir, spec, plugin=False,
+                                        zygote=zygote)
     started[f"{name}-plugin"] = Scenario(f"{name}-plugin", workdir,
                                          dict(spec, hf_reference=hf), plugin=True,
-                                         **(plugin_env or {}))
+                                         zygote=zygote, **(plugin_env or {}))
 
 
 def _start_all() -> dict:
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="vattention-vllm-tests-"))
+    zygote = Zygote(workdir)        # imports vLLM while the models are built
+    try:
+        return _start_scenarios(workdir, zygote)
+    except BaseException:
+        zygote.close()
+        raise
+
+
+def _start_scenarios(workdir: pathlib.Path, zygote: Zygote) -> dict:
     models = build_models(workdir, ["llama", "qwen2", "mistral", *WINDOWED])
     llama = {
         "model": models["llama"],
@@ -154,18 +166,19 @@ def _start_all() -> dict:
         "requests": [{"prompt_token_ids": prompt(n, 50 + i), "sampling": greedy(m)}
                      for i, (n, m) in enumerate(QWEN_REQUESTS)],
     }
-    started = {}
-    _pair(started, "llama", workdir, llama, hf=True)
+    started = {"zygote": zygote}
+    _pair(started, "llama", workdir, llama, zygote, hf=True)
     # the mega layout, where auto now takes layer: prefix hits and sharing checked in both
-    _pair(started, "prefix", workdir, prefix, plugin_env={"VATTENTION_VLLM_LAYOUT": "mega"})
-    _pair(started, "qwen", workdir, qwen, hf=True)
+    _pair(started, "prefix", workdir, prefix, zygote,
+          plugin_env={"VATTENTION_VLLM_LAYOUT": "mega"})
+    _pair(started, "qwen", workdir, qwen, zygote, hf=True)
     for family in WINDOWED:
-        _pair(started, family, workdir, {
+        _pair(started, family, workdir, zygote=zygote, spec={
             "model": models[family],
             "engine": _eager(max_model_len=512, max_num_seqs=4, kv_cache_memory_bytes=4 << 20),
             "requests": [{"prompt_token_ids": prompt(n, 700 + i), "sampling": greedy(m)}
                          for i, (n, m) in enumerate([(40, 300), (150, 200), (90, 260)])]})
-    _pair(started, "fp8", workdir, {
+    _pair(started, "fp8", workdir, zygote=zygote, spec={
         "model": models["llama"],
         "engine": _eager(max_model_len=512, max_num_seqs=4, kv_cache_memory_bytes=4 << 20,
                          kv_cache_dtype="fp8"),
@@ -176,15 +189,15 @@ def _start_all() -> dict:
         "llama-tp2": Scenario("llama-tp2", workdir, dict(
             llama, requests=llama["requests"][1:6],
             engine=dict(llama["engine"], tensor_parallel_size=2, enforce_eager=True)),
-            plugin=True, VLLM_ENABLE_V1_MULTIPROCESSING="1"),
+            plugin=True, zygote=zygote, VLLM_ENABLE_V1_MULTIPROCESSING="1"),
         "fail-fast": Inline(["-c", fail_fast_code(models["llama"])], workdir, "fail-fast",
-                            plugin=True),
+                            plugin=True, zygote=zygote),
         "v2-refused": Inline(["-c", v2_code(models["llama"])], workdir, "v2-refused",
-                             plugin=True, VLLM_USE_V2_MODEL_RUNNER="1"),
+                             plugin=True, zygote=zygote, VLLM_USE_V2_MODEL_RUNNER="1"),
         "cuda-config": Inline([str(ROOT / "tests" / "support" / "vllm_cuda_config_check.py"),
                                models["mistral"]], workdir, "cuda-config", plugin=False),
         "cpu-config": Inline([str(ROOT / "tests" / "support" / "vllm_cpu_config_check.py"),
-                              str(workdir)], workdir, "cpu-config", plugin=True),
+                              str(workdir)], workdir, "cpu-config", plugin=True, zygote=zygote),
         "bench": Inline(["-m", "vattention", "bench", "vllm", *BENCH_ARGS,
                          "--json", str(workdir / "bench.json")], workdir, "bench", plugin=False,
                        VATTENTION_VLLM_LAYOUT="mega"),   # handed to the plugin's engine only
