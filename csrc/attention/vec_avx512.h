@@ -6,6 +6,7 @@
 struct Vec {
   static constexpr int W = 16;
   static constexpr int kRegs = 32;
+  static constexpr bool kDenseD16 = false;
   using F = __m512;
   using I = __m512i;
 

@@ -4,6 +4,7 @@
 struct Vec {
   static constexpr int W = 8;
   static constexpr int kRegs = 16;
+  static constexpr bool kDenseD16 = false;
   static constexpr bool kBf16Dot = false;  // no bf16 dot product instruction
   struct F {
     float v[8];
