@@ -96,6 +96,7 @@ class Zygote:
         self._children: Dict[int, ForkedProcess] = {}
         self._lock = threading.Lock()
         self._ready = threading.Event()
+        self._alive = True
         self._next = 0
         self._reader = threading.Thread(target=self._read, daemon=True, name="vllm-zygote")
         self._reader.start()
@@ -113,7 +114,10 @@ class Zygote:
             else:
                 child.returncode = doc["rc"]
                 child._ended.set()
-        for child in self._children.values():  # the zygote died: its children are lost
+        with self._lock:                        # the zygote ended: its children are lost
+            self._alive = False
+            children = list(self._children.values())
+        for child in children:
             if child.returncode is None:
                 child.returncode = -signal.SIGKILL
                 child._started.set()
@@ -123,10 +127,12 @@ class Zygote:
     def spawn(self, args: List[str], env: Dict[str, str], cwd: pathlib.Path,
               log: pathlib.Path, timeout: float = 300) -> ForkedProcess:
         """``python *args`` (``-m MOD``, ``-c CODE`` or a script) with ``env``, as a child."""
-        if not self._ready.wait(timeout) or self.proc.poll() is not None:
+        if not self._ready.wait(timeout):
             raise RuntimeError(f"the vLLM zygote did not start:\n{self.log_tail()}")
         child = ForkedProcess()
         with self._lock:
+            if not self._alive:
+                raise RuntimeError(f"the vLLM zygote has ended:\n{self.log_tail()}")
             self._next += 1
             self._children[self._next] = child
             self.proc.stdin.write(json.dumps({"id": self._next, "argv": args, "env": env,

@@ -71,6 +71,11 @@ def _child(cmd: dict) -> None:
             code = 1
         threading._shutdown()     # the interpreter's exit: join non-daemon threads, then atexit
         atexit._run_exitfuncs()
+    except BaseException:  # noqa: BLE001 - before the command ran (its log), or in the exit
+        import traceback
+
+        traceback.print_exc()
+        code = code or 1
     finally:
         try:
             sys.stdout.flush()
