@@ -100,10 +100,11 @@ $(SAN_DIR)/%_asan: $(SAN_DIR)/asan/tests/%_test.o $(patsubst csrc/%.cpp,$(SAN_DI
 #
 # Compile time (one compiler call for all of it took 12 of make test's 14 sanitizer minutes on
 # this project's 2-core machine): one object per source, longest first, so `make -j2` runs them
-# beside the rest; -g1 (line tables, all ASan's reports need) instead of -g, whose variable
-# tracking of the unrolled kernels costs (isa_generic.cpp alone: 258 s with -g, 185 s with -g1);
-# and no AVX-512 kernels where the CPU cannot run them (the test skips those ISAs there either
-# way; the extension's own build still compiles them).
+# beside the rest; -O0 -g1: line tables (all ASan's reports need) and no optimization, whose
+# unrolled kernels cost minutes to compile and seconds to run (isa_generic.cpp alone: 258 s with
+# -O1 -g, 187 s with -O1 -g1, 22 s with -O0 -g1; the test ran 18 s at -O1, 51 s at -O0); and no
+# AVX-512 kernels where the CPU cannot run them (the test skips those ISAs there either way; the
+# extension's own build still compiles them).
 ATTN_SAN_SOURCES := csrc/attention/isa_generic.cpp csrc/attention/isa_avx2.cpp \
   $(filter-out %/isa_generic.cpp %/isa_avx2.cpp,$(wildcard csrc/attention/*.cpp)) \
   csrc/tests/attention_test.cpp
@@ -114,7 +115,7 @@ ATTN_SAN_SKIP := $(if $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo
 
 $(SAN_DIR)/asan-omp/%.o: csrc/%.cpp $(wildcard csrc/attention/*.h)
 	@mkdir -p $(dir $@)
-	$(CXX) $(SAN_FLAGS) -g1 -fopenmp $(ASAN_FLAGS) $(ATTN_SAN_SKIP) -c $< -o $@
+	$(CXX) $(SAN_FLAGS) -O0 -g1 -fopenmp $(ASAN_FLAGS) $(ATTN_SAN_SKIP) -c $< -o $@
 
 $(SAN_DIR)/attention_asan: $(ATTN_SAN_OBJS)
 	$(CXX) $(SAN_FLAGS) -fopenmp $(ASAN_FLAGS) $^ -o $@
@@ -124,13 +125,17 @@ SAN_BINS := attention_asan $(foreach t,$(SAN_TESTS),$(t)_tsan $(t)_asan)
 
 sanitize-build: $(addprefix $(SAN_DIR)/,$(SAN_BINS))
 
-sanitize: sanitize-build
-	@echo "sanitizers: running $(words $(SAN_BINS)) test binaries"
-	@set -e; for t in $(SAN_TESTS); do \
-	  TSAN_OPTIONS="halt_on_error=1 exitcode=66" $(SAN_DIR)/$${t}_tsan; \
-	  ASAN_OPTIONS="detect_leaks=1 halt_on_error=1" UBSAN_OPTIONS="halt_on_error=1" $(SAN_DIR)/$${t}_asan; \
-	done
-	ASAN_OPTIONS="detect_leaks=1 halt_on_error=1" UBSAN_OPTIONS="halt_on_error=1" $(SAN_DIR)/attention_asan
+# One run per binary (`make -j2 sanitize` runs two at once); attention_asan first, the longest.
+# Not .PHONY: make skips the pattern rules of phony targets (no file run-* is ever made).
+SAN_RUNS := $(addprefix run-,$(SAN_BINS))
+
+sanitize: $(SAN_RUNS)
+
+run-%_tsan: $(SAN_DIR)/%_tsan
+	TSAN_OPTIONS="halt_on_error=1 exitcode=66" $<
+
+run-%_asan: $(SAN_DIR)/%_asan
+	ASAN_OPTIONS="detect_leaks=1 halt_on_error=1" UBSAN_OPTIONS="halt_on_error=1" $<
 
 test-deps: $(TEST_DEPS_STAMP)
 
@@ -154,13 +159,15 @@ SAN_RUNTIMES = $(shell printf 'int main(){return 0;}' | $(CXX) -fsanitize=thread
 
 # Runs the sanitizer build too when this compiler has the runtimes, then pytest (even when a
 # sanitizer run failed, so one run reports both), and ends with one line summing up both; fails
-# if either failed. vLLM's venv installs (mostly pip and the disk) beside the sanitizer compile;
-# -k: the install goes on where a compile fails (the sanitizer run below reports it), and a
-# failed install is retried once, alone, and stops the run.
-test: build $(TEST_DEPS_STAMP) lint
+# if either failed. The installs and builds run side by side (-j2: the extension's compile, vLLM's
+# venv, which is mostly pip and the disk, the test tools, the sanitizer objects); -k: the rest go
+# on where one fails, and a failed install or build is retried once, alone, and stops the run (a
+# failed sanitizer compile is reported by the sanitizer run).
+test:
 	@mkdir -p $(SAN_DIR); san_ok="$(SAN_RUNTIMES)"; \
-	$(MAKE) -s -k -j2 $(VLLM_PLUGIN_STAMP) $${san_ok:+sanitize-build} || true; \
-	$(MAKE) -s $(VLLM_PLUGIN_STAMP) || exit 1; \
+	$(MAKE) -s -k -j2 $(BUILD_STAMP) $(VLLM_STAMP) $(TEST_DEPS_STAMP) \
+	  $${san_ok:+sanitize-build} || true; \
+	$(MAKE) -s build lint $(VLLM_PLUGIN_STAMP) || exit 1; \
 	if [ -n "$$san_ok" ]; then \
 	  if $(MAKE) -s -j2 sanitize; then san="$(words $(SAN_BINS)) of $(words $(SAN_BINS)) passed"; \
 	  else san="FAILED (see above)"; fi; \

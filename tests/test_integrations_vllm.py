@@ -9,7 +9,7 @@ example, the docs' blocks, ``bench vllm``) and the CUDA config check (it stubs a
 importing vLLM) are fresh interpreters. Stock vLLM (its own CPU_ATTN paged kernel, at the same
 defaults) and transformers are the references: greedy tokens must be identical.
 
-Workloads (started together, awaited per test):
+Workloads (started in the background a few at a time, longest first, awaited per test):
 
 * ``llama``: 10 requests through ``max_num_seqs=4`` slots, prompts on both sides of the 128-token
   block boundaries, chunked prefill (``max_num_batched_tokens=64``), and a seeded ``n=3``
@@ -170,12 +170,30 @@ def _start_scenarios(workdir: pathlib.Path, zygote: Zygote) -> dict:
         "requests": [{"prompt_token_ids": prompt(n, 50 + i), "sampling": greedy(m)}
                      for i, (n, m) in enumerate(QWEN_REQUESTS)],
     }
-    started = {"zygote": zygote}
+    # The server first, outside the harness's SLOTS: once up it idles until its test, and it is
+    # up by then. The rest a few at a time (SLOTS), the longest (2-3 minutes each here) first.
+    started = {"zygote": zygote, "server": Server(models["mistral"], workdir)}
+    started.update({
+        "bench": Inline(["-m", "vattention", "bench", "vllm", *BENCH_ARGS,
+                         "--json", str(workdir / "bench.json")], workdir, "bench", plugin=False,
+                        VATTENTION_VLLM_LAYOUT="mega"),   # handed to the plugin's engine only
+        # two CPU workers (processes), each with a KVCache for its one KV head
+        "llama-tp2": Scenario("llama-tp2", workdir, dict(
+            llama, requests=llama["requests"][1:6],
+            engine=dict(llama["engine"], tensor_parallel_size=2, enforce_eager=True)),
+            plugin=True, zygote=zygote, VLLM_ENABLE_V1_MULTIPROCESSING="1"),
+        "doc-blocks": start_doc_blocks(workdir),
+        "example": Inline([str(ROOT / "examples" / "vllm_offline.py")], workdir, "example",
+                          plugin=True, VLLM_ENABLE_V1_MULTIPROCESSING="1"),
+    })
     _pair(started, "llama", workdir, llama, zygote, hf=True)
+    started["cuda-config"] = Inline(
+        [str(ROOT / "tests" / "support" / "vllm_cuda_config_check.py"), models["mistral"]],
+        workdir, "cuda-config", plugin=False)
+    _pair(started, "qwen", workdir, qwen, zygote, hf=True)
     # the mega layout, where auto now takes layer: prefix hits and sharing checked in both
     _pair(started, "prefix", workdir, prefix, zygote,
           plugin_env={"VATTENTION_VLLM_LAYOUT": "mega"})
-    _pair(started, "qwen", workdir, qwen, zygote, hf=True)
     for family in WINDOWED:
         _pair(started, family, workdir, zygote=zygote, spec={
             "model": models[family],
@@ -189,26 +207,12 @@ def _start_scenarios(workdir: pathlib.Path, zygote: Zygote) -> dict:
         "requests": [{"prompt_token_ids": prompt(n, 800 + i), "sampling": greedy(m)}
                      for i, (n, m) in enumerate([(30, 40), (140, 30), (260, 20)])]})
     started.update({
-        # two CPU workers (processes), each with a KVCache for its one KV head
-        "llama-tp2": Scenario("llama-tp2", workdir, dict(
-            llama, requests=llama["requests"][1:6],
-            engine=dict(llama["engine"], tensor_parallel_size=2, enforce_eager=True)),
-            plugin=True, zygote=zygote, VLLM_ENABLE_V1_MULTIPROCESSING="1"),
         "fail-fast": Inline(["-c", fail_fast_code(models["llama"])], workdir, "fail-fast",
                             plugin=True, zygote=zygote),
         "v2-refused": Inline(["-c", v2_code(models["llama"])], workdir, "v2-refused",
                              plugin=True, zygote=zygote, VLLM_USE_V2_MODEL_RUNNER="1"),
-        "cuda-config": Inline([str(ROOT / "tests" / "support" / "vllm_cuda_config_check.py"),
-                               models["mistral"]], workdir, "cuda-config", plugin=False),
         "cpu-config": Inline([str(ROOT / "tests" / "support" / "vllm_cpu_config_check.py"),
                               str(workdir)], workdir, "cpu-config", plugin=True, zygote=zygote),
-        "bench": Inline(["-m", "vattention", "bench", "vllm", *BENCH_ARGS,
-                         "--json", str(workdir / "bench.json")], workdir, "bench", plugin=False,
-                       VATTENTION_VLLM_LAYOUT="mega"),   # handed to the plugin's engine only
-        "server": Server(models["mistral"], workdir),
-        "doc-blocks": start_doc_blocks(workdir),
-        "example": Inline([str(ROOT / "examples" / "vllm_offline.py")], workdir, "example",
-                          plugin=True, VLLM_ENABLE_V1_MULTIPROCESSING="1"),
     })
     started["workdir"] = workdir
     return started

@@ -9,6 +9,14 @@
 
 #include "attention/plan.h"
 
+// On x86-64 these kernels are the fallback for CPUs without AVX2 (the AVX2 and AVX-512 ones
+// serve the rest): compiled without forced unrolling, which took this file from 162 to 32 s of
+// the build (a GQA-4 decode call 1.5-1.7x slower on such a CPU, GQA-1 the same; prefill not
+// measured). Elsewhere (aarch64) they are the kernels every call runs, unrolled as the others.
+#if defined(__x86_64__)
+#define VATTN_UNROLL
+#endif
+
 namespace vattention {
 namespace attention {
 namespace isa_generic {
