@@ -119,12 +119,22 @@ def runs():
     start_in_background()           # no-op when conftest started it
     started = _BACKGROUND.result()
     yield started
+    _stop_all(started)
+
+
+def _stop_all(started: dict) -> None:
+    """Ends every process in ``started`` still running (the server with its engine process), then
+    the zygote, and removes the work folder."""
     for run in started.values():
         if isinstance(run, (pathlib.Path, Zygote)):
             continue
-        for proc in [r.proc for r in run] if isinstance(run, list) else [run.proc]:
-            if proc.poll() is None:
-                proc.kill()
+        for r in run if isinstance(run, list) else [run]:
+            if r.proc.poll() is not None:
+                continue
+            if isinstance(r, Server):
+                r.stop()
+            else:
+                r.proc.kill()
     started["zygote"].close()
     shutil.rmtree(started["workdir"], ignore_errors=True)
 
@@ -139,15 +149,18 @@ def _pair(started, name, workdir, spec, zygote, plugin_env=None, hf=False):
 
 def _start_all() -> dict:
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="vattention-vllm-tests-"))
-    zygote = Zygote(workdir)        # imports vLLM while the models are built
+    # the zygote imports vLLM while the models are built
+    started = {"workdir": workdir, "zygote": Zygote(workdir)}
     try:
-        return _start_scenarios(workdir, zygote)
+        _start_scenarios(started)
     except BaseException:
-        zygote.close()
+        _stop_all(started)   # what had started (the server would never end on its own)
         raise
+    return started
 
 
-def _start_scenarios(workdir: pathlib.Path, zygote: Zygote) -> dict:
+def _start_scenarios(started: dict) -> None:
+    workdir, zygote = started["workdir"], started["zygote"]
     models = build_models(workdir, ["llama", "qwen2", "mistral", *WINDOWED])
     llama = {
         "model": models["llama"],
@@ -172,7 +185,7 @@ def _start_scenarios(workdir: pathlib.Path, zygote: Zygote) -> dict:
     }
     # The server first, outside the harness's SLOTS: once up it idles until its test, and it is
     # up by then. The rest a few at a time (SLOTS), the longest (2-3 minutes each here) first.
-    started = {"zygote": zygote, "server": Server(models["mistral"], workdir)}
+    started["server"] = Server(models["mistral"], workdir)
     started.update({
         "bench": Inline(["-m", "vattention", "bench", "vllm", *BENCH_ARGS,
                          "--json", str(workdir / "bench.json")], workdir, "bench", plugin=False,
@@ -214,8 +227,6 @@ def _start_scenarios(workdir: pathlib.Path, zygote: Zygote) -> dict:
         "cpu-config": Inline([str(ROOT / "tests" / "support" / "vllm_cpu_config_check.py"),
                               str(workdir)], workdir, "cpu-config", plugin=True, zygote=zygote),
     })
-    started["workdir"] = workdir
-    return started
 
 
 def test_greedy_and_seeded_tokens_match_stock_vllm(runs):
