@@ -294,5 +294,5 @@ class Background:
         return self._value
 
 
-__all__ = ["Background", "ForkedProcess", "Inline", "SLOTS", "Scenario", "Slots", "Zygote",
-           "build_models", "greedy", "prompt", "vllm_env", "VLLM_PYTHON", "MISSING", "ROOT"]
+__all__ = ["Background", "ForkedProcess", "Inline", "Scenario", "Zygote", "build_models", "greedy",
+           "prompt", "vllm_env", "VLLM_PYTHON", "MISSING", "ROOT"]
