@@ -240,7 +240,7 @@ def _state(cache, name):
     if name in MAY_RECLAIM_UNUSED:
         stats["mapped_tokens"] = [cache.mapped_tokens(s) >= cache.seq_len(s) for s in slots]
         for key in UNUSED_STATE:
-            del stats[key]
+            stats.pop(key, None)  # the block keys exist on caches whose pages blocks name
     stats["seq_lens"] = [cache.seq_len(s) for s in range(cache.config.max_batch_size)]
     return stats
 

@@ -1,5 +1,5 @@
 // CPU attention over dense KV caches: FlashAttention's flash_attn_with_kvcache, for a whole batch
-// in one call (issue 20).
+// in one call.
 //
 // Why a native kernel: a Python loop with one torch SDPA call per request reads K/V at about half
 // the machine's streaming rate in decode and pays ~55 us of dispatch per request and layer. This

@@ -13,17 +13,17 @@
 //  - unmap() covers whole mappings exactly;
 //  - failures throw vattention::Error (Kind::OutOfPages from create_page when memory is exhausted,
 //    Kind::Driver otherwise) and leave the backend as it was.
+//
+// No operation has a default: each one's right behaviour depends on where the memory is (a memcpy
+// or a no-op fence is right for host memory and silently wrong for a device's), so a new backend
+// that forgets one does not compile.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
-
-#include "core/cache_watch.h"
 
 namespace vattention {
 
@@ -38,6 +38,16 @@ struct DeviceId {
 
 class Backend {
  public:
+  // What a backend keeps per cache while the cache lives (the host backend: the fault report that
+  // names the cache, tensor, slot and token of a bad access). register_cache() makes it; the cache
+  // drops it before its reservations go.
+  class CacheRegistration {
+   public:
+    virtual ~CacheRegistration() = default;
+    // The cache was closed: its tensors are dangling from now on.
+    virtual void mark_closed() = 0;
+  };
+
   virtual ~Backend() = default;
   Backend() = default;
   Backend(const Backend&) = delete;
@@ -68,68 +78,56 @@ class Backend {
   // Make [va, va + bytes) resident now instead of at first touch (host: fault the page tables in;
   // device memory is resident once mapped). An optimization only: callers may invoke it without the
   // cache lock on a range unmapped meanwhile, so it must tolerate that and never throw.
-  virtual void prefault(uintptr_t /*va*/, size_t /*bytes*/) noexcept {}
+  virtual void prefault(uintptr_t va, size_t bytes) noexcept = 0;
   // Unmap [va, va + bytes), which must cover whole mappings; the range stays reserved.
   virtual void unmap(uintptr_t va, size_t bytes) = 0;
 
   // Make the calling thread able to call this backend (CUDA: make the primary context current).
   // Called by every thread, including the prefetch thread, before its first backend call.
-  virtual void bind_thread() {}
+  virtual void bind_thread() = 0;
 
-  // Stream-ordered fences for deferred unmapping (DESIGN.md section 3, "Unmapping is not
-  // stream-ordered"). record_fence() records an event on `stream` (0 = legacy default stream) and
-  // returns an id; fence_done() polls it; fence_wait() blocks; fence_release() frees it.
-  // The host backend has nothing in flight: ids are 0 and always done.
-  virtual uint64_t record_fence(uintptr_t /*stream*/) { return 0; }
-  virtual bool fence_done(uint64_t /*fence*/) { return true; }
-  virtual void fence_wait(uint64_t /*fence*/) {}
-  virtual void fence_release(uint64_t /*fence*/) {}
+  // Stream-ordered fences for deferred unmapping: unmapping is not stream-ordered, so a page a
+  // kernel may still read is unmapped only after a fence recorded behind that kernel completed.
+  // record_fence() records an event on `stream` (0 = legacy default stream) and returns an id;
+  // fence_done() polls it; fence_wait() blocks; fence_release() frees it.
+  virtual uint64_t record_fence(uintptr_t stream) = 0;
+  virtual bool fence_done(uint64_t fence) = 0;
+  virtual void fence_wait(uint64_t fence) = 0;
+  virtual void fence_release(uint64_t fence) = 0;
 
   // Called by the cache's close() after every page is destroyed: give back whatever still holds
   // physical memory or OS resources for pages (host: the memfd arenas' descriptors). No page is
   // created afterwards; reservations stay valid until release_va().
-  virtual void release_physical() noexcept {}
+  virtual void release_physical() noexcept = 0;
 
   // Bytes the OS/driver really holds for this backend's pages (host: memfd blocks). -1 if unknown.
-  virtual int64_t committed_bytes() const { return -1; }
+  virtual int64_t committed_bytes() const = 0;
   // Bytes of live pages collapsed into huge (2 MB) pages of the OS when created, so that a mapping
   // at an aligned address costs one page-table entry per 2 MB (host backend). -1 if not
   // applicable (another backend, a page size not a multiple of 2 MB, base pages not 4 KB).
-  virtual int64_t huge_page_bytes() const { return -1; }
+  virtual int64_t huge_page_bytes() const = 0;
 
   // Called once per cache after its tensors are reserved at `bases` (one per tensor, as
   // geometry.h numbers them). nullptr: nothing to keep.
-  virtual std::unique_ptr<CacheWatch> watch_cache(const CacheGeometry& /*geometry*/,
-                                                  const std::vector<uintptr_t>& /*bases*/) {
-    return nullptr;
-  }
+  virtual std::unique_ptr<CacheRegistration> register_cache(
+      const CacheGeometry& geometry, const std::vector<uintptr_t>& bases) = 0;
 
-  // ---- copies (prefix sharing and swap, issue 7) ------------------------------------------------
+  // ---- copies (prefix sharing and swap) ---------------------------------------------------------
   // Every copy is ordered on `stream` (0 = legacy default stream) after work already queued there,
   // and may still be running when the call returns: before unmapping either range, freeing a host
   // buffer or reading it on the host, the caller records a fence on `stream` and waits for it.
-  // The host backend copies synchronously with memcpy, so its fences are trivially done.
-  // CUDA must implement these with the driver (cuMemcpyAsync / cuMemcpyDtoDAsync for copy(),
-  // cuMemcpyDtoHAsync / cuMemcpyHtoDAsync for the host copies) on `stream`; the defaults below are
-  // only correct where device memory is host memory.
   //
   // Device-to-device copy of `bytes` from src to dst; both ranges mapped with access.
-  virtual void copy(uintptr_t dst, uintptr_t src, size_t bytes, uintptr_t /*stream*/) {
-    std::memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes);
-  }
+  virtual void copy(uintptr_t dst, uintptr_t src, size_t bytes, uintptr_t stream) = 0;
   // Device range [src, src + bytes) into host buffer dst (from alloc_host()).
-  virtual void copy_to_host(void* dst, uintptr_t src, size_t bytes, uintptr_t /*stream*/) {
-    std::memcpy(dst, reinterpret_cast<const void*>(src), bytes);
-  }
+  virtual void copy_to_host(void* dst, uintptr_t src, size_t bytes, uintptr_t stream) = 0;
   // Host buffer src (from alloc_host()) into device range [dst, dst + bytes).
-  virtual void copy_from_host(uintptr_t dst, const void* src, size_t bytes, uintptr_t /*stream*/) {
-    std::memcpy(reinterpret_cast<void*>(dst), src, bytes);
-  }
-  // Host staging memory for swap. CUDA: page-locked (cuMemHostAlloc / cuMemFreeHost) so the
-  // copies above are true asynchronous DMA. alloc_host returns nullptr when the allocation fails;
-  // free_host is called from destructors and should not throw.
-  virtual void* alloc_host(size_t bytes) { return std::malloc(bytes); }
-  virtual void free_host(void* ptr) { std::free(ptr); }
+  virtual void copy_from_host(uintptr_t dst, const void* src, size_t bytes, uintptr_t stream) = 0;
+  // Host staging memory for swap (CUDA: page-locked, so the copies above are true asynchronous
+  // DMA). alloc_host returns nullptr when the allocation fails; free_host is called from
+  // destructors and should not throw.
+  virtual void* alloc_host(size_t bytes) = 0;
+  virtual void free_host(void* ptr) = 0;
 };
 
 }  // namespace vattention

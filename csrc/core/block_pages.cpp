@@ -1,13 +1,8 @@
 #include "core/block_pages.h"
 
-#include <algorithm>
+#include <string>
 
 namespace vattention {
-
-void BlockPages::configure(int64_t num_blocks, bool cache) {
-  entries_.assign(static_cast<size_t>(num_blocks), Entry{});
-  cache_ = cache;
-}
 
 void BlockPages::unmapped(int64_t b) {
   Entry& e = entry(b);
@@ -31,11 +26,6 @@ void BlockPages::drop(int64_t b) {
   e.pages.clear();
 }
 
-void BlockPages::reset_slot(Slot& slot, int /*index*/) {
-  slot.table.clear();
-  slot.fresh_from = 0;
-}
-
 void BlockPages::add_stats(Stats& out) const {
   int64_t with_pages = 0, cached = 0;
   for (const Entry& e : entries_) {
@@ -52,34 +42,8 @@ void BlockPages::add_stats(Stats& out) const {
   out.emplace_back("blocks_detached", static_cast<int64_t>(detached_));
 }
 
-std::string BlockPages::check(std::map<PageHandle, uint32_t>& seen) const {
-  if (!enabled()) return "";
-  const size_t G = static_cast<size_t>(geo_.num_groups());
-  const size_t C = geo_.columns();
-  std::vector<uint32_t> counted(entries_.size(), 0);
-  for (size_t i = 0; i < slots_.size(); ++i) {
-    const Slot& s = slots_[i];
-    const std::string where = "slot " + std::to_string(i) + ": ";
-    if (s.blocks.size() != s.mapped * G) return where + "block record does not match mapped count";
-    for (size_t k = 0; k < s.blocks.size(); ++k) {
-      const int64_t b = s.blocks[k];
-      if (b == kNoBlock) continue;
-      if (b < 0 || b >= num_blocks())
-        return where + "maps block " + std::to_string(b) + " out of range";
-      ++counted[static_cast<size_t>(b)];
-      const std::vector<size_t> cols = geo_.group_columns(static_cast<int>(k % G));
-      const Entry& e = entry(b);
-      if (e.pages.size() != cols.size()) {
-        return where + "maps block " + std::to_string(b) + ", which holds no pages";
-      }
-      for (size_t j = 0; j < cols.size(); ++j) {
-        if (s.pages[(k / G) * C + cols[j]] != e.pages[j]) {
-          return where + "page index " + std::to_string(k / G) + " does not map block " +
-                 std::to_string(b) + "'s pages";
-        }
-      }
-    }
-  }
+std::string BlockPages::check(const std::vector<uint32_t>& counted,
+                              std::map<PageHandle, uint32_t>& seen) const {
   for (size_t b = 0; b < entries_.size(); ++b) {
     const Entry& e = entries_[b];
     if (e.mappings != counted[b]) {
@@ -96,7 +60,7 @@ std::string BlockPages::check(std::map<PageHandle, uint32_t>& seen) const {
   return "";
 }
 
-void BlockPages::close() {
+void BlockPages::forget_all() {
   for (Entry& e : entries_) e = Entry{};  // the pool destroys every page next
 }
 

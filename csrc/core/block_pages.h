@@ -1,4 +1,4 @@
-// BlockPages: an engine's block ids naming physical pages (DESIGN.md section 3, issue 19).
+// BlockPages: an engine's block ids naming physical pages.
 //
 // Why: a block-based engine (vLLM) decides which KV block holds which tokens and which blocks a
 // new request may reuse from its prefix cache. If the pages behind a block belong to the block,
@@ -12,9 +12,9 @@
 // id out as a fresh block: the block then holds a reference of its own on each page. Without
 // caching the block forgets its pages with the last mapping.
 //
-// Rows record which block they map where (Slot::blocks); SlotMemory and WindowRelease report every
-// mapping that goes (unmapped()), BlockTables every one that comes (mapped()). Not thread-safe:
-// the owning cache serializes calls under its mutex.
+// BlockTables owns this part and the rows that record which block they map where; it reports
+// every mapping that comes (mapped()) and goes (unmapped()). Not thread-safe: the owning cache
+// serializes calls under its mutex.
 #pragma once
 
 #include <cstddef>
@@ -24,24 +24,19 @@
 #include <vector>
 
 #include "core/backend.h"
-#include "core/cache_feature.h"
-#include "core/geometry.h"
 #include "core/page_pool.h"
-#include "core/slot_table.h"
+#include "core/stats.h"
 
 namespace vattention {
 
-class BlockPages final : public CacheFeature {
+class BlockPages {
  public:
-  BlockPages(const CacheGeometry& geometry, PagePool& pool, const SlotTable& slots)
-      : geo_(geometry), pool_(pool), slots_(slots) {}
+  // Block ids [0, num_blocks); cache: a block keeps its pages after its last mapping.
+  BlockPages(PagePool& pool, int64_t num_blocks, bool cache)
+      : pool_(pool), entries_(static_cast<size_t>(num_blocks)), cache_(cache) {}
   BlockPages(const BlockPages&) = delete;
   BlockPages& operator=(const BlockPages&) = delete;
 
-  // Names pages by block ids [0, num_blocks); cache: keep a block's pages after its last mapping.
-  // Called once, before any step (num_blocks 0: pages are anonymous, as without an engine).
-  void configure(int64_t num_blocks, bool cache);
-  bool enabled() const { return !entries_.empty(); }
   bool caching() const { return cache_; }
   int64_t num_blocks() const { return static_cast<int64_t>(entries_.size()); }
 
@@ -70,11 +65,12 @@ class BlockPages final : public CacheFeature {
   void count_reused() { ++reused_; }
   void count_detached() { ++detached_; }
 
-  void reset_slot(Slot& slot, int index) override;  // the new request brings its own table
-  void add_stats(Stats& out) const override;
-  // Adds the blocks' own references to `seen`; checks mapping counts against the rows.
-  std::string check(std::map<PageHandle, uint32_t>& seen) const override;
-  void close() override;  // forgets every block (the pool destroys the pages next)
+  void add_stats(Stats& out) const;
+  // Checks each block's mapping count against `counted` (the rows' mappings of each block) and
+  // adds the blocks' own references to `seen`: "" or what is wrong.
+  std::string check(const std::vector<uint32_t>& counted,
+                    std::map<PageHandle, uint32_t>& seen) const;
+  void forget_all();  // close(): every block forgets its pages (the pool destroys them next)
 
  private:
   struct Entry {
@@ -84,11 +80,9 @@ class BlockPages final : public CacheFeature {
   Entry& entry(int64_t b) { return entries_[static_cast<size_t>(b)]; }
   const Entry& entry(int64_t b) const { return entries_[static_cast<size_t>(b)]; }
 
-  const CacheGeometry& geo_;
   PagePool& pool_;
-  const SlotTable& slots_;
   std::vector<Entry> entries_;
-  bool cache_ = false;
+  const bool cache_;
   uint64_t hits_ = 0, hits_in_place_ = 0, adopted_ = 0, reused_ = 0, detached_ = 0;
 };
 

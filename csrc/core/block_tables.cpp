@@ -12,8 +12,6 @@ Error table_error(const std::string& message, int slot) {
   return Error(Error::Kind::Config, message).with("slot", slot);
 }
 
-size_t table_size(const Slot& s) { return s.table.empty() ? 0 : s.table[0].size(); }
-
 // The shape every list of block ids must have: one list per KV cache group, all as long, every id
 // in [0, N) or the null block. `who` names the list; its first id is at page index `start`;
 // `of` follows the page index in messages (" of slot 3"); slot < 0: no slot to name.
@@ -48,23 +46,12 @@ void check_ids(const std::vector<std::vector<int64_t>>& ids, size_t G, int64_t N
 
 }  // namespace
 
-bool BlockTables::hole(const Slot& s, size_t p, size_t g) const {
-  const std::vector<size_t> cols = parts_.geo.group_columns(static_cast<int>(g));
-  return s.pages[p * parts_.geo.columns() + cols[0]] == kNoPage;
-}
-
 void BlockTables::validate(const std::vector<int64_t>& lens,
                            const std::vector<BlockUpdate>& updates) const {
-  const BlockPages& blocks = parts_.blocks;
+  const BlockPages& blocks = pages_;
   const SlotTable& slots = parts_.slots;
   const CacheGeometry& geo = parts_.geo;
-  if (!blocks.enabled()) {
-    if (updates.empty()) return;
-    throw Error(Error::Kind::Config,
-                "block tables need a cache whose pages are named by engine blocks: create it with "
-                "KVCacheConfig(num_blocks=...)");
-  }
-  const size_t G = static_cast<size_t>(geo.num_groups());
+  const size_t G = groups_;
   const int64_t N = blocks.num_blocks();
   std::vector<char> updated(slots.size(), 0);
   std::vector<size_t> new_size(slots.size(), 0);
@@ -102,7 +89,7 @@ void BlockTables::validate(const std::vector<int64_t>& lens,
     updated[static_cast<size_t>(u.slot)] = 1;
     check_ids(u.ids, G, N, u.start, who, " of slot " + std::to_string(u.slot), u.slot);
     const size_t n = u.ids[0].size();
-    const Slot& s = slots[static_cast<size_t>(u.slot)];
+    const Row& s = rows_[static_cast<size_t>(u.slot)];
     const size_t have = table_size(s);
     if (u.start > have) {
       throw table_error(who + " starts at page index " + std::to_string(u.start) +
@@ -164,7 +151,7 @@ void BlockTables::validate(const std::vector<int64_t>& lens,
   }
   for (size_t i = 0; i < lens.size(); ++i) {
     if (lens[i] == SlotTable::kUnlisted) continue;
-    const size_t size = updated[i] ? new_size[i] : table_size(slots[i]);
+    const size_t size = updated[i] ? new_size[i] : table_size(rows_[i]);
     const size_t need = geo.pages_for(lens[i]);
     if (need > size) {
       throw Error(Error::Kind::Config,
@@ -176,283 +163,423 @@ void BlockTables::validate(const std::vector<int64_t>& lens,
   }
 }
 
-void BlockTables::validate_hits(const std::vector<std::vector<int64_t>>& ids) const {
-  const BlockPages& blocks = parts_.blocks;
-  if (!blocks.enabled()) {
-    throw Error(Error::Kind::Config,
-                "alloc(hits=...) needs a cache whose pages are named by engine blocks: create it "
-                "with KVCacheConfig(num_blocks=...)");
-  }
-  check_ids(ids, static_cast<size_t>(parts_.geo.num_groups()), blocks.num_blocks(), 0,
-            "alloc(hits=...)", "", -1);
+// Everything apply()'s phases hand on to each other.
+struct BlockTables::StepPlan {
+  struct Index {
+    int slot;
+    size_t page, group;
+  };
+  // A row that grows: page indices [from, to); reuse[(p - from) * groups + g]: the fresh block
+  // there takes the new content in its own old pages (nobody maps them any more).
+  struct Growing {
+    int slot;
+    size_t from, to;
+    std::vector<char> reuse;
+  };
+  std::vector<Index> kept_fresh;  // fresh ids a row already maps where its table puts them
+  std::vector<Growing> rows;
+  std::vector<Growth> growth;  // the same rows, for the page supply
+  size_t missing = 0;          // pages no block has yet
+  std::unordered_map<int64_t, std::vector<PageHandle>> planned;  // new block -> its pages
+  std::unordered_set<int64_t> taken;  // new blocks whose filler's row is mapped (phase 4)
+};
+
+BlockTables::BlockTables(CacheParts& parts, int64_t num_blocks, bool cache)
+    : parts_(parts),
+      groups_(static_cast<size_t>(parts.geo.num_groups())),
+      columns_([&] {
+        std::vector<std::vector<size_t>> cols(static_cast<size_t>(parts.geo.num_groups()));
+        for (size_t g = 0; g < cols.size(); ++g) {
+          cols[g] = parts.geo.group_columns(static_cast<int>(g));
+        }
+        return cols;
+      }()),
+      pages_(parts.pool, num_blocks, cache),
+      rows_(parts.slots.size()) {}
+
+size_t BlockTables::table_size(const Row& r) { return r.table.empty() ? 0 : r.table[0].size(); }
+
+bool BlockTables::hole(int slot, size_t p, size_t g) const {
+  const std::vector<PageHandle>& pages = parts_.slots[static_cast<size_t>(slot)].pages.handles();
+  return pages[p * parts_.geo.columns() + columns_[g][0]] == kNoPage;
 }
 
-size_t BlockTables::kept_hits(const Slot& s, const std::vector<std::vector<int64_t>>& ids) const {
-  const size_t G = ids.size();
-  const size_t n = std::min(s.mapped, ids.empty() ? 0 : ids[0].size());
+const std::vector<std::vector<int64_t>>& BlockTables::table(int slot) const {
+  return rows_[static_cast<size_t>(slot)].table;
+}
+
+void BlockTables::clear(int slot) {
+  Row& r = rows_[static_cast<size_t>(slot)];
+  r.table.clear();
+  r.fresh_from = 0;
+}
+
+bool BlockTables::named(int slot, int64_t len) const {
+  // Rows name their pages in order: if the last index the length needs is named, all are.
+  const Row& r = rows_[static_cast<size_t>(slot)];
+  const size_t last = parts_.geo.pages_for(len) - 1;
+  if (last >= table_size(r) || last >= parts_.slots[static_cast<size_t>(slot)].pages.mapped()) {
+    return false;
+  }
+  for (size_t g = 0; g < groups_; ++g) {
+    if (r.blocks[last * groups_ + g] != r.table[g][last]) return false;
+  }
+  return true;
+}
+
+// ---- RowObserver -------------------------------------------------------------------------------
+
+void BlockTables::grown(int slot, size_t mapped) {
+  // New page indices hold anonymous pages (prefetched look-ahead, or a step's growth the caller
+  // records blocks for itself).
+  rows_[static_cast<size_t>(slot)].blocks.resize(mapped * groups_, kNoBlock);
+}
+
+void BlockTables::cut(int slot, size_t keep) {
+  // Without caching a block forgets its pages with its last mapping: the references SlotMemory
+  // releases next are then their last.
+  Row& r = rows_[static_cast<size_t>(slot)];
+  for (size_t k = keep * groups_; k < r.blocks.size(); ++k) {
+    if (r.blocks[k] != kNoBlock) pages_.unmapped(r.blocks[k]);
+  }
+  if (r.blocks.size() > keep * groups_) r.blocks.resize(keep * groups_);
+}
+
+void BlockTables::released(int slot, int tensor, size_t from, size_t to) {
+  // A group's tensors share one window (geometry.h): its block at a released index is unmapped
+  // from this row as a whole (the first of the group's tensors to be released says so).
+  Row& r = rows_[static_cast<size_t>(slot)];
+  const size_t g = static_cast<size_t>(parts_.geo.group_of(tensor));
+  for (size_t p = from; p < to; ++p) {
+    int64_t& b = r.blocks[p * groups_ + g];
+    if (b == kNoBlock) continue;
+    pages_.unmapped(b);
+    b = kNoBlock;
+  }
+}
+
+// ---- alloc(hits) -------------------------------------------------------------------------------
+
+void BlockTables::validate_hits(const std::vector<std::vector<int64_t>>& ids) const {
+  check_ids(ids, groups_, pages_.num_blocks(), 0, "alloc(hits=...)", "", -1);
+}
+
+size_t BlockTables::kept_hits(int slot, const std::vector<std::vector<int64_t>>& ids) const {
+  const Row& r = rows_[static_cast<size_t>(slot)];
+  const size_t mapped = parts_.slots[static_cast<size_t>(slot)].pages.mapped();
+  const size_t n = std::min(mapped, ids.empty() ? 0 : ids[0].size());
   size_t p = 0;
   for (; p < n; ++p) {
-    for (size_t g = 0; g < G; ++g) {
-      // The same rule as step 1 of apply() for a hit: the row maps that block there, or, for the
-      // null block, has a hole there.
-      const bool agrees = ids[g][p] == kNoBlock ? hole(s, p, g) : s.blocks[p * G + g] == ids[g][p];
+    for (size_t g = 0; g < groups_; ++g) {
+      // The same rule as phase 1 for a hit: the row maps that block there, or, for the null
+      // block, has a hole there.
+      const bool agrees =
+          ids[g][p] == kNoBlock ? hole(slot, p, g) : r.blocks[p * groups_ + g] == ids[g][p];
       if (!agrees) return p;
     }
   }
   return p;
 }
 
-void BlockTables::free_fresh(int64_t b, int slot, size_t page, size_t group) {
-  BlockPages& blocks = parts_.blocks;
-  if (blocks.mappings(b) > 0) {
-    const size_t G = static_cast<size_t>(parts_.geo.num_groups());
-    const size_t self = page * G + group;
-    bool detached = false;
-    for (size_t i = 0; i < parts_.slots.size() && blocks.mappings(b) > 0; ++i) {
-      Slot& s = parts_.slots[i];
-      for (size_t k = 0; k < s.blocks.size(); ++k) {
-        if (s.blocks[k] != b || (static_cast<int>(i) == slot && k == self)) continue;
-        if (s.state != Slot::State::Active) {
-          // An idle row: its request is gone, so its pages are only deferred memory; unmap it
-          // (after its free() fence). It may map b at several indices: all go.
-          parts_.memory.unmap_tail(s, static_cast<int>(i), 0);
-          break;
-        }
-        // An active row still maps b where its window passed (the engine released it first):
-        // the row keeps the pages as anonymous ones until its own release.
-        s.blocks[k] = kNoBlock;
-        blocks.unmapped(b);
-        blocks.count_detached();
-        detached = true;
-      }
-    }
-    // Pages a detached row still maps cannot take b's new content.
-    if (detached && blocks.has_pages(b)) blocks.drop(b);
-  }
-}
+// ---- a step with tables ------------------------------------------------------------------------
 
 void BlockTables::apply(const std::vector<int64_t>& lens, const std::vector<BlockUpdate>& updates) {
-  const CacheGeometry& geo = parts_.geo;
-  SlotTable& slots = parts_.slots;
-  BlockPages& blocks = parts_.blocks;
-  PagePool& pool = parts_.pool;
-  const size_t G = static_cast<size_t>(geo.num_groups());
-  const size_t C = geo.columns();
-  std::vector<std::vector<size_t>> cols(G);
-  for (size_t g = 0; g < G; ++g) cols[g] = geo.group_columns(static_cast<int>(g));
+  StepPlan plan;
+  record_tables(updates, plan);
+  plan_rows(lens, plan);
+  take_pages(plan);
+  map_rows(plan);
+  record_blocks(plan);
+}
 
-  // 1. the new tables; each row keeps what agrees with its table, and anonymous pages under fresh
-  //    entries (they are adopted below).
-  struct Index {
-    int slot;
-    size_t page, group;
-  };
-  std::vector<Index> kept_fresh;  // a fresh id the row already maps there: cleared in 5
-  for (const BlockUpdate& u : updates) {
-    Slot& s = slots[static_cast<size_t>(u.slot)];
-    const size_t end = u.start + u.ids[0].size();
-    s.table.resize(G);
-    for (size_t g = 0; g < G; ++g) {
-      s.table[g].resize(u.start);
-      s.table[g].insert(s.table[g].end(), u.ids[g].begin(), u.ids[g].end());
-    }
-    if (u.cached > 0 || u.start < s.fresh_from) s.fresh_from = u.start + u.cached;
-    size_t cut = s.mapped;
-    for (size_t p = u.start; p < s.mapped && cut == s.mapped; ++p) {
-      for (size_t g = 0; g < G; ++g) {
-        const int64_t have = s.blocks[p * G + g];
-        const bool gap = hole(s, p, g);
-        bool keep;
-        if (p >= end) {
-          keep = have == kNoBlock && !gap;  // look-ahead past the table
-        } else if (s.table[g][p] == kNoBlock) {
-          keep = gap;
-        } else if (p >= s.fresh_from) {
-          keep = have == s.table[g][p] || (have == kNoBlock && !gap);
-        } else {
-          keep = have == s.table[g][p];
-        }
-        if (!keep) {
-          cut = p;
-          break;
-        }
+size_t BlockTables::first_disagreement(const BlockUpdate& u) const {
+  const Row& r = rows_[static_cast<size_t>(u.slot)];
+  const size_t mapped = parts_.slots[static_cast<size_t>(u.slot)].pages.mapped();
+  const size_t end = u.start + u.ids[0].size();
+  for (size_t p = u.start; p < mapped; ++p) {
+    for (size_t g = 0; g < groups_; ++g) {
+      const int64_t have = r.blocks[p * groups_ + g];
+      const bool gap = hole(u.slot, p, g);
+      bool keep;
+      if (p >= end) {
+        keep = have == kNoBlock && !gap;  // look-ahead past the table
+      } else if (r.table[g][p] == kNoBlock) {
+        keep = gap;
+      } else if (p >= r.fresh_from) {
+        keep = have == r.table[g][p] || (have == kNoBlock && !gap);  // anonymous: adopted in 2
+      } else {
+        keep = have == r.table[g][p];
       }
+      if (!keep) return p;
     }
-    if (cut < s.mapped) parts_.memory.unmap_tail(s, u.slot, cut);
-    for (size_t p = std::max(u.start, s.fresh_from); p < std::min(cut, end); ++p) {
-      for (size_t g = 0; g < G; ++g) {
-        if (s.table[g][p] != kNoBlock && s.blocks[p * G + g] == s.table[g][p]) {
-          kept_fresh.push_back(Index{u.slot, p, g});
+  }
+  return mapped;
+}
+
+void BlockTables::record_tables(const std::vector<BlockUpdate>& updates, StepPlan& plan) {
+  for (const BlockUpdate& u : updates) {
+    Row& r = rows_[static_cast<size_t>(u.slot)];
+    const size_t end = u.start + u.ids[0].size();
+    r.table.resize(groups_);
+    for (size_t g = 0; g < groups_; ++g) {
+      r.table[g].resize(u.start);
+      r.table[g].insert(r.table[g].end(), u.ids[g].begin(), u.ids[g].end());
+    }
+    if (u.cached > 0 || u.start < r.fresh_from) r.fresh_from = u.start + u.cached;
+    const size_t cut = first_disagreement(u);
+    parts_.memory.unmap_tail(u.slot, cut);  // nothing when everything agrees
+    for (size_t p = std::max(u.start, r.fresh_from); p < std::min(cut, end); ++p) {
+      for (size_t g = 0; g < groups_; ++g) {
+        if (r.table[g][p] != kNoBlock && r.blocks[p * groups_ + g] == r.table[g][p]) {
+          plan.kept_fresh.push_back(StepPlan::Index{u.slot, p, g});
         }
       }
     }
     // Hits the row still maps (an idle row's blocks, kept for its next request) are hits served
-    // with no map call at all; step 5 counts the ones it maps.
+    // with no map call at all; phase 5 counts the ones it maps.
     for (size_t p = u.start; p < std::min(cut, u.start + u.cached); ++p) {
-      for (size_t g = 0; g < G; ++g) {
-        if (s.table[g][p] != kNoBlock) blocks.count_hit(true);
+      for (size_t g = 0; g < groups_; ++g) {
+        if (r.table[g][p] != kNoBlock) pages_.count_hit(true);
       }
     }
   }
+}
 
-  // 2. fresh ids: adopt anonymous pages where a row has them, free the ids from earlier holders,
-  //    and count the pages still missing.
-  struct Row {
-    int slot;
-    size_t from, to;
-  };
-  std::vector<Row> rows;
-  std::vector<Growth> plan;
-  std::vector<std::vector<char>> reuse(slots.size());  // p * G + g: the block's own old pages
-  size_t missing = 0;
+void BlockTables::adopt_anonymous(int slot) {
+  Row& r = rows_[static_cast<size_t>(slot)];
+  const std::vector<PageHandle>& handles = parts_.slots[static_cast<size_t>(slot)].pages.handles();
+  const size_t C = parts_.geo.columns();
+  const size_t named =
+      std::min(parts_.slots[static_cast<size_t>(slot)].pages.mapped(), table_size(r));
+  for (size_t p = r.fresh_from; p < named; ++p) {
+    for (size_t g = 0; g < groups_; ++g) {
+      const int64_t b = r.table[g][p];
+      // Kept, or released by the row's window (the engine's table keeps the stale id there).
+      if (b == kNoBlock || r.blocks[p * groups_ + g] == b || hole(slot, p, g)) continue;
+      free_fresh(b, slot, p, g);
+      if (pages_.has_pages(b)) pages_.drop(b);  // its old content is dead, nobody maps it
+      std::vector<PageHandle> pages(columns_[g].size());
+      for (size_t j = 0; j < pages.size(); ++j) pages[j] = handles[p * C + columns_[g][j]];
+      pages_.assign(b, std::move(pages));
+      pages_.mapped(b);
+      r.blocks[p * groups_ + g] = b;
+      pages_.count_adopted();
+      parts_.scrubber.scrub_columns(slot, p, columns_[g]);
+    }
+  }
+}
+
+void BlockTables::free_fresh(int64_t b, int slot, size_t page, size_t group) {
+  if (pages_.mappings(b) == 0) return;
+  const size_t self = page * groups_ + group;
+  bool detached = false;
+  for (size_t i = 0; i < rows_.size() && pages_.mappings(b) > 0; ++i) {
+    std::vector<int64_t>& blocks = rows_[i].blocks;
+    for (size_t k = 0; k < blocks.size(); ++k) {
+      if (blocks[k] != b || (static_cast<int>(i) == slot && k == self)) continue;
+      if (!parts_.slots[i].use.active()) {
+        // An idle row: its request is gone, so its pages are only deferred memory; unmap it
+        // (after its free() fence). It may map b at several indices: all go.
+        parts_.memory.unmap_tail(static_cast<int>(i), 0);
+        break;
+      }
+      // An active row still maps b where its window passed (the engine released it first):
+      // the row keeps the pages as anonymous ones until its own release.
+      blocks[k] = kNoBlock;
+      pages_.unmapped(b);
+      pages_.count_detached();
+      detached = true;
+    }
+  }
+  // Pages a detached row still maps cannot take b's new content.
+  if (detached && pages_.has_pages(b)) pages_.drop(b);
+}
+
+void BlockTables::plan_rows(const std::vector<int64_t>& lens, StepPlan& plan) {
   for (size_t i = 0; i < lens.size(); ++i) {
     if (lens[i] == SlotTable::kUnlisted) continue;
-    Slot& s = slots[i];
     const int slot = static_cast<int>(i);
-    const size_t named = std::min(s.mapped, table_size(s));
-    for (size_t p = s.fresh_from; p < named; ++p) {
-      for (size_t g = 0; g < G; ++g) {
-        const int64_t b = s.table[g][p];
-        // Kept, or released by the row's window (the engine's table keeps the stale id there).
-        if (b == kNoBlock || s.blocks[p * G + g] == b || hole(s, p, g)) continue;
-        free_fresh(b, slot, p, g);
-        if (blocks.has_pages(b)) blocks.drop(b);  // its old content is dead, nobody maps it
-        std::vector<PageHandle> pages(cols[g].size());
-        for (size_t j = 0; j < pages.size(); ++j) pages[j] = s.pages[p * C + cols[g][j]];
-        blocks.assign(b, std::move(pages));
-        blocks.mapped(b);
-        s.blocks[p * G + g] = b;
-        blocks.count_adopted();
-        parts_.scrubber.scrub_columns(slot, p, cols[g]);
-      }
-    }
-    const size_t to = geo.pages_for(lens[i]);
-    if (to <= s.mapped) continue;
-    reuse[i].assign(to * G, 0);
-    for (size_t p = s.mapped; p < to; ++p) {
-      for (size_t g = 0; g < G; ++g) {
-        const int64_t b = s.table[g][p];
-        if (b == kNoBlock || p < s.fresh_from) continue;  // a hole, or a hit: pages exist
+    adopt_anonymous(slot);
+    const Row& r = rows_[i];
+    const size_t mapped = parts_.slots[i].pages.mapped();
+    const size_t to = parts_.geo.pages_for(lens[i]);
+    if (to <= mapped) continue;
+    StepPlan::Growing row{slot, mapped, to, std::vector<char>((to - mapped) * groups_, 0)};
+    for (size_t p = mapped; p < to; ++p) {
+      for (size_t g = 0; g < groups_; ++g) {
+        const int64_t b = r.table[g][p];
+        if (b == kNoBlock || p < r.fresh_from) continue;  // a hole, or a hit: pages exist
         free_fresh(b, slot, p, g);
         // The old pages take the new content in place if the block filled a group as wide.
-        if (blocks.has_pages(b) && blocks.pages(b).size() != cols[g].size()) blocks.drop(b);
-        if (blocks.has_pages(b)) {
-          reuse[i][p * G + g] = 1;
+        if (pages_.has_pages(b) && pages_.pages(b).size() != columns_[g].size()) pages_.drop(b);
+        if (pages_.has_pages(b)) {
+          row.reuse[(p - mapped) * groups_ + g] = 1;
         } else {
-          missing += cols[g].size();
+          plan.missing += columns_[g].size();
         }
       }
     }
-    rows.push_back(Row{slot, s.mapped, to});
-    plan.push_back(Growth{slot, s.mapped, to});
+    plan.rows.push_back(std::move(row));
+    plan.growth.push_back(Growth{slot, mapped, to});
   }
+}
 
-  // 3. every missing page, all or nothing; then the pages each new block will name (a hit on
-  //    it in this step, from a row scheduled after its filler, maps the same pages).
+void BlockTables::take_pages(StepPlan& plan) {
   std::vector<PageHandle> fresh;
-  if (missing > 0) {
+  if (plan.missing > 0) {
     try {
-      fresh = parts_.supply.obtain(missing, plan, true);
+      fresh = parts_.supply.obtain(plan.missing, plan.growth, true);
     } catch (const Error& e) {
       if (e.kind() == Error::Kind::OutOfPages) ++parts_.counters.oom_events;
       throw;
     }
   }
-  std::unordered_map<int64_t, std::vector<PageHandle>> planned;  // new block -> its pages
+  // The pages each new block will name: a hit on it in this step, from a row scheduled after its
+  // filler, maps the same pages.
   size_t next = 0;
-  for (const Row& r : rows) {
-    const Slot& s = slots[static_cast<size_t>(r.slot)];
-    for (size_t p = std::max(r.from, s.fresh_from); p < r.to; ++p) {
-      for (size_t g = 0; g < G; ++g) {
-        const int64_t b = s.table[g][p];
-        if (b == kNoBlock || reuse[static_cast<size_t>(r.slot)][p * G + g]) continue;
-        planned[b].assign(fresh.begin() + static_cast<long>(next),
-                          fresh.begin() + static_cast<long>(next + cols[g].size()));
-        next += cols[g].size();
+  for (const StepPlan::Growing& row : plan.rows) {
+    const Row& r = rows_[static_cast<size_t>(row.slot)];
+    for (size_t p = std::max(row.from, r.fresh_from); p < row.to; ++p) {
+      for (size_t g = 0; g < groups_; ++g) {
+        const int64_t b = r.table[g][p];
+        if (b == kNoBlock || row.reuse[(p - row.from) * groups_ + g]) continue;
+        const size_t width = columns_[g].size();
+        plan.planned[b].assign(fresh.begin() + static_cast<long>(next),
+                               fresh.begin() + static_cast<long>(next + width));
+        next += width;
       }
     }
   }
-  auto pages_of = [&](int64_t b) -> const std::vector<PageHandle>& {
-    const auto it = planned.find(b);
-    return it != planned.end() ? it->second : blocks.pages(b);
-  };
+}
 
-  // 4. map each row's new indices. A new block's pages come with one reference from the pool,
-  //    which its filler's mapping takes over; every other mapping takes a reference of its own.
-  //    A driver error undoes the rows mapped so far and gives back what no row took.
-  std::unordered_set<int64_t> taken;  // new blocks whose filler's row is mapped
+void BlockTables::map_rows(StepPlan& plan) {
+  // A new block's pages come with one reference from the pool, which its filler's mapping takes
+  // over; every other mapping takes a reference of its own. A driver error undoes the rows mapped
+  // so far and gives back what no row took.
+  const size_t C = parts_.geo.columns();
+  auto pages_of = [&](int64_t b) -> const std::vector<PageHandle>& {
+    const auto it = plan.planned.find(b);
+    return it != plan.planned.end() ? it->second : pages_.pages(b);
+  };
   size_t done = 0;
   try {
-    for (const Row& r : rows) {
-      Slot& s = slots[static_cast<size_t>(r.slot)];
-      std::vector<PageHandle> h((r.to - r.from) * C, kNoPage);
+    for (const StepPlan::Growing& row : plan.rows) {
+      const Row& r = rows_[static_cast<size_t>(row.slot)];
+      std::vector<PageHandle> h((row.to - row.from) * C, kNoPage);
       std::vector<PageHandle> shares;
       std::vector<int64_t> fills;
-      for (size_t p = r.from; p < r.to; ++p) {
-        for (size_t g = 0; g < G; ++g) {
-          const int64_t b = s.table[g][p];
+      for (size_t p = row.from; p < row.to; ++p) {
+        for (size_t g = 0; g < groups_; ++g) {
+          const int64_t b = r.table[g][p];
           if (b == kNoBlock) continue;
-          const bool fills_it = p >= s.fresh_from && !reuse[static_cast<size_t>(r.slot)][p * G + g];
+          const bool fills_it = p >= r.fresh_from && !row.reuse[(p - row.from) * groups_ + g];
           const std::vector<PageHandle>& pages = pages_of(b);
-          for (size_t j = 0; j < cols[g].size(); ++j) {
-            h[(p - r.from) * C + cols[g][j]] = pages[j];
+          for (size_t j = 0; j < columns_[g].size(); ++j) {
+            h[(p - row.from) * C + columns_[g][j]] = pages[j];
             if (!fills_it) shares.push_back(pages[j]);
           }
           if (fills_it) fills.push_back(b);
         }
       }
-      parts_.memory.map(s, r.slot, r.from, r.to, h.data(), false);
-      for (PageHandle page : shares) pool.share(page);
-      taken.insert(fills.begin(), fills.end());
+      parts_.memory.map(row.slot, row.from, row.to, h.data());
+      for (PageHandle page : shares) parts_.pool.share(page);
+      plan.taken.insert(fills.begin(), fills.end());
       ++done;
     }
   } catch (...) {
     for (size_t k = 0; k < done; ++k) {
       try {
-        parts_.memory.unmap_tail(slots[static_cast<size_t>(rows[k].slot)], rows[k].slot,
-                                 rows[k].from);
+        parts_.memory.unmap_tail(plan.rows[k].slot, plan.rows[k].from);
       } catch (...) {
       }
     }
-    for (const auto& entry : planned) {
-      if (taken.count(entry.first) != 0) continue;
-      for (PageHandle page : entry.second) pool.release(page);
+    for (const auto& entry : plan.planned) {
+      if (plan.taken.count(entry.first) != 0) continue;
+      for (PageHandle page : entry.second) parts_.pool.release(page);
     }
     throw;
   }
+}
 
-  // 5. record which block is where.
-  for (const Row& r : rows) {
-    Slot& s = slots[static_cast<size_t>(r.slot)];
-    for (size_t p = r.from; p < r.to; ++p) {
-      for (size_t g = 0; g < G; ++g) {
-        const int64_t b = s.table[g][p];
+void BlockTables::record_blocks(const StepPlan& plan) {
+  for (const StepPlan::Growing& row : plan.rows) {
+    Row& r = rows_[static_cast<size_t>(row.slot)];
+    for (size_t p = row.from; p < row.to; ++p) {
+      for (size_t g = 0; g < groups_; ++g) {
+        const int64_t b = r.table[g][p];
         if (b == kNoBlock) continue;
-        s.blocks[p * G + g] = b;
-        if (p < s.fresh_from) {
-          blocks.count_hit(false);
+        r.blocks[p * groups_ + g] = b;
+        if (p < r.fresh_from) {
+          pages_.count_hit(false);
         } else {
-          if (reuse[static_cast<size_t>(r.slot)][p * G + g]) {
-            blocks.count_reused();
+          if (row.reuse[(p - row.from) * groups_ + g]) {
+            pages_.count_reused();
           } else {
-            blocks.assign(b, planned[b]);
+            pages_.assign(b, plan.planned.at(b));
           }
-          parts_.scrubber.scrub_columns(r.slot, p, cols[g]);
+          parts_.scrubber.scrub_columns(row.slot, p, columns_[g]);
         }
-        blocks.mapped(b);
+        pages_.mapped(b);
       }
     }
   }
-  for (const Index& k : kept_fresh) parts_.scrubber.scrub_columns(k.slot, k.page, cols[k.group]);
+  for (const StepPlan::Index& k : plan.kept_fresh) {
+    parts_.scrubber.scrub_columns(k.slot, k.page, columns_[k.group]);
+  }
 }
 
 void BlockTables::commit(const std::vector<int64_t>& lens) {
   const CacheGeometry& geo = parts_.geo;
   for (size_t i = 0; i < lens.size(); ++i) {
     if (lens[i] == SlotTable::kUnlisted) continue;
-    Slot& s = parts_.slots[i];
-    s.shared_pages = static_cast<size_t>(s.seq_len) * geo.unit_bytes() / geo.page_bytes;
+    const int64_t len = parts_.slots[i].use.seq_len();
+    parts_.memory.set_read_only(static_cast<int>(i),
+                                static_cast<size_t>(len) * geo.unit_bytes() / geo.page_bytes);
   }
 }
+
+// ---- stats, invariants, close ------------------------------------------------------------------
+
+void BlockTables::add_stats(Stats& out) const { pages_.add_stats(out); }
+
+std::string BlockTables::check(std::map<PageHandle, uint32_t>& seen) const {
+  // `seen` counts the rows' mappings only (no part registered before this one holds pages):
+  // a block's pages are shared when two rows map them, which the engine allows on full, never
+  // rewritten blocks only.
+  const std::string read_only = parts_.memory.check_read_only(seen);
+  if (!read_only.empty()) return read_only;
+  const size_t C = parts_.geo.columns();
+  std::vector<uint32_t> counted(static_cast<size_t>(pages_.num_blocks()), 0);
+  for (size_t i = 0; i < rows_.size(); ++i) {
+    const Row& r = rows_[i];
+    const SlotPages& s = parts_.slots[i].pages;
+    const std::string where = "slot " + std::to_string(i) + ": ";
+    if (r.blocks.size() != s.mapped() * groups_) {
+      return where + "block record does not match mapped count";
+    }
+    for (size_t k = 0; k < r.blocks.size(); ++k) {
+      const int64_t b = r.blocks[k];
+      if (b == kNoBlock) continue;
+      if (b < 0 || b >= pages_.num_blocks()) {
+        return where + "maps block " + std::to_string(b) + " out of range";
+      }
+      ++counted[static_cast<size_t>(b)];
+      const std::vector<size_t>& cols = columns_[k % groups_];
+      const std::vector<PageHandle>& held = pages_.pages(b);
+      if (held.size() != cols.size()) {
+        return where + "maps block " + std::to_string(b) + ", which holds no pages";
+      }
+      for (size_t j = 0; j < cols.size(); ++j) {
+        if (s.handles()[(k / groups_) * C + cols[j]] != held[j]) {
+          return where + "page index " + std::to_string(k / groups_) + " does not map block " +
+                 std::to_string(b) + "'s pages";
+        }
+      }
+    }
+  }
+  return pages_.check(counted, seen);
+}
+
+void BlockTables::close() { pages_.forget_all(); }
 
 }  // namespace vattention

@@ -1,4 +1,4 @@
-// BlockTables: rows that follow an engine's block tables (DESIGN.md section 3, issue 19).
+// BlockTables: rows that follow an engine's block tables.
 //
 // Why: a block-based engine names the KV memory of a request by a table of block ids per KV cache
 // group, fresh blocks for new tokens, and blocks of its prefix cache for a hit. With the pages of
@@ -8,18 +8,25 @@
 // look-ahead: no map call), else its own old pages (nobody maps them any more), else new pages.
 // Kernels still see one dense row per request.
 //
-// A step with tables (apply):
-//   1. records the tables and unmaps, per row, the tail from the first page index whose mapping
-//      disagrees with its table (a replaced table: a resumed request, or a new request in a slot
-//      an earlier one left idle). What agrees stays mapped: a new request whose hits an idle row
-//      still maps (a shared system prompt) costs no map call for them;
-//   2. frees every fresh id from earlier holders: an idle row mapping it is unmapped, an active row
-//      keeps the pages as anonymous ones (the engine released the block from that row's window
-//      before the row's own release: "detached"), and the block forgets them;
-//   3. gets every page still missing (all or nothing: OutOfPages here leaves every row mapping all
-//      its table still names; what went in 1 and 2 are pages no table names any more);
-//   4. maps the new indices of every row (undoing itself on a driver error), then records which
-//      block is where and counts hits, adoptions and reuses.
+// It keeps, privately and per row, the engine's table, which block the row maps at each page
+// index (kept true by SlotMemory's RowObserver calls on every unmapping), and where the row's
+// fresh blocks start; it owns the blocks' pages (BlockPages).
+//
+// A step with tables (apply) runs five phases over one StepPlan:
+//   1. record_tables: records the new tables; each row unmaps its tail from the first page index
+//      whose mapping disagrees with its table (a replaced table: a resumed request, or a new
+//      request in a row an earlier one left idle). What agrees stays mapped: a new request whose
+//      hits an idle row still maps (a shared system prompt) costs no map call for them;
+//   2. plan_rows: per listed row, fresh ids the row already maps anonymous pages for adopt them;
+//      the page indices it must grow by are planned, each fresh id taken from its earlier
+//      holders (an idle row mapping it is unmapped; an active row keeps the pages as anonymous
+//      ones: the engine released the block from that row's window before the row's own release,
+//      "detached") and marked as reusing its own old pages or missing pages;
+//   3. take_pages: every missing page, all or nothing (OutOfPages here leaves every row mapping
+//      all its table still names; what went in 1 and 2 are pages no table names any more), and
+//      the pages each new block will name;
+//   4. map_rows: maps the new indices of every row (undoing itself on a driver error);
+//   5. record_blocks: records which block is where, counts hits and reuses, scrubs fresh blocks.
 // The caller releases window pages before (the engine frees window blocks at the same point, and
 // may hand them out fresh in this very step).
 //
@@ -28,53 +35,99 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
+#include <string>
+#include <unordered_map>
 #include <vector>
 
+#include "core/block_pages.h"
+#include "core/block_update.h"
+#include "core/cache_feature.h"
 #include "core/cache_parts.h"
+#include "core/page_supply.h"
+#include "core/slot_memory.h"
 
 namespace vattention {
 
-// One row's table update in a step: ids[g] replace group g's table from page index `start` on
-// (start == the table's length appends; 0 replaces it). The first `cached` of them are cache hits
-// (blocks whose pages exist; kNoBlock: the engine's null block, a hole, only as a prefix of a
-// group's table), the rest are fresh blocks.
-struct BlockUpdate {
-  int slot = -1;
-  size_t start = 0;
-  std::vector<std::vector<int64_t>> ids;
-  size_t cached = 0;
-};
-
-class BlockTables {
+class BlockTables final : public CacheFeature, public RowObserver {
  public:
-  explicit BlockTables(CacheParts& parts) : parts_(parts) {}
+  // Block ids [0, num_blocks); cache: a block keeps its pages after its last mapping, until the
+  // engine hands the id out fresh (its prefix cache may hit it meanwhile).
+  BlockTables(CacheParts& parts, int64_t num_blocks, bool cache);
   BlockTables(const BlockTables&) = delete;
   BlockTables& operator=(const BlockTables&) = delete;
+
+  int64_t num_blocks() const { return pages_.num_blocks(); }
+  bool caching() const { return pages_.caching(); }
 
   // Checks `updates` against the state and `lens` (every listed row's table, updated, names every
   // page index its length needs). Throws (Config, InvalidSlot, SequenceTooLong) naming the bad
   // value; changes nothing.
   void validate(const std::vector<int64_t>& lens, const std::vector<BlockUpdate>& updates) const;
-  // Steps 1-4 above for the listed rows (validate() first). Throws OutOfPages/Driver: see 3.
+  // The five phases above for the listed rows (validate() first). Throws OutOfPages/Driver: see 3.
   void apply(const std::vector<int64_t>& lens, const std::vector<BlockUpdate>& updates);
   // After a successful step: a row's full page indices are read-only (the engine never rewrites
   // tokens below a row's length), which is what lets two rows map one block.
   void commit(const std::vector<int64_t>& lens);
+  // True when the page indices `len` tokens need are all mapped as row `slot`'s table names them
+  // (the decode fast path: nothing to map).
+  bool named(int slot, int64_t len) const;
+  // The engine's block table of row `slot`, one list per group (kNoBlock: the null block).
+  const std::vector<std::vector<int64_t>>& table(int slot) const;
 
   // For alloc(hits): checks a new request's leading cache hits (ids[g] per group, kNoBlock for
   // the null block) against the cache (Config naming the bad value; changes nothing), and counts
-  // the leading page indices a row already maps as they say: a new request in that row is served
-  // those hits with no map call (step 1 keeps them).
+  // the leading page indices row `slot` already maps as they say: a new request in that row is
+  // served those hits with no map call (phase 1 keeps them).
   void validate_hits(const std::vector<std::vector<int64_t>>& ids) const;
-  size_t kept_hits(const Slot& s, const std::vector<std::vector<int64_t>>& ids) const;
+  size_t kept_hits(int slot, const std::vector<std::vector<int64_t>>& ids) const;
+  // alloc(): the new request in `slot` brings its own table (the row keeps its mapping).
+  void clear(int slot);
+
+  // RowObserver: SlotMemory mapped anonymous pages, or unmapped part of a row (the blocks there
+  // lose this row's mapping).
+  void grown(int slot, size_t mapped) override;
+  void cut(int slot, size_t keep) override;
+  void released(int slot, int tensor, size_t from, size_t to) override;
+
+  void add_stats(Stats& out) const override;
+  // Each row's record against its mapping, each block's mapping count against the rows, pages
+  // two rows map inside both rows' read-only prefixes; adds the blocks' own references.
+  std::string check(std::map<PageHandle, uint32_t>& seen) const override;
+  void close() override;  // forgets every block (the pool destroys the pages next)
 
  private:
-  // Step 2 for fresh id b (except for the row `slot` at page index `page`, group `group`).
+  struct Row {
+    std::vector<std::vector<int64_t>> table;  // per group; possibly longer than what is mapped
+    std::vector<int64_t> blocks;  // p * groups + g: the block mapped there (kNoBlock: anonymous
+                                  // pages, e.g. prefetched look-ahead, or a hole); mapped * groups
+    size_t fresh_from = 0;  // table entries from here on are fresh blocks (hits before)
+  };
+  struct StepPlan;
+  static size_t table_size(const Row& r);
+
+  // The phases of apply().
+  void record_tables(const std::vector<BlockUpdate>& updates, StepPlan& plan);
+  void plan_rows(const std::vector<int64_t>& lens, StepPlan& plan);
+  void take_pages(StepPlan& plan);
+  void map_rows(StepPlan& plan);
+  void record_blocks(const StepPlan& plan);
+
+  // Phase 1 for one update: the first page index whose mapping disagrees with the new table.
+  size_t first_disagreement(const BlockUpdate& u) const;
+  // Phase 2 for one row: fresh ids whose index the row maps with anonymous pages adopt them.
+  void adopt_anonymous(int slot);
+  // Phase 2: fresh id b leaves its earlier holders (except row `slot` at page `page`, group
+  // `group`).
   void free_fresh(int64_t b, int slot, size_t page, size_t group);
-  // True when row `s` has no pages at (p, g): released, or the engine's null block.
-  bool hole(const Slot& s, size_t p, size_t g) const;
+  // True when row `slot` has no pages at (p, g): released, or the engine's null block.
+  bool hole(int slot, size_t p, size_t g) const;
 
   CacheParts& parts_;
+  const size_t groups_;
+  const std::vector<std::vector<size_t>> columns_;  // per group, its columns (geometry.h)
+  BlockPages pages_;
+  std::vector<Row> rows_;
 };
 
 }  // namespace vattention

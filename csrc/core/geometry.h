@@ -6,10 +6,10 @@
 // Pages are mapped per "page index" p of a slot: index_pages(t) pages in every tensor t (one
 // when every layer has the same shape; see "page indices" below for per-layer shapes).
 //
-// Model coverage (issue 14): value_cache=false drops the V tensors (MLA latents, K-only caches:
+// Model coverage: value_cache=false drops the V tensors (MLA latents, K-only caches:
 // `layer` layout has L tensors, `mega` one). windows[l] > 0 makes layer l a sliding-window layer
 // of W = windows[l] tokens: positions stay absolute and step() releases the pages of its tensors
-// that lie wholly before the window (kv_cache_window.cpp).
+// that lie wholly before the window (window_release.h).
 #pragma once
 
 #include <cstddef>
@@ -36,7 +36,7 @@ struct CacheGeometry {
   // head_dim for each layer. `layer` layout only (a mega tensor has one [L, H, D] token row).
   std::vector<int64_t> layer_kv_heads;
   std::vector<int64_t> layer_head_dims;
-  // KV cache groups (an engine's block tables, issue 19): empty (one group), or num_layers entries,
+  // KV cache groups (an engine's block tables): empty (one group), or num_layers entries,
   // the group of each layer, numbered 0..G-1. A block id names one page index of one group: the
   // group's columns (K and V of its layers). Groups may differ in width (vLLM pads a group short
   // of layers); an engine may hand a block id from one group to another.

@@ -1,7 +1,14 @@
+// KVCacheCore: the calls both modes run the same way (kv_cache.h), and make_cache().
 #include "core/kv_cache.h"
 
 #include <algorithm>
+#include <limits>
 #include <map>
+#include <unordered_map>
+
+#include "core/block_coordinator.h"
+#include "core/preemption.h"
+#include "core/slot_coordinator.h"
 
 namespace vattention {
 namespace {
@@ -25,34 +32,41 @@ const std::unique_ptr<Backend>& matching(const std::unique_ptr<Backend>& backend
 
 }  // namespace
 
+std::unique_ptr<KVCacheCore> make_cache(std::unique_ptr<Backend> backend,
+                                        const CacheGeometry& geometry,
+                                        const CacheOptions& options) {
+  if (options.num_blocks < 0) {
+    throw Error(Error::Kind::Config, "num_blocks=" + std::to_string(options.num_blocks) +
+                                         " must be >= 0 (0: pages owned by slots)");
+  }
+  if (options.num_blocks == 0) {
+    if (options.block_cache) {
+      throw Error(Error::Kind::Config,
+                  "block_cache=True needs num_blocks (pages named by engine blocks)");
+    }
+    return std::make_unique<SlotCoordinator>(std::move(backend), geometry, options);
+  }
+  return std::make_unique<BlockCoordinator>(std::move(backend), geometry, options);
+}
+
 KVCacheCore::KVCacheCore(std::unique_ptr<Backend> backend, const CacheGeometry& geometry,
-                         int64_t budget_bytes, ReclaimPolicy policy, int64_t lookahead_tokens)
+                         const CacheOptions& options)
     : geo_(checked(geometry)),
       backend_(std::move(backend)),
       mapper_(*matching(backend_, geo_), geo_),
-      pool_(*backend_, budget_bytes),
+      pool_(*backend_, options.budget_bytes),
       slots_(geo_.max_batch, geo_.max_seq),
       gate_(pool_),
-      blocks_(geo_, pool_, slots_),
-      memory_(geo_, *backend_, mapper_, pool_, blocks_, counters_),
-      supply_(geo_, *backend_, pool_, slots_, gate_, memory_, counters_, policy),
+      memory_(geo_, *backend_, mapper_, pool_, slots_, counters_),
+      supply_(geo_, pool_, slots_, gate_, memory_, counters_, options.policy),
       scrubber_(*backend_, geo_, mapper_),
-      staging_(*backend_, pool_, counters_),
-      parts_{geo_,    *backend_, mapper_,   pool_,    slots_, counters_,
-             memory_, supply_,   scrubber_, staging_, blocks_},
+      parts_{geo_, *backend_, mapper_, pool_, slots_, counters_, memory_, supply_, scrubber_},
       windows_(parts_),
-      sharing_(parts_, windows_),
-      swap_(parts_),
-      tables_(parts_),
-      // reset_slot runs in this order (released windows, shared pages, then zero what the new
-      // request inherits); check() in this order too: the sharing check counts the mappings and
-      // the swap handles' references, not the engine blocks' own (added last). stats() lists the
-      // features' entries in this order.
-      features_{&windows_, &swap_, &sharing_, &scrubber_, &staging_, &blocks_} {
-  set_lookahead(lookahead_tokens);
-  watch_ = backend_->watch_cache(geo_, mapper_.bases());
+      background_(parts_, gate_, guard_) {
+  set_lookahead(options.lookahead_tokens);
+  registration_ = backend_->register_cache(geo_, mapper_.bases());
   prefetcher_ =
-      std::make_unique<Prefetcher>([this](const Prefetcher::Job& job) { run_prefetch(job); });
+      std::make_unique<Prefetcher>([this](const Prefetcher::Job& job) { background_.run(job); });
 }
 
 KVCacheCore::~KVCacheCore() {
@@ -62,163 +76,318 @@ KVCacheCore::~KVCacheCore() {
     // Destructors must not throw; close() already released what it could.
   }
   prefetcher_.reset();
-  watch_.reset();  // before the ranges go: they may be reused by anything
+  registration_.reset();  // before the ranges go: they may be reused by anything
   // A reservation with live mappings cannot be freed (cuMemAddressFree refuses); if close() could
   // not unmap everything, leaking the address range is the only safe choice.
   for (const Slot& s : slots_) {
-    if (s.mapped > 0) mapper_.keep_reserved();
+    if (s.pages.mapped() > 0) mapper_.keep_reserved();
   }
 }
 
 bool KVCacheCore::closed() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return closed_;
-}
-
-KVCacheCore::Lock KVCacheCore::enter(bool exclusive) {
-  if (exclusive) prefetcher_->wait();
-  Lock lock(mu_);
-  // Another thread may have queued a prefetch since (rule R, prefetch_gate.h).
-  if (exclusive) gate_.settle(lock);
-  check_open();
-  rethrow_background_error();
-  return lock;
-}
-
-void KVCacheCore::check_open() const {
-  if (closed_) throw Error(Error::Kind::Closed, "the KV cache is closed; create a new KVCache");
-}
-
-void KVCacheCore::rethrow_background_error() {
-  if (background_error_) {
-    std::exception_ptr e = background_error_;
-    background_error_ = nullptr;
-    std::rethrow_exception(e);
-  }
-}
-
-void KVCacheCore::record_background_error(std::exception_ptr error) {
-  background_error_ = error;
-  ++counters_.prefetch_errors;
-}
-
-uint64_t KVCacheCore::driver_calls() const {
-  return counters_.driver_calls(pool_.pages_created(), pool_.pages_destroyed());
+  Lock lock(guard_.mutex());
+  return guard_.closed();
 }
 
 // ---- slots --------------------------------------------------------------------------------------
 
-int KVCacheCore::alloc(const std::vector<std::vector<int64_t>>* hits) {
-  Lock lock = enter();
-  if (hits != nullptr) tables_.validate_hits(*hits);
+int KVCacheCore::alloc(const BlockIds* hits) {
+  Lock lock = guard_.enter();
   // A slot freed while the prefetch thread maps it is a candidate here, and its new owner may
-  // unmap (reset_slot) or map below the range in flight: let that mapping publish first.
+  // unmap (take_slot) or map below the range in flight: let that mapping publish first.
   while (gate_.flight().slot >= 0 &&
-         slots_[static_cast<size_t>(gate_.flight().slot)].state != Slot::State::Active) {
+         !slots_[static_cast<size_t>(gate_.flight().slot)].use.active()) {
     gate_.await_publish(lock);  // the thread only starts mappings of active slots
-    check_open();
-    rethrow_background_error();
+    guard_.check_open();
+    guard_.rethrow_background_error();
   }
-  supply_.drain_eager();
-  const int best =
-      hits == nullptr
-          ? slots_.pick_for_alloc()
-          : slots_.pick_for_alloc([&](const Slot& s) { return tables_.kept_hits(s, *hits); });
-  Slot& s = slots_[static_cast<size_t>(best)];
-  // Before the fence goes: features may unmap what the new request must not inherit.
-  for (CacheFeature* f : features_) f->reset_slot(s, best);
+  // Before the fence goes: the mode may unmap what the new request must not inherit.
+  const int slot = take_slot(hits);
   // The new owner's writes are ordered after the old owner's reads on the same stream; the fence
   // only guards unmapping, which this slot no longer faces.
-  memory_.forget_fence(s);
-  s.state = Slot::State::Active;
-  s.seq_len = 0;
-  s.last_step = slots_.step_count();
-  return best;
+  memory_.forget_fence(slot);
+  slots_.activate(slot, 0);
+  return slot;
 }
 
 void KVCacheCore::free(int slot, uintptr_t stream) {
-  Lock lock = enter();
+  Lock lock = guard_.enter();
   slots_.require_active(slot, "slot",
                         "is not allocated (already freed, or never returned by alloc())");
-  Slot& s = slots_[static_cast<size_t>(slot)];
-  if (s.mapped > 0) {
-    s.fence = backend_->record_fence(stream);  // may throw: before any state change
-    s.has_fence = true;
-  }
-  s.state = s.mapped > 0 ? Slot::State::Idle : Slot::State::Free;
-  s.seq_len = 0;
-  s.freed_at = slots_.next_free_order();
-  if (supply_.policy() == ReclaimPolicy::Eager && s.mapped > 0) {
+  memory_.fence_on_free(slot, stream);  // may throw: before any state change
+  slots_.deactivate(slot);
+  if (supply_.policy() == ReclaimPolicy::Eager &&
+      slots_[static_cast<size_t>(slot)].pages.mapped() > 0) {
     supply_.queue_eager(slot);
     supply_.drain_eager();
   }
 }
 
+std::vector<Growth> KVCacheCore::plan_step(const std::vector<int64_t>& lens) {
+  guard_.check_open();
+  guard_.rethrow_background_error();
+  supply_.drain_eager();
+  slots_.validate_lens(lens, true);
+  std::vector<Growth> plan;
+  for (size_t i = 0; i < lens.size(); ++i) {
+    if (lens[i] == kUnlisted) continue;
+    windows_.check(static_cast<int>(i), lens[i], "seq_lens[slot]");
+    const size_t need = geo_.pages_for(lens[i]);
+    const size_t mapped = slots_[i].pages.mapped();
+    if (need > mapped) plan.push_back(Growth{static_cast<int>(i), mapped, need});
+  }
+  return plan;
+}
+
+bool KVCacheCore::backed_as_is(const std::vector<int64_t>& lens) {
+  // The decode hot path: one pass, no division (backed() is cached). Work the prefetch thread
+  // still has queued is for later iterations: no need to wait for it.
+  guard_.check_open();
+  guard_.rethrow_background_error();
+  if (supply_.eager_pending()) return false;
+  if (static_cast<int64_t>(lens.size()) != geo_.max_batch) slots_.validate_lens(lens, true);
+  for (size_t i = 0; i < lens.size(); ++i) {
+    const int64_t len = lens[i];
+    if (len == kUnlisted) continue;
+    const Slot& s = slots_[i];
+    if (len < 0 || len > geo_.max_seq || !s.use.active()) {
+      slots_.validate_lens(lens, true);  // throws the precise error
+    }
+    if (len > s.pages.backed()) return false;
+    // A window page to release (release_at is INT64_MAX without windows), or a rewind to check.
+    const int64_t old = s.use.seq_len();
+    if (std::min(old, len - 1) >= s.pages.release_at() || (len < old && s.pages.has_holes())) {
+      return false;
+    }
+  }
+  return true;
+}
+
+Capacity KVCacheCore::capacity(const std::vector<int64_t>& lens,
+                               const std::vector<int64_t>& new_lens) const {
+  Lock lock(guard_.mutex());
+  guard_.check_open();
+  slots_.validate_lens(lens, true);
+  for (size_t i = 0; i < new_lens.size(); ++i) {
+    const int64_t len = new_lens[i];
+    if (len < 0 || len > geo_.max_seq) {
+      throw Error(Error::Kind::SequenceTooLong,
+                  "new_requests[" + std::to_string(i) + "]=" + std::to_string(len) +
+                      " is outside [0, " + std::to_string(geo_.max_seq) +
+                      "] (max_seq_len=" + std::to_string(geo_.max_seq) + ")")
+          .with("seq_len", len)
+          .with("max_seq_len", geo_.max_seq);
+    }
+  }
+  const size_t C = geo_.columns();
+  Capacity c;
+  std::vector<Growth> plan;  // as plan_step() makes it: the slots that grow
+  for (size_t i = 0; i < lens.size(); ++i) {
+    if (lens[i] == kUnlisted) continue;
+    const size_t need = geo_.pages_for(lens[i]);
+    const size_t mapped = slots_[i].pages.mapped();
+    if (need <= mapped) continue;
+    plan.push_back(Growth{static_cast<int>(i), mapped, need});
+    c.pages_needed += (need - mapped) * C;
+  }
+  for (int64_t len : new_lens) c.pages_needed += geo_.pages_for(len) * C;
+  // Pages the prefetch thread holds in flight become trimmable look-ahead once published.
+  const size_t in_flight = gate_.flight().pages.size();
+  c.pages_free = pool_.free();
+  c.pages_creatable = pool_.headroom();
+  c.pages_reclaimable = supply_.spare(plan, true, &lens) + windows_.releasable(lens) + in_flight;
+  if (c.pages_creatable != std::numeric_limits<size_t>::max()) {
+    const size_t have = c.pages_free + c.pages_creatable + c.pages_reclaimable;
+    c.pages_short = c.pages_needed > have ? c.pages_needed - have : 0;
+  }
+  return c;
+}
+
+// ---- background mapping -------------------------------------------------------------------------
+
+void KVCacheCore::prefetch(const std::vector<int64_t>& lens, int64_t lookahead_tokens) {
+  Prefetcher::Job job(lens.size(), kUnlisted);
+  {
+    Lock lock = guard_.enter();
+    slots_.validate_lens(lens, true);
+    if (lookahead_tokens < -1) {
+      throw Error(Error::Kind::Config,
+                  "lookahead_tokens=" + std::to_string(lookahead_tokens) + " must be >= 0");
+    }
+    const int64_t ahead = lookahead_tokens < 0 ? lookahead_tokens_ : lookahead_tokens;
+    bool work = false;
+    for (size_t i = 0; i < lens.size(); ++i) {
+      if (lens[i] == kUnlisted) continue;
+      job[i] = std::min(geo_.max_seq, lens[i] + ahead);
+      const Slot& s = slots_[i];
+      work = work || (s.use.active() && geo_.pages_for(job[i]) > s.pages.mapped());
+    }
+    // Most decode steps need no new page: waking the thread for nothing would cost a context
+    // switch per step on a machine whose cores the model's threads keep busy.
+    if (!work) return;
+  }
+  prefetcher_->submit(std::move(job));
+}
+
+void KVCacheCore::wait() {
+  prefetcher_->wait();
+  Lock lock = guard_.enter();
+}
+
+// ---- physical memory ----------------------------------------------------------------------------
+
+void KVCacheCore::reserve(size_t bytes) {
+  Lock lock = guard_.enter();
+  // Overflow-safe rounding up. No cache can use more pages than its virtual tensors hold, plus
+  // what it may keep beyond its rows (engine blocks cached for a prefix cache).
+  const size_t pages = bytes / geo_.page_bytes + (bytes % geo_.page_bytes != 0 ? 1 : 0);
+  const size_t mappable = geo_.virtual_bytes() / geo_.page_bytes;
+  const size_t cached = pages_beyond_rows();
+  const size_t usable = mappable + cached;
+  if (pages > usable) {
+    throw Error(Error::Kind::Config,
+                "reserve of " + std::to_string(bytes) + " bytes (" + std::to_string(pages) +
+                    " pages) exceeds what this cache can ever hold: " + std::to_string(usable) +
+                    " pages of " + std::to_string(geo_.page_bytes) + " bytes (its virtual size, " +
+                    std::to_string(mappable * geo_.page_bytes) + " bytes" +
+                    (cached ? ", plus " + std::to_string(cached) +
+                                  " pages its engine blocks may keep cached"
+                            : std::string()) +
+                    ")")
+        .with("bytes", static_cast<int64_t>(bytes > INT64_MAX ? INT64_MAX : bytes))
+        .with("pages_possible", static_cast<int64_t>(usable));
+  }
+  try {
+    pool_.reserve(pages);
+  } catch (const Error& e) {
+    if (e.kind() == Error::Kind::OutOfPages) ++counters_.oom_events;
+    throw;
+  }
+}
+
+size_t KVCacheCore::reclaim() {
+  Lock lock(guard_.mutex());
+  gate_.settle(lock);  // a slot freed while being mapped is reclaimed too (rule R)
+  guard_.check_open();
+  guard_.rethrow_background_error();
+  size_t released = 0;
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    const Slot& s = slots_[i];
+    if (s.state() != Slot::State::Idle) continue;
+    released += s.pages.live(geo_);  // mappings, as documented
+    counters_.reclaimed_pages += memory_.unmap_tail(static_cast<int>(i), 0);
+  }
+  return released;
+}
+
+size_t KVCacheCore::shrink(size_t keep_bytes) {
+  Lock lock = guard_.enter();
+  return pool_.shrink(keep_bytes);
+}
+
+int64_t KVCacheCore::set_memory_budget(int64_t budget_bytes) {
+  Lock lock(guard_.mutex());
+  // Pages in flight count against the budget and cannot be trimmed until published.
+  gate_.settle(lock);
+  guard_.check_open();
+  guard_.rethrow_background_error();
+  const int64_t old_budget = pool_.budget_bytes();
+  pool_.set_budget(budget_bytes);
+  if (budget_bytes < 0) return 0;
+  const size_t budget = static_cast<size_t>(budget_bytes);
+  const size_t P = geo_.page_bytes;
+  try {
+    pool_.shrink(budget);
+    while (pool_.total() * P > budget) {
+      const size_t over_pages = (pool_.total() * P - budget + P - 1) / P;
+      if (supply_.release_spare(over_pages, {}, true) == 0) break;
+      pool_.shrink(budget);
+    }
+  } catch (...) {
+    pool_.set_budget(old_budget);  // reclaimed idle/look-ahead pages stay free: invisible state
+    throw;
+  }
+  const size_t held = pool_.total() * P;
+  return held > budget ? static_cast<int64_t>(held - budget) : 0;
+}
+
+void KVCacheCore::set_lookahead(int64_t tokens) {
+  if (tokens < 0) {
+    throw Error(Error::Kind::Config,
+                "lookahead_tokens=" + std::to_string(tokens) + " must be >= 0");
+  }
+  Lock lock(guard_.mutex());
+  lookahead_tokens_ = tokens;
+}
+
+void KVCacheCore::set_scrub(bool on) {
+  Lock lock = guard_.enter();
+  scrubber_.set_enabled(on);
+}
+
 // ---- queries ------------------------------------------------------------------------------------
 
 int64_t KVCacheCore::mapped_tokens(int slot) const {
-  Lock lock(mu_);
-  check_open();
+  Lock lock(guard_.mutex());
+  guard_.check_open();
   slots_.validate(slot);
-  return geo_.tokens_in(slots_[static_cast<size_t>(slot)].mapped);
+  return geo_.tokens_in(slots_[static_cast<size_t>(slot)].pages.mapped());
 }
 
 int64_t KVCacheCore::seq_len(int slot) const {
-  Lock lock(mu_);
-  check_open();
+  Lock lock(guard_.mutex());
+  guard_.check_open();
   slots_.validate(slot);
-  return slots_[static_cast<size_t>(slot)].seq_len;
+  return slots_[static_cast<size_t>(slot)].use.seq_len();
 }
 
 std::vector<int> KVCacheCore::active_slots() const {
-  Lock lock(mu_);
-  check_open();
+  Lock lock(guard_.mutex());
+  guard_.check_open();
   return slots_.active();
 }
 
-std::vector<std::vector<int64_t>> KVCacheCore::block_table(int slot) const {
-  Lock lock(mu_);
-  check_open();
-  slots_.validate(slot);
-  return slots_[static_cast<size_t>(slot)].table;
-}
-
-void KVCacheCore::use_blocks(int64_t num_blocks, bool cache) {
-  Lock lock = enter(/*exclusive=*/true);
-  if (num_blocks < 0) {
-    throw Error(Error::Kind::Config,
-                "num_blocks=" + std::to_string(num_blocks) + " must be >= 0 (0: no engine blocks)");
-  }
-  if (slots_.step_count() > 0 || !slots_.active().empty() ||
-      std::any_of(slots_.begin(), slots_.end(), [](const Slot& s) { return s.mapped > 0; })) {
-    throw Error(Error::Kind::Config,
-                "use_blocks() names pages by engine blocks from a cache's start: this cache has "
-                "already mapped pages");
-  }
-  blocks_.configure(num_blocks, cache);
-}
-
 std::vector<int64_t> KVCacheCore::window_starts(int slot) const {
-  Lock lock(mu_);
-  check_open();
+  Lock lock(guard_.mutex());
+  guard_.check_open();
   slots_.validate(slot);
   return windows_.starts(slot);
 }
 
+std::vector<int> KVCacheCore::pick_victims(size_t bytes_needed) const {
+  Lock lock(guard_.mutex());
+  guard_.check_open();
+  return vattention::pick_victims(slots_, pool_, geo_.page_bytes, bytes_needed);
+}
+
 Stats KVCacheCore::stats() const {
-  Lock lock(mu_);
-  check_open();
+  Lock lock(guard_.mutex());
+  guard_.check_open();
   int64_t active = 0, idle = 0, free_slots = 0, tokens = 0, mappings = 0;
   for (const Slot& s : slots_) {
-    mappings += static_cast<int64_t>(s.live_pages(geo_));
-    if (s.state == Slot::State::Active) {
-      ++active;
-      tokens += s.seq_len;
-    } else if (s.state == Slot::State::Idle) {
-      ++idle;
-    } else {
-      ++free_slots;
+    mappings += static_cast<int64_t>(s.pages.live(geo_));
+    switch (s.state()) {
+      case Slot::State::Active:
+        ++active;
+        tokens += s.use.seq_len();
+        break;
+      case Slot::State::Idle: ++idle; break;
+      case Slot::State::Free: ++free_slots; break;
     }
+  }
+  // Pages mapped by several rows (prefix sharing, or one engine block hit by several requests):
+  // counting distinct pages walks every mapping, so only when some page has a second reference,
+  // and stats() stays O(slots) for caches that never share.
+  int64_t shared = 0, saved_pages = 0;
+  if (pool_.extra_refs() > 0) {
+    std::unordered_map<PageHandle, uint32_t> mapped;
+    for (const Slot& s : slots_) {
+      for (PageHandle p : s.pages.handles()) {
+        if (p != kNoPage) ++mapped[p];
+      }
+    }
+    for (const auto& entry : mapped) shared += entry.second > 1 ? 1 : 0;
+    saved_pages = mappings - static_cast<int64_t>(mapped.size());
   }
   const auto P = static_cast<int64_t>(geo_.page_bytes);
   const auto total = static_cast<int64_t>(pool_.total());
@@ -242,6 +411,8 @@ Stats KVCacheCore::stats() const {
       {"active_slots", active},
       {"idle_slots_with_pages", idle},
       {"free_slots", free_slots},
+      {"shared_pages", shared},
+      {"bytes_saved_by_sharing", saved_pages * P},
       {"map_calls", u(counters_.map_calls)},
       {"unmap_calls", u(counters_.unmap_calls)},
       {"set_access_calls", u(counters_.set_access_calls)},
@@ -263,30 +434,28 @@ Stats KVCacheCore::stats() const {
 }
 
 std::string KVCacheCore::check_invariants() const {
-  Lock lock(mu_);
-  if (closed_) return "";
-  const size_t T = static_cast<size_t>(geo_.num_tensors());
+  Lock lock(guard_.mutex());
+  if (guard_.closed()) return "";
   const size_t C = geo_.columns();
   std::map<PageHandle, uint32_t> seen;
   for (size_t i = 0; i < slots_.size(); ++i) {
     const Slot& s = slots_[i];
+    const SlotPages& p = s.pages;
     const std::string where = "slot " + std::to_string(i) + ": ";
-    if (s.pages.size() != s.mapped * C) return where + "page list does not match mapped count";
-    if (s.state == Slot::State::Free && s.mapped != 0) return where + "free slot holds pages";
-    if (s.state == Slot::State::Idle && s.mapped == 0) return where + "idle slot without pages";
-    if (s.state == Slot::State::Active && geo_.pages_for(s.seq_len) > s.mapped) {
+    if (p.handles().size() != p.mapped() * C)
+      return where + "page list does not match mapped count";
+    if (s.use.active() && geo_.pages_for(s.use.seq_len()) > p.mapped()) {
       return where + "active slot backs fewer tokens than its length";
     }
-    if (s.backed != geo_.tokens_in(s.mapped)) return where + "cached backed tokens are stale";
-    if (!s.head.empty() && s.head.size() != T) return where + "head has the wrong size";
-    for (size_t k = 0; k < s.pages.size(); ++k) {
-      const bool hole = k / C < s.head_of(static_cast<size_t>(geo_.column_tensor(k % C)));
-      if (hole != (s.pages[k] == kNoPage))
+    if (p.backed() != geo_.tokens_in(p.mapped())) return where + "cached backed tokens are stale";
+    for (size_t k = 0; k < p.handles().size(); ++k) {
+      const bool hole = k / C < p.head(static_cast<size_t>(geo_.column_tensor(k % C)));
+      if (hole != (p.handles()[k] == kNoPage))
         return where + "released pages are not a per-tensor prefix";
-      if (!hole) ++seen[s.pages[k]];
+      if (!hole) ++seen[p.handles()[k]];
     }
-    if (gate_.in_flight(i) && s.mapped != gate_.flight().from) {
-      return where + "mapped " + std::to_string(s.mapped) + " pages while pages from " +
+    if (gate_.in_flight(i) && p.mapped() != gate_.flight().from) {
+      return where + "mapped " + std::to_string(p.mapped()) + " pages while pages from " +
              std::to_string(gate_.flight().from) + " are being mapped outside the lock";
     }
   }
@@ -315,84 +484,14 @@ std::string KVCacheCore::check_invariants() const {
   return "";
 }
 
-// ---- prefix sharing, swap -----------------------------------------------------------------------
-
-void KVCacheCore::refuse_with_blocks(const char* call) const {
-  if (!blocks_.enabled()) return;
-  throw Error(Error::Kind::Config,
-              std::string(call) +
-                  "() is not available on a cache whose pages are named by "
-                  "engine blocks (num_blocks=" +
-                  std::to_string(blocks_.num_blocks()) +
-                  "): the engine shares and moves pages through its block tables");
-}
-
-int KVCacheCore::fork(int src, int64_t num_tokens, uintptr_t stream) {
-  Lock lock = enter(/*exclusive=*/true);
-  refuse_with_blocks("fork");
-  supply_.drain_eager();
-  slots_.validate(src);
-  const int64_t n = num_tokens < 0 ? slots_[static_cast<size_t>(src)].seq_len : num_tokens;
-  sharing_.check_source(src, n);
-  // dst stays free or idle until share() commits, so reclaiming its pages meanwhile waits on its
-  // fence like any idle slot's, and a failure leaves it as it was.
-  const int dst = slots_.pick_fresh();
-  sharing_.share(src, dst, n, stream);
-  return dst;
-}
-
-void KVCacheCore::share_prefix(int src, int dst, int64_t num_tokens, uintptr_t stream) {
-  Lock lock = enter(/*exclusive=*/true);
-  refuse_with_blocks("share_prefix");
-  sharing_.check_pair(src, dst, num_tokens);
-  sharing_.share(src, dst, num_tokens, stream);
-}
-
-size_t KVCacheCore::ensure_private(int slot, int64_t start_token, uintptr_t stream) {
-  Lock lock = enter(/*exclusive=*/true);
-  refuse_with_blocks("ensure_private");
-  return sharing_.ensure_private(slot, start_token, stream);
-}
-
-int64_t KVCacheCore::swap_out(int slot, uintptr_t stream) {
-  Lock lock = enter(/*exclusive=*/true);
-  refuse_with_blocks("swap_out");
-  return swap_.swap_out(slot, stream);
-}
-
-int KVCacheCore::swap_in(int64_t handle, uintptr_t stream) {
-  Lock lock = enter(/*exclusive=*/true);
-  refuse_with_blocks("swap_in");
-  supply_.drain_eager();
-  return swap_.swap_in(handle, stream);
-}
-
-void KVCacheCore::swap_drop(int64_t handle) {
-  Lock lock(mu_);
-  check_open();
-  swap_.drop(handle);
-}
-
-void KVCacheCore::set_swap_budget(int64_t budget_bytes) {
-  Lock lock(mu_);
-  check_open();
-  swap_.set_budget(budget_bytes);
-}
-
-std::vector<int> KVCacheCore::pick_victims(size_t bytes_needed) const {
-  Lock lock(mu_);
-  check_open();
-  return swap_.pick_victims(bytes_needed);
-}
-
 // ---- teardown -----------------------------------------------------------------------------------
 
 void KVCacheCore::close() {
   prefetcher_->stop();
-  Lock lock(mu_);
-  if (closed_) return;
-  closed_ = true;
-  if (watch_) watch_->mark_closed();
+  Lock lock(guard_.mutex());
+  if (guard_.closed()) return;
+  guard_.mark_closed();
+  if (registration_) registration_->mark_closed();
   std::exception_ptr first;
   try {
     // Kernels may still read active slots: wait for the legacy default stream (which orders after
@@ -402,16 +501,17 @@ void KVCacheCore::close() {
     first = std::current_exception();
   }
   for (size_t i = 0; i < slots_.size(); ++i) {
-    // A failed unmap leaves the slot's record intact (unmap_tail restores it); try once more so a
+    const int slot = static_cast<int>(i);
+    // A failed unmap leaves the row's record intact (unmap_tail restores it); try once more so a
     // transient failure does not leave mappings behind a reservation about to be freed.
-    for (int attempt = 0; attempt < 2 && slots_[i].mapped > 0; ++attempt) {
+    for (int attempt = 0; attempt < 2 && slots_[i].pages.mapped() > 0; ++attempt) {
       try {
-        memory_.unmap_tail(slots_[i], static_cast<int>(i), 0);
+        memory_.unmap_tail(slot, 0);
       } catch (...) {
         if (!first) first = std::current_exception();
       }
     }
-    memory_.forget_fence(slots_[i]);
+    memory_.forget_fence(slot);
   }
   supply_.forget_eager();
   for (CacheFeature* f : features_) {

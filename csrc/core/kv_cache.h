@@ -3,19 +3,23 @@
 // Why: attention kernels want a dense [B, S, H, D] cache; serving wants memory proportional to the
 // tokens really held. The cache reserves each tensor's full virtual range once (addresses never
 // move, so tensors and CUDA graphs stay valid) and maps physical pages at the end of a slot's row
-// as its sequence grows (DESIGN.md section 3).
+// as its sequence grows.
 //
-// The coordinator: it owns the mutex, the slots and the parts below, and runs each public call as
-// one transaction over them; the parts each own one concept (docs/architecture.md):
+// Two modes, one coordinator class each, chosen once by make_cache() (docs/architecture.md):
+//   SlotCoordinator   pages owned by slots: the cache decides what a row maps (step(lens)), and
+//                     rows share pages by fork/share_prefix or leave by swap (slot_coordinator.h)
+//   BlockCoordinator  pages named by an engine's block ids: a row maps its block table, and a
+//                     prefix-cache hit maps a block's pages again (block_coordinator.h)
+// This class is the cache's interface and the calls both modes run the same way; it owns the
+// mutex and the parts both modes share:
 //   SlotMapper    addresses and reservations; maps/unmaps runs (no cache state: runs unlocked)
 //   PagePool      physical pages, budget, references        SlotTable   slots and their checks
-//   SlotMemory    a slot's mapped range, record and counts  PageSupply  where pages come from
+//   SlotMemory    what each row maps (the one writer)        PageSupply  where pages come from
 //   PrefetchGate  the range the prefetch thread maps unlocked (rule R), and the waits for it
-//   Scrubber, StagingPage, WindowRelease, PrefixSharing, SwapManager, BlockPages: features,
-//   registered as CacheFeature so alloc(), stats(), check_invariants() and close() call none of
-//   them by name; BlockTables: rows that follow an engine's block tables.
+//   WindowRelease, Scrubber: shared features; each coordinator adds its own and registers them
+//   as CacheFeature, so stats(), check_invariants() and close() call none of them by name.
 //
-// Transactions: step() validates everything before touching state, gets all the pages it needs
+// Transactions: a step validates everything before touching state, gets all the pages it needs
 // before mapping any, and undoes its own mappings if a backend call fails part-way. Running out of
 // pages raises Error(OutOfPages) with nothing changed; capacity() says beforehand, mapping nothing.
 //
@@ -25,39 +29,35 @@
 // the "eager" policy. A slot freed at step N is unmapped only after the fence recorded by free()
 // has completed: unmapping is not stream-ordered on CUDA.
 //
-// Thread-safety and lock order: every public method may be called from any thread. mu_ guards all
-// state; the prefetch thread takes mu_ per slot it maps and makes the driver calls themselves
-// without it (prefetch_gate.h). Order: Prefetcher::mu_ is never held while taking mu_, and mu_ is
-// never held while waiting on the prefetcher. The backend's own locks are leaves below mu_.
+// Thread-safety and lock order: every public method may be called from any thread. The guard's
+// mutex guards all state; the prefetch thread takes it per slot it maps and makes the driver calls
+// themselves without it (prefetch_gate.h). Order: Prefetcher::mu_ is never held while taking the
+// cache mutex, and the cache mutex is never held while waiting on the prefetcher. The backend's
+// own locks are leaves below it.
 #pragma once
 
 #include <climits>
 #include <cstdint>
-#include <exception>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "core/backend.h"
-#include "core/block_pages.h"
-#include "core/block_tables.h"
+#include "core/background_mapper.h"
+#include "core/block_update.h"
 #include "core/cache_feature.h"
+#include "core/cache_guard.h"
 #include "core/cache_parts.h"
 #include "core/geometry.h"
 #include "core/page_pool.h"
 #include "core/page_supply.h"
 #include "core/prefetch_gate.h"
 #include "core/prefetcher.h"
-#include "core/prefix_sharing.h"
 #include "core/scrubber.h"
 #include "core/slot_mapper.h"
 #include "core/slot_memory.h"
 #include "core/slot_table.h"
-#include "core/staging_page.h"
 #include "core/stats.h"
-#include "core/swap_manager.h"
 #include "core/window_release.h"
 
 namespace vattention {
@@ -71,13 +71,27 @@ struct Capacity {
   size_t pages_short = 0;  // what is missing: 0 when step(lens) would not run out
 };
 
+// How a cache is built; num_blocks picks the mode.
+struct CacheOptions {
+  int64_t budget_bytes = PagePool::kNoBudget;  // physical memory for pages (-1: no cap)
+  ReclaimPolicy policy = ReclaimPolicy::Deferred;
+  int64_t lookahead_tokens = 0;  // prefetch beyond the lengths asked for
+  // > 0: pages are named by an engine's block ids [0, num_blocks) (BlockCoordinator); 0: pages
+  // are owned by slots (SlotCoordinator).
+  int64_t num_blocks = 0;
+  // With num_blocks: a block keeps its pages after its last mapping, until the engine hands the
+  // id out fresh (its prefix cache may hit it meanwhile).
+  bool block_cache = false;
+};
+
+// One list of block ids per KV cache group (alloc's hits; kNoBlock: the engine's null block).
+using BlockIds = std::vector<std::vector<int64_t>>;
+
 class KVCacheCore {
  public:
   static constexpr int64_t kUnlisted = SlotTable::kUnlisted;  // "leave this slot alone" in lens
 
-  KVCacheCore(std::unique_ptr<Backend> backend, const CacheGeometry& geometry, int64_t budget_bytes,
-              ReclaimPolicy policy, int64_t lookahead_tokens);
-  ~KVCacheCore();
+  virtual ~KVCacheCore();
   KVCacheCore(const KVCacheCore&) = delete;
   KVCacheCore& operator=(const KVCacheCore&) = delete;
 
@@ -89,31 +103,24 @@ class KVCacheCore {
 
   // ---- slots and steps ---------------------------------------------------------------------
   // Returns a slot for a new request: an idle slot holding the most pages, else a free one.
-  // With `hits` (engine blocks: the request's leading cache hits, one list per group), the idle
-  // slot whose row already maps the longest run of them comes first (BlockTables::kept_hits).
-  // Throws InvalidSlot when every slot is active, Config for bad hits (nothing changed).
-  int alloc(const std::vector<std::vector<int64_t>>* hits = nullptr);
+  // With `hits` (engine blocks: the request's leading cache hits), the idle slot whose row
+  // already maps the longest run of them comes first. Throws InvalidSlot when every slot is
+  // active, Config for bad hits or hits on a cache whose slots own their pages (nothing changed).
+  int alloc(const BlockIds* hits = nullptr);
   // Ends the request in `slot`. Records a fence on `stream` (0 = legacy default stream) so the
   // slot's pages are unmapped only after work already queued there has finished.
   void free(int slot, uintptr_t stream);
   // The decode hot path: records `lens` if every listed slot is already backed and nothing else
   // is due (no page to map or release, no eager reclaim); else returns false having changed
   // nothing, as it does when the lock is busy (so a caller can drop the GIL and call step()).
-  bool try_step(const std::vector<int64_t>& lens);
+  virtual bool try_step(const std::vector<int64_t>& lens) = 0;
   // Makes every listed slot back at least its length. lens has max_batch entries; kUnlisted leaves
-  // a slot alone. Waits for the prefetch thread only for a slot it is mapping now. All or nothing.
-  void step(const std::vector<int64_t>& lens, uintptr_t stream);
-  // The same on a cache whose pages are named by engine blocks (use_blocks): `updates` change the
-  // listed rows' block tables, and every listed row maps its table up to its length
-  // (block_tables.h says what happens to whose pages; errors as there).
-  void step(const std::vector<int64_t>& lens, const std::vector<BlockUpdate>& updates,
-            uintptr_t stream);
-  // Names pages by an engine's block ids [0, num_blocks) from now on; `cache`: a block keeps its
-  // pages after its last mapping, until the engine hands the id out fresh (its prefix cache may
-  // hit it meanwhile). Only before the first alloc(). Throws Config.
-  void use_blocks(int64_t num_blocks, bool cache);
-  // The engine's block table of `slot`, one list per KV cache group (kNoBlock: the null block).
-  std::vector<std::vector<int64_t>> block_table(int slot) const;
+  // a slot alone. All or nothing. `updates` change listed rows' block tables (engine blocks only:
+  // a cache whose slots own their pages throws Config for a non-empty list; block_tables.h).
+  virtual void step(const std::vector<int64_t>& lens, const std::vector<BlockUpdate>& updates,
+                    uintptr_t stream) = 0;
+  // The engine's block table of `slot`, one list per KV cache group (empty without engine blocks).
+  virtual BlockIds block_table(int slot) const = 0;
   // What step(lens), plus new requests of `new_lens` tokens each, would need and could get;
   // maps nothing, changes nothing (the same accounting step() uses).
   Capacity capacity(const std::vector<int64_t>& lens, const std::vector<int64_t>& new_lens) const;
@@ -121,6 +128,28 @@ class KVCacheCore {
   void prefetch(const std::vector<int64_t>& lens, int64_t lookahead_tokens);
   // Joins outstanding prefetch work; rethrows a background error.
   void wait();
+
+  // ---- prefix sharing and swap (pages owned by slots; Config on engine blocks) ---------------
+  // A slot's page indices [0, read_only) are READ-ONLY by contract (slot.h): they may be mapped by
+  // other slots or kept by swap handles. Writing there (or appending after rewinding below them)
+  // needs ensure_private() first. `stream` orders the copies; see Backend::copy.
+  //
+  // New active slot whose tokens [0, num_tokens) (-1: src's seq_len) equal src's: full pages are
+  // shared, the partial last page is copied. Throws InvalidSlot (src not active, no slot free),
+  // SequenceTooLong (num_tokens outside [0, seq_len(src)]), OutOfPages (nothing changed).
+  virtual int fork(int src, int64_t num_tokens, uintptr_t stream) = 0;
+  // The same into dst, which must be active and fresh (seq_len 0, as after alloc()); dst's own
+  // pages go back to the pool. Afterwards seq_len(dst) == num_tokens.
+  virtual void share_prefix(int src, int dst, int64_t num_tokens, uintptr_t stream) = 0;
+  // Replaces every shared page of `slot` from the page holding start_token on with a private copy,
+  // so those tokens may be rewritten. Returns the number of pages copied. All-or-nothing.
+  virtual size_t ensure_private(int slot, int64_t start_token, uintptr_t stream) = 0;
+  // Saves the slot's pages and frees the slot; returns a handle (swap_manager.h).
+  virtual int64_t swap_out(int slot, uintptr_t stream) = 0;
+  // Restores a handle into a free (else least recently freed idle) slot, bit-identical.
+  virtual int swap_in(int64_t handle, uintptr_t stream) = 0;
+  virtual void swap_drop(int64_t handle) = 0;
+  virtual void set_swap_budget(int64_t budget_bytes) = 0;  // -1 = none; never drops handles
 
   // ---- physical memory ---------------------------------------------------------------------
   // Ensures the pool holds at least `bytes` of pages (rounded up). All-or-nothing.
@@ -144,63 +173,32 @@ class KVCacheCore {
   Stats stats() const;
   // Checks internal invariants (page accounting, refcounts); returns "" or a description.
   std::string check_invariants() const;
-
-  // ---- prefix sharing, swap and eviction (prefix_sharing.h, swap_manager.h) ----------------
-  // A slot's page indices [0, Slot::shared_pages) are READ-ONLY by contract: they may be mapped by
-  // other slots or kept by swap handles. Writing there (or appending after rewinding below them)
-  // needs ensure_private() first. `stream` orders the copies; see Backend::copy.
-  //
-  // New active slot whose tokens [0, num_tokens) (-1: src's seq_len) equal src's: full pages are
-  // shared, the partial last page is copied. Throws InvalidSlot (src not active, no slot free),
-  // SequenceTooLong (num_tokens outside [0, seq_len(src)]), OutOfPages (nothing changed).
-  int fork(int src, int64_t num_tokens, uintptr_t stream);
-  // The same into dst, which must be active and fresh (seq_len 0, as after alloc()); dst's own
-  // pages go back to the pool. Afterwards seq_len(dst) == num_tokens.
-  void share_prefix(int src, int dst, int64_t num_tokens, uintptr_t stream);
-  // Replaces every shared page of `slot` from the page holding start_token on with a private copy,
-  // so those tokens may be rewritten. Returns the number of pages copied. All-or-nothing.
-  size_t ensure_private(int slot, int64_t start_token, uintptr_t stream);
-  // Saves the slot's pages and frees the slot; returns a handle (swap_manager.h).
-  int64_t swap_out(int slot, uintptr_t stream);
-  // Restores a handle into a free (else least recently freed idle) slot, bit-identical.
-  int swap_in(int64_t handle, uintptr_t stream);
-  void swap_drop(int64_t handle);
-  void set_swap_budget(int64_t budget_bytes);  // -1 = none; never drops existing handles
-  // Active slots to preempt, in order, until their freed pages reach bytes_needed.
-  std::vector<int> pick_victims(size_t bytes_needed) const;
   // Per layer, the first token of `slot` still backed (window_release.h).
   std::vector<int64_t> window_starts(int slot) const;
+  // Active slots to preempt, in order, until their pages that would really return to the pool
+  // reach bytes_needed: least recently stepped first, ties by fewest tokens, then lowest index.
+  std::vector<int> pick_victims(size_t bytes_needed) const;
 
   // Unmaps everything, destroys pages, stops the prefetch thread. The virtual reservations live on
   // (PROT_NONE) until the object is destroyed, so a tensor outliving close() faults, never aliases.
   void close();
 
- private:
-  using Lock = std::unique_lock<std::mutex>;
+ protected:
+  using Lock = CacheGuard::Lock;
 
-  // The prologue of every call: the mutex, then "open?" and a prefetch-thread error to rethrow.
-  // With exclusive, first joins queued prefetch work and settles the flight, for calls that may
-  // map, unmap or pick any slot (rule R, prefetch_gate.h).
-  Lock enter(bool exclusive = false);
-  void check_open() const;
-  void rethrow_background_error();
-  void record_background_error(std::exception_ptr error);
-  // Checks state and input, and lists the slots whose pages must grow for `lens`.
+  KVCacheCore(std::unique_ptr<Backend> backend, const CacheGeometry& geometry,
+              const CacheOptions& options);
+  // alloc(), per mode: checks `hits` (Config, nothing changed), picks the slot for a new request
+  // and drops what its previous request left that the new one must not inherit (it may unmap; an
+  // idle slot's fence is waited for inside). alloc() then hands the slot over.
+  virtual int take_slot(const BlockIds* hits) = 0;
+  // Pages this cache may hold beyond what its rows map (engine blocks kept for a prefix cache).
+  virtual size_t pages_beyond_rows() const = 0;
+  // Checks state and `lens`, and lists the slots whose pages must grow for them.
   std::vector<Growth> plan_step(const std::vector<int64_t>& lens);
-  // Engine blocks: true when the page indices `len` tokens need are all named by s's table.
-  bool named(const Slot& s, int64_t len) const;
-  // Maps the growth plan (all or nothing). Throws OutOfPages/Driver with state unchanged.
-  void grow(const std::vector<Growth>& plan, bool from_prefetch);
-  // The prefetch thread: plan one slot under the lock, map without it, publish under it.
-  // Returns false when the job must stop (closed, error, pool dry).
-  void run_prefetch(const Prefetcher::Job& job);
-  bool prefetch_slot(int slot, int64_t target_tokens);
-  // Creates up to n pages for the pool with mu_ released (held on entry and on return).
-  // Returns false when the job must stop (a driver error, now in background_error_).
-  bool create_unlocked(Lock& lock, size_t n);
-  uint64_t driver_calls() const;
-  // Throws Config for `call` (fork, swap, ...) on a cache whose pages are named by engine blocks.
-  void refuse_with_blocks(const char* call) const;
+  // try_step()'s common part, under the mutex: true when every listed slot is backed and nothing
+  // else is due (no page to release, no eager reclaim). Throws for bad lengths.
+  bool backed_as_is(const std::vector<int64_t>& lens);
 
   const CacheGeometry geo_;
   std::unique_ptr<Backend> backend_;
@@ -208,24 +206,24 @@ class KVCacheCore {
   PagePool pool_;
   SlotTable slots_;
   CacheCounters counters_;
+  CacheGuard guard_;
   PrefetchGate gate_;
-  BlockPages blocks_;
   SlotMemory memory_;
   PageSupply supply_;
   Scrubber scrubber_;
-  StagingPage staging_;
   CacheParts parts_;
   WindowRelease windows_;
-  PrefixSharing sharing_;
-  SwapManager swap_;
-  BlockTables tables_;
-  std::vector<CacheFeature*> features_;  // in registration order
-  std::unique_ptr<CacheWatch> watch_;  // the backend's per-cache watch (host: fault report)
-  mutable std::mutex mu_;
+  // The parts whose stats, invariants and close() the shared calls run, in this order; each
+  // coordinator's constructor lists them.
+  std::vector<CacheFeature*> features_;
+  std::unique_ptr<Backend::CacheRegistration> registration_;  // the backend's (host: faults)
   int64_t lookahead_tokens_ = 0;
-  std::exception_ptr background_error_;
-  bool closed_ = false;
+  BackgroundMapper background_;
   std::unique_ptr<Prefetcher> prefetcher_;  // last: its thread uses everything above
 };
+
+// The coordinator for `options` (num_blocks picks the mode), over `backend`.
+std::unique_ptr<KVCacheCore> make_cache(std::unique_ptr<Backend> backend,
+                                        const CacheGeometry& geometry, const CacheOptions& options);
 
 }  // namespace vattention

@@ -51,7 +51,7 @@ class PagePool {
   // the budget. Stops early (returning fewer) only when the budget or the backend refuses more;
   // other backend errors propagate after the pages taken so far are returned.
   std::vector<PageHandle> take(size_t num_pages);
-  // Creation outside the owner's lock (the prefetch thread, issue 13): begin_create(n) counts up
+  // Creation outside the owner's lock (the prefetch thread): begin_create(n) counts up
   // to n pages against the budget (headroom() excludes them) and returns how many the caller may
   // create; the caller creates them with the backend, unlocked, and hands what it got to
   // end_create(reserved, made), which adds them to the free list (destroying any a budget lowered

@@ -14,11 +14,10 @@ bool growing(const std::vector<Growth>& plan, size_t slot) {
 
 }  // namespace
 
-PageSupply::PageSupply(const CacheGeometry& geometry, Backend& backend, PagePool& pool,
-                       SlotTable& slots, const PrefetchGate& gate, SlotMemory& memory,
-                       CacheCounters& counters, ReclaimPolicy policy)
+PageSupply::PageSupply(const CacheGeometry& geometry, PagePool& pool, const SlotTable& slots,
+                       const PrefetchGate& gate, SlotMemory& memory, CacheCounters& counters,
+                       ReclaimPolicy policy)
     : geo_(geometry),
-      backend_(backend),
       pool_(pool),
       slots_(slots),
       gate_(gate),
@@ -41,19 +40,19 @@ void PageSupply::drain_eager() {
   if (eager_pending_.empty()) return;
   std::vector<int> still;
   for (int i : eager_pending_) {
-    Slot& s = slots_[static_cast<size_t>(i)];
-    if (s.state != Slot::State::Idle) continue;  // reallocated meanwhile: nothing to reclaim
-    if (gate_.in_flight(static_cast<size_t>(i)) || (s.has_fence && !backend_.fence_done(s.fence))) {
+    // Reallocated meanwhile (or its pages already went): nothing to reclaim.
+    if (slots_[static_cast<size_t>(i)].state() != Slot::State::Idle) continue;
+    if (gate_.in_flight(static_cast<size_t>(i)) || memory_.fence_pending(i)) {
       still.push_back(i);  // in flight: the prefetch thread maps above its pages (rule R)
       continue;
     }
-    counters_.reclaimed_pages += memory_.unmap_tail(s, i, 0);
+    counters_.reclaimed_pages += memory_.unmap_tail(i, 0);
   }
   eager_pending_.swap(still);
 }
 
 size_t PageSupply::keep_pages(size_t i, const std::vector<int64_t>* lens) const {
-  int64_t len = slots_[i].seq_len;
+  int64_t len = slots_[i].use.seq_len();
   if (lens != nullptr && (*lens)[i] != SlotTable::kUnlisted) len = std::max(len, (*lens)[i]);
   return geo_.pages_for(len);
 }
@@ -66,11 +65,11 @@ size_t PageSupply::spare(const std::vector<Growth>& plan, bool allow_trim,
   for (size_t i = 0; i < slots_.size(); ++i) {
     const Slot& s = slots_[i];
     if (gate_.in_flight(i)) continue;  // never shrunk while mapped outside the lock (rule R)
-    if (s.state == Slot::State::Idle) {
-      spare += s.live_pages(geo_);
-    } else if (allow_trim && s.state == Slot::State::Active && !growing(plan, i)) {
+    if (s.state() == Slot::State::Idle) {
+      spare += s.pages.live(geo_);
+    } else if (allow_trim && s.use.active() && !growing(plan, i)) {
       const size_t keep = keep_pages(i, lens);
-      if (s.mapped > keep) spare += (s.mapped - keep) * C;
+      if (s.pages.mapped() > keep) spare += (s.pages.mapped() - keep) * C;
     }
   }
   return spare;
@@ -84,14 +83,15 @@ size_t PageSupply::freeable_spare(const std::vector<Growth>& plan, bool allow_tr
   for (size_t i = 0; i < slots_.size(); ++i) {
     const Slot& s = slots_[i];
     if (gate_.in_flight(i)) continue;  // never shrunk while mapped outside the lock (rule R)
-    size_t from = s.mapped;
-    if (s.state == Slot::State::Idle) {
+    size_t from = s.pages.mapped();
+    if (s.state() == Slot::State::Idle) {
       from = 0;
-    } else if (allow_trim && s.state == Slot::State::Active && !growing(plan, i)) {
-      from = std::min(s.mapped, keep_pages(i, lens));
+    } else if (allow_trim && s.use.active() && !growing(plan, i)) {
+      from = std::min(s.pages.mapped(), keep_pages(i, lens));
     }
-    for (size_t k = from * C; k < s.pages.size(); ++k) {
-      if (s.pages[k] != kNoPage) ++reclaimable[s.pages[k]];
+    const std::vector<PageHandle>& handles = s.pages.handles();
+    for (size_t k = from * C; k < handles.size(); ++k) {
+      if (handles[k] != kNoPage) ++reclaimable[handles[k]];
     }
   }
   size_t spare = 0;
@@ -110,8 +110,8 @@ size_t PageSupply::release_spare(size_t n, const std::vector<Growth>& plan, bool
     for (size_t i = 0; i < slots_.size(); ++i) {
       const Slot& s = slots_[i];
       if (gate_.in_flight(i)) continue;  // rule R
-      if (s.state == Slot::State::Idle && s.mapped > 0 &&
-          (victim < 0 || s.freed_at < slots_[static_cast<size_t>(victim)].freed_at)) {
+      if (s.state() == Slot::State::Idle &&
+          (victim < 0 || s.use.freed_at() < slots_[static_cast<size_t>(victim)].use.freed_at())) {
         victim = static_cast<int>(i);
       }
     }
@@ -121,20 +121,21 @@ size_t PageSupply::release_spare(size_t n, const std::vector<Growth>& plan, bool
       size_t best_excess = 0;
       for (size_t i = 0; i < slots_.size(); ++i) {
         const Slot& s = slots_[i];
-        if (s.state != Slot::State::Active || gate_.in_flight(i) || growing(plan, i)) continue;
-        const size_t keep = geo_.pages_for(s.seq_len);
-        if (s.mapped > keep && s.mapped - keep > best_excess) {
-          best_excess = s.mapped - keep;
+        if (!s.use.active() || gate_.in_flight(i) || growing(plan, i)) continue;
+        const size_t keep = geo_.pages_for(s.use.seq_len());
+        const size_t mapped = s.pages.mapped();
+        if (mapped > keep && mapped - keep > best_excess) {
+          best_excess = mapped - keep;
           victim = static_cast<int>(i);
           keep_floor = keep;
         }
       }
     }
     if (victim < 0) break;
-    Slot& s = slots_[static_cast<size_t>(victim)];
+    const size_t mapped = slots_[static_cast<size_t>(victim)].pages.mapped();
     const size_t want = (n - released + C - 1) / C;
-    const size_t keep = std::max(keep_floor, s.mapped > want ? s.mapped - want : 0);
-    released += memory_.unmap_tail(s, victim, keep);
+    const size_t keep = std::max(keep_floor, mapped > want ? mapped - want : 0);
+    released += memory_.unmap_tail(victim, keep);
   }
   counters_.reclaimed_pages += released;
   return released;

@@ -1,7 +1,7 @@
 // PageSupply: where the pages of a step (or a fork, a swap-in, a prefetch) come from, and how
 // mapped pages that no request needs go back.
 //
-// Order of supply (DESIGN.md section 3): the pool's free list, new pages within the budget, then
+// Order of supply: the pool's free list, new pages within the budget, then
 // idle slots' pages (least recently freed first), then look-ahead pages of active slots beyond
 // their lengths. Nothing is taken from a slot before the whole need is known to be satisfiable,
 // so OutOfPages leaves every slot as it was. A page is reclaimable only if every reference to it
@@ -39,7 +39,7 @@ enum class ReclaimPolicy { Deferred, Eager };
 
 class PageSupply {
  public:
-  PageSupply(const CacheGeometry& geometry, Backend& backend, PagePool& pool, SlotTable& slots,
+  PageSupply(const CacheGeometry& geometry, PagePool& pool, const SlotTable& slots,
              const PrefetchGate& gate, SlotMemory& memory, CacheCounters& counters,
              ReclaimPolicy policy);
   PageSupply(const PageSupply&) = delete;
@@ -74,9 +74,8 @@ class PageSupply {
   size_t keep_pages(size_t i, const std::vector<int64_t>* lens) const;
 
   const CacheGeometry& geo_;
-  Backend& backend_;
   PagePool& pool_;
-  SlotTable& slots_;
+  const SlotTable& slots_;
   const PrefetchGate& gate_;
   SlotMemory& memory_;
   CacheCounters& counters_;

@@ -1,7 +1,7 @@
 // PrefetchGate: the one slot range the prefetch thread maps outside the cache mutex, and the
 // waits that keep everyone else out of it.
 //
-// Why the driver calls run without the cache mutex (issue 13): on a GPU, mapping one slot's
+// Why the driver calls run without the cache mutex: on a GPU, mapping one slot's
 // crossing is T x (cuMemMap + cuMemSetAccess), ~40 us each on an A100; holding the mutex meanwhile
 // made every step() that arrived wait behind the driver. So the prefetch thread takes each slot
 // through three phases:

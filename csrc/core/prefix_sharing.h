@@ -1,7 +1,7 @@
 // PrefixSharing: fork, share_prefix and ensure_private: a physical page mapped by several slots.
 //
 // Why sharing is sound: a physical page may be mapped at several virtual addresses (CUDA VMM
-// aliasing; MAP_SHARED extents on the host). A slot's page indices [0, Slot::shared_pages) are
+// aliasing; MAP_SHARED extents on the host). A slot's page indices [0, read_only) (slot.h) are
 // read-only by contract, because tokens are only appended past them, so a shared page never
 // changes while shared. The partial page at a fork point is where both slots write next: it is
 // copied at fork time. ensure_private() gives a slot private copies when it must rewrite history.
@@ -22,14 +22,15 @@
 
 #include "core/cache_feature.h"
 #include "core/cache_parts.h"
+#include "core/staging_page.h"
 #include "core/window_release.h"
 
 namespace vattention {
 
 class PrefixSharing final : public CacheFeature {
  public:
-  PrefixSharing(CacheParts& parts, const WindowRelease& windows)
-      : parts_(parts), windows_(windows) {}
+  PrefixSharing(CacheParts& parts, const WindowRelease& windows, StagingPage& staging)
+      : parts_(parts), windows_(windows), staging_(staging) {}
 
   // Throws InvalidSlot/SequenceTooLong unless src is active and [0, num_tokens) of it can be
   // shared (within its length, and not below a released window).
@@ -44,16 +45,19 @@ class PrefixSharing final : public CacheFeature {
   // copy. Returns the pages copied. All or nothing.
   size_t ensure_private(int slot, int64_t start_token, uintptr_t stream);
 
-  // The new owner must never write into a page someone else reads: unmap from the first page
-  // still shared (with engine blocks, the row's first table decides instead).
-  void reset_slot(Slot& slot, int index) override;
+  // alloc(): the new owner must never write into a page someone else reads: unmap `slot` from its
+  // first page still shared, and clear its read-only prefix.
+  void clear(int slot);
   void add_stats(Stats& out) const override;
-  // Every page mapped more than once lies inside the read-only prefix of each slot mapping it.
+  // Every page mapped more than once (or kept by a swap handle, counted in `seen` before) lies
+  // inside the read-only prefix of each slot mapping it.
   std::string check(std::map<PageHandle, uint32_t>& seen) const override;
+  void close() override {}  // holds no page of its own
 
  private:
   CacheParts& parts_;
   const WindowRelease& windows_;
+  StagingPage& staging_;
   uint64_t cow_pages_copied_ = 0;  // pages copied by fork/share_prefix/ensure_private
 };
 

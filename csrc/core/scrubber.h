@@ -1,4 +1,4 @@
-// Scrubber: zeroes pages when they change owner (KVCacheConfig(scrub=True), issue 12).
+// Scrubber: zeroes pages when they change owner (KVCacheConfig(scrub=True)).
 //
 // Why: a page a request receives may hold the previous owner's K/V: an idle slot hands its mapped
 // pages to the next request (deferred reclamation), the pool recycles pages without clearing them,
@@ -7,19 +7,21 @@
 //
 // Where: at hand-out, after the page is mapped into its new owner's slot, so zeroing needs no extra
 // mapping: in step()'s growth, in the prefetch thread (zero() without the cache mutex, on the range
-// only it maps, before publishing), in alloc() for an idle slot's pages (reset_slot), and for the
-// fresh part of a fork's partial page. A row that follows an engine's block table is not cleared
-// in alloc(): its pages belong to blocks the engine may still hit in its prefix cache; a block's
-// pages are cleared when the engine hands the block out fresh to a row (BlockTables::apply), which
-// covers everything a new request can read. Pages overwritten whole (swap-in's and ensure_private's
-// copies) are not zeroed first. Host memory is cleared with memset; device memory with copies from
-// a page of zeros in host memory (Backend::copy_from_host on the legacy default stream, which
-// orders before later work on blocking streams; the cache's close() waits for that stream before
-// the zeros go, in close()).
+// only it maps, before publishing), in alloc() for an idle slot's pages (the slot coordinator),
+// and for the fresh part of a fork's partial page. A row that follows an engine's block table is
+// not cleared in alloc(): its pages belong to blocks the engine may still hit in its prefix
+// cache; a block's pages are cleared when the engine hands the block out fresh to a row
+// (BlockTables), which covers everything a new request can read. Pages overwritten whole (swap-in's
+// and ensure_private's copies) are not zeroed first. Host memory is cleared with memset; device
+// memory with copies from a page of zeros in host memory (Backend::copy_from_host on the legacy
+// default stream, which orders before later work on blocking streams; the cache's close() waits for
+// that stream before the zeros go, in close()).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "core/backend.h"
@@ -52,8 +54,8 @@ class Scrubber final : public CacheFeature {
   // Counts pages zeroed by zero() (under the mutex).
   void count(size_t pages) { scrubbed_pages_ += pages; }
 
-  void reset_slot(Slot& slot, int index) override;  // the previous request's tokens go
   void add_stats(Stats& out) const override;
+  std::string check(std::map<PageHandle, uint32_t>& seen) const override;  // holds no page
   void close() override;  // frees the zero page (the caller waited for the legacy stream)
 
  private:

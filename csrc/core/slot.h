@@ -1,4 +1,16 @@
 // Slot: one batch row of the cache, owned by at most one request at a time.
+//
+// The record is split by concept, and each concept has exactly one writer, which the compiler
+// enforces (private members, one friend each):
+//   SlotUse    whether a request holds the row, its sequence length, the orders reclamation
+//              and eviction read                                         written by SlotTable
+//   SlotPages  which physical pages back the row: the mapped range [head(t), mapped) of every
+//              tensor (a sliding window moves head(t) up), the read-only prefix that other rows
+//              or swap handles may share, and the fence of the row's last free()
+//                                                                        written by SlotMemory
+// Every other part reads them through the accessors and changes them only by calling an
+// operation of the owner (SlotTable::activate, SlotMemory::map, ...). Which engine block a row
+// maps where is not in the record at all: BlockTables keeps those rows, privately.
 #pragma once
 
 #include <algorithm>
@@ -11,10 +23,89 @@
 
 namespace vattention {
 
-// A page index a sliding window released (Slot::pages entry; never a real handle).
+// A page index a sliding window released (a SlotPages handle; never a real handle).
 constexpr PageHandle kNoPage = std::numeric_limits<PageHandle>::max();
-// No engine block: anonymous pages, or a hole (Slot::blocks, Slot::table: the null block).
+// No engine block: anonymous pages, or a hole (an engine's null block).
 constexpr int64_t kNoBlock = -1;
+
+class SlotUse {
+ public:
+  SlotUse() = default;
+  SlotUse(const SlotUse&) = default;
+  SlotUse& operator=(const SlotUse&) = delete;  // changed field by field, by SlotTable only
+
+  bool active() const { return active_; }
+  // The length given by the last step() (tokens); 0 when not active.
+  int64_t seq_len() const { return seq_len_; }
+  // free() order, for least-recently-freed-first reclamation.
+  uint64_t freed_at() const { return freed_at_; }
+  // step() counter when last listed, for eviction policies.
+  uint64_t last_step() const { return last_step_; }
+
+ private:
+  friend class SlotTable;
+  bool active_ = false;
+  int64_t seq_len_ = 0;
+  uint64_t freed_at_ = 0;
+  uint64_t last_step_ = 0;
+};
+
+class SlotPages {
+ public:
+  SlotPages() = default;
+  SlotPages(const SlotPages&) = default;
+  SlotPages& operator=(const SlotPages&) = delete;  // changed field by field, by SlotMemory only
+
+  // Page indices [0, mapped) are mapped in every tensor (but below head(t), see below).
+  size_t mapped() const { return mapped_; }
+  // Tokens those pages back (geometry.tokens_in(mapped)), kept for the decode fast path.
+  int64_t backed() const { return backed_; }
+  // mapped * columns handles, index p * columns + column (geometry.h; a column is one page of a
+  // tensor's run at a page index). kNoPage where a window released the page.
+  const std::vector<PageHandle>& handles() const { return handles_; }
+  // First page index of tensor t still mapped: a sliding window released [0, head(t)).
+  size_t head(size_t t) const { return head_.empty() ? 0 : head_[t]; }
+  // True when a window released some page index of some tensor.
+  bool has_holes() const { return !head_.empty(); }
+  // Physical pages released in all tensors together (kNoPage entries of handles()).
+  size_t holes(const CacheGeometry& g) const {
+    size_t n = 0;
+    for (size_t t = 0; t < head_.size(); ++t) n += head_[t] * g.index_pages(static_cast<int>(t));
+    return n;
+  }
+  // Pages this row really maps (its references in the pool).
+  size_t live(const CacheGeometry& g) const { return handles_.size() - holes(g); }
+  // First query position at which a window can release another page (INT64_MAX: never).
+  int64_t release_at() const { return release_at_; }
+  // Page indices [0, read_only) may be mapped by other rows or kept by swap handles: read-only by
+  // contract (tokens are only appended past them). Every page mapped more than once lies below
+  // this boundary in each row that maps it.
+  size_t read_only() const { return read_only_; }
+  // The fence recorded by the row's last free(): its pages are unmapped only after it completed.
+  bool has_fence() const { return has_fence_; }
+  uint64_t fence() const { return fence_; }
+
+ private:
+  friend class SlotMemory;
+  // Recomputes release_at_ from head_ (after the window heads or the mapping changed).
+  void refresh_release_at(const CacheGeometry& g) {
+    release_at_ = std::numeric_limits<int64_t>::max();
+    if (!g.any_window()) return;
+    for (int t = 0; t < g.num_tensors(); ++t) {
+      if (g.window(t) <= 0) continue;
+      release_at_ = std::min(release_at_, g.query_releasing(t, head(static_cast<size_t>(t)) + 1));
+    }
+  }
+
+  size_t mapped_ = 0;
+  int64_t backed_ = 0;
+  std::vector<PageHandle> handles_;
+  std::vector<size_t> head_;  // empty, or one per tensor (not all zero)
+  int64_t release_at_ = std::numeric_limits<int64_t>::max();
+  size_t read_only_ = 0;
+  uint64_t fence_ = 0;
+  bool has_fence_ = false;
+};
 
 struct Slot {
   enum class State : uint8_t {
@@ -22,53 +113,18 @@ struct Slot {
     Active,  // owned by a request
     Idle,    // request freed; pages still mapped (deferred reclamation) until needed elsewhere
   };
-  State state = State::Free;
-  int64_t seq_len = 0;               // length given by the last step() (tokens)
-  size_t mapped = 0;                 // page indices [0, mapped) are mapped in every tensor
-  int64_t backed = 0;                // tokens those pages back (geometry.tokens_in(mapped))
-  std::vector<PageHandle> pages;     // mapped * columns handles, index p * columns + column
-                                  // (geometry.h; column = tensor with one shape per layer)
-  uint64_t freed_at = 0;  // free() order, for least-recently-freed-first reclamation
-  uint64_t last_step = 0;  // step() counter when last listed, for eviction policies
-  uint64_t fence = 0;  // event recorded at free(): unmap only after it completed
-  bool has_fence = false;
-  // Page indices [0, shared_pages) may be mapped by other slots or kept by swap handles: read-only
-  // by contract (tokens are only appended past them). Set by fork/share_prefix, lowered by
-  // ensure_private, cleared when the slot is reallocated. Every page mapped more than once lies
-  // below this boundary in each slot that maps it (PrefixSharing::check).
-  size_t shared_pages = 0;
-  // Sliding windows (issue 14): page indices [0, head[t]) of tensor t were released; their pages
-  // entries (every column of tensor t) are kNoPage. Empty when nothing is released.
-  std::vector<size_t> head;
-  // First query position at which step() can release another page (INT64_MAX: never).
-  int64_t release_at = std::numeric_limits<int64_t>::max();
-  // Engine blocks (block_tables.h; empty unless the cache's pages are named by block ids):
-  // table[g] is the engine's block table of group g (kNoBlock: its null block), possibly longer
-  // than what is mapped; blocks[p * groups + g] is the block whose pages are mapped at page index
-  // p for group g (kNoBlock: anonymous pages, e.g. prefetched look-ahead, or a hole).
-  std::vector<std::vector<int64_t>> table;
-  std::vector<int64_t> blocks;
-  size_t fresh_from = 0;  // table entries from here on were given as fresh blocks (hits before)
+  Slot() = default;
+  Slot(const Slot&) = default;
+  Slot& operator=(const Slot&) = delete;
 
-  // First page index of tensor t that is mapped (head[t], or 0).
-  size_t head_of(size_t t) const { return head.empty() ? 0 : head[t]; }
-  // Physical pages released in all tensors together (kNoPage entries of `pages`).
-  size_t holes(const CacheGeometry& g) const {
-    size_t n = 0;
-    for (size_t t = 0; t < head.size(); ++t) n += head[t] * g.index_pages(static_cast<int>(t));
-    return n;
+  // Derived, so "free holds no pages" and "idle holds some" need no check.
+  State state() const {
+    if (use.active()) return State::Active;
+    return pages.mapped() > 0 ? State::Idle : State::Free;
   }
-  // Pages this slot really maps (its references in the pool).
-  size_t live_pages(const CacheGeometry& g) const { return pages.size() - holes(g); }
-  // Recomputes release_at from head (after the window heads or the mapping changed).
-  void refresh_release_at(const CacheGeometry& g) {
-    release_at = std::numeric_limits<int64_t>::max();
-    if (!g.any_window()) return;
-    for (int t = 0; t < g.num_tensors(); ++t) {
-      if (g.window(t) <= 0) continue;
-      release_at = std::min(release_at, g.query_releasing(t, head_of(static_cast<size_t>(t)) + 1));
-    }
-  }
+
+  SlotUse use;
+  SlotPages pages;
 };
 
 }  // namespace vattention

@@ -4,110 +4,234 @@
 #include <vector>
 
 namespace vattention {
+namespace {
 
-void SlotMemory::map(Slot& s, int index, size_t from, size_t to, const PageHandle* pages,
-                     bool from_prefetch) {
-  const int T = geo_.num_tensors();
-  const size_t count = to - from;
-  const std::vector<size_t> first = mapper_.first_pages(from, to, pages);
-  mapper_.map_pages(index, from, to, pages);
+// Undo steps get one retry: leaving a hole in a row would be worse than the error itself.
+template <typename F>
+void retry_once(F&& call) {
+  try {
+    call();
+  } catch (...) {
+    call();
+  }
+}
+
+class NoObserver final : public RowObserver {
+ public:
+  void grown(int /*slot*/, size_t /*mapped*/) override {}
+  void cut(int /*slot*/, size_t /*keep*/) override {}
+  void released(int /*slot*/, int /*tensor*/, size_t /*from*/, size_t /*to*/) override {}
+};
+
+}  // namespace
+
+RowObserver& RowObserver::none() {
+  static NoObserver none;
+  return none;
+}
+
+SlotMemory::SlotMemory(const CacheGeometry& geometry, Backend& backend, const SlotMapper& mapper,
+                       PagePool& pool, SlotTable& slots, CacheCounters& counters)
+    : geo_(geometry),
+      backend_(backend),
+      mapper_(mapper),
+      pool_(pool),
+      slots_(slots),
+      counters_(counters) {
+  // A window's first release point depends on the geometry alone while nothing is released.
+  for (size_t i = 0; i < slots_.size(); ++i) row(static_cast<int>(i)).refresh_release_at(geo_);
+}
+
+void SlotMemory::append(SlotPages& s, size_t from, size_t to, const PageHandle* pages,
+                        const std::vector<size_t>& first) {
+  const size_t T = static_cast<size_t>(geo_.num_tensors());
+  s.handles_.insert(s.handles_.end(), pages, pages + (to - from) * geo_.columns());
   bool holes = false;
-  for (int t = 0; t < T; ++t) {
-    const size_t begin = first[static_cast<size_t>(t)];
-    holes = holes || begin > from;
-    if (begin == to) continue;
-    const size_t mapped = (to - begin) * geo_.index_pages(t);
-    counters_.map_calls += mapped;
-    (from_prefetch ? counters_.prefetch_map_calls : counters_.step_map_calls) += mapped;
-    ++counters_.set_access_calls;
-    // The prefetch thread populates after dropping the lock, not here.
-    if (!from_prefetch) {
-      backend_.prefault(mapper_.page_va(t, index, begin), (to - begin) * geo_.index_bytes(t));
-    }
-  }
-  s.pages.insert(s.pages.end(), pages, pages + count * geo_.columns());
+  for (size_t t = 0; t < T; ++t) holes = holes || first[t] > from;
   if (holes) {
-    // Holes only extend a prefix that is already all holes (from == head[t], e.g. a fresh slot).
-    if (s.head.empty()) s.head.assign(static_cast<size_t>(T), 0);
-    for (size_t t = 0; t < static_cast<size_t>(T); ++t) {
-      if (first[t] > from) s.head[t] = first[t];
+    // Holes only extend a prefix that is already all holes (from == head(t), e.g. a fresh row).
+    if (s.head_.empty()) s.head_.assign(T, 0);
+    for (size_t t = 0; t < T; ++t) {
+      if (first[t] > from) s.head_[t] = first[t];
     }
   }
-  s.mapped = to;
-  s.backed = geo_.tokens_in(to);
-  if (blocks_.enabled()) s.blocks.resize(to * static_cast<size_t>(geo_.num_groups()), kNoBlock);
+  s.mapped_ = to;
+  s.backed_ = geo_.tokens_in(to);
   if (holes) s.refresh_release_at(geo_);
 }
 
-size_t SlotMemory::unmap_tail(Slot& s, int index, size_t keep) {
-  if (keep >= s.mapped) return 0;
+void SlotMemory::map(int slot, size_t from, size_t to, const PageHandle* pages) {
+  const int T = geo_.num_tensors();
+  const std::vector<size_t> first = mapper_.first_pages(from, to, pages);
+  mapper_.map_pages(slot, from, to, pages);
+  for (int t = 0; t < T; ++t) {
+    const size_t begin = first[static_cast<size_t>(t)];
+    if (begin == to) continue;
+    const size_t mapped = (to - begin) * geo_.index_pages(t);
+    counters_.map_calls += mapped;
+    counters_.step_map_calls += mapped;
+    ++counters_.set_access_calls;
+    backend_.prefault(mapper_.page_va(t, slot, begin), (to - begin) * geo_.index_bytes(t));
+  }
+  append(row(slot), from, to, pages, first);
+  observer_->grown(slot, to);
+}
+
+void SlotMemory::publish(int slot, size_t from, size_t to, const std::vector<PageHandle>& pages) {
+  // Fresh pages from the pool: no holes.
+  append(row(slot), from, to, pages.data(),
+         std::vector<size_t>(static_cast<size_t>(geo_.num_tensors()), from));
+  observer_->grown(slot, to);
+}
+
+size_t SlotMemory::unmap_tail(int slot, size_t keep) {
+  SlotPages& s = row(slot);
+  if (keep >= s.mapped_) return 0;
   const int T = geo_.num_tensors();
   const size_t C = geo_.columns();
-  if (s.state == Slot::State::Idle) wait_fence(s);
-  // Tensor t maps [max(keep, head[t]), mapped): released window pages are not unmapped again.
-  auto begin = [&](int t) { return std::max(keep, s.head_of(static_cast<size_t>(t))); };
+  if (!slots_[static_cast<size_t>(slot)].use.active()) wait_fence(slot);
+  // Tensor t maps [max(keep, head(t)), mapped): released window pages are not unmapped again.
+  auto begin = [&](int t) { return std::max(keep, s.head(static_cast<size_t>(t))); };
   int t = 0;
   try {
     for (; t < T; ++t) {
-      if (begin(t) >= s.mapped) continue;
-      mapper_.unmap_run(t, index, begin(t), s.mapped);
+      if (begin(t) >= s.mapped_) continue;
+      mapper_.unmap_run(t, slot, begin(t), s.mapped_);
       ++counters_.unmap_calls;
     }
   } catch (...) {
-    // Put back what this call unmapped so the slot's record stays true, then report.
+    // Put back what this call unmapped so the record stays true, then report.
     try {
       for (int u = 0; u < t; ++u) {
         size_t mapped = 0;
-        if (begin(u) < s.mapped) {
-          mapper_.map_run(u, index, begin(u), s.mapped, &s.pages[begin(u) * C], mapped);
+        if (begin(u) < s.mapped_) {
+          mapper_.map_run(u, slot, begin(u), s.mapped_, &s.handles_[begin(u) * C], mapped);
         }
       }
     } catch (...) {
     }
     throw;
   }
-  // The engine blocks mapped in the range lose this row's mapping (without caching a block forgets
-  // its pages with its last one: the references released below are then their last).
-  const size_t G = static_cast<size_t>(geo_.num_groups());
-  for (size_t k = keep * G; k < s.blocks.size(); ++k) {
-    if (s.blocks[k] != kNoBlock) blocks_.unmapped(s.blocks[k]);
-  }
-  if (!s.blocks.empty()) s.blocks.resize(keep * G);
+  observer_->cut(slot, keep);
   // A shared page only loses a reference; count the pages that really reached the free list.
   const size_t free_before = pool_.free();
-  for (size_t i = keep * C; i < s.pages.size(); ++i) {
-    if (s.pages[i] != kNoPage) pool_.release(s.pages[i]);
+  for (size_t i = keep * C; i < s.handles_.size(); ++i) {
+    if (s.handles_[i] != kNoPage) pool_.release(s.handles_[i]);
   }
-  s.pages.resize(keep * C);
-  s.mapped = keep;
-  s.backed = geo_.tokens_in(keep);
-  if (!s.head.empty()) {
+  s.handles_.resize(keep * C);
+  s.mapped_ = keep;
+  s.backed_ = geo_.tokens_in(keep);
+  if (!s.head_.empty()) {
     bool any = false;
-    for (size_t& h : s.head) {
+    for (size_t& h : s.head_) {
       h = std::min(h, keep);
       any = any || h > 0;
     }
-    if (!any) s.head.clear();
+    if (!any) s.head_.clear();
     s.refresh_release_at(geo_);
   }
-  if (s.state == Slot::State::Idle && keep == 0) s.state = Slot::State::Free;
   return pool_.free() - free_before;
 }
 
-void SlotMemory::wait_fence(Slot& s) {
-  if (!s.has_fence) return;
-  if (!backend_.fence_done(s.fence)) {
-    ++counters_.fence_waits;
-    backend_.fence_wait(s.fence);
+void SlotMemory::release_front(int slot, int tensor, size_t to) {
+  SlotPages& s = row(slot);
+  const size_t t = static_cast<size_t>(tensor);
+  const size_t from = s.head(t);
+  if (to <= from) return;
+  mapper_.unmap_run(tensor, slot, from, to);
+  ++counters_.unmap_calls;
+  const size_t C = geo_.columns();
+  const size_t first = geo_.first_column(tensor), n = geo_.index_pages(tensor);
+  for (size_t p = from; p < to; ++p) {
+    for (size_t j = 0; j < n; ++j) {
+      PageHandle& page = s.handles_[p * C + first + j];
+      pool_.release(page);
+      page = kNoPage;
+    }
   }
-  backend_.fence_release(s.fence);
-  s.has_fence = false;
+  if (s.head_.empty()) s.head_.assign(static_cast<size_t>(geo_.num_tensors()), 0);
+  s.head_[t] = to;
+  s.refresh_release_at(geo_);
+  observer_->released(slot, tensor, from, to);
 }
 
-void SlotMemory::forget_fence(Slot& s) {
-  if (!s.has_fence) return;
-  backend_.fence_release(s.fence);
-  s.has_fence = false;
+PageHandle SlotMemory::replace_page(int slot, size_t k, PageHandle page) {
+  SlotPages& s = row(slot);
+  const size_t C = geo_.columns(), P = geo_.page_bytes;
+  const uintptr_t va = mapper_.column_va(k % C, slot, k / C);
+  const PageHandle old = s.handles_[k];
+  backend_.unmap(va, P);  // on failure nothing changed: `old` is still mapped at va
+  ++counters_.unmap_calls;
+  bool mapped = false;
+  try {
+    backend_.map(va, page);
+    mapped = true;
+    backend_.set_access(va, P);
+  } catch (...) {
+    // Undo exactly what was done, so the row maps `old` again as its record says.
+    try {
+      if (mapped) retry_once([&] { backend_.unmap(va, P); });
+      retry_once([&] { backend_.map(va, old); });
+      retry_once([&] { backend_.set_access(va, P); });
+    } catch (...) {
+    }
+    throw;
+  }
+  counters_.map_calls += 1;
+  counters_.set_access_calls += 1;
+  s.handles_[k] = page;
+  pool_.release(old);
+  return old;
+}
+
+void SlotMemory::set_read_only(int slot, size_t pages) { row(slot).read_only_ = pages; }
+
+std::string SlotMemory::check_read_only(const std::map<PageHandle, uint32_t>& seen) const {
+  const size_t C = geo_.columns();
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    const SlotPages& s = slots_[i].pages;
+    const std::vector<PageHandle>& pages = s.handles();
+    for (size_t k = s.read_only() * C; k < pages.size(); ++k) {
+      if (pages[k] == kNoPage) continue;
+      const auto held = seen.find(pages[k]);
+      if (held != seen.end() && held->second > 1) {
+        return "slot " + std::to_string(i) + " maps shared page " + std::to_string(pages[k]) +
+               " at page index " + std::to_string(k / C) + ", outside its read-only prefix of " +
+               std::to_string(s.read_only()) + " pages";
+      }
+    }
+  }
+  return "";
+}
+
+void SlotMemory::fence_on_free(int slot, uintptr_t stream) {
+  SlotPages& s = row(slot);
+  if (s.mapped_ == 0) return;
+  s.fence_ = backend_.record_fence(stream);  // may throw: before any state change
+  s.has_fence_ = true;
+}
+
+bool SlotMemory::fence_pending(int slot) const {
+  const SlotPages& s = slots_[static_cast<size_t>(slot)].pages;
+  return s.has_fence_ && !backend_.fence_done(s.fence_);
+}
+
+void SlotMemory::wait_fence(int slot) {
+  SlotPages& s = row(slot);
+  if (!s.has_fence_) return;
+  if (!backend_.fence_done(s.fence_)) {
+    ++counters_.fence_waits;
+    backend_.fence_wait(s.fence_);
+  }
+  backend_.fence_release(s.fence_);
+  s.has_fence_ = false;
+}
+
+void SlotMemory::forget_fence(int slot) {
+  SlotPages& s = row(slot);
+  if (!s.has_fence_) return;
+  backend_.fence_release(s.fence_);
+  s.has_fence_ = false;
 }
 
 void SlotMemory::sync_stream(uintptr_t stream) {

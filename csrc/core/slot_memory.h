@@ -1,68 +1,116 @@
-// SlotMemory: maps and unmaps page-index ranges of a slot, keeping the slot's record, the pool's
-// references and the counters true.
+// SlotMemory: maps and unmaps the pages of a slot's row, keeping the row's record (SlotPages),
+// the pool's references and the counters true together.
 //
-// Why a type of its own: every path that changes what a slot maps (step's growth, reclamation,
-// windows, fork, swap, close) goes through these few calls, so the record (pages, mapped, backed,
-// head), the pool references and the driver-call counters can only change together. Unmapping is
-// not stream-ordered (DESIGN.md section 3): an idle slot's pages are unmapped only after the fence
-// its free() recorded has completed (wait_fence).
+// Why a type of its own: every path that changes what a row maps (step's growth, the prefetch
+// thread's publish, reclamation, windows, fork, swap, engine block tables, close) goes through
+// these few calls, so the record, the references and the driver-call counters can only change
+// together. It is the only writer of SlotPages (slot.h): the mapped range, the window head, the
+// read-only prefix and the free() fence. Unmapping is not stream-ordered: an idle row's pages are
+// unmapped only after the fence its free() recorded has completed (wait_fence).
+//
+// A record kept beside the rows (an engine's block rows, block_tables.h) follows every unmapping
+// through a RowObserver, so these calls need not know about it.
 //
 // Not thread-safe: callers hold the cache mutex.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
 
 #include "core/backend.h"
-#include "core/block_pages.h"
 #include "core/geometry.h"
 #include "core/page_pool.h"
 #include "core/slot.h"
 #include "core/slot_mapper.h"
+#include "core/slot_table.h"
 #include "core/stats.h"
 
 namespace vattention {
 
+// Told of every change to what a row maps.
+class RowObserver {
+ public:
+  virtual ~RowObserver() = default;
+  // Row `slot` now maps [0, mapped); the new page indices hold pages no block names yet.
+  virtual void grown(int slot, size_t mapped) = 0;
+  // Page indices [keep, mapped) of row `slot` were unmapped (the row now maps [0, keep)).
+  virtual void cut(int slot, size_t keep) = 0;
+  // A window released page indices [from, to) of `tensor` in row `slot`.
+  virtual void released(int slot, int tensor, size_t from, size_t to) = 0;
+  // An observer that keeps nothing.
+  static RowObserver& none();
+};
+
 class SlotMemory {
  public:
   SlotMemory(const CacheGeometry& geometry, Backend& backend, const SlotMapper& mapper,
-             PagePool& pool, BlockPages& blocks, CacheCounters& counters)
-      : geo_(geometry),
-        backend_(backend),
-        mapper_(mapper),
-        pool_(pool),
-        blocks_(blocks),
-        counters_(counters) {}
+             PagePool& pool, SlotTable& slots, CacheCounters& counters);
   SlotMemory(const SlotMemory&) = delete;
   SlotMemory& operator=(const SlotMemory&) = delete;
 
-  // Maps page indices [from, to) of slot `index` (from == slot.mapped) with `pages` ((to - from)
-  // * columns handles taken from the pool; kNoPage entries are released window pages, a per-tensor
-  // prefix, left unmapped), appends them to the record (as anonymous pages: no engine block) and
-  // counts the calls (as prefetch calls when from_prefetch). On failure nothing changed: it
+  // From now on, `observer` is told of every change to a row's mapping (once, before the first).
+  void observe(RowObserver& observer) { observer_ = &observer; }
+
+  // ---- the mapped range ----------------------------------------------------------------------
+  // Maps page indices [from, to) of `slot` (from == mapped) with `pages` ((to - from) * columns
+  // handles taken from the pool; kNoPage entries are released window pages, a per-tensor prefix,
+  // left unmapped), appends them to the record and counts the calls as the caller's (the
+  // prefetch thread maps outside the lock and publishes instead). On failure nothing changed: it
   // unmaps what it mapped and rethrows.
-  void map(Slot& slot, int index, size_t from, size_t to, const PageHandle* pages,
-           bool from_prefetch);
-  // Unmaps page indices [keep, mapped) of slot `index` and releases its references (an idle
-  // slot waits for its fence first). Returns the pages that reached the free list (a shared page
-  // only loses a reference). On a driver error it maps back what it unmapped and rethrows, so the
-  // record stays true.
-  size_t unmap_tail(Slot& slot, int index, size_t keep);
-  // Waits for (and drops) the fence free() recorded on the slot, counting a real wait.
-  void wait_fence(Slot& slot);
+  void map(int slot, size_t from, size_t to, const PageHandle* pages);
+  // Appends [from, to) that the prefetch thread mapped outside the lock with `pages` (rule R,
+  // prefetch_gate.h: nothing changed the row meanwhile, so from == mapped).
+  void publish(int slot, size_t from, size_t to, const std::vector<PageHandle>& pages);
+  // Unmaps page indices [keep, mapped) of `slot` and releases its references (an idle row waits
+  // for its fence first). Returns the pages that reached the free list (a shared page only loses
+  // a reference). On a driver error it maps back what it unmapped and rethrows, so the record
+  // stays true.
+  size_t unmap_tail(int slot, size_t keep);
+  // A window moves tensor t's head up to `to`: unmaps [head(t), to) of it with one call and
+  // releases those pages. The caller waited for the kernels that may still read them.
+  void release_front(int slot, int tensor, size_t to);
+  // Maps `page` (a reference the caller took, which the mapping keeps) at handle index k of
+  // `slot` in place of the page there, whose reference it releases and which it returns. On a
+  // driver error the old page is mapped again (each call retried once) and nothing changed.
+  PageHandle replace_page(int slot, size_t k, PageHandle page);
+
+  // ---- the read-only prefix -------------------------------------------------------------------
+  // Page indices [0, pages) of `slot` are read-only from now on (slot.h, SlotPages::read_only).
+  void set_read_only(int slot, size_t pages);
+
+  // "" or the first page held more than once (per `seen`: mappings and whatever else the caller
+  // counted) that lies outside the read-only prefix of a row mapping it.
+  std::string check_read_only(const std::map<PageHandle, uint32_t>& seen) const;
+
+  // ---- fences ---------------------------------------------------------------------------------
+  // free(): records a fence on `stream` when the row maps pages, before the row goes idle.
+  void fence_on_free(int slot, uintptr_t stream);
+  // True while the fence of `slot`'s last free() has not completed.
+  bool fence_pending(int slot) const;
+  // Waits for (and drops) the fence free() recorded on the row, counting a real wait.
+  void wait_fence(int slot);
+  // Drops the row's fence without waiting (its new owner's work is ordered after the old one's).
+  void forget_fence(int slot);
   // Records a fence on `stream` and waits for it: copies queued there are done, and no kernel
   // queued before still reads what the caller is about to unmap.
   void sync_stream(uintptr_t stream);
-  // Drops the slot's fence without waiting (its new owner's work is ordered after the old one's).
-  void forget_fence(Slot& slot);
 
  private:
+  SlotPages& row(int slot) { return slots_.pages_of(static_cast<size_t>(slot)); }
+  // Appends [from, to) with `pages` to the record (holes: kNoPage per-tensor prefixes).
+  void append(SlotPages& s, size_t from, size_t to, const PageHandle* pages,
+              const std::vector<size_t>& first);
+
   const CacheGeometry& geo_;
   Backend& backend_;
   const SlotMapper& mapper_;
   PagePool& pool_;
-  BlockPages& blocks_;  // told about every engine block a row stops mapping
+  SlotTable& slots_;
   CacheCounters& counters_;
+  RowObserver* observer_ = &RowObserver::none();
 };
 
 }  // namespace vattention

@@ -1,5 +1,7 @@
 #include "core/slot_table.h"
 
+#include <algorithm>
+
 namespace vattention {
 namespace {
 
@@ -22,7 +24,7 @@ void SlotTable::validate(int64_t slot) const {
 
 void SlotTable::require_active(int slot, const char* role, const char* why) const {
   validate(slot);
-  if (slots_[static_cast<size_t>(slot)].state != Slot::State::Active) {
+  if (!slots_[static_cast<size_t>(slot)].use.active()) {
     throw Error(Error::Kind::InvalidSlot,
                 std::string(role) + "=" + std::to_string(slot) + " " + why)
         .with("slot", slot);
@@ -55,7 +57,7 @@ void SlotTable::validate_lens(const std::vector<int64_t>& lens, bool require_act
           .with("seq_len", len)
           .with("max_seq_len", max_seq_);
     }
-    if (require_active && slots_[i].state != Slot::State::Active) {
+    if (require_active && !slots_[i].use.active()) {
       throw Error(Error::Kind::InvalidSlot, "slot=" + std::to_string(i) + " has length " +
                                                 std::to_string(len) +
                                                 " but is not allocated (call alloc() first)")
@@ -64,20 +66,20 @@ void SlotTable::validate_lens(const std::vector<int64_t>& lens, bool require_act
   }
 }
 
-int SlotTable::pick_for_alloc(const std::function<size_t(const Slot&)>& kept) const {
+int SlotTable::pick_for_alloc(const std::function<size_t(int)>& kept) const {
   int best = -1;
   size_t best_kept = 0;
   for (size_t i = 0; i < slots_.size(); ++i) {
     const Slot& s = slots_[i];
-    if (s.state == Slot::State::Idle) {
-      const size_t k = kept && s.mapped > 0 ? kept(s) : 0;
+    if (s.state() == Slot::State::Idle) {
+      const size_t k = kept ? kept(static_cast<int>(i)) : 0;
       const Slot* b = best < 0 ? nullptr : &slots_[static_cast<size_t>(best)];
-      if (!b || b->state != Slot::State::Idle || k > best_kept ||
-          (k == best_kept && s.mapped > b->mapped)) {
+      if (!b || b->state() != Slot::State::Idle || k > best_kept ||
+          (k == best_kept && s.pages.mapped() > b->pages.mapped())) {
         best = static_cast<int>(i);
         best_kept = k;
       }
-    } else if (s.state == Slot::State::Free && best < 0) {
+    } else if (s.state() == Slot::State::Free && best < 0) {
       best = static_cast<int>(i);
     }
   }
@@ -89,9 +91,9 @@ int SlotTable::pick_fresh() const {
   int best = -1;
   for (size_t i = 0; i < slots_.size(); ++i) {
     const Slot& s = slots_[i];
-    if (s.state == Slot::State::Free) return static_cast<int>(i);
-    if (s.state == Slot::State::Idle &&
-        (best < 0 || s.freed_at < slots_[static_cast<size_t>(best)].freed_at)) {
+    if (s.state() == Slot::State::Free) return static_cast<int>(i);
+    if (s.state() == Slot::State::Idle &&
+        (best < 0 || s.use.freed_at() < slots_[static_cast<size_t>(best)].use.freed_at())) {
       best = static_cast<int>(i);
     }
   }
@@ -102,18 +104,46 @@ int SlotTable::pick_fresh() const {
 std::vector<int> SlotTable::active() const {
   std::vector<int> out;
   for (size_t i = 0; i < slots_.size(); ++i) {
-    if (slots_[i].state == Slot::State::Active) out.push_back(static_cast<int>(i));
+    if (slots_[i].use.active()) out.push_back(static_cast<int>(i));
   }
   return out;
+}
+
+void SlotTable::activate(int slot, int64_t seq_len) {
+  SlotUse& u = slots_[static_cast<size_t>(slot)].use;
+  u.active_ = true;
+  u.seq_len_ = seq_len;
+  u.last_step_ = step_counter_;
+}
+
+void SlotTable::deactivate(int slot) {
+  SlotUse& u = slots_[static_cast<size_t>(slot)].use;
+  u.active_ = false;
+  u.seq_len_ = 0;
+  u.freed_at_ = ++free_counter_;
 }
 
 void SlotTable::commit(const std::vector<int64_t>& lens) {
   ++step_counter_;
   for (size_t i = 0; i < lens.size(); ++i) {
     if (lens[i] == kUnlisted) continue;
-    slots_[i].seq_len = lens[i];
-    slots_[i].last_step = step_counter_;
+    slots_[i].use.seq_len_ = lens[i];
+    slots_[i].use.last_step_ = step_counter_;
   }
+}
+
+std::vector<int64_t> SlotTable::raise_lengths(const std::vector<int64_t>& lens) {
+  std::vector<int64_t> old(slots_.size());
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    SlotUse& u = slots_[i].use;
+    old[i] = u.seq_len_;
+    if (i < lens.size() && lens[i] != kUnlisted) u.seq_len_ = std::max(lens[i], old[i]);
+  }
+  return old;
+}
+
+void SlotTable::restore_lengths(const std::vector<int64_t>& old_lens) {
+  for (size_t i = 0; i < slots_.size(); ++i) slots_[i].use.seq_len_ = old_lens[i];
 }
 
 }  // namespace vattention

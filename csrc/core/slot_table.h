@@ -1,9 +1,14 @@
-// SlotTable: the batch rows of one cache, their states, and the checks of slot arguments.
+// SlotTable: the batch rows of one cache, who holds them, and the checks of slot arguments.
 //
 // Why a type of its own: every public call names slots or passes one length per slot, and every
-// error about them must name the bad value and the limit the same way (DESIGN.md section 7). The
-// table also decides which slot a new request gets (alloc, fork, swap-in) and keeps the orders
-// (free order, step counter) the reclamation and eviction policies read.
+// error about them must name the bad value and the limit the same way. The table also decides
+// which slot a new request gets (alloc, fork, swap-in) and keeps the orders (free order, step
+// counter) the reclamation and eviction policies read.
+//
+// It stores the slot records (slot.h) and is the only writer of their SlotUse part: whether a
+// request holds a row and its length change only through activate(), deactivate() and the
+// length operations below. The SlotPages part is SlotMemory's (slot_memory.h); everyone else
+// reads both through const views.
 //
 // Not thread-safe: the owning cache serializes calls under its mutex.
 #pragma once
@@ -27,10 +32,7 @@ class SlotTable {
   SlotTable(int64_t max_batch, int64_t max_seq);
 
   size_t size() const { return slots_.size(); }
-  Slot& operator[](size_t i) { return slots_[i]; }
   const Slot& operator[](size_t i) const { return slots_[i]; }
-  std::vector<Slot>::iterator begin() { return slots_.begin(); }
-  std::vector<Slot>::iterator end() { return slots_.end(); }
   std::vector<Slot>::const_iterator begin() const { return slots_.begin(); }
   std::vector<Slot>::const_iterator end() const { return slots_.end(); }
 
@@ -44,22 +46,34 @@ class SlotTable {
   Error no_free_slot() const;
 
   // For a new request: the idle slot holding the most pages, else a free one (deferred
-  // reclamation: the request inherits mapped memory). With `kept` (pages an idle slot already maps
+  // reclamation: the request inherits mapped memory). With `kept` (pages idle slot i already maps
   // as the request needs them), the idle slot where it is largest comes first, the most pages
   // breaking ties. Throws InvalidSlot when all are active.
-  int pick_for_alloc(const std::function<size_t(const Slot&)>& kept = {}) const;
+  int pick_for_alloc(const std::function<size_t(int)>& kept = {}) const;
   // For a slot about to be filled from elsewhere (fork, swap-in): a free slot (nothing to unmap),
   // else the least recently freed idle one. Throws InvalidSlot when all are active.
   int pick_fresh() const;
   std::vector<int> active() const;
 
-  // Orders: free() order for least-recently-freed-first reclamation; step() count for eviction.
-  uint64_t next_free_order() { return ++free_counter_; }
   uint64_t step_count() const { return step_counter_; }
+
+  // ---- who holds a row (SlotUse) ------------------------------------------------------------
+  // A request takes `slot` with `seq_len` tokens (alloc: 0; fork, swap-in: the tokens it brings).
+  void activate(int slot, int64_t seq_len);
+  // The request in `slot` ended (free, swap-out): the row keeps whatever pages it maps (idle).
+  void deactivate(int slot);
   // Records a step's lengths for every listed slot and advances the step counter.
   void commit(const std::vector<int64_t>& lens);
+  // A step's new lengths, before its pages are mapped, so that trimming look-ahead under pressure
+  // keeps them: every listed slot's length becomes max(old, new). Returns every slot's old length
+  // for restore_lengths() when the step fails.
+  std::vector<int64_t> raise_lengths(const std::vector<int64_t>& lens);
+  void restore_lengths(const std::vector<int64_t>& old_lens);
 
  private:
+  friend class SlotMemory;  // the writer of SlotPages: the one mutable path to a record
+  SlotPages& pages_of(size_t i) { return slots_[i].pages; }
+
   const int64_t max_batch_;
   const int64_t max_seq_;
   std::vector<Slot> slots_;

@@ -14,40 +14,41 @@ void SwapManager::set_budget(int64_t budget_bytes) {
 
 void SwapManager::copy_page_to_host(PageHandle page, void* dst, uintptr_t stream) {
   // The page may be mapped nowhere: map it at the staging address for the copy.
-  parts_.staging.stage(page);
+  staging_.stage(page);
   try {
-    parts_.backend.copy_to_host(dst, parts_.staging.va(), parts_.geo.page_bytes, stream);
+    parts_.backend.copy_to_host(dst, staging_.va(), parts_.geo.page_bytes, stream);
     parts_.memory.sync_stream(stream);
   } catch (...) {
     try {
-      parts_.staging.unstage();
+      staging_.unstage();
     } catch (...) {  // the page stays staged (referenced); the first error is the one to report
     }
     throw;
   }
-  parts_.staging.unstage();
+  staging_.unstage();
 }
 
 int64_t SwapManager::swap_out(int slot, uintptr_t stream) {
   SlotTable& slots = parts_.slots;
   slots.require_active(slot, "slot", "is not an active slot: only active slots can be swapped out");
-  Slot& s = slots[static_cast<size_t>(slot)];
+  const Slot& s = slots[static_cast<size_t>(slot)];
+  const std::vector<PageHandle>& pages = s.pages.handles();
   const size_t C = parts_.geo.columns();
   const size_t P = parts_.geo.page_bytes;
-  const size_t n = parts_.geo.pages_for(s.seq_len);
+  const size_t n = parts_.geo.pages_for(s.use.seq_len());
 
   // Pages some other active slot maps stay on the device; everything else this slot saves, and
   // every page handles keep by reference that no active slot maps any more, goes to host once.
   std::unordered_map<PageHandle, uint32_t> active_maps;
   for (size_t i = 0; i < slots.size(); ++i) {
-    if (static_cast<int>(i) == slot || slots[i].state != Slot::State::Active) continue;
-    for (PageHandle p : slots[i].pages) ++active_maps[p];  // kNoPage entries match nothing below
+    if (static_cast<int>(i) == slot || !slots[i].use.active()) continue;
+    for (PageHandle p : slots[i].pages.handles()) ++active_maps[p];  // kNoPage matches nothing
   }
-  std::map<PageHandle, std::shared_ptr<HostBlock>> copies;
+  std::map<PageHandle, std::shared_ptr<SwapBuffer>> copies;
   std::vector<std::pair<PageHandle, uintptr_t>>
       order;  // page, an address it is mapped at (0: none)
   for (size_t i = 0; i < n * C; ++i) {
-    const PageHandle p = s.pages[i];
+    const PageHandle p = pages[i];
     if (p == kNoPage) continue;  // released by a sliding window: nothing to save
     if (active_maps.count(p) == 0 && copies.emplace(p, nullptr).second) {
       order.emplace_back(p, parts_.mapper.column_va(i % C, slot, i / C));
@@ -59,7 +60,7 @@ int64_t SwapManager::swap_out(int slot, uintptr_t stream) {
     }
   }
   store_.check_room(order.size());  // SwapSpace: nothing changed
-  for (const auto& item : order) copies[item.first] = store_.make_block();
+  for (const auto& item : order) copies[item.first] = store_.make_buffer();
   for (const auto& item : order) {
     void* dst = copies[item.first]->data();
     if (item.second != 0) {
@@ -71,25 +72,25 @@ int64_t SwapManager::swap_out(int slot, uintptr_t stream) {
   parts_.memory.sync_stream(stream);  // copies done, and no queued kernel still reads the slot
 
   SwapRecord record;
-  record.seq_len = s.seq_len;
+  record.seq_len = s.use.seq_len();
   record.pages = n;
-  record.shared_pages = std::min(s.shared_pages, n);
+  record.read_only = std::min(s.pages.read_only(), n);
   record.entries.resize(n * C);
   for (size_t i = 0; i < n * C; ++i) {
-    if (s.pages[i] == kNoPage) {
+    if (pages[i] == kNoPage) {
       record.entries[i].device = kNoPage;  // a hole: restored as one by swap_in
       continue;
     }
-    auto it = copies.find(s.pages[i]);
+    auto it = copies.find(pages[i]);
     if (it != copies.end()) {
       record.entries[i].host = it->second;
     } else {
-      record.entries[i].device = s.pages[i];
-      parts_.pool.share(s.pages[i]);  // the handle's reference, taken before the slot drops its own
+      record.entries[i].device = pages[i];
+      parts_.pool.share(pages[i]);  // the handle's reference, taken before the slot drops its own
     }
   }
   try {
-    parts_.memory.unmap_tail(s, slot, 0);
+    parts_.memory.unmap_tail(slot, 0);
   } catch (...) {
     for (const SwapEntry& e : record.entries) {
       if (!e.host && e.device != kNoPage) parts_.pool.release(e.device);
@@ -107,10 +108,8 @@ int64_t SwapManager::swap_out(int slot, uintptr_t stream) {
       e.device = 0;
     }
   }
-  s.state = Slot::State::Free;
-  s.seq_len = 0;
-  s.shared_pages = 0;
-  s.freed_at = slots.next_free_order();
+  slots.deactivate(slot);  // its pages went: the slot is free
+  parts_.memory.set_read_only(slot, 0);
   swap_out_pages_ += order.size();
   return store_.add(std::move(record));
 }
@@ -119,7 +118,6 @@ int SwapManager::swap_in(int64_t handle, uintptr_t stream) {
   SwapRecord& rec = store_.get(handle);
   const size_t C = parts_.geo.columns();
   const int slot = parts_.slots.pick_fresh();
-  Slot& d = parts_.slots[static_cast<size_t>(slot)];
   size_t from_host = 0;
   for (const SwapEntry& e : rec.entries) from_host += e.host ? 1 : 0;
   std::vector<PageHandle> fresh;
@@ -134,9 +132,9 @@ int SwapManager::swap_in(int64_t handle, uintptr_t stream) {
     handles[i] = rec.entries[i].host ? fresh[k++] : rec.entries[i].device;
   }
   try {
-    parts_.memory.unmap_tail(d, slot, 0);  // an idle slot waits on its free() fence inside
+    parts_.memory.unmap_tail(slot, 0);  // an idle slot waits on its free() fence inside
     // The handle's device references become the mapping's references: no refcount change.
-    if (rec.pages > 0) parts_.memory.map(d, slot, 0, rec.pages, handles.data(), false);
+    if (rec.pages > 0) parts_.memory.map(slot, 0, rec.pages, handles.data());
   } catch (...) {
     for (PageHandle p : fresh) parts_.pool.release(p);
     throw;
@@ -147,22 +145,20 @@ int SwapManager::swap_in(int64_t handle, uintptr_t stream) {
       parts_.backend.copy_from_host(parts_.mapper.column_va(i % C, slot, i / C),
                                     rec.entries[i].host->data(), parts_.geo.page_bytes, stream);
     }
-    parts_.memory.sync_stream(stream);  // before the host blocks may be freed
+    parts_.memory.sync_stream(stream);  // before the host buffers may be freed
   } catch (...) {
     for (const SwapEntry& e : rec.entries) {
       if (!e.host && e.device != kNoPage) parts_.pool.share(e.device);  // the record keeps its refs
     }
     try {
-      parts_.memory.unmap_tail(d, slot, 0);
+      parts_.memory.unmap_tail(slot, 0);
     } catch (...) {
     }
     throw;
   }
-  parts_.memory.forget_fence(d);
-  d.state = Slot::State::Active;
-  d.seq_len = rec.seq_len;
-  d.shared_pages = rec.shared_pages;
-  d.last_step = parts_.slots.step_count();
+  parts_.memory.forget_fence(slot);
+  parts_.slots.activate(slot, rec.seq_len);
+  parts_.memory.set_read_only(slot, rec.read_only);
   swap_in_pages_ += from_host;
   store_.erase(handle);
   return slot;
@@ -174,35 +170,6 @@ void SwapManager::drop(int64_t handle) {
     if (!e.host && e.device != kNoPage) parts_.pool.release(e.device);
   }
   store_.erase(handle);
-}
-
-std::vector<int> SwapManager::pick_victims(size_t bytes_needed) const {
-  const SlotTable& slots = parts_.slots;
-  std::vector<int> order = slots.active();
-  std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
-    const Slot& x = slots[static_cast<size_t>(a)];
-    const Slot& y = slots[static_cast<size_t>(b)];
-    if (x.last_step != y.last_step) return x.last_step < y.last_step;
-    return x.seq_len < y.seq_len;
-  });
-  // References that would be gone: idle mappings (reclaimed on demand) plus the victims'.
-  std::unordered_map<PageHandle, uint32_t> dropped;
-  for (const Slot& s : slots) {
-    if (s.state != Slot::State::Idle) continue;
-    for (PageHandle p : s.pages) {
-      if (p != kNoPage) ++dropped[p];
-    }
-  }
-  std::vector<int> victims;
-  size_t freed_bytes = 0;
-  for (int v : order) {
-    if (freed_bytes >= bytes_needed) break;
-    victims.push_back(v);
-    for (PageHandle p : slots[static_cast<size_t>(v)].pages) {
-      if (p != kNoPage && ++dropped[p] == parts_.pool.refs(p)) freed_bytes += parts_.geo.page_bytes;
-    }
-  }
-  return victims;
 }
 
 void SwapManager::add_stats(Stats& out) const {

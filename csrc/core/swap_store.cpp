@@ -14,12 +14,12 @@ size_t SwapStore::headroom() const {
   return budget > host_bytes_ ? budget - host_bytes_ : 0;
 }
 
-void SwapStore::check_room(size_t blocks) const {
-  const size_t need = blocks * page_bytes_;
+void SwapStore::check_room(size_t buffers) const {
+  const size_t need = buffers * page_bytes_;
   if (need <= headroom()) return;
   throw Error(Error::Kind::SwapSpace,
               "swapping needs " + std::to_string(need) + " bytes of host memory (" +
-                  std::to_string(blocks) + " pages of " + std::to_string(page_bytes_) +
+                  std::to_string(buffers) + " pages of " + std::to_string(page_bytes_) +
                   " bytes) but the swap budget of " + std::to_string(budget_bytes_) +
                   " bytes has " + std::to_string(headroom()) + " left (" +
                   std::to_string(host_bytes_) +
@@ -30,7 +30,7 @@ void SwapStore::check_room(size_t blocks) const {
       .with("swap_budget", budget_bytes_);
 }
 
-std::shared_ptr<HostBlock> SwapStore::make_block() {
+std::shared_ptr<SwapBuffer> SwapStore::make_buffer() {
   check_room(1);
   void* data = backend_.alloc_host(page_bytes_);
   if (!data) {
@@ -41,7 +41,7 @@ std::shared_ptr<HostBlock> SwapStore::make_block() {
         .with("bytes_available", 0)
         .with("swap_budget", budget_bytes_);
   }
-  return std::make_shared<HostBlock>(backend_, data, page_bytes_, &host_bytes_);
+  return std::make_shared<SwapBuffer>(backend_, data, page_bytes_, &host_bytes_);
 }
 
 int64_t SwapStore::add(SwapRecord record) {

@@ -1,4 +1,4 @@
-// SwapStore: host-side state of slots swapped out of the KV cache (issue 7).
+// SwapStore: host-side state of slots swapped out of the KV cache.
 //
 // Why in C++ and not Python: a swapped slot's pages are either host copies or, when another live
 // slot still maps them, references to the very same physical page (pool refcount). Keeping those
@@ -6,9 +6,9 @@
 // close() drop them before the pool is destroyed, and keeps the copies, fences and rollback in one
 // transaction with the mapping calls. Python only sees an integer handle.
 //
-// Memory: host blocks are one page_bytes each, from Backend::alloc_host() (pinned on CUDA). One
-// block may back several records (a page shared by several swapped slots is copied once). The
-// budget counts distinct blocks; SwapStore never exceeds it (Error(Kind::SwapSpace) instead).
+// Memory: host buffers are one page_bytes each, from Backend::alloc_host() (pinned on CUDA). One
+// buffer may back several records (a page shared by several swapped slots is copied once). The
+// budget counts distinct buffers; SwapStore never exceeds it (Error(Kind::SwapSpace) instead).
 //
 // Not thread-safe: the owning KVCacheCore serializes calls under its mutex.
 #pragma once
@@ -20,21 +20,21 @@
 #include <vector>
 
 #include "core/backend.h"
-#include "core/host_block.h"
+#include "core/swap_buffer.h"
 
 namespace vattention {
 
 // Where one (page index, tensor) of a swapped slot lives until swap-in.
 struct SwapEntry {
   PageHandle device = 0;  // valid when host is null: the store holds one pool reference
-  std::shared_ptr<HostBlock> host;  // the page's bytes, when copied out
+  std::shared_ptr<SwapBuffer> host;  // the page's bytes, when copied out
 };
 
 struct SwapRecord {
   int64_t seq_len = 0;  // tokens the slot held (its last step() length)
   size_t pages = 0;  // page indices saved: [0, pages), pages_for(seq_len)
-  size_t shared_pages = 0;  // the slot's read-only prefix, restored by swap-in
-  std::vector<SwapEntry> entries;  // pages * columns, index p * columns + column (as Slot::pages)
+  size_t read_only = 0;  // the slot's read-only prefix (page indices), restored by swap-in
+  std::vector<SwapEntry> entries;  // pages * columns, index p * columns + column (as a row's)
 };
 
 class SwapStore {
@@ -52,10 +52,10 @@ class SwapStore {
   size_t headroom() const;
   size_t size() const { return records_.size(); }
 
-  // Allocates one host block. Throws Error(SwapSpace) when over budget or the allocation fails.
-  std::shared_ptr<HostBlock> make_block();
-  // Throws Error(SwapSpace) naming the numbers unless `blocks` more blocks fit in the budget.
-  void check_room(size_t blocks) const;
+  // Allocates one host buffer. Throws Error(SwapSpace) when over budget or the allocation fails.
+  std::shared_ptr<SwapBuffer> make_buffer();
+  // Throws Error(SwapSpace) naming the numbers unless `buffers` more buffers fit in the budget.
+  void check_room(size_t buffers) const;
 
   int64_t add(SwapRecord record);
   // Throws Error(InvalidSlot) naming the handle if it is unknown (never issued, or consumed).
@@ -65,7 +65,7 @@ class SwapStore {
   std::map<PageHandle, size_t> device_refs() const;
   // Every record, for promotion of device references to host copies.
   std::map<int64_t, SwapRecord>& records() { return records_; }
-  // Drops every record and host block. Device references are NOT released: the caller does that
+  // Drops every record and host buffer. Device references are NOT released: the caller does that
   // first (or is about to destroy the pool).
   void clear() { records_.clear(); }
 

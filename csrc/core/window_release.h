@@ -1,4 +1,4 @@
-// WindowRelease: gives back the pages a sliding-window layer can never read again (issue 14).
+// WindowRelease: gives back the pages a sliding-window layer can never read again.
 //
 // Why absolute positions: token t of a slot stays at row index t, so FlashAttention's window_size,
 // SDPA masks and CUDA graphs see the same dense tensor as without a window. Only memory changes:
@@ -12,9 +12,11 @@
 // pages wholly before len - W. (vLLM's sliding-window manager frees a block by the same rule:
 // blocks wholly before num_computed_tokens - W + 1.)
 //
-// Released page indices stay in Slot::pages as kNoPage below Slot::head[t] (a per-tensor prefix),
-// so page index arithmetic (p * columns + column) is unchanged everywhere; every path that walks a
-// slot's pages skips them (fork shares only what is mapped, swap saves only the mapped window).
+// This part is the policy (which pages, when); SlotMemory::release_front does the unmapping and
+// owns the record: released page indices stay in the row's handles as kNoPage below head(t) (a
+// per-tensor prefix), so page index arithmetic (p * columns + column) is unchanged everywhere;
+// every path that walks a row's pages skips them (fork shares only what is mapped, swap saves
+// only the mapped window).
 //
 // Ordering (CUDA): unmapping is not stream-ordered and kernels of earlier steps may still read the
 // released keys, so release waits on a fence recorded on the step's stream first (only in steps
@@ -23,6 +25,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "core/cache_feature.h"
@@ -47,13 +51,17 @@ class WindowRelease final : public CacheFeature {
   // Per layer, the first token of `slot` still backed (0 on full-attention layers).
   std::vector<int64_t> starts(int slot) const;
 
-  // The new request starts at token 0, which a window may have released: unmap everything then.
-  void reset_slot(Slot& slot, int index) override;
+  // alloc(): the new request starts at token 0, which a window may have released: a row with
+  // released pages is unmapped whole (an idle row waits for its fence inside).
+  void clear(int slot);
   void add_stats(Stats& out) const override;
+  // Holds no page of its own: released pages go straight back to the pool.
+  std::string check(std::map<PageHandle, uint32_t>& /*seen*/) const override { return ""; }
+  void close() override {}
 
  private:
-  // Releases page indices [head[t], releasable_pages(t, first_query)) of every windowed tensor.
-  size_t release_head(Slot& slot, int index, int64_t first_query);
+  // Releases page indices [head(t), releasable_pages(t, first_query)) of every windowed tensor.
+  size_t release_head(int slot, int64_t first_query);
   // Per tensor, the end of the range release_head would release (head[t] when nothing).
   size_t release_end(const Slot& slot, int tensor, int64_t first_query) const;
 

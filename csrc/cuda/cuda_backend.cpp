@@ -208,7 +208,10 @@ class CudaBackend final : public Backend {
     check(api_.cuMemUnmap(va, bytes), "cuMemUnmap", {{"va", va}, {"bytes", bytes}});
   }
 
-  // Copies for prefix sharing and swap (issue 7): stream-ordered; the cache fences after them.
+  // Device memory is resident once mapped: nothing to fault in.
+  void prefault(uintptr_t /*va*/, size_t /*bytes*/) noexcept override {}
+
+  // Copies for prefix sharing and swap: stream-ordered; the cache fences after them.
   // cuMemcpyAsync with unified addressing covers device-to-device on any VMM mapping.
   void copy(uintptr_t dst, uintptr_t src, size_t bytes, uintptr_t stream) override {
     ScopedContext sc(api_, ctx_.get());
@@ -315,6 +318,20 @@ class CudaBackend final : public Backend {
   // unmapped, which the cache never does (it unmaps first), so this is what the driver holds.
   int64_t committed_bytes() const override {
     return pages_live_.load(std::memory_order_relaxed) * static_cast<int64_t>(page_bytes_);
+  }
+
+  // Every page's memory went with cuMemRelease (the cache destroys all pages first): nothing else
+  // holds any.
+  void release_physical() noexcept override {}
+
+  // Huge pages are a host-memory notion.
+  int64_t huge_page_bytes() const override { return -1; }
+
+  // Nothing to keep per cache: an access outside the mapped rows is an illegal-address error the
+  // driver reports itself.
+  std::unique_ptr<CacheRegistration> register_cache(
+      const CacheGeometry& /*geometry*/, const std::vector<uintptr_t>& /*bases*/) override {
+    return nullptr;
   }
 
  private:

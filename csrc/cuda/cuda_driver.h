@@ -1,4 +1,4 @@
-// The CUDA driver entry-point table (DESIGN.md section 5).
+// The CUDA driver entry-point table.
 //
 // Why run-time loading: the package must import, and the host backend must work, on machines with
 // no NVIDIA driver, so nothing links against libcuda or cudart. The driver is dlopen()ed on first

@@ -41,7 +41,7 @@ struct FaultGeometry {
 
 // One registered cache. Registers on construction (installing the handler once per process),
 // unregisters on destruction. Not copyable.
-class FaultReport final : public CacheWatch {
+class FaultReport final : public Backend::CacheRegistration {
  public:
   FaultReport(const FaultGeometry& geometry, const std::vector<uintptr_t>& bases);
   ~FaultReport() override;

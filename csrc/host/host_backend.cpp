@@ -375,8 +375,8 @@ int64_t HostBackend::committed_bytes() const {
   return total;
 }
 
-std::unique_ptr<CacheWatch> HostBackend::watch_cache(const CacheGeometry& geo,
-                                                     const std::vector<uintptr_t>& bases) {
+std::unique_ptr<Backend::CacheRegistration> HostBackend::register_cache(
+    const CacheGeometry& geo, const std::vector<uintptr_t>& bases) {
   FaultGeometry fg;
   fg.num_layers = geo.num_layers;
   fg.max_batch = geo.max_batch;
@@ -390,5 +390,22 @@ std::unique_ptr<CacheWatch> HostBackend::watch_cache(const CacheGeometry& geo,
   fg.layer_bytes = geo.layer_token_bytes(0);
   return std::make_unique<FaultReport>(fg, bases);
 }
+
+void HostBackend::copy(uintptr_t dst, uintptr_t src, size_t bytes, uintptr_t /*stream*/) {
+  std::memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes);
+}
+
+void HostBackend::copy_to_host(void* dst, uintptr_t src, size_t bytes, uintptr_t /*stream*/) {
+  std::memcpy(dst, reinterpret_cast<const void*>(src), bytes);
+}
+
+void HostBackend::copy_from_host(uintptr_t dst, const void* src, size_t bytes,
+                                 uintptr_t /*stream*/) {
+  std::memcpy(reinterpret_cast<void*>(dst), src, bytes);
+}
+
+void* HostBackend::alloc_host(size_t bytes) { return std::malloc(bytes); }
+
+void HostBackend::free_host(void* ptr) { std::free(ptr); }
 
 }  // namespace vattention

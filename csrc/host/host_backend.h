@@ -55,10 +55,23 @@ class HostBackend final : public Backend {
   int64_t committed_bytes() const override;
   int64_t huge_page_bytes() const override;
   void release_physical() noexcept override;  // closes the memfd arenas
+  // Host memory is the device's memory and nothing runs asynchronously on it: every thread can
+  // call, and fences are done at once (ids 0).
+  void bind_thread() override {}
+  uint64_t record_fence(uintptr_t /*stream*/) override { return 0; }
+  bool fence_done(uint64_t /*fence*/) override { return true; }
+  void fence_wait(uint64_t /*fence*/) override {}
+  void fence_release(uint64_t /*fence*/) override {}
   // The fault report (fault_report.h): a SIGSEGV/SIGBUS in the cache's tensors names the cache,
   // tensor, slot and token instead of dying silently.
-  std::unique_ptr<CacheWatch> watch_cache(const CacheGeometry& geometry,
-                                          const std::vector<uintptr_t>& bases) override;
+  std::unique_ptr<CacheRegistration> register_cache(const CacheGeometry& geometry,
+                                                    const std::vector<uintptr_t>& bases) override;
+  // Synchronous memcpy (so every copy is done when the call returns) and malloc'ed staging.
+  void copy(uintptr_t dst, uintptr_t src, size_t bytes, uintptr_t stream) override;
+  void copy_to_host(void* dst, uintptr_t src, size_t bytes, uintptr_t stream) override;
+  void copy_from_host(uintptr_t dst, const void* src, size_t bytes, uintptr_t stream) override;
+  void* alloc_host(size_t bytes) override;
+  void free_host(void* ptr) override;
 
   // Page mappings this process may hold across all host caches. Linux caps a process's memory
   // mappings at vm.max_map_count (65,530 by default), and each mapped page can cost two (itself

@@ -249,13 +249,15 @@ void bind_cache(py::module_& m) {
       .def(py::init([](const std::string& device, const vattention::CacheGeometry& g,
                        int64_t budget_bytes, bool eager, int64_t lookahead_tokens,
                        int64_t num_blocks, bool block_cache) {
-             auto backend = vattention::make_backend(device, g.page_bytes);
-             auto core = std::make_shared<KVCacheCore>(
-                 std::move(backend), g, budget_bytes,
-                 eager ? vattention::ReclaimPolicy::Eager : vattention::ReclaimPolicy::Deferred,
-                 lookahead_tokens);
-             if (num_blocks > 0 || block_cache) core->use_blocks(num_blocks, block_cache);
-             return core;
+             vattention::CacheOptions options;
+             options.budget_bytes = budget_bytes;
+             options.policy =
+                 eager ? vattention::ReclaimPolicy::Eager : vattention::ReclaimPolicy::Deferred;
+             options.lookahead_tokens = lookahead_tokens;
+             options.num_blocks = num_blocks;
+             options.block_cache = block_cache;
+             return std::shared_ptr<KVCacheCore>(vattention::make_cache(
+                 vattention::make_backend(device, g.page_bytes), g, options));
            }),
            py::arg("device"), py::arg("geometry"), py::arg("budget_bytes") = -1,
            py::arg("eager") = false, py::arg("lookahead_tokens") = 0, py::arg("num_blocks") = 0,
@@ -275,12 +277,8 @@ void bind_cache(py::module_& m) {
           "step",
           [](KVCacheCore& core, py::handle seq_lens, uintptr_t stream, py::handle blocks) {
             std::vector<int64_t> lens = parse_lens(seq_lens, core.geometry().max_batch);
-            if (blocks.is_none()) {
-              if (core.try_step(lens)) return;
-              py::gil_scoped_release nogil;
-              core.step(lens, stream);
-              return;
-            }
+            // Nothing to map (decode): recorded with the GIL held. Else the GIL goes first.
+            if (blocks.is_none() && core.try_step(lens)) return;
             std::vector<BlockUpdate> updates = parse_updates(blocks, core.geometry().num_groups());
             py::gil_scoped_release nogil;
             core.step(lens, updates, stream);

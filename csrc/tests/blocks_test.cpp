@@ -189,8 +189,8 @@ class Engine {
 void run(bool cache_blocks, unsigned seed) {
   CacheGeometry g = testing::small_geometry(1, 6, 1024);
   g.page_bytes = 4096;  // 32 tokens a page index: blocks fill and hit within a short test
-  auto core = testing::host_core(g, int64_t{64} << 20, ReclaimPolicy::Deferred);
-  core->use_blocks(kBlocks, cache_blocks);
+  auto core =
+      testing::host_core(g, int64_t{64} << 20, ReclaimPolicy::Deferred, kBlocks, cache_blocks);
   std::atomic<bool> done{false};
   std::thread reader([&] {
     while (!done) {

@@ -47,7 +47,7 @@ void hammer(KVCacheCore& core, unsigned seed, std::chrono::steady_clock::time_po
       } else if (op < 60 && !mine.empty()) {
         const int64_t extra = 1 + static_cast<int64_t>(rng() % 300);
         std::vector<int64_t> lens = lens_of(extra);
-        core.step(lens, 0);
+        core.step(lens, {}, 0);
         for (auto& [s, n] : mine) n = lens[static_cast<size_t>(s)];
         ++steps;
       } else if (op < 75 && !mine.empty()) {
@@ -102,13 +102,13 @@ void test_rollback_through_faults() {
     std::vector<int64_t> lens(16, KVCacheCore::kUnlisted);
     const int a = core->alloc(), b = core->alloc();
     lens[static_cast<size_t>(a)] = 600;
-    core->step(lens, 0);
+    core->step(lens, {}, 0);
     core->free(a, 0);
     host.inject_fault(op, 2, false);
     lens.assign(16, KVCacheCore::kUnlisted);
     lens[static_cast<size_t>(b)] = 3000;
     try {
-      core->step(lens, 0);
+      core->step(lens, {}, 0);
       core->reclaim();
     } catch (const Error& e) {
       check(e.kind() == Error::Kind::Driver, std::string("fault kind for ") + op);
@@ -116,7 +116,7 @@ void test_rollback_through_faults() {
     check(core->check_invariants().empty(),
           std::string("invariants after ") + op + ": " + core->check_invariants());
     host.inject_fault(op, 0, false);
-    core->step(lens, 0);
+    core->step(lens, {}, 0);
     core->close();
   }
 }

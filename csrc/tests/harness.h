@@ -43,11 +43,17 @@ inline CacheGeometry small_geometry(int64_t kv_heads, int64_t max_batch, int64_t
   return g;
 }
 
-// A cache of geometry g on the host backend (no look-ahead).
+// A cache of geometry g on the host backend (no look-ahead); num_blocks > 0: pages named by an
+// engine's blocks (cache_blocks: kept for its prefix cache).
 inline std::unique_ptr<KVCacheCore> host_core(const CacheGeometry& g, int64_t budget_bytes,
-                                              ReclaimPolicy policy) {
-  return std::make_unique<KVCacheCore>(std::make_unique<HostBackend>(g.page_bytes), g, budget_bytes,
-                                       policy, 0);
+                                              ReclaimPolicy policy, int64_t num_blocks = 0,
+                                              bool cache_blocks = false) {
+  CacheOptions options;
+  options.budget_bytes = budget_bytes;
+  options.policy = policy;
+  options.num_blocks = num_blocks;
+  options.block_cache = cache_blocks;
+  return make_cache(std::make_unique<HostBackend>(g.page_bytes), g, options);
 }
 
 // main()'s return value: prints the outcome of the binary named `suite`.

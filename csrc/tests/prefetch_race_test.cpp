@@ -1,4 +1,4 @@
-// The prefetch thread maps outside the cache lock (issue 13; rule R in kv_cache_prefetch.cpp).
+// The prefetch thread maps outside the cache lock (rule R in core/prefetch_gate.h).
 // Built under ThreadSanitizer and AddressSanitizer/UBSan by `make sanitize`.
 //
 // A GatedBackend wraps the host backend and can stop the Nth map() call, without any cache lock
@@ -73,7 +73,29 @@ class GatedBackend final : public Backend {
   void set_access(uintptr_t va, size_t bytes) override { inner_.set_access(va, bytes); }
   void prefault(uintptr_t va, size_t bytes) noexcept override { inner_.prefault(va, bytes); }
   void unmap(uintptr_t va, size_t bytes) override { inner_.unmap(va, bytes); }
+  void bind_thread() override { inner_.bind_thread(); }
+  uint64_t record_fence(uintptr_t stream) override { return inner_.record_fence(stream); }
+  bool fence_done(uint64_t fence) override { return inner_.fence_done(fence); }
+  void fence_wait(uint64_t fence) override { inner_.fence_wait(fence); }
+  void fence_release(uint64_t fence) override { inner_.fence_release(fence); }
+  void release_physical() noexcept override { inner_.release_physical(); }
   int64_t committed_bytes() const override { return inner_.committed_bytes(); }
+  int64_t huge_page_bytes() const override { return inner_.huge_page_bytes(); }
+  std::unique_ptr<CacheRegistration> register_cache(const CacheGeometry& geometry,
+                                                    const std::vector<uintptr_t>& bases) override {
+    return inner_.register_cache(geometry, bases);
+  }
+  void copy(uintptr_t dst, uintptr_t src, size_t bytes, uintptr_t stream) override {
+    inner_.copy(dst, src, bytes, stream);
+  }
+  void copy_to_host(void* dst, uintptr_t src, size_t bytes, uintptr_t stream) override {
+    inner_.copy_to_host(dst, src, bytes, stream);
+  }
+  void copy_from_host(uintptr_t dst, const void* src, size_t bytes, uintptr_t stream) override {
+    inner_.copy_from_host(dst, src, bytes, stream);
+  }
+  void* alloc_host(size_t bytes) override { return inner_.alloc_host(bytes); }
+  void free_host(void* ptr) override { inner_.free_host(ptr); }
 
  private:
   void gate(const char* op) {
@@ -107,7 +129,10 @@ struct Fixture {
     CacheGeometry g = testing::small_geometry(1, B, 8192);
     auto backend = std::make_unique<GatedBackend>(g.page_bytes);
     gate = backend.get();
-    core = std::make_unique<KVCacheCore>(std::move(backend), g, budget, policy, 0);
+    CacheOptions options;
+    options.budget_bytes = budget;
+    options.policy = policy;
+    core = make_cache(std::move(backend), g, options);
     tpp = static_cast<int64_t>(g.tokens_per_page());
   }
   std::vector<int64_t> lens(std::initializer_list<std::pair<int, int64_t>> items) const {
@@ -152,10 +177,10 @@ struct Fixture {
 void test_step_of_other_slots_does_not_wait() {
   Fixture f;
   const int a = f.core->alloc(), b = f.core->alloc();
-  f.core->step(f.lens({{a, 1}, {b, 1}}), 0);
+  f.core->step(f.lens({{a, 1}, {b, 1}}), {}, 0);
   f.hold_prefetch(a, 5 * f.tpp);
   auto other = std::async(std::launch::async, [&] {
-    f.core->step(f.lens({{b, 3 * f.tpp}}), 0);  // maps b: its own driver calls only
+    f.core->step(f.lens({{b, 3 * f.tpp}}), {}, 0);  // maps b: its own driver calls only
     return f.core->try_step(f.lens({{a, 1}, {b, 3 * f.tpp}}));  // nothing to map
   });
   const bool done = other.wait_for(5s) == std::future_status::ready;
@@ -171,10 +196,10 @@ void test_step_of_other_slots_does_not_wait() {
 void test_step_of_the_slot_in_flight_waits() {
   Fixture f;
   const int a = f.core->alloc();
-  f.core->step(f.lens({{a, 1}}), 0);
+  f.core->step(f.lens({{a, 1}}), {}, 0);
   f.hold_prefetch(a, 4 * f.tpp);
   const int64_t step_maps = f.stat("step_map_calls");
-  auto st = std::async(std::launch::async, [&] { f.core->step(f.lens({{a, 4 * f.tpp}}), 0); });
+  auto st = std::async(std::launch::async, [&] { f.core->step(f.lens({{a, 4 * f.tpp}}), {}, 0); });
   check(st.wait_for(100ms) == std::future_status::timeout,
         "step() did not wait for the range in flight");
   f.gate->open();
@@ -192,7 +217,7 @@ void test_free_during_flight(ReclaimPolicy policy, bool had_pages) {
                            (had_pages ? ", had pages)" : ", no pages)");
   Fixture f(policy);
   const int a = f.core->alloc();
-  if (had_pages) f.core->step(f.lens({{a, 1}}), 0);
+  if (had_pages) f.core->step(f.lens({{a, 1}}), {}, 0);
   f.hold_prefetch(a, 3 * f.tpp);
   f.core->free(a, 0);
   check(f.core->check_invariants().empty(),
@@ -206,7 +231,7 @@ void test_free_during_flight(ReclaimPolicy policy, bool had_pages) {
   check(f.stat("pages_free") == f.stat("pages_total"), what + ": pages not back in the pool");
   // The slot is usable again.
   const int b = f.core->alloc();
-  f.core->step(f.lens({{b, 2 * f.tpp}}), 0);
+  f.core->step(f.lens({{b, 2 * f.tpp}}), {}, 0);
   f.expect_all_pages_return(what);
 }
 
@@ -214,7 +239,7 @@ void test_free_during_flight(ReclaimPolicy policy, bool had_pages) {
 void test_free_then_alloc_during_flight() {
   Fixture f;
   const int a = f.core->alloc();
-  f.core->step(f.lens({{a, 1}}), 0);
+  f.core->step(f.lens({{a, 1}}), {}, 0);
   f.hold_prefetch(a, 3 * f.tpp);
   f.core->free(a, 0);
   auto al = std::async(std::launch::async, [&] { return f.core->alloc(); });
@@ -223,7 +248,7 @@ void test_free_then_alloc_during_flight() {
   f.gate->open();
   const int b = al.get();
   check(b == a, "alloc() should prefer the idle slot holding pages");
-  f.core->step(f.lens({{b, 3 * f.tpp}}), 0);
+  f.core->step(f.lens({{b, 3 * f.tpp}}), {}, 0);
   f.finish("free then alloc");
   f.expect_all_pages_return("free then alloc");
 }
@@ -233,7 +258,7 @@ void test_fork_and_swap_during_flight() {
   Fixture f;
   f.core->set_swap_budget(int64_t{16} << 20);
   const int a = f.core->alloc();
-  f.core->step(f.lens({{a, 2 * f.tpp + 3}}), 0);
+  f.core->step(f.lens({{a, 2 * f.tpp + 3}}), {}, 0);
   f.hold_prefetch(a, 6 * f.tpp);
   auto fk = std::async(std::launch::async, [&] { return f.core->fork(a, -1, 0); });
   check(fk.wait_for(100ms) == std::future_status::timeout, "fork() did not settle");
@@ -256,7 +281,7 @@ void test_fork_and_swap_during_flight() {
 void test_map_failure_outside_the_lock() {
   Fixture f;
   const int a = f.core->alloc();
-  f.core->step(f.lens({{a, 1}}), 0);
+  f.core->step(f.lens({{a, 1}}), {}, 0);
   f.gate->inner().inject_fault("map", 3, false);
   f.core->prefetch(f.lens({{a, 4 * f.tpp}}), 0);
   bool raised = false;
@@ -269,7 +294,7 @@ void test_map_failure_outside_the_lock() {
   check(f.core->check_invariants().empty(),
         "invariants after failure: " + f.core->check_invariants());
   check(f.core->mapped_tokens(a) == f.tpp, "slot changed by a failed background mapping");
-  f.core->step(f.lens({{a, 4 * f.tpp}}), 0);  // the range is free to map again
+  f.core->step(f.lens({{a, 4 * f.tpp}}), {}, 0);  // the range is free to map again
   f.expect_all_pages_return("map failure");
 }
 
@@ -277,11 +302,11 @@ void test_map_failure_outside_the_lock() {
 void test_pool_dry_while_pages_in_flight() {
   Fixture f(ReclaimPolicy::Deferred, int64_t{12} * (64 << 10) * 4);  // 12 page indices x 4 tensors
   const int a = f.core->alloc(), b = f.core->alloc();
-  f.core->step(f.lens({{a, 1}, {b, 1}}), 0);
+  f.core->step(f.lens({{a, 1}, {b, 1}}), {}, 0);
   f.hold_prefetch(a, 8 * f.tpp);  // 7 more page indices in flight; 3 left
   auto st = std::async(std::launch::async, [&] {
     // Needs 4 more for b: only after a's look-ahead is published can it be trimmed.
-    f.core->step(f.lens({{a, 1}, {b, 5 * f.tpp}}), 0);
+    f.core->step(f.lens({{a, 1}, {b, 5 * f.tpp}}), {}, 0);
   });
   check(st.wait_for(100ms) == std::future_status::timeout,
         "step() did not wait for pages in flight");
@@ -303,7 +328,8 @@ void test_page_creation_outside_the_lock() {
     Fixture f;
     const int a = f.core->alloc(), b = f.core->alloc();
     f.hold_prefetch(a, 3 * f.tpp, "create_page");
-    auto st = std::async(std::launch::async, [&] { f.core->step(f.lens({{b, 2 * f.tpp}}), 0); });
+    auto st =
+        std::async(std::launch::async, [&] { f.core->step(f.lens({{b, 2 * f.tpp}}), {}, 0); });
     check(st.wait_for(5s) == std::future_status::ready,
           "step() waited for the prefetch thread's cuMemCreate");
     st.get();
@@ -316,7 +342,8 @@ void test_page_creation_outside_the_lock() {
     Fixture f(ReclaimPolicy::Deferred, int64_t{6} * (64 << 10) * 4);  // 6 page indices x 4 tensors
     const int a = f.core->alloc(), b = f.core->alloc();
     f.hold_prefetch(a, 4 * f.tpp, "create_page");  // counts 16 of the 24 pages against the budget
-    auto st = std::async(std::launch::async, [&] { f.core->step(f.lens({{b, 3 * f.tpp}}), 0); });
+    auto st =
+        std::async(std::launch::async, [&] { f.core->step(f.lens({{b, 3 * f.tpp}}), {}, 0); });
     check(st.wait_for(100ms) == std::future_status::timeout,
           "step() did not wait for pages being created under the budget");
     f.gate->open();
@@ -357,7 +384,7 @@ void test_hammer_with_latency() {
           if (rng() % 2 == 0) {
             f.core->try_step(v);  // the fast path: may refuse (nothing changed then)
           } else {
-            f.core->step(v, 0);
+            f.core->step(v, {}, 0);
           }
           for (auto& [s, n] : mine) n = std::max(n, v[static_cast<size_t>(s)]);
         } else if (op < 70 && !mine.empty()) {

@@ -1,10 +1,10 @@
-// Prefix sharing and swap (issue 7) under ThreadSanitizer and AddressSanitizer/UBSan: threads
+// Prefix sharing and swap under ThreadSanitizer and AddressSanitizer/UBSan: threads
 // fork / share_prefix / ensure_private / swap_out / swap_in / swap_drop / step / prefetch / free /
 // reclaim / pick_victims against one KVCacheCore on the host backend, under tight page and swap
 // budgets; then the invariants hold, and freeing everything leaves no page in use. Each thread
 // writes a byte pattern into its slots and checks it after every fork and swap-in, so a page
 // freed while still mapped, or a wrong copy, is caught by data and by ASan. The windowed runs
-// (issue 14) add sliding-window release: only tokens from window_starts() on are written and
+// add sliding-window release: only tokens from window_starts() on are written and
 // checked, and forks of a released prefix are typed errors.
 #include <algorithm>
 #include <atomic>
@@ -89,7 +89,7 @@ void hammer(KVCacheCore& core, unsigned seed, std::chrono::steady_clock::time_po
   auto step_one = [&](const Seq& s, int64_t len) {
     std::vector<int64_t> lens(static_cast<size_t>(B), KVCacheCore::kUnlisted);
     lens[static_cast<size_t>(s.slot)] = len;
-    core.step(lens, 0);
+    core.step(lens, {}, 0);
   };
   while (std::chrono::steady_clock::now() < stop) {
     const unsigned op = rng() % 100;
