@@ -179,6 +179,21 @@ def test_fork_of_a_windowed_slot_shares_only_what_is_mapped(make_cache):
     assert cache._core.check_invariants() == ""
 
 
+def test_a_slot_first_filled_by_fork_releases_its_window(make_cache):
+    # fork() takes a slot alloc() never handed out: the row's first release point must still be
+    # known, or its decode would keep every page it passes.
+    cache, tpp, window = windowed(make_cache)
+    src = cache.alloc()
+    seq = decode(cache, src, 0, tpp // 2, max(1, tpp // 4))  # nothing released in src
+    child = cache.fork(src)
+    assert child != src and cache.window_start(child, 0) == 0
+    released = cache.stats()["window_released_pages"]
+    seq = decode(cache, child, seq, 5 * tpp, max(1, tpp // 2))
+    assert cache.window_start(child, 0) > 0
+    assert cache.stats()["window_released_pages"] > released
+    check_marks(cache, child, max(cache.window_start(child, 0), seq - window), seq)
+
+
 def test_swap_of_a_windowed_slot_saves_only_the_window(make_cache):
     cache, tpp, _ = windowed(make_cache, pages=10)
     slot = cache.alloc()
