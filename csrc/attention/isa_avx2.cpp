@@ -1,5 +1,5 @@
 // The attention kernels compiled for AVX2 + FMA + F16C, picked at run time by attention.cpp.
-// vec_avx2.h and kernel_impl.h are included inside namespace isa_avx2 under a target pragma,
+// vec_avx2.h and isa_kernels.h are included inside namespace isa_avx2 under a target pragma,
 // so only these functions use the wider instructions (the rest of the build stays baseline).
 #include <algorithm>
 #include <climits>
@@ -20,7 +20,7 @@ namespace attention {
 namespace isa_avx2 {
 // clang-format off: the vector type must come before the kernels that use it.
 #include "attention/vec_avx2.h"
-#include "attention/kernel_impl.h"
+#include "attention/isa_kernels.h"
 // clang-format on
 }  // namespace isa_avx2
 

@@ -1,5 +1,5 @@
 // The attention kernels compiled for AVX-512 (F, BW, VL, DQ) + FMA + F16C, picked at run time by
-// attention.cpp. vec_avx512.h and kernel_impl.h are included inside namespace isa_avx512 under a
+// attention.cpp. vec_avx512.h and isa_kernels.h are included inside namespace isa_avx512 under a
 // target pragma, so only these functions use the wider instructions (the rest of the build stays
 // baseline).
 #include <algorithm>
@@ -26,7 +26,7 @@ namespace attention {
 namespace isa_avx512 {
 // clang-format off: the vector type must come before the kernels that use it.
 #include "attention/vec_avx512.h"
-#include "attention/kernel_impl.h"
+#include "attention/isa_kernels.h"
 // clang-format on
 }  // namespace isa_avx512
 

@@ -1,6 +1,6 @@
 // The attention kernels compiled for AVX-512 (F, BW, VL, DQ) + FMA + F16C + BF16, picked at run
 // time by attention.cpp: as isa_avx512.cpp, plus vdpbf16ps for the decode dot products of bf16
-// caches. vec_avx512.h and kernel_impl.h are included inside namespace isa_avx512bf16 under a
+// caches. vec_avx512.h and isa_kernels.h are included inside namespace isa_avx512bf16 under a
 // target pragma, so only these functions use the wider instructions (the rest of the build stays
 // baseline).
 #include <algorithm>
@@ -28,7 +28,7 @@ namespace isa_avx512bf16 {
 #define VATTN_AVX512_BF16 1
 // clang-format off: the vector type must come before the kernels that use it.
 #include "attention/vec_avx512.h"
-#include "attention/kernel_impl.h"
+#include "attention/isa_kernels.h"
 // clang-format on
 }  // namespace isa_avx512bf16
 

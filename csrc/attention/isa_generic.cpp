@@ -1,5 +1,5 @@
 // The attention kernels for any CPU (the baseline ISA of the build): the fallback when neither
-// AVX-512 nor AVX2 + FMA + F16C is available. See kernel_impl.h.
+// AVX-512 nor AVX2 + FMA + F16C is available. See isa_kernels.h.
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -22,7 +22,7 @@ namespace attention {
 namespace isa_generic {
 // clang-format off: the vector type must come before the kernels that use it.
 #include "attention/vec_generic.h"
-#include "attention/kernel_impl.h"
+#include "attention/isa_kernels.h"
 // clang-format on
 }  // namespace isa_generic
 

@@ -1,4 +1,4 @@
-// What the planner (attention.cpp) hands the per-ISA kernels (kernel_impl.h): one request's
+// What the planner (attention.cpp) hands the per-ISA kernels (isa_kernels.h): one request's
 // geometry, one work item, where a split item leaves its partial result, and the table of kernel
 // entry points of one instruction set.
 //

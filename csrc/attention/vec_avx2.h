@@ -1,10 +1,10 @@
-// AVX2 + FMA + F16C vector of 8 floats for kernel_impl.h. A fragment: isa_avx2.cpp includes it
+// AVX2 + FMA + F16C vector of 8 floats for isa_kernels.h. A fragment: isa_avx2.cpp includes it
 // inside its own namespace, under `#pragma GCC target("avx2,fma,f16c")`.
 
 struct Vec {
   static constexpr int W = 8;
   static constexpr int kRegs = 16;
-  static constexpr bool kDenseD16 = true;  // kernel_impl.h: dense QK^T tiles at d = 16 vectors
+  static constexpr bool kDenseD16 = true;  // isa_kernels.h: dense QK^T tiles at d = 16 vectors
   static constexpr bool kBf16Dot = false;  // no bf16 dot product instruction
   using F = __m256;
   using I = __m256i;

@@ -1,4 +1,4 @@
-// AVX-512 vector of 16 floats for kernel_impl.h. A fragment: isa_avx512.cpp includes it inside
+// AVX-512 vector of 16 floats for isa_kernels.h. A fragment: isa_avx512.cpp includes it inside
 // its own namespace, under `#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")`;
 // isa_avx512bf16.cpp too, with avx512bf16 added and VATTN_AVX512_BF16 defined.
 // (No include guard and no #include: <immintrin.h> and convert.h come first in that file.)

@@ -1,4 +1,4 @@
-// Portable "vector" of 8 floats for kernel_impl.h (plain loops the compiler may vectorize for the
+// Portable "vector" of 8 floats for isa_kernels.h (plain loops the compiler may vectorize for the
 // baseline ISA). A fragment: isa_generic.cpp includes it inside its own namespace.
 
 struct Vec {
