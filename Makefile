@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 DEPS_STAMP := $(VENV)/.deps-stamp
 TEST_DEPS_STAMP := $(VENV)/.test-deps-stamp
 BUILD_STAMP := $(VENV)/.build-stamp
-# Folders are build units (DESIGN.md section 2): core, host and python always, cuda with cuda.h.
+# Folders are build units (docs/architecture.md): core, host and python always, cuda with cuda.h.
 CORE_SOURCES := $(wildcard csrc/*/*.cpp csrc/*/*.h) setup.py pyproject.toml
 
 # vLLM's CPU build in a venv of its own (it pins transformers < 5.20; the main venv tests 5.23).
@@ -36,11 +36,13 @@ $(PY):
 
 # A CPU torch from this machine's disk (a bare `pip install torch` may pull a multi-GB CUDA build).
 $(DEPS_STAMP): $(PY) pyproject.toml
+	@echo "make: installing torch 2.13 (CPU) and the build tools into $(VENV)"
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q "setuptools>=64" wheel "pybind11>=2.11" numpy
 	touch $@
 
 $(TEST_DEPS_STAMP): $(DEPS_STAMP)
+	@echo "make: installing the test and lint tools into $(VENV)"
 	$(PY) -m pip install -q "pytest>=7" "hypothesis>=6" "transformers==5.23.0" matplotlib tqdm \
 	  ruff==0.17.6 clang-format==23.1.5
 	touch $@
@@ -48,6 +50,7 @@ $(TEST_DEPS_STAMP): $(DEPS_STAMP)
 # Editable install: builds vattention._C in place. Headers are not tracked by setuptools'
 # incremental build, so a change to any core source rebuilds every object (about 20 s on 2 cores).
 $(BUILD_STAMP): $(DEPS_STAMP) $(CORE_SOURCES)
+	@echo "make: building vattention._C in place (core, backends, CPU attention kernels; minutes on 2 cores)"
 	rm -rf build
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
@@ -66,6 +69,7 @@ $(VLLM_STAMP):
 
 # The plugin's entry point registered in the vLLM venv; it reuses the extension built in place.
 $(VLLM_PLUGIN_STAMP): $(VLLM_STAMP) $(BUILD_STAMP)
+	@echo "make: registering the vLLM plugin's entry point in $(VLLM_VENV)"
 	VATTENTION_EXT=none $(VLLM_PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 
@@ -82,10 +86,12 @@ ASAN_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=all
 
 $(SAN_DIR)/tsan/%.o: csrc/%.cpp $(SAN_HEADERS)
 	@mkdir -p $(dir $@)
+	@echo "make: compiling $< for ThreadSanitizer"
 	$(CXX) $(SAN_FLAGS) $(TSAN_FLAGS) -c $< -o $@
 
 $(SAN_DIR)/asan/%.o: csrc/%.cpp $(SAN_HEADERS)
 	@mkdir -p $(dir $@)
+	@echo "make: compiling $< for AddressSanitizer+UBSan"
 	$(CXX) $(SAN_FLAGS) $(ASAN_FLAGS) -c $< -o $@
 
 $(SAN_DIR)/%_tsan: $(SAN_DIR)/tsan/tests/%_test.o $(patsubst csrc/%.cpp,$(SAN_DIR)/tsan/%.o,$(SAN_LIB))
@@ -94,7 +100,7 @@ $(SAN_DIR)/%_tsan: $(SAN_DIR)/tsan/tests/%_test.o $(patsubst csrc/%.cpp,$(SAN_DI
 $(SAN_DIR)/%_asan: $(SAN_DIR)/asan/tests/%_test.o $(patsubst csrc/%.cpp,$(SAN_DIR)/asan/%.o,$(SAN_LIB))
 	$(CXX) $(SAN_FLAGS) $(ASAN_FLAGS) $^ -o $@
 
-# The CPU attention kernel (issue 20) from plain C++: random batches on every instruction set this
+# The CPU attention kernel from plain C++: random batches on every instruction set this
 # CPU runs against a double-precision reference, guard pages after each row's length. ASan and
 # UBSan only: ThreadSanitizer does not see libgomp's (uninstrumented) synchronization.
 #
@@ -113,8 +119,9 @@ ATTN_SAN_SKIP := $(if $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo
   -DVATTENTION_SKIP_AVX512) $(if $(shell grep -qw avx512_bf16 /proc/cpuinfo 2>/dev/null && echo y),,\
   -DVATTENTION_SKIP_AVX512BF16)
 
-$(SAN_DIR)/asan-omp/%.o: csrc/%.cpp $(wildcard csrc/attention/*.h)
+$(SAN_DIR)/asan-omp/%.o: csrc/%.cpp $(wildcard csrc/attention/*.h) csrc/tests/sanitizer.h
 	@mkdir -p $(dir $@)
+	@echo "make: compiling $< for AddressSanitizer+UBSan (attention test)"
 	$(CXX) $(SAN_FLAGS) -O0 -g1 -fopenmp $(ASAN_FLAGS) $(ATTN_SAN_SKIP) -c $< -o $@
 
 $(SAN_DIR)/attention_asan: $(ATTN_SAN_OBJS)

@@ -21,7 +21,7 @@ def cuda_include_dir():
 
 
 def folder(name):
-    """Every source of one build unit (a folder of csrc/, DESIGN.md section 2)."""
+    """Every source of one build unit (a folder of csrc/: docs/architecture.md)."""
     return sorted(glob.glob(os.path.join("csrc", name, "*.cpp")))
 
 

@@ -23,6 +23,7 @@
 
 #include "attention/attention.h"
 #include "attention/convert.h"
+#include "tests/sanitizer.h"
 
 using namespace vattention::attention;
 
@@ -478,7 +479,8 @@ int main() {
   int cases = 0;
   for (const char* isa : {"avx512bf16", "avx512", "avx2", "generic"}) {
     if (!set_kernel_isa(isa)) {
-      std::printf("attention_test: %s not available on this CPU, skipped\n", isa);
+      std::printf("attention_test [%s]: %s not available on this CPU, skipped\n",
+                  vattention::testing::sanitizer_name(), isa);
       continue;
     }
     check(std::string(kernel_isa()) == isa, "set_kernel_isa");
@@ -509,6 +511,7 @@ int main() {
     test_guard_pages(isa);
   }
   set_kernel_isa("");
-  std::printf("attention_test: %d random batches, %d failures\n", cases, failures);
+  std::printf("attention_test [%s]: %d random batches, %d failures\n",
+              vattention::testing::sanitizer_name(), cases, failures);
   return failures ? 1 : 0;
 }

@@ -11,6 +11,7 @@
 
 #include "core/kv_cache.h"
 #include "host/host_backend.h"
+#include "tests/sanitizer.h"
 
 namespace vattention {
 namespace testing {
@@ -56,13 +57,13 @@ inline std::unique_ptr<KVCacheCore> host_core(const CacheGeometry& g, int64_t bu
   return make_cache(std::make_unique<HostBackend>(g.page_bytes), g, options);
 }
 
-// main()'s return value: prints the outcome of the binary named `suite`.
+// main()'s return value: prints the outcome of the binary named `suite`, and its sanitizer.
 inline int report(const char* suite) {
   if (failures() != 0) {
-    std::fprintf(stderr, "%s: %d failure(s)\n", suite, failures().load());
+    std::fprintf(stderr, "%s [%s]: %d failure(s)\n", suite, sanitizer_name(), failures().load());
     return 1;
   }
-  std::printf("%s: all passed\n", suite);
+  std::printf("%s [%s]: all passed\n", suite, sanitizer_name());
   return 0;
 }
 

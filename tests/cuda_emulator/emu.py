@@ -1,4 +1,4 @@
-"""ctypes wrapper of the strict CUDA driver EMULATION (tests only; DESIGN.md section 6).
+"""ctypes wrapper of the strict CUDA driver EMULATION (tests only; README.md here).
 
 The emulation is a shared library exporting the CUDA driver's VMM entry points, backed by host
 memory, that enforces the driver's documented rules and counts every violation. Passing it is

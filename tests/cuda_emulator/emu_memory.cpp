@@ -5,7 +5,7 @@
 // of its size (so one handle mapped at several addresses aliases the same bytes); cuMemMap puts
 // the memfd at the address with PROT_NONE, and only cuMemSetAccess makes it read/write, so touching
 // mapped-but-not-accessible memory really faults, as on the GPU. Each documented rule that the code
-// could break returns the driver's error code AND counts a violation (DESIGN.md section 6).
+// could break returns the driver's error code AND counts a violation (README.md lists the rules).
 #include <sys/mman.h>
 #include <unistd.h>
 

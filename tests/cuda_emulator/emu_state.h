@@ -1,4 +1,4 @@
-// EMULATION, TEST-ONLY: shared state of the strict CUDA driver emulation (DESIGN.md section 6).
+// EMULATION, TEST-ONLY: shared state of the strict CUDA driver emulation (README.md here).
 //
 // Why it exists: no GPU is available to CI, so the CUDA backend's real code path runs against this
 // library, which exports the driver's VMM entry points with the real signatures, backs "device"
