@@ -20,7 +20,8 @@ import pytest
                                     "vattention.bench.workload", "vattention.bench.traces",
                                     "vattention.bench.progress", "vattention.bench.sizing",
                                     "vattention.bench.allocators", "vattention.config",
-                                    "vattention.cache", "vattention.sharing"])
+                                    "vattention.cache", "vattention.sharing",
+                                    "vattention.backends"])
 def test_docstring_examples(module):
     if module.endswith("transformers"):
         pytest.importorskip("transformers")
