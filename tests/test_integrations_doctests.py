@@ -1,5 +1,5 @@
-"""The docstring examples of the integration, benchmark and core API modules run and print what
-they claim."""
+"""The docstring examples of the integration, benchmark, attention and core API modules run and
+print what they claim."""
 
 from __future__ import annotations
 
@@ -21,7 +21,11 @@ import pytest
                                     "vattention.bench.progress", "vattention.bench.sizing",
                                     "vattention.bench.allocators", "vattention.config",
                                     "vattention.cache", "vattention.sharing",
-                                    "vattention.backends"])
+                                    "vattention.backends", "vattention.attention",
+                                    "vattention.attention.kernel",
+                                    "vattention.attention.reference",
+                                    "vattention.attention.fp8",
+                                    "vattention.attention.arguments"])
 def test_docstring_examples(module):
     if module.endswith("transformers"):
         pytest.importorskip("transformers")
