@@ -9,7 +9,8 @@ import importlib
 import pytest
 
 
-@pytest.mark.parametrize("module", ["vattention.compat", "vattention.integrations.flash_attn",
+@pytest.mark.parametrize("module", ["vattention.integrations.original_api",
+                                    "vattention.integrations.flash_attn",
                                     "vattention.integrations.transformers",
                                     "vattention.integrations.vllm.geometry",
                                     "vattention.integrations.vllm.prefix_hint",
