@@ -21,7 +21,7 @@ import pytest
                                     "vattention.bench.workload", "vattention.bench.traces",
                                     "vattention.bench.progress", "vattention.bench.sizing",
                                     "vattention.bench.allocators", "vattention.config",
-                                    "vattention.cache", "vattention.sharing",
+                                    "vattention.cache", "vattention.sharing", "vattention.swap",
                                     "vattention.backends", "vattention.attention",
                                     "vattention.attention.kernel",
                                     "vattention.attention.reference",
