@@ -12,7 +12,7 @@ import pytest
 @pytest.mark.parametrize("module", ["vattention.integrations.original_api",
                                     "vattention.integrations.flash_attn",
                                     "vattention.integrations.transformers",
-                                    "vattention.integrations.vllm.geometry",
+                                    "vattention.integrations.vllm.kv_layout",
                                     "vattention.integrations.vllm.prefix_hint",
                                     "vattention.integrations.vllm.plugin",
                                     "vattention.integrations.vllm.stats_writer",

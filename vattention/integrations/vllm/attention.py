@@ -35,7 +35,7 @@ from vllm.v1.attention.backend import (
 
 from ...attention import cpu_attention
 from .. import flash_attn as fa
-from .geometry import FP8_DTYPES
+from .kv_layout import FP8_DTYPES
 from .prefix_hint import SharedPrefixMemo
 
 __all__ = ["VAttentionBackend", "VAttentionCPUBackend", "VAttentionFlashBackend",

@@ -12,7 +12,7 @@ names the vattention worker. A user ``--worker-cls`` is refused rather than over
 vLLM's defaults are the supported configuration (DESIGN.md section 9):
 
 * prefix caching on: vLLM's block tables name the cache's pages, a hit maps the cached block's
-  pages again (geometry.py, runner.py);
+  pages again (kv_layout.py, runner.py);
 * the V1 model runner: vLLM's V2 runner is its CUDA default when Triton is present, and the plugin
   integrates with V1 (the runner this module's worker classes extend). :func:`select_v1_runner`
   sets vLLM's own switch, ``VLLM_USE_V2_MODEL_RUNNER=0``, in every process vLLM starts, with one
@@ -32,7 +32,7 @@ from typing import Any
 
 from ... import backends
 from ...errors import ConfigError
-from .geometry import (
+from .kv_layout import (
     LAYOUTS,
     aligned_block_size,
     huge_block_size,
