@@ -1,4 +1,4 @@
-"""fp8 KV dtypes and K-only caches (value_cache=False), issue 14: every path on both backends."""
+"""fp8 KV dtypes and K-only caches (value_cache=False): every path on both backends."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 12, item 16: what `make demo` installs, and what the wheel ships."""
+"""What `make demo` installs, and what the wheel ships."""
 
 from __future__ import annotations
 

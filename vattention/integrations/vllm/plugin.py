@@ -9,7 +9,7 @@ change), aligns the block size with vattention's pages (on the CPU, where vLLM's
 not given and a block up to twice as large makes a page whole 2 MB huge pages, that one), and
 names the vattention worker. A user ``--worker-cls`` is refused rather than overridden.
 
-vLLM's defaults are the supported configuration (DESIGN.md section 9):
+vLLM's defaults are the supported configuration:
 
 * prefix caching on: vLLM's block tables name the cache's pages, a hit maps the cached block's
   pages again (kv_layout.py, runner.py);
