@@ -1,5 +1,5 @@
 """CPU attention over vattention caches: the native kernel against memory bandwidth, torch SDPA and
-vLLM's CPU attention op, measured in one process (issue 20, item 3).
+vLLM's CPU attention op, measured in one process.
 
 Decode rows: 16 requests x 4096 cached tokens, 8 KV heads x 128, GQA groups 1 and 4, float32 and
 bfloat16, one query token each, caches in a vattention ``KVCache`` (layer layout, 2 MB pages).

@@ -1,5 +1,5 @@
-"""Issue 12, items 4-9: every argument is checked at the boundary with a typed error naming it,
-nothing is truncated or wrapped around, and a refused call changes nothing."""
+"""Every argument is checked at the boundary with a typed error naming it, nothing is truncated or
+wrapped around, and a refused call changes nothing."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def unchanged(cache, before, written):
     assert cache._core.check_invariants() == ""
 
 
-# ---- item 5: floats and bools are refused, never truncated ------------------------------------
+# ---- floats and bools are refused, never truncated --------------------------------------------
 
 FLOAT_CALLS = {
     "swap_in": lambda c, a, b, h: c.swap_in(h + 0.5),
@@ -123,7 +123,7 @@ def test_integer_tensors_and_numpy_ints_are_accepted(busy):
     cache.reserve(np.int64(cache.config.page_bytes))
 
 
-# ---- item 6: huge ints become the documented error types -------------------------------------
+# ---- huge ints become the documented error types ---------------------------------------------
 
 HUGE_CALLS = {
     "free": (lambda c, a, h: c.free(HUGE), InvalidSlotError),
@@ -166,7 +166,7 @@ def test_huge_ints_get_typed_errors_naming_the_value(busy, call):
     unchanged(cache, before, written)
 
 
-# ---- item 4: sizes are checked against the budget and the address space, overflow-safe -------
+# ---- sizes are checked against the budget and the address space, overflow-safe ---------------
 
 @pytest.mark.parametrize("size", [2**64 - 1, 2**63 - 1, 2**62])
 def test_reserve_beyond_the_address_space_is_refused(make_cache, size):
@@ -203,7 +203,7 @@ def test_a_block_cache_may_reserve_its_cached_blocks_pages_beyond_its_virtual_si
     assert cache.stats()["pages_total"] * cfg.page_bytes == limit
 
 
-# ---- item 7: streams ---------------------------------------------------------------------------
+# ---- streams -----------------------------------------------------------------------------------
 
 class FakeStream:
     cuda_stream = 0
@@ -239,7 +239,7 @@ def test_stream_objects_and_handles_are_accepted():
         cache.free(a, stream=FakeStream())
 
 
-# ---- item 8: after close() -----------------------------------------------------------------------
+# ---- after close() -------------------------------------------------------------------------------
 
 CLOSED_CALLS = {
     "alloc": lambda c: c.alloc(), "free": lambda c: c.free(0), "step": lambda c: c.step({0: 1}),
@@ -305,7 +305,7 @@ def test_close_releases_descriptors_while_the_cache_and_a_view_are_still_referen
     del k
 
 
-# ---- item 9: a budget below one page -------------------------------------------------------------
+# ---- a budget below one page ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("budget", [0, 1, "32KB", 65535])
 def test_budget_below_one_page_is_refused_naming_the_page_size(budget):

@@ -1,14 +1,13 @@
-"""The native CPU attention kernel (csrc/attention, issue 20) against the torch SDPA reference.
+"""vattention.attention's native CPU kernel (csrc/attention) against its torch SDPA reference.
 
-``flash_attn_with_kvcache`` on CPU tensors runs vattention's kernel; the oracle is
-``flash_attn_with_kvcache_reference`` computed in float32 on copies of the same caches (so the
-kernel's appends are compared byte for byte, and its outputs within the tolerance of q's dtype:
-float32 5e-5, bfloat16 1.6e-2, float16 2e-3, absolute and relative). Every instruction set this
-CPU runs is tested (``avx512bf16``, ``avx512``, ``avx2``, ``generic``), on 1 and 2 threads
-(2 threads split long decode rows across threads). The no-read-past-the-length guarantee is
-tested for real: a vattention cache whose rows are mapped exactly up to the length, and a
-sliding-window cache whose early pages were released, in a child process (a stray read is
-SIGSEGV).
+``cpu_attention`` runs vattention's kernel; the oracle is ``reference_attention`` computed in
+float32 on copies of the same caches (so the kernel's appends are compared byte for byte, and its
+outputs within the tolerance of q's dtype: float32 5e-5, bfloat16 1.6e-2, float16 2e-3, absolute
+and relative). Every instruction set this CPU runs is tested (``avx512bf16``, ``avx512``,
+``avx2``, ``generic``), on 1 and 2 threads (2 threads split long decode rows across threads). The
+no-read-past-the-length guarantee is tested for real: a vattention cache whose rows are mapped
+exactly up to the length, and a sliding-window cache whose early pages were released, in a child
+process (a stray read is SIGSEGV).
 """
 
 from __future__ import annotations
@@ -25,7 +24,12 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from vattention import _C
-from vattention.integrations import flash_attn as fa
+from vattention.attention import (
+    cpu_attention,
+    fp8_store_like_vllm,
+    kernel_isa,
+    reference_attention,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = {torch.float32: 5e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
@@ -60,7 +64,7 @@ def make_caches(
     for scale in descale:
         x = torch.randn(shape, generator=gen) * scale
         if dtype in FP8:
-            x = fa.fp8_store_like_vllm(x / scale, dtype)
+            x = fp8_store_like_vllm(x / scale, dtype)
         else:
             x = x.to(dtype)
         out.append(x[:, :, 1] if mega else x)
@@ -71,8 +75,8 @@ def check_against_reference(q, kc, vc, k=None, v=None, **kw):
     """Runs the kernel on (kc, vc) and the float32 reference on copies; compares outputs and
     caches."""
     kc_ref, vc_ref = kc.clone(), vc.clone()
-    got = fa.flash_attn_with_kvcache(q, kc, vc, k, v, **kw)
-    want = fa.flash_attn_with_kvcache_reference(
+    got = cpu_attention(q, kc, vc, k, v, **kw)
+    want = reference_attention(
         q.float(),
         kc_ref,
         vc_ref,
@@ -166,7 +170,7 @@ def run_batch(b):
         k = (torch.randn(total, kv_heads, d, generator=gen) * descale[0]).to(dt)
         v = (torch.randn(total, kv_heads, d, generator=gen) * descale[1]).to(dt)
         cu = torch.tensor([0] + list(torch.tensor(b["lqs"]).cumsum(0)), dtype=torch.int32)
-        extra = dict(cu_seqlens_q=cu, max_seqlen_q=max(b["lqs"]))
+        extra = dict(cu_seqlens_q=cu)
     else:
         lq = b["lqs"][0]
         q = torch.randn(n, lq, heads, d, generator=gen).to(dt)
@@ -296,8 +300,8 @@ def test_shared_prefix_is_read_from_one_row(isa, threads, dtype):
     # 0's prefix for every decode member; the prefill row (17th) and the row outside any group
     # read their own
     kc[1:, :prefix] = make_caches(n - 1, prefix, 2, 64, dtype, gen=gen)[0]
-    truth = fa.flash_attn_with_kvcache(q, kc, vc, **kw)
-    lied = fa.flash_attn_with_kvcache(q, kc, vc, **kw, **hint)
+    truth = cpu_attention(q, kc, vc, **kw)
+    lied = cpu_attention(q, kc, vc, **kw, **hint)
     tol = TOL[q.dtype]
     assert not torch.allclose(lied[1:16].float(), truth[1:16].float(), atol=tol, rtol=tol)
     torch.testing.assert_close(lied[0].float(), truth[0].float(), atol=tol, rtol=tol)
@@ -389,33 +393,10 @@ def test_output_written_in_place_into_a_given_buffer():
     k, v = torch.randn(5, 2, 16, generator=gen), torch.randn(5, 2, 16, generator=gen)
     meta = (torch.tensor([3, 7], dtype=torch.int32), torch.tensor([1, 0], dtype=torch.int32))
     cu = torch.tensor([0, 4, 5], dtype=torch.int32)
-    want = fa.flash_attn_with_kvcache(
-        q,
-        kc.clone(),
-        vc.clone(),
-        k,
-        v,
-        cache_seqlens=meta[0],
-        cache_batch_idx=meta[1],
-        cu_seqlens_q=cu,
-        causal=True,
-    )
+    args = dict(cache_seqlens=meta[0], cache_batch_idx=meta[1], cu_seqlens_q=cu, causal=True)
+    want = cpu_attention(q, kc.clone(), vc.clone(), k, v, **args)
     buffer = torch.full((8, 64), 7.0)
-    got = fa._cpu_kernel(
-        q,
-        kc,
-        vc,
-        k,
-        v,
-        *meta,
-        cu,
-        None,
-        True,
-        (-1, -1),
-        None,
-        None,
-        out=buffer[:5].view(5, 4, 16),
-    )
+    got = cpu_attention(q, kc, vc, k, v, **args, out=buffer[:5].view(5, 4, 16))
     assert got.data_ptr() == buffer.data_ptr()
     torch.testing.assert_close(buffer[:5].view(5, 4, 16), want)
     assert torch.equal(buffer[5:], torch.full((3, 64), 7.0))
@@ -426,7 +407,7 @@ def test_output_written_in_place_into_a_given_buffer():
     ):
         before = kc.clone()
         with pytest.raises(ValueError, match="out must be"):
-            fa._cpu_kernel(q, kc, vc, k, v, *meta, cu, None, True, (-1, -1), None, None, out=bad)
+            cpu_attention(q, kc, vc, k, v, **args, out=bad)
         assert torch.equal(kc, before)
 
 
@@ -439,7 +420,7 @@ def test_reference_gqa_square_causal_matches_naive_softmax():
         torch.randn(1, 3, 2, 8, generator=gen),
         torch.randn(1, 3, 2, 8, generator=gen),
     )
-    for fn in (fa.flash_attn_with_kvcache_reference, fa.flash_attn_with_kvcache):
+    for fn in (reference_attention, cpu_attention):
         kc, vc = torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8)
         out = fn(q, kc, vc, k, v, cache_seqlens=0, causal=True)
         for j in range(3):
@@ -452,10 +433,10 @@ def test_query_that_sees_no_key_outputs_zero():
     kc, vc = torch.randn(1, 8, 1, 16), torch.randn(1, 8, 1, 16)
     q = torch.randn(1, 4, 2, 16)
     # 4 queries, 2 keys, causal bottom-right: queries 0 and 1 sit before the first key
-    out = fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=2, causal=True)
+    out = cpu_attention(q, kc, vc, cache_seqlens=2, causal=True)
     assert torch.equal(out[0, :2], torch.zeros(2, 2, 16)) and out[0, 2:].abs().sum() > 0
     # a window of 0 keys to the left and right, not causal: each query sees exactly one key
-    out = fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=6, window_size=(0, 0))
+    out = cpu_attention(q, kc, vc, cache_seqlens=6, window_size=(0, 0))
     torch.testing.assert_close(out[0, 1], vc[0, 3].expand(2, 16))
 
 
@@ -472,7 +453,7 @@ def test_fp8_writes_match_vllm_rounding():
     ):
         kc = torch.zeros(1, 4, 1, 8, dtype=dtype)
         vc = torch.zeros(1, 4, 1, 8, dtype=dtype)
-        fa.flash_attn_with_kvcache(
+        cpu_attention(
             torch.zeros(1, 1, 1, 8), kc, vc, x, x, cache_seqlens=0, k_descale=2.0, v_descale=2.0
         )
         got = kc[0, 0, 0].float()
@@ -480,7 +461,7 @@ def test_fp8_writes_match_vllm_rounding():
         assert got[3] == 0 and not torch.signbit(got[3])  # -0 is stored as +0
         assert torch.equal(
             kc[0, 0].view(torch.uint8),
-            fa.fp8_store_like_vllm(x / 2.0, dtype)[0, 0].view(torch.uint8),
+            fp8_store_like_vllm(x / 2.0, dtype)[0, 0].view(torch.uint8),
         )
         assert torch.equal(kc.view(torch.uint8), vc.view(torch.uint8))
 
@@ -499,7 +480,7 @@ def test_fp8_writes_are_bit_identical_to_vllm_cpu_backend(tmp_path):
         sys.path.insert(0, sys.argv[1])
         import vllm._custom_ops as ops
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-        from vattention.integrations import flash_attn as fa
+        from vattention.attention import cpu_attention
         torch.manual_seed(0)
         H, D, bs = 2, 64, 256
         try:   # vLLM's own choice for this CPU: fp8 caches need AVX-512 or AMX in 0.32
@@ -516,7 +497,7 @@ def test_fp8_writes_are_bit_identical_to_vllm_cpu_backend(tmp_path):
                                                v_scale=scale, kv_cache_dtype=name)
                 vllm_bytes = vc[0].transpose(0, 1)                     # value rows: [bs, H, D]
                 ours_k = torch.zeros(1, bs, H, D, dtype=dt); ours_v = torch.zeros_like(ours_k)
-                fa.flash_attn_with_kvcache(
+                cpu_attention(
                     torch.zeros(1, bs, H, D), ours_k, ours_v, x[None], x[None],
                     cache_seqlens=0, k_descale=scale, v_descale=scale)
                 mism = int((ours_v[0].view(torch.uint8) != vllm_bytes).sum())
@@ -542,7 +523,7 @@ def test_in_place_append_is_exact_and_touches_nothing_else(isa):
             torch.randn(5, 2, 64, generator=gen).to(dtype),
             torch.randn(5, 2, 64, generator=gen).to(dtype),
         )
-        fa.flash_attn_with_kvcache(
+        cpu_attention(
             q,
             kc,
             vc,
@@ -558,27 +539,6 @@ def test_in_place_append_is_exact_and_touches_nothing_else(isa):
         kc[3, 10:13], vc[3, 10:13] = before_k[3, 10:13], before_v[3, 10:13]
         kc[1, 45:47], vc[1, 45:47] = before_k[1, 45:47], before_v[1, 45:47]
         assert torch.equal(kc, before_k) and torch.equal(vc, before_v)
-
-
-def test_decode_and_prefill_helpers_use_the_kernel():
-    assert fa._default_kernel(torch.zeros(1), torch.zeros(1)) is fa.flash_attn_with_kvcache
-    assert (
-        fa._default_kernel(torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64))
-        is fa.flash_attn_with_kvcache_reference
-    )
-    gen = torch.Generator().manual_seed(4)
-    kc, vc = make_caches(3, 64, 2, 32, torch.float32, gen=gen)
-    q, k, v = (
-        torch.randn(10, 4, 32, generator=gen),
-        torch.randn(10, 2, 32, generator=gen),
-        torch.randn(10, 2, 32, generator=gen),
-    )
-    got = fa.prefill(q, k, v, kc, vc, slot=2, start=5)
-    ref_k, ref_v = kc.clone(), vc.clone()
-    want = fa.prefill(
-        q, k, v, ref_k, ref_v, slot=2, start=5, kernel=fa.flash_attn_with_kvcache_reference
-    )
-    torch.testing.assert_close(got, want, atol=5e-5, rtol=5e-5)
 
 
 # ---- errors: typed, naming the argument, before anything is written ---------------------------
@@ -659,7 +619,7 @@ def test_bad_arguments_raise_typed_errors_and_write_nothing(change, error, match
     args.update(change)
     before = args["k_cache"].clone()
     with pytest.raises(error, match=match):
-        fa.flash_attn_with_kvcache(**args)
+        cpu_attention(**args)
     assert torch.equal(args["k_cache"], before)
 
 
@@ -667,10 +627,10 @@ def test_more_bad_arguments():
     args = _args()
     kc = torch.zeros(2, 8, 1, 32)[..., ::2]  # last dim strided
     with pytest.raises(ValueError, match="k_cache must have a contiguous last dimension"):
-        fa.flash_attn_with_kvcache(**dict(args, k_cache=kc, v_cache=kc.clone()))
+        cpu_attention(**dict(args, k_cache=kc, v_cache=kc.clone()))
     q = torch.randn(2, 1, 2, 16)
     with pytest.raises(ValueError, match="cache_batch_idx repeats row 1"):
-        fa.flash_attn_with_kvcache(
+        cpu_attention(
             **dict(
                 args,
                 q=q,
@@ -681,7 +641,7 @@ def test_more_bad_arguments():
             )
         )
     with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
-        fa.flash_attn_with_kvcache(
+        cpu_attention(
             torch.randn(3, 2, 16),
             args["k_cache"],
             args["v_cache"],
@@ -689,7 +649,7 @@ def test_more_bad_arguments():
             cu_seqlens_q=torch.tensor([0, 2, 1]),
         )
     with pytest.raises(ValueError, match=r"cu_seqlens_q\[-1\] = 4 exceeds the 3 query tokens"):
-        fa.flash_attn_with_kvcache(
+        cpu_attention(
             torch.randn(3, 2, 16),
             args["k_cache"],
             args["v_cache"],
@@ -698,9 +658,9 @@ def test_more_bad_arguments():
         )
     with pytest.raises(ValueError, match="k_descale must be finite and > 0"):
         fp8 = torch.zeros(2, 8, 1, 16, dtype=torch.float8_e4m3fn)
-        fa.flash_attn_with_kvcache(**dict(args, k_cache=fp8, v_cache=fp8.clone(), k_descale=0.0))
+        cpu_attention(**dict(args, k_cache=fp8, v_cache=fp8.clone(), k_descale=0.0))
     # duplicate rows are fine when nothing is appended (read only)
-    fa.flash_attn_with_kvcache(
+    cpu_attention(
         q,
         args["k_cache"],
         args["v_cache"],
@@ -713,7 +673,7 @@ def test_more_bad_arguments():
 
 GUARD_SCRIPT = """
 import sys, torch, vattention
-from vattention.integrations import flash_attn as fa
+from vattention.attention import cpu_attention
 torch.set_num_threads(2)
 mode = sys.argv[1]
 window = 300 if mode == "window" else None
@@ -743,9 +703,9 @@ with vattention.KVCache(cfg) as cache:
     k = torch.randn(sum(lq), 2, 64)
     v = torch.randn(sum(lq), 2, 64)
     cu = torch.tensor([0, 1, 2, 102], dtype=torch.int32)
-    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor(past),
-                                     cache_batch_idx=torch.tensor(slots), cu_seqlens_q=cu,
-                                     causal=True, window_size=ws)
+    out = cpu_attention(q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor(past),
+                        cache_batch_idx=torch.tensor(slots), cu_seqlens_q=cu, causal=True,
+                        window_size=ws)
     assert torch.isfinite(out).all()
     print("ok", mode, starts, flush=True)
 """
@@ -798,14 +758,14 @@ def test_kernel_releases_the_gil():
         q = torch.randn(16, 1, 8, 128)
         seqlens = torch.full((16,), 4096)
         start = time.perf_counter()
-        fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens)
+        cpu_attention(q, kc, vc, cache_seqlens=seqlens)
         one_call = time.perf_counter() - start
         done = threading.Event()
         ticks = []
 
         def worker():
             for _ in range(3):
-                fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens)
+                cpu_attention(q, kc, vc, cache_seqlens=seqlens)
             done.set()
 
         thread = threading.Thread(target=worker)
@@ -822,6 +782,6 @@ def test_kernel_releases_the_gil():
 
 
 def test_kernel_isa_is_reported():
-    assert fa.kernel_isa() in ISAS
+    assert kernel_isa() in ISAS
     assert not _C.set_attention_kernel_isa("sve")
-    assert fa.kernel_isa() in ISAS
+    assert kernel_isa() in ISAS

@@ -1,4 +1,4 @@
-"""Invariants of the memory benchmark (issue 5): small seeded workloads, fast runs.
+"""Invariants of the memory benchmark: small seeded workloads, fast runs.
 
 The vattention rows run against the real host-backend cache when the core is built, and
 always against ``FakeKVCache`` (a pure-Python double with the same page arithmetic).
@@ -338,7 +338,7 @@ def test_eager_reclaim_maps_only_what_running_requests_hold():
     assert np.array_equal(result.mapped_bytes, result.held_bytes)
 
 
-# ---- issue 14: sliding-window and fp8 rows ------------------------------------------------------
+# ---- sliding-window and fp8 rows ----------------------------------------------------------------
 SMALL_WINDOW = ModelShape("small-window", num_layers=4, num_kv_heads=2, head_dim=64,
                           dtype="float16", window=256, window_layers=3)
 
@@ -389,7 +389,7 @@ def test_fp8_row_holds_half_the_bytes_per_token():
     assert report.meta["dtype"] == "float8_e4m3fn"
 
 
-# ---- issue 14: per-layer shapes -----------------------------------------------------------------
+# ---- per-layer shapes ---------------------------------------------------------------------------
 # Gemma-4-like: 3 windowed layers of 2 x 64, one full-attention layer of 2 x 128 (fp16).
 SMALL_HYBRID = ModelShape("small-hybrid", num_layers=4, num_kv_heads=2, head_dim=64,
                           dtype="float16", window=256, window_layers=3, full_head_dim=128)

@@ -1,4 +1,4 @@
-"""Pages named by an engine's block ids (issue 19, item 1; csrc/core/block_tables.h).
+"""Pages named by an engine's block ids (csrc/core/block_tables.h).
 
 A block-based engine gives each request a block table; a row of the cache maps the pages of its
 table in order, a cache hit maps the same physical pages again (zero copy), and a block's pages

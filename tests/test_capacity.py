@@ -1,4 +1,4 @@
-"""KVCache.capacity(): step()'s accounting as a value, mapping nothing (issue 18, item 3).
+"""KVCache.capacity(): step()'s accounting as a value, mapping nothing.
 
 In random states (active slots, idle slots holding pages, prefetched look-ahead, released window
 pages, a budget), capacity(lens, new_requests) must predict exactly what step() then does: it fits

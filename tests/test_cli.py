@@ -1,4 +1,4 @@
-"""Issue 12, item 13: every command prints its own usage, and the documented examples run."""
+"""Every command prints its own usage, and the documented examples run."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The strict CUDA driver EMULATION enforces each rule of DESIGN.md section 6.
+"""The strict CUDA driver EMULATION enforces each rule of the driver's virtual memory API it models.
 
 One test per rule: legal use works, misuse returns the driver's error code AND counts a violation.
 These tests check the emulation itself (the referee), not vattention; if a rule here stopped firing,

@@ -1,4 +1,4 @@
-"""Issue 12, item 12: every Python block of README.md and docs/*.md runs verbatim.
+"""Every Python block of README.md and docs/*.md runs verbatim.
 
 Blocks are discovered, not listed: a new page or block is covered without touching this file. The
 blocks of one page run in order, in one namespace (a page reads like one session), in a fresh

@@ -1,4 +1,4 @@
-"""Issue 12, item 15: the docs state only what is true of the files a user has.
+"""The docs state only what is true of the files a user has.
 
 Every relative link in README.md and docs/*.md resolves to a file of this repository (not to a
 team checkout next to it), and no page refers to work in progress (a branch, a trial merge, a patch

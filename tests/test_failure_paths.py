@@ -1,7 +1,7 @@
-"""Issue 12, items 1 and 2: the staging page of ensure_private and swap's page copies is never back
-in the pool while still mapped, and rollbacks undo exactly what was done (nothing they did not
-map). Runs on the host backend and the emulated CUDA backend, whose fixture fails the test on any
-driver-rule violation or mapping left behind after close()."""
+"""The staging page of ensure_private and swap's page copies is never back in the pool while still
+mapped, and rollbacks undo exactly what was done (nothing they did not map). Runs on the host
+backend and the emulated CUDA backend, whose fixture fails the test on any driver-rule violation
+or mapping left behind after close()."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 12, item 11: touching unbacked cache memory on the host backend dies with a diagnostic.
+"""Touching unbacked cache memory on the host backend dies with a diagnostic.
 
 Each case runs in a child interpreter (it must die). The child is killed by the signal as before
 (non-zero status), but first stderr names the cache, tensor, slot and token, and what to do.

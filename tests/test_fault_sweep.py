@@ -1,4 +1,4 @@
-"""Issue 12, item 3: fail every backend entry point at every call index of every public call.
+"""Fail every backend entry point at every call index of every public call.
 
 For each scenario (a small cache brought into a state, then one public call) the call is first run
 once to count how often it calls each entry point (host backend: its primitives; emulated CUDA:
@@ -173,7 +173,7 @@ SCENARIOS = {
     "swap_drop": (_swapped, lambda c, x: c.swap_drop(x["handle"])),
     "close": (_swapped, lambda c, x: c.close()),
 }
-# Pages named by an engine's block ids (issue 19): tables grow, hit, take an idle row's block.
+# Pages named by an engine's block ids: tables grow, hit, take an idle row's block.
 BLOCK_SCENARIOS = {
     "blocks_grow": (_blocks_two_active, lambda c, x: c.step(
         {x["a"]: 3 * TPP, x["b"]: 2 * TPP}, blocks={x["a"]: (2, [4], 0), x["b"]: (1, [5], 0)})),

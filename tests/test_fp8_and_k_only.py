@@ -1,4 +1,4 @@
-"""fp8 KV dtypes and K-only caches (value_cache=False), issue 14: every path on both backends."""
+"""fp8 KV dtypes and K-only caches (value_cache=False): every path on both backends."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import vattention
-import vattention.compat as vattn
+import vattention.integrations.original_api as vattn
 
 from support.helpers import kv_views
 from support.share_helpers import bits
@@ -73,7 +73,7 @@ def test_fp8_fork_and_swap_are_bit_identical(make_cache, dtype):
     check(cache, back, 0, 777, written)
 
 
-def test_fp8_by_name_and_through_compat():
+def test_fp8_by_name_and_through_the_original_api():
     cfg = vattention.KVCacheConfig(num_layers=1, num_kv_heads=1, head_dim=64, max_batch_size=1,
                                    max_seq_len=64, dtype="float8_e5m2", page_size="4KB")
     assert cfg.dtype == torch.float8_e5m2

@@ -1,5 +1,5 @@
-"""The docstring examples of the integration, benchmark and core API modules run and print what
-they claim."""
+"""The docstring examples of the integration, benchmark, attention and core API modules run and
+print what they claim."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import importlib
 import pytest
 
 
-@pytest.mark.parametrize("module", ["vattention.compat", "vattention.integrations.flash_attn",
+@pytest.mark.parametrize("module", ["vattention.integrations.original_api",
+                                    "vattention.integrations.flash_attn",
                                     "vattention.integrations.transformers",
-                                    "vattention.integrations.vllm.geometry",
+                                    "vattention.integrations.vllm.kv_layout",
                                     "vattention.integrations.vllm.prefix_hint",
                                     "vattention.integrations.vllm.plugin",
                                     "vattention.integrations.vllm.stats_writer",
@@ -20,7 +21,12 @@ import pytest
                                     "vattention.bench.workload", "vattention.bench.traces",
                                     "vattention.bench.progress", "vattention.bench.sizing",
                                     "vattention.bench.allocators", "vattention.config",
-                                    "vattention.cache", "vattention.sharing"])
+                                    "vattention.cache", "vattention.sharing", "vattention.swap",
+                                    "vattention.backends", "vattention.attention",
+                                    "vattention.attention.kernel",
+                                    "vattention.attention.reference",
+                                    "vattention.attention.fp8",
+                                    "vattention.attention.arguments"])
 def test_docstring_examples(module):
     if module.endswith("transformers"):
         pytest.importorskip("transformers")

@@ -1,4 +1,5 @@
-"""FlashAttention helpers: the SDPA reference's semantics, and decode/prefill on a vattention cache.
+"""FlashAttention's signature over vattention caches: the SDPA reference's semantics, the CPU route
+to vattention.attention's kernel, and decode/prefill on a vattention cache.
 
 The real flash-attn path runs only on a GPU (``@pytest.mark.gpu``) and is compared with the
 reference there.
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 import vattention
+from vattention import attention
 from vattention.integrations import flash_attn as fa
 
 
@@ -155,3 +157,71 @@ def test_flash_path_refuses_slot_offsets_beyond_int32():
     fa.decode(q, k_cache, k_cache, k, k, torch.tensor([0]), torch.tensor([8]), kernel=kernel,
               check_int32_offsets=False)
     assert calls == [[7], [8]]
+
+
+def test_every_name_of_the_flash_attn_layer_is_importable():
+    from vattention.integrations.flash_attn import (  # noqa: F401
+        IntArg,
+        Kernel,
+        decode,
+        flash_attn_with_kvcache,
+        flash_attn_with_kvcache_reference,
+        flash_kernel,
+        fp8_store_like_vllm,
+        kernel_isa,
+        prefill,
+    )
+
+    assert kernel_isa is attention.kernel_isa
+    assert fp8_store_like_vllm is attention.fp8_store_like_vllm
+    assert set(fa.__all__) <= set(dir(fa))
+
+
+def test_cpu_tensors_run_the_kernel_with_flash_attns_positional_arguments():
+    """FA's positional order (max_seqlen_q between cu_seqlens_q and softmax_scale) reaches
+    attention.cpu_attention as its keywords, fp8 descales and the prefix hint included."""
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(5, 4, 16, generator=gen)
+    k, v = torch.randn(5, 2, 16, generator=gen), torch.randn(5, 2, 16, generator=gen)
+    cached = attention.fp8_store_like_vllm(torch.randn(3, 32, 2, 16, generator=gen),
+                                           torch.float8_e4m3fn)
+    cached[0, :4] = cached[2, :4]     # what the hint says: rows 2 and 0 share 4 tokens
+    seqlens, rows = torch.tensor([6, 9]), torch.tensor([2, 0])
+    cu = torch.tensor([0, 1, 2])      # two decode rows: the hint's group
+    q, k, v = q[:2], k[:2], v[:2]
+    hint = dict(prefix_groups=torch.tensor([0, 0]), prefix_lens=torch.tensor([4, 4]))
+    caches = [(cached.clone(), cached.clone()) for _ in range(3)]
+    got = fa.flash_attn_with_kvcache(q, *caches[0], k, v, seqlens, rows, cu, 4, 0.3, True,
+                                     (7, 0), 0.5, 2.0, **hint)
+    want = attention.cpu_attention(q, *caches[1], k, v, cache_seqlens=seqlens,
+                                   cache_batch_idx=rows, cu_seqlens_q=cu, softmax_scale=0.3,
+                                   causal=True, window_size=(7, 0), k_descale=0.5, v_descale=2.0,
+                                   **hint)
+    ref = fa.flash_attn_with_kvcache_reference(q, *caches[2], k, v, seqlens, rows, cu, 4, 0.3,
+                                               True, (7, 0), 0.5, 2.0)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(ref, want, atol=5e-5, rtol=5e-5)
+    for (kc, vc), (kw, vw) in zip(caches, caches[1:]):
+        assert torch.equal(kc.view(torch.uint8), kw.view(torch.uint8))
+        assert torch.equal(vc.view(torch.uint8), vw.view(torch.uint8))
+
+
+def test_decode_and_prefill_helpers_use_the_kernel():
+    assert fa._default_kernel(torch.zeros(1), torch.zeros(1)) is fa.flash_attn_with_kvcache
+    assert (
+        fa._default_kernel(torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64))
+        is fa.flash_attn_with_kvcache_reference
+    )
+    gen = torch.Generator().manual_seed(4)
+    kc, vc = torch.randn(3, 64, 2, 32, generator=gen), torch.randn(3, 64, 2, 32, generator=gen)
+    q, k, v = (
+        torch.randn(10, 4, 32, generator=gen),
+        torch.randn(10, 2, 32, generator=gen),
+        torch.randn(10, 2, 32, generator=gen),
+    )
+    got = fa.prefill(q, k, v, kc, vc, slot=2, start=5)
+    ref_k, ref_v = kc.clone(), vc.clone()
+    want = fa.prefill(
+        q, k, v, ref_k, ref_v, slot=2, start=5, kernel=fa.flash_attn_with_kvcache_reference
+    )
+    torch.testing.assert_close(got, want, atol=5e-5, rtol=5e-5)

@@ -256,7 +256,7 @@ def test_non_contiguous_free_slots_are_refused_and_released():
         assert kv.active_slots() == [1, 3]
 
 
-# ---- sliding windows (issue 14) ---------------------------------------------------------------
+# ---- sliding windows --------------------------------------------------------------------------
 WINDOW = 8
 WINDOWED = {
     # family: (config class, model class, extra config, attention implementation)
@@ -314,7 +314,7 @@ def test_sliding_window_models_match_dynamic_cache_with_memory_bounded_by_the_wi
     assert torch.equal(got, expected)
 
 
-# ---- per-layer KV shapes (issue 14, item 4) ----------------------------------------------------
+# ---- per-layer KV shapes ----------------------------------------------------------------------
 def gemma4_model(**extra) -> torch.nn.Module:
     """Tiny Gemma 4: sliding layers 2 KV heads x 16, global layers 4 KV heads x 32 (its
     ``global_head_dim`` and, with ``attention_k_eq_v``, ``num_global_key_value_heads``)."""

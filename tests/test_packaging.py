@@ -1,4 +1,4 @@
-"""Issue 12, item 16: what `make demo` installs, and what the wheel ships."""
+"""What `make demo` installs, and what the wheel ships."""
 
 from __future__ import annotations
 
@@ -55,3 +55,14 @@ def test_wheel_ships_the_licence_of_the_bundled_traces(tmp_path):
     assert (data / "README.md").read_text() == (source / "README.md").read_text()
     assert sorted(p.name for p in data.glob("*.csv")) == sorted(
         p.name for p in source.glob("*.csv"))
+
+
+def test_wheel_lists_every_package_of_the_source_tree():
+    # pyproject.toml names the packages explicitly: a new folder with an __init__.py (such as
+    # vattention/attention/) that is not listed would be missing from the wheel.
+    block = re.search(r"^packages = \[(.*?)\]", (ROOT / "pyproject.toml").read_text(),
+                      re.MULTILINE | re.DOTALL)
+    listed = set(re.findall(r'"([^"]+)"', block.group(1)))
+    found = {".".join(p.parent.relative_to(ROOT).parts)
+             for p in (ROOT / "vattention").rglob("__init__.py")}
+    assert found == listed, (sorted(found - listed), sorted(listed - found))

@@ -1,5 +1,4 @@
-"""Per-layer KV shapes (issue 14, item 4): hybrid models whose layers differ in KV heads or head
-dim.
+"""Per-layer KV shapes: hybrid models whose layers differ in KV heads or head dim.
 
 Each layer's tensors are shaped for it and all layers draw on one page pool. A slot grows by page
 indices of `tokens_per_page` tokens; layer l maps `index_pages(l)` pages per index, exactly in

@@ -1,4 +1,4 @@
-"""The prefetch thread maps outside the cache lock (issue 13): races held open in the driver.
+"""The prefetch thread maps outside the cache lock: races held open in the driver.
 
 The strict CUDA driver EMULATION stops the prefetch thread's first cuMemMap (a gate: the call is
 held open, no cache lock held) while the test steps, frees, forks or swaps the same slot. Then:

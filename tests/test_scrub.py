@@ -1,4 +1,4 @@
-"""Issue 12, item 10: KVCacheConfig(scrub=True) zeroes pages when they change owner.
+"""KVCacheConfig(scrub=True) zeroes pages when they change owner.
 
 A slot reused after free() (deferred reclamation hands its mapped pages to the next request) and a
 page recycled through the pool both carry the previous request's K/V; fresh driver pages are

@@ -1,4 +1,4 @@
-"""Issue 18, item 5: one trace reader (vattention.bench.traces), by column name, validated.
+"""One trace reader (vattention.bench.traces), by column name, validated.
 
 The demo, the memory benchmark's workload and benchmarks/ all read traces through
 ``load_trace``; a bad file is reported with the file, the row, its line and the column.

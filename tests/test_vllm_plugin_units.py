@@ -1,4 +1,5 @@
-"""The vLLM plugin's parts that need no vLLM: geometry, version check, switch, stats file.
+"""The vLLM plugin's parts that need no vLLM: KV layout and block sizes, version check, switch,
+stats file.
 
 (The plugin itself runs end to end in tests/test_integrations_vllm.py, in the vLLM venv.)
 """
@@ -17,18 +18,18 @@ import torch
 from hypothesis import given, strategies as st
 
 import vattention
-from vattention.integrations.vllm import geometry, plugin
+from vattention.integrations.vllm import kv_layout, plugin
 from vattention.integrations.vllm.stats_writer import StatsWriter, stats_path
 
 
 @given(block=st.integers(1, 1024), heads=st.integers(1, 16), dim=st.sampled_from([16, 32, 64, 80,
        96, 128, 256]), dtype=st.sampled_from([torch.uint8, torch.bfloat16, torch.float32]),
-       layers=st.integers(1, 64), layout=st.sampled_from(geometry.LAYOUTS),
+       layers=st.integers(1, 64), layout=st.sampled_from(kv_layout.LAYOUTS),
        gran=st.sampled_from([4096, 65536, 2 << 20]))
 def test_aligned_block_is_the_smallest_page_aligned_multiple(block, heads, dim, dtype, layers,
                                                              layout, gran):
-    unit = geometry.model_unit_bytes(layout, layers, heads, dim, dtype)
-    aligned = geometry.aligned_block_size(block, unit, gran)
+    unit = kv_layout.model_unit_bytes(layout, layers, heads, dim, dtype)
+    aligned = kv_layout.aligned_block_size(block, unit, gran)
     assert aligned % block == 0 and (aligned * unit) % gran == 0
     assert all((m * unit) % gran for m in range(block, aligned, block))
 
@@ -42,7 +43,7 @@ def test_huge_block_is_at_most_twice_the_block_and_only_for_whole_huge_pages(blo
         st.integers(1, 1 << 16).map(lambda u: u * 16),
         *(st.integers(0, 63).map(lambda k, f=f: (2 * k + 1) * (2 << 20) // (f * block))
           for f in (2, 4))))
-    chosen = geometry.huge_block_size(block, unit, huge)
+    chosen = kv_layout.huge_block_size(block, unit, huge)
 
     def whole(b):
         return huge and (b * unit) % huge == 0
@@ -64,7 +65,7 @@ def _kv(*groups, num_blocks=10):
 
 @pytest.mark.parametrize("layout, pages_per_block", [("mega", 2), ("layer", 6)])
 def test_a_cache_with_vllms_budget_holds_exactly_its_blocks(layout, pages_per_block):
-    kv = geometry.kv_layout(_kv((_spec(), ["a", "b", "c"])), torch.float32, layout)
+    kv = kv_layout.kv_layout(_kv((_spec(), ["a", "b", "c"])), torch.float32, layout)
     cfg = kv.cache_config(max_batch_size=4, max_seq_len=1280, device="cpu", block_cache=False)
     assert cfg.tokens_per_page == kv.block_size == 128
     assert cfg.pages_per_index == pages_per_block
@@ -82,7 +83,7 @@ def test_a_cache_with_vllms_budget_holds_exactly_its_blocks(layout, pages_per_bl
 
 
 def test_hybrid_groups_become_layer_groups_with_their_windows():
-    kv = geometry.kv_layout(_kv((_spec(), ["l1", "l3"]), (_spec(64), ["l0", "l2"])),
+    kv = kv_layout.kv_layout(_kv((_spec(), ["l1", "l3"]), (_spec(64), ["l0", "l2"])),
                             torch.bfloat16, "auto")
     assert kv.layout == "layer" and kv.layer_names == ("l1", "l3", "l0", "l2")
     assert kv.layer_groups == (0, 0, 1, 1) and kv.windows == (None, None, 64, 64)
@@ -93,21 +94,21 @@ def test_hybrid_groups_become_layer_groups_with_their_windows():
 
 def test_what_one_cache_cannot_hold_is_refused_naming_it():
     with pytest.raises(vattention.ConfigError, match="VATTENTION_VLLM_LAYOUT=layer"):
-        geometry.kv_layout(_kv((_spec(), ["a"]), (_spec(64), ["b"])), torch.float32, "mega")
+        kv_layout.kv_layout(_kv((_spec(), ["a"]), (_spec(64), ["b"])), torch.float32, "mega")
     with pytest.raises(vattention.ConfigError, match=r"block sizes \[16, 32\]"):
-        geometry.kv_layout(_kv((_spec(block=16), ["a"]), (_spec(block=32), ["b"])),
+        kv_layout.kv_layout(_kv((_spec(block=16), ["a"]), (_spec(block=32), ["b"])),
                            torch.float32, "auto")
     with pytest.raises(vattention.ConfigError, match="group 0 is a MambaSpec"):
-        geometry.kv_layout(NS(num_blocks=4, kv_cache_groups=[
+        kv_layout.kv_layout(NS(num_blocks=4, kv_cache_groups=[
             NS(kv_cache_spec=type("MambaSpec", (), {})(), layer_names=["m"])]),
             torch.float32, "auto")
 
 
 def test_kv_cache_dtypes():
-    assert geometry.kv_cache_dtype("auto", torch.float16) == torch.float16
-    assert geometry.kv_cache_dtype("fp8_e5m2", torch.float16) == torch.float8_e5m2
+    assert kv_layout.kv_cache_dtype("auto", torch.float16) == torch.float16
+    assert kv_layout.kv_cache_dtype("fp8_e5m2", torch.float16) == torch.float8_e5m2
     with pytest.raises(vattention.ConfigError, match="kv_cache_dtype='int8'"):
-        geometry.kv_cache_dtype("int8", torch.float16)
+        kv_layout.kv_cache_dtype("int8", torch.float16)
 
 
 def test_untested_version_is_refused_unless_overridden(monkeypatch):

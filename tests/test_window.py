@@ -1,4 +1,4 @@
-"""Sliding-window release (issue 14): KVCacheConfig(sliding_window=...).
+"""Sliding-window release: KVCacheConfig(sliding_window=...).
 
 Positions stay absolute; step() unmaps the pages of windowed tensors that lie wholly before the
 first key any query of the step reads (a query at q reads keys (q - W, q]); every other path

@@ -8,19 +8,20 @@ from typing import List, Optional
 
 
 def _info() -> int:
+    import torch
+
     import vattention
-    from vattention import _C
+    from vattention import backends
 
     print(f"vattention {vattention.__version__}")
-    import torch
     print(f"torch {torch.__version__}")
     for kind, device in (("host", "cpu"), ("cuda", "cuda:0")):
-        reason = _C.backend_unavailable_reason(kind)
+        reason = backends.unavailable_reason(kind)
         if reason:
             print(f"backend {kind}: unavailable: {reason}")
             continue
         try:
-            gran = _C.backend_granularity(device)
+            gran = backends.granularity(device)
         except vattention.VAttentionError as e:
             print(f"backend {kind}: unavailable: {e}")
         else:

@@ -1,4 +1,4 @@
-"""Checking and converting call arguments at the Python boundary (DESIGN.md section 7).
+"""Checking and converting call arguments at the Python boundary.
 
 Every public :class:`~vattention.KVCache` method passes its integer and stream arguments through
 these functions before they reach the C++ core, so that

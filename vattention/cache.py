@@ -20,6 +20,7 @@ from .errors import (
     SequenceTooLongError,
 )
 from .sharing import SharingMixin
+from .swap import SwapMixin
 
 __all__ = ["KVCache", "Capacity"]
 
@@ -95,7 +96,7 @@ def _warn_if_coarse(config: KVCacheConfig) -> None:
             config.pages_per_index * config.page_bytes, most, config.page_bytes)
 
 
-class KVCache(SharingMixin):
+class KVCache(SharingMixin, SwapMixin):
     """Virtual KV tensors with physical pages mapped on demand.
 
     Each layer's K and V cache is one dense tensor ``[max_batch_size, max_seq_len, num_kv_heads,

@@ -1,4 +1,4 @@
-"""Exception hierarchy (DESIGN.md section 7).
+"""The cache's exception hierarchy, all subclasses of :class:`VAttentionError`.
 
 Every message names the bad value and the limit; every failed call leaves the cache exactly as it
 was. Exceptions raised by the C++ core carry their numbers as attributes too (for example

@@ -56,10 +56,10 @@ def use_emulation() -> str:
 def no_gpu_reason() -> str:
     """"" when vattention's CUDA backend can run here (a driver and a device), else why not."""
     try:
-        import vattention
+        from vattention import backends
     except Exception as e:  # an unbuilt checkout, a broken install
         return f"vattention does not import ({type(e).__name__}: {e})"
-    return vattention._C.backend_unavailable_reason("cuda")
+    return backends.unavailable_reason("cuda") or ""
 
 
 def pytest_rows(args: list[str], junit: str, timeout_s: int) -> tuple[list[dict], bool]:

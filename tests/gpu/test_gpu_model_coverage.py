@@ -1,4 +1,4 @@
-"""Issue 14 on a real GPU: per-layer shapes, sliding windows and fp8 caches under FlashAttention.
+"""Per-layer shapes, sliding windows and fp8 caches under FlashAttention, on a real GPU.
 
 Written without a GPU (none was lent to this project): these are the checks docs/models.md lists
 as "what a GPU run must still verify". The same paths pass on the host backend and the CUDA driver

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..backends import host_mapping_limit
 from ..config import KVCacheConfig
 from .workload import ModelShape
 
@@ -101,8 +102,8 @@ def host_mapping_problem(name: str, model: ModelShape, budget_bytes: int) -> Opt
 
     The host backend maps every page with its own ``mmap``; Linux caps a process's mappings at
     ``vm.max_map_count``, so the backend refuses page mappings beyond its share of that limit
-    (``vattention._C.host_mapping_limit()``) with ``OutOfPagesError``. A run whose budget needs
-    more page mappings would measure that limit instead of the allocator, so it is skipped.
+    (:func:`vattention.backends.host_mapping_limit`) with ``OutOfPagesError``. A run whose budget
+    needs more page mappings would measure that limit instead of the allocator, so it is skipped.
 
     Examples
     --------
@@ -112,9 +113,7 @@ def host_mapping_problem(name: str, model: ModelShape, budget_bytes: int) -> Opt
     """
     if not name.startswith("vattention-"):
         return None
-    from vattention import _C
-
-    limit = _C.host_mapping_limit()
+    limit = host_mapping_limit()
     _, layout, page = name.split("-")[:3]
     _, _, page_bytes = page_geometry(model, layout, page)
     pages = budget_bytes // page_bytes

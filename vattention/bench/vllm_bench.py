@@ -5,11 +5,11 @@ Both engines serve the same model, the same requests and the same KV memory
 process of its own started once (the plugin is switched on per process by ``VATTENTION_VLLM=1``).
 Both stay alive, each is warmed up outside the timing (compilation, oneDNN primitives, the first
 pages), then the two are driven alternately, A B B A, for ``--repetitions`` rounds of each workload
-(DESIGN.md section 10). Every pass (A B, then B A) draws new token ids, so vLLM's prefix
-cache never carries hits from one pass into the next; both engines get the same requests in a
-pass, and their tokens are compared. Printed per workload: generated tokens per second, min and
-median over the passes, and the plugin's median over stock's; the machine's load before and
-after.
+(a drift of the machine over the run then weighs on both engines alike). Every pass (A B, then
+B A) draws new token ids, so vLLM's prefix cache never carries hits from one pass into the next;
+both engines get the same requests in a pass, and their tokens are compared. Printed per
+workload: generated tokens per second, min and median over the passes, and the plugin's median
+over stock's; the machine's load before and after.
 
 Workloads (``--workload``, several allowed):
 

@@ -50,11 +50,11 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     dtype: str = "bfloat16"
-    # Sliding-window attention (issue 14): `window_layers` of the layers attend to the last
+    # Sliding-window attention: `window_layers` of the layers attend to the last
     # `window` tokens only (0: none). Which layers does not matter to the byte counts.
     window: int = 0
     window_layers: int = 0
-    # Per-layer shapes (issue 14): the layers after the first `window_layers` (the full-attention
+    # Per-layer shapes: the layers after the first `window_layers` (the full-attention
     # ones) have `full_kv_heads` x `full_head_dim` when set (0: num_kv_heads x head_dim), as
     # Gemma 4's global layers have their own head dim.
     full_kv_heads: int = 0
@@ -133,11 +133,11 @@ MODELS = {
     "yi-6b": ModelShape("yi-6b", 32, 4, 128),
     "llama3-70b-tp8": ModelShape("llama3-70b-tp8", 80, 1, 128),
     "qwen2.5-7b": ModelShape("qwen2.5-7b", 28, 4, 128),
-    # issue 14: an fp8 KV cache, and sliding-window models with their real windows
+    # an fp8 KV cache, and sliding-window models with their real windows
     "llama3-8b-fp8": ModelShape("llama3-8b-fp8", 32, 8, 128, "float8_e4m3fn"),
     "mistral-7b": ModelShape("mistral-7b", 32, 8, 128, window=4096, window_layers=32),
     "gemma3-12b": ModelShape("gemma3-12b", 48, 8, 256, window=1024, window_layers=40),
-    # issue 14, per-layer shapes: transformers' Gemma4TextConfig defaults (30 layers, 5 local :
+    # per-layer shapes: transformers' Gemma4TextConfig defaults (30 layers, 5 local :
     # 1 global, 4 KV heads, head_dim 256 local / global_head_dim 512, window 512), no KV sharing
     "gemma4-defaults": ModelShape("gemma4-defaults", 30, 4, 256, window=512, window_layers=25,
                                   full_head_dim=512),

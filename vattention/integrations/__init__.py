@@ -11,6 +11,9 @@ module                                      what it gives                    opt
 ``vattention.integrations.flash_attn``      ``flash_attn_with_kvcache``      ``flash`` (GPU);
                                             (native CPU kernel), decode/     CPU: none
                                             prefill helpers
+``vattention.integrations.original_api``    the original vAttention          none
+                                            library's function API
+                                            (``init_kvcache``, ``step``...)
 ==========================================  ===============================  ==================
 
 Examples
@@ -25,7 +28,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-__all__ = ["transformers", "flash_attn"]
+__all__ = ["transformers", "flash_attn", "original_api"]
 
 
 def __getattr__(name: str) -> ModuleType:

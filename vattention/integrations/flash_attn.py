@@ -2,21 +2,24 @@
 
 vattention gives each request a contiguous row ``k_cache[slot, :seq_len]`` of a dense tensor
 ``[max_batch, max_seq, kv_heads, head_dim]``, which is exactly what FlashAttention's
-``flash_attn_with_kvcache`` consumes without a block table.
+``flash_attn_with_kvcache`` consumes without a block table. This module is FlashAttention's
+signature over the right kernel for the tensors' device; the kernels themselves live in
+:mod:`vattention.attention`.
 
 * :func:`flash_attn_with_kvcache` -- FlashAttention's signature (FA2 arguments plus FA3's varlen
   ``cu_seqlens_q`` and fp8 ``k_descale``/``v_descale``). CUDA tensors go to flash-attn when it is
-  installed; CPU tensors go to vattention's native kernel (``csrc/attention``): one call for the
-  whole batch, OpenMP threads over (request[, KV head, query block, key split]) items,
-  hand-vectorized for AVX-512 (with AVX512-BF16 where present) / AVX2 / any CPU, the new K/V
-  appended in place by the same call.
+  installed; CPU tensors go to vattention's native kernel
+  (:func:`vattention.attention.cpu_attention`).
 * :func:`decode` -- one step for many slots: ``cache_batch_idx`` picks each query's slot,
   ``cache_seqlens`` is each slot's length *before* this step, and the new ``k``/``v`` are
   written in place at ``[cache_seqlens, cache_seqlens + new)``; attention then covers
   ``cache_seqlens + new`` keys, causal aligned to the bottom right.
 * :func:`prefill` -- the prompt (or a chunk of it, ``start > 0``) of one slot.
 * :func:`flash_attn_with_kvcache_reference` -- the same semantics with torch SDPA, one request at
-  a time, on any device: the test oracle.
+  a time, on any device (:func:`vattention.attention.reference_attention`): the test oracle.
+
+Also importable from here: :func:`kernel_isa` and :func:`fp8_store_like_vllm` (from
+:mod:`vattention.attention`), :func:`flash_kernel`, and the ``Kernel`` and ``IntArg`` types.
 
 None of them maps pages: call ``KVCache.step({slot: new_length})`` first, so positions up to the
 new length are backed. None reads a key position at or beyond ``cache_seqlens + new``, nor below a
@@ -35,11 +38,19 @@ Examples
 
 from __future__ import annotations
 
-import math
-from typing import Callable, Optional, Sequence, Tuple, Union
+from typing import Callable, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
+
+from ..attention import (
+    IntArg,
+    Scale,
+    cpu_attention,
+    fp8_store_like_vllm,
+    kernel_isa,
+    reference_attention,
+    supports,
+)
 
 __all__ = [
     "flash_attn_with_kvcache",
@@ -49,14 +60,12 @@ __all__ = [
     "flash_kernel",
     "kernel_isa",
     "fp8_store_like_vllm",
+    "Kernel",
+    "IntArg",
 ]
 
+# A function with flash_attn_with_kvcache's signature (decode's and prefill's ``kernel``).
 Kernel = Callable[..., torch.Tensor]
-IntArg = Union[int, torch.Tensor, Sequence[int], None]
-
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_FP8 = {torch.float8_e4m3fn: (3, 448.0), torch.float8_e5m2: (4, 57344.0)}
-_INT32_MAX = 2**31 - 1
 
 
 def flash_attn_with_kvcache(
@@ -72,8 +81,8 @@ def flash_attn_with_kvcache(
     softmax_scale: Optional[float] = None,
     causal: bool = False,
     window_size: Tuple[int, int] = (-1, -1),
-    k_descale: Union[float, torch.Tensor, None] = None,
-    v_descale: Union[float, torch.Tensor, None] = None,
+    k_descale: Scale = None,
+    v_descale: Scale = None,
     *,
     prefix_groups: Optional[torch.Tensor] = None,
     prefix_lens: Optional[torch.Tensor] = None,
@@ -81,8 +90,9 @@ def flash_attn_with_kvcache(
     """Attention of a batch of queries over dense KV caches, appending new keys in place.
 
     FlashAttention's ``flash_attn_with_kvcache`` (no rotary, no paged block table). CPU tensors
-    run vattention's native kernel on ``torch.get_num_threads()`` threads with the GIL released;
-    CUDA tensors run flash-attn when it is installed (:func:`flash_kernel`), else the reference.
+    run vattention's native kernel (:func:`vattention.attention.cpu_attention`) on
+    ``torch.get_num_threads()`` threads with the GIL released; CUDA tensors run flash-attn when it
+    is installed (:func:`flash_kernel`), else the reference; other devices the reference.
 
     Parameters
     ----------
@@ -168,25 +178,12 @@ def flash_attn_with_kvcache(
     >>> bool(torch.allclose(plain, hinted, atol=1e-6))
     True
     """
+    fa_args = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cu_seqlens_q,
+               max_seqlen_q, softmax_scale, causal, window_size, k_descale, v_descale)
     if q.device.type == "cuda":
         flash = flash_kernel()
         if flash is None:
-            return flash_attn_with_kvcache_reference(
-                q,
-                k_cache,
-                v_cache,
-                k,
-                v,
-                cache_seqlens,
-                cache_batch_idx,
-                cu_seqlens_q,
-                max_seqlen_q,
-                softmax_scale,
-                causal,
-                window_size,
-                k_descale,
-                v_descale,
-            )
+            return flash_attn_with_kvcache_reference(*fa_args)
         extra = {
             name: value
             for name, value in (
@@ -212,301 +209,25 @@ def flash_attn_with_kvcache(
             **extra,
         )
     if q.device.type != "cpu":
-        return flash_attn_with_kvcache_reference(
-            q,
-            k_cache,
-            v_cache,
-            k,
-            v,
-            cache_seqlens,
-            cache_batch_idx,
-            cu_seqlens_q,
-            max_seqlen_q,
-            softmax_scale,
-            causal,
-            window_size,
-            k_descale,
-            v_descale,
-        )
-    return _cpu_kernel(
+        return flash_attn_with_kvcache_reference(*fa_args)
+    # max_seqlen_q is FA3's launch hint; the CPU kernel reads the lengths from cu_seqlens_q.
+    return cpu_attention(
         q,
         k_cache,
         v_cache,
         k,
         v,
-        cache_seqlens,
-        cache_batch_idx,
-        cu_seqlens_q,
-        softmax_scale,
-        causal,
-        window_size,
-        k_descale,
-        v_descale,
+        cache_seqlens=cache_seqlens,
+        cache_batch_idx=cache_batch_idx,
+        cu_seqlens_q=cu_seqlens_q,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window_size,
+        k_descale=k_descale,
+        v_descale=v_descale,
         prefix_groups=prefix_groups,
         prefix_lens=prefix_lens,
     )
-
-
-def kernel_isa() -> str:
-    """The instruction set the CPU kernel runs here.
-
-    ``"avx512bf16"`` (AVX-512 with the bf16 dot product), ``"avx512"``, ``"avx2"`` (with FMA and
-    F16C) or ``"generic"`` (plain C++), chosen once from the CPU;
-    ``VATTENTION_ATTENTION_ISA=<name>`` picks a lower one.
-
-    Examples
-    --------
-    >>> kernel_isa() in ("avx512bf16", "avx512", "avx2", "generic")
-    True
-    """
-    from .. import _C
-
-    return _C.attention_kernel_isa()
-
-
-# ---- the native CPU path: argument checks, then one call into csrc/attention.
-
-
-def _cpu_kernel(
-    q,
-    k_cache,
-    v_cache,
-    k,
-    v,
-    cache_seqlens,
-    cache_batch_idx,
-    cu_seqlens_q,
-    softmax_scale,
-    causal,
-    window_size,
-    k_descale,
-    v_descale,
-    out: Optional[torch.Tensor] = None,
-    prefix_groups=None,
-    prefix_lens=None,
-) -> torch.Tensor:
-    """The CPU path of flash_attn_with_kvcache; `out` (q's shape and dtype, last dimension
-    contiguous, any other strides) receives the output in place of a new tensor (the vLLM
-    plugin passes its output buffer: no allocation, no copy)."""
-    from .. import _C
-
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t is not None and t.device.type != "cpu":
-            raise ValueError(
-                f"{name} is on {t.device}, q on cpu: all tensors must be on one device"
-            )
-    dtype = q.dtype
-    if dtype not in _DTYPE_CODES:
-        raise TypeError(
-            f"q dtype must be float32, bfloat16 or float16 on CPU, got {dtype} "
-            "(flash_attn_with_kvcache_reference takes any dtype)"
-        )
-    if k_cache.dtype != v_cache.dtype:
-        raise TypeError(
-            f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must share a dtype"
-        )
-    fp8 = _FP8.get(k_cache.dtype)
-    if k_cache.dtype != dtype and fp8 is None:
-        raise TypeError(
-            f"k_cache/v_cache dtype must be q's ({dtype}) or torch.float8_e4m3fn / "
-            f"torch.float8_e5m2, got {k_cache.dtype}"
-        )
-    cache_code = fp8[0] if fp8 else _DTYPE_CODES[dtype]
-    varlen = cu_seqlens_q is not None
-    if q.dim() != (3 if varlen else 4):
-        want = (
-            "[total_q, heads, head_dim] with cu_seqlens_q"
-            if varlen
-            else "[n, seqlen_q, heads, head_dim]"
-        )
-        raise ValueError(f"q must be {want}, got shape {tuple(q.shape)}")
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(
-            "k_cache and v_cache must be [batch_cache, seqlen_cache, kv_heads, head_dim] of one "
-            f"shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-        )
-    batch_cache, seqlen_cache, kv_heads, head_dim = k_cache.shape
-    heads = q.shape[-2]
-    if q.shape[-1] != head_dim:
-        raise ValueError(f"q head_dim {q.shape[-1]} != the cache's head_dim {head_dim}")
-    if heads % kv_heads:
-        raise ValueError(
-            f"q heads ({heads}) must be a multiple of the cache's KV heads ({kv_heads})"
-        )
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.stride(-1) != 1 and head_dim > 1:
-            raise ValueError(
-                f"{name} must have a contiguous last dimension (stride 1), got strides "
-                f"{tuple(t.stride())}"
-            )
-    if (k is None) != (v is None):
-        raise ValueError("k and v must be given together")
-    q = _last_dim_contiguous(q)
-    if varlen:
-        cu = _int32_tensor(cu_seqlens_q, "cu_seqlens_q")
-        n = cu.numel() - 1
-        if n < 0:
-            raise ValueError("cu_seqlens_q must hold n + 1 >= 1 offsets")
-    else:
-        n = q.shape[0]
-    if k is not None:
-        if k.dtype != dtype or v.dtype != dtype:
-            raise TypeError(f"k/v dtype must be q's ({dtype}), got {k.dtype} and {v.dtype}")
-        if varlen and tuple(k.shape) != (q.shape[0], kv_heads, head_dim):
-            raise ValueError(
-                f"k must be [total_q, kv_heads, head_dim] = {[q.shape[0], kv_heads, head_dim]} "
-                f"(aligned with q's tokens), got {tuple(k.shape)}"
-            )
-        if not varlen and (
-            k.dim() != 4 or k.shape[0] != n or tuple(k.shape[2:]) != (kv_heads, head_dim)
-        ):
-            raise ValueError(
-                f"k must be [n, seqlen_new, kv_heads, head_dim] = [{n}, *, {kv_heads}, "
-                f"{head_dim}], got {tuple(k.shape)}"
-            )
-        if v.shape != k.shape:
-            raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
-        k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
-        if cache_seqlens is None:
-            raise ValueError("cache_seqlens is required when k/v are given")
-    if cache_seqlens is None:
-        seqlens = torch.full((n,), seqlen_cache, dtype=torch.int32)
-    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-        seqlens = torch.full((n,), cache_seqlens, dtype=torch.int32)
-    else:
-        seqlens = _int32_tensor(cache_seqlens, "cache_seqlens", n)
-    rows = None if cache_batch_idx is None else _int32_tensor(cache_batch_idx, "cache_batch_idx", n)
-    if (prefix_groups is None) != (prefix_lens is None):
-        raise ValueError("prefix_groups and prefix_lens must be given together")
-    if prefix_groups is not None:
-        prefix_groups = _int32_tensor(prefix_groups, "prefix_groups", n)
-        prefix_lens = _int32_tensor(prefix_lens, "prefix_lens", n)
-    left, right = _window(window_size)
-    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
-    kd, vd = _descale(k_descale, "k_descale", fp8), _descale(v_descale, "v_descale", fp8)
-    if out is None:
-        out = torch.empty(q.shape, dtype=dtype)
-    elif (
-        out.shape != q.shape
-        or out.dtype != dtype
-        or out.device.type != "cpu"
-        or (out.stride(-1) != 1 and head_dim > 1)
-    ):
-        raise ValueError(
-            f"out must be a CPU tensor of q's shape {tuple(q.shape)} and dtype {dtype} with a "
-            f"contiguous last dimension, got {tuple(out.shape)} {out.dtype} on {out.device} "
-            f"with strides {tuple(out.stride())}"
-        )
-    if n == 0 or (out.numel() == 0 and (k is None or k.numel() == 0)):
-        return out
-    zero = (0, 0, 0, 0)
-    _C.flash_attn_with_kvcache(
-        num_requests=n,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        dtype=_DTYPE_CODES[dtype],
-        cache_dtype=cache_code,
-        q=_operand(q, varlen),
-        out=_operand(out, varlen),
-        k_new=zero if k is None else _operand(k, varlen),
-        v_new=zero if v is None else _operand(v, varlen),
-        k_cache=_operand(k_cache, False),
-        v_cache=_operand(v_cache, False),
-        cu_seqlens_q=cu.data_ptr() if varlen else 0,
-        seqlen_q=0 if varlen else q.shape[1],
-        q_tokens=q.shape[0] if varlen else 0,
-        seqlen_new=0 if (k is None or varlen) else k.shape[1],
-        cache_batch=batch_cache,
-        cache_len=seqlen_cache,
-        cache_seqlens=seqlens.data_ptr(),
-        cache_batch_idx=0 if rows is None else rows.data_ptr(),
-        softmax_scale=scale,
-        causal=bool(causal),
-        window_left=left,
-        window_right=right,
-        k_descale=kd,
-        v_descale=vd,
-        num_threads=torch.get_num_threads(),
-        prefix_group=0 if prefix_groups is None else prefix_groups.data_ptr(),
-        prefix_len=0 if prefix_lens is None else prefix_lens.data_ptr(),
-    )
-    return out
-
-
-def _operand(t: torch.Tensor, varlen: bool) -> Tuple[int, int, int, int]:
-    """(data pointer, batch, token, head strides) of a [n, tokens, heads, D] or [tokens, heads,
-    D]."""
-    s = t.stride()
-    if varlen:
-        return (t.data_ptr(), 0, s[0], s[1])
-    return (t.data_ptr(), s[0], s[1], s[2])
-
-
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
-
-
-def _int32_tensor(values, name: str, n: Optional[int] = None) -> torch.Tensor:
-    """values as a contiguous int32 CPU tensor of n entries, checked to fit int32."""
-    if isinstance(values, torch.Tensor):
-        t = values
-        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-            raise TypeError(f"{name} must hold integers, got {t.dtype}")
-    else:
-        seq = [values] if isinstance(values, int) else list(values)
-        if any(isinstance(x, bool) or not isinstance(x, int) for x in seq):
-            raise TypeError(f"{name} must hold integers, got {values!r}")
-        t = torch.tensor(seq, dtype=torch.int64)
-    if t.dim() != 1 or (n is not None and t.numel() != n):
-        raise ValueError(
-            f"{name} must be 1-D with {n if n is not None else 'n + 1'} entries, got shape "
-            f"{tuple(t.shape)}"
-        )
-    if t.device.type != "cpu":
-        t = t.cpu()
-    if t.dtype != torch.int32:
-        if t.numel() and (int(t.min()) < -_INT32_MAX - 1 or int(t.max()) > _INT32_MAX):
-            raise ValueError(
-                f"{name} values must fit in int32, got range [{int(t.min())}, {int(t.max())}]"
-            )
-        t = t.to(torch.int32)
-    return t.contiguous()
-
-
-def _window(window_size) -> Tuple[int, int]:
-    try:
-        left, right = window_size
-    except (TypeError, ValueError):
-        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}") from None
-    for x in (left, right):
-        if isinstance(x, bool) or not isinstance(x, int):
-            raise TypeError(f"window_size entries must be integers, got {window_size!r}")
-        if x < -1:
-            raise ValueError(
-                f"window_size entries must be >= -1 (-1: unlimited), got {window_size!r}"
-            )
-    return left, right
-
-
-def _descale(value, name: str, fp8) -> float:
-    if value is None:
-        return 1.0
-    if fp8 is None:
-        raise ValueError(f"{name} applies to fp8 caches only (float8_e4m3fn, float8_e5m2)")
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"{name} must be one value per tensor, got shape {tuple(value.shape)}")
-        value = float(value.reshape(()).item())
-    x = float(value)
-    if not (math.isfinite(x) and x > 0):
-        raise ValueError(f"{name} must be finite and > 0, got {x}")
-    return x
-
-
-# ---- the reference (torch SDPA, one request at a time, any device).
 
 
 def flash_attn_with_kvcache_reference(
@@ -522,26 +243,23 @@ def flash_attn_with_kvcache_reference(
     softmax_scale: Optional[float] = None,
     causal: bool = False,
     window_size: Tuple[int, int] = (-1, -1),
-    k_descale: Union[float, torch.Tensor, None] = None,
-    v_descale: Union[float, torch.Tensor, None] = None,
+    k_descale: Scale = None,
+    v_descale: Scale = None,
     *,
     prefix_groups: Optional[torch.Tensor] = None,
     prefix_lens: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Reference (torch SDPA) of :func:`flash_attn_with_kvcache`: same arguments and semantics.
 
-    One SDPA call per request, in q's dtype (any dtype, any device). Causal requests whose query
-    count equals their key count use SDPA's ``is_causal`` (no mask) when there is no GQA grouping
-    (the group's query heads are stacked as extra query rows); others get a boolean mask of the
-    visible keys. Keys are read from the first query's window start to ``cache_seqlens + new``
-    only. fp8 caches are dequantized (stored * descale) before SDPA, and new keys are written with
-    the same rounding as the CPU kernel (vLLM's; see :func:`flash_attn_with_kvcache`).
+    FlashAttention's signature over :func:`vattention.attention.reference_attention`: one SDPA
+    call per request, in q's dtype (any dtype, any device); fp8 caches are dequantized before
+    SDPA, and new keys are written with the CPU kernel's rounding.
 
     Parameters
     ----------
     q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cu_seqlens_q, max_seqlen_q,
     softmax_scale, causal, window_size, k_descale, v_descale
-        As in :func:`flash_attn_with_kvcache`.
+        As in :func:`flash_attn_with_kvcache` (``max_seqlen_q`` is accepted and not needed).
     prefix_groups, prefix_lens
         Accepted and ignored (a hint for the CPU kernel's speed).
 
@@ -557,144 +275,21 @@ def flash_attn_with_kvcache_reference(
     >>> float(out[0, 0, 0, 0])      # equal scores: the mean of the two values
     2.0
     """
-    varlen = cu_seqlens_q is not None
-    heads, head_dim = q.shape[-2], q.shape[-1]
-    kv_heads = k_cache.shape[2]
-    if heads % kv_heads:
-        raise ValueError(f"query heads ({heads}) must be a multiple of KV heads ({kv_heads})")
-    if varlen:
-        cu = [int(x) for x in torch.as_tensor(cu_seqlens_q).reshape(-1).tolist()]
-        batch = len(cu) - 1
-        spans = [(cu[i], cu[i + 1]) for i in range(batch)]
-    else:
-        batch, seqlen_q = q.shape[0], q.shape[1]
-        spans = [(0, seqlen_q)] * batch
-    if k is not None and cache_seqlens is None:
-        raise ValueError("cache_seqlens is required when k/v are given")
-    seqlens = _per_batch(cache_seqlens, batch, default=k_cache.shape[1])
-    rows = _per_batch(cache_batch_idx, batch, default=None) or list(range(batch))
-    left, right = _window(window_size)
-    if causal:
-        right = 0
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-    fp8 = _FP8.get(k_cache.dtype)
-    kd, vd = _descale(k_descale, "k_descale", fp8), _descale(v_descale, "v_descale", fp8)
-    group = heads // kv_heads
-    out = torch.empty_like(q)
-    for i, (row, past) in enumerate(zip(rows, seqlens)):
-        a, b = spans[i]
-        qi = q[a:b] if varlen else q[i]  # [Lq, H, D]
-        new_k = None if k is None else (k[a:b] if varlen else k[i])
-        new_v = None if v is None else (v[a:b] if varlen else v[i])
-        new = 0 if new_k is None else new_k.shape[0]
-        total = past + new
-        if total > k_cache.shape[1]:
-            raise ValueError(
-                f"batch entry {i}: {past} cached + {new} new tokens exceed the "
-                f"cache length {k_cache.shape[1]}"
-            )
-        if new_k is not None:
-            k_cache[row, past:total] = _to_cache(new_k, k_cache.dtype, kd)
-            v_cache[row, past:total] = _to_cache(new_v, v_cache.dtype, vd)
-        lq = qi.shape[0]
-        if lq == 0:
-            continue
-        # visible keys of query j (absolute position p = j + total - lq): [lo_j, hi_j)
-        pos = torch.arange(lq, device=q.device) + (total - lq)
-        hi = torch.full_like(pos, total) if right < 0 else (pos + right + 1).clamp(max=total)
-        lo = torch.zeros_like(pos) if left < 0 else (pos - left).clamp(min=0)
-        start = int(lo[0]) if left >= 0 else 0  # first key read
-        keys = _from_cache(k_cache[row, start:total], kd, q.dtype).transpose(0, 1)  # [Hkv, T, D]
-        vals = _from_cache(v_cache[row, start:total], vd, q.dtype).transpose(0, 1)
-        # GQA without copying K/V: the group query heads of one KV head become extra query rows
-        # of it, ordered (group, position).
-        qh = (
-            qi.reshape(lq, kv_heads, group, head_dim)
-            .permute(1, 2, 0, 3)
-            .reshape(kv_heads, group * lq, head_dim)
-        )
-        mask, is_causal = None, False
-        full = right < 0 and left < 0
-        if causal and left < 0 and lq == total and group == 1:
-            is_causal = lq > 1  # square, one query row per head: SDPA's causal path
-        elif not full or (causal and lq > 1):
-            t = torch.arange(start, total, device=q.device).view(1, -1)
-            allowed = (t >= lo.view(-1, 1)) & (t < hi.view(-1, 1))
-            if not bool(allowed.all()):
-                mask = allowed.repeat(group, 1)
-        if keys.shape[1] == 0:
-            o = torch.zeros(kv_heads, group * lq, head_dim, dtype=q.dtype, device=q.device)
-        else:
-            # 4-D inputs: torch's CPU SDPA takes a faster path for them than for 3-D ones
-            o = F.scaled_dot_product_attention(
-                qh[None], keys[None], vals[None], attn_mask=mask, is_causal=is_causal, scale=scale
-            )[0]
-        if mask is not None:  # flash-attn returns 0 for a query row that sees no key
-            o = o.masked_fill(~mask.any(-1).view(1, -1, 1), 0.0)
-        res = o.view(kv_heads, group, lq, head_dim).permute(2, 0, 1, 3).reshape(lq, heads, head_dim)
-        if varlen:
-            out[a:b] = res
-        else:
-            out[i] = res
-    return out
-
-
-def _from_cache(x: torch.Tensor, descale: float, dtype: torch.dtype) -> torch.Tensor:
-    if x.dtype in _FP8:
-        return (x.float() * descale).to(dtype)
-    return x.to(dtype)
-
-
-def _to_cache(x: torch.Tensor, cache_dtype: torch.dtype, descale: float) -> torch.Tensor:
-    """New keys as the cache stores them (fp8: vLLM 0.32's CPU rounding, see convert.h)."""
-    if cache_dtype not in _FP8:
-        return x.to(cache_dtype)
-    inv = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(descale, dtype=torch.float32)
-    return fp8_store_like_vllm(x.float() * inv.to(x.device), cache_dtype)
-
-
-def fp8_store_like_vllm(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp32 values (already divided by the descale) as vLLM 0.32's CPU backend stores them in fp8.
-
-    Clamped to ``[-max, max]`` (NaN to ``+max``), +-0 stored as 0, mantissa truncated toward zero
-    (torch's ``.to(float8)`` rounds to nearest instead). Used by the reference and the tests.
-
-    Parameters
-    ----------
-    v : float32 Tensor
-    dtype : ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``
-
-    Returns
-    -------
-    Tensor of ``dtype``, shaped like ``v``.
-
-    Examples
-    --------
-    >>> x = torch.tensor([1.1, -1e9, 0.003, -0.0])
-    >>> fp8_store_like_vllm(x, torch.float8_e4m3fn).float().tolist()   # truncated, saturated
-    [1.0, -448.0, 0.001953125, 0.0]
-    """
-    code, fmax = _FP8[dtype]
-    v = v.float()
-    v = torch.where(v < fmax, v, torch.full_like(v, fmax))  # NaN -> +max, as vLLM
-    v = torch.where(-fmax < v, v, torch.full_like(v, -fmax))
-    u = v.view(torch.int32)
-    sign = (u >> 24) & 0x80
-    if code == 3:  # e4m3fn
-        a = v.abs()
-        normal = ((u & 0x7FFFFFFF) - (120 << 23)) >> 20
-        sub = torch.round(a * 2.0**29).to(torch.int32) >> 20  # RNE, as the fp32 denormal
-        payload = torch.where(a >= 2.0**-6, normal, sub) & 0x7F
-        q = torch.where(payload == 0, sign, sign | payload.clamp(max=0x7E))
-    else:  # e5m2
-        exp = ((u >> 23) & 0xFF) - 127
-        man2 = (u >> 21) & 3
-        shift = (-14 - exp).clamp(min=0)
-        m = ((0x800000 | (u & 0x7FFFFF)) >> (shift + 21).clamp(max=31)).clamp(max=3)
-        m = torch.where(shift + 21 >= 32, torch.zeros_like(m), m)
-        q = torch.where(exp < -14, sign | m, sign | ((exp + 15) << 2) | man2)
-    q = torch.where(v == 0, torch.zeros_like(q), q)
-    return q.to(torch.uint8).view(dtype)
+    return reference_attention(
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        cache_seqlens=cache_seqlens,
+        cache_batch_idx=cache_batch_idx,
+        cu_seqlens_q=cu_seqlens_q,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window_size,
+        k_descale=k_descale,
+        v_descale=v_descale,
+    )
 
 
 def flash_kernel() -> Optional[Kernel]:
@@ -839,7 +434,9 @@ def prefill(
     return out.squeeze(0)
 
 
-_OWN_KERNELS = (flash_attn_with_kvcache, flash_attn_with_kvcache_reference)
+# vattention's own kernels compute row offsets in 64 bits: no int32 check for them.
+_OWN_KERNELS = (flash_attn_with_kvcache, flash_attn_with_kvcache_reference, cpu_attention,
+                reference_attention)
 
 
 def _default_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> Kernel:
@@ -848,11 +445,7 @@ def _default_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> Kernel:
         if flash is not None:
             return flash
         return flash_attn_with_kvcache_reference
-    if (
-        q.device.type == "cpu"
-        and q.dtype in _DTYPE_CODES
-        and (k_cache.dtype == q.dtype or k_cache.dtype in _FP8)
-    ):
+    if supports(q, k_cache):
         return flash_attn_with_kvcache
     return flash_attn_with_kvcache_reference
 
@@ -872,13 +465,3 @@ def _check_offsets(k_cache: torch.Tensor, v_cache: torch.Tensor, slots) -> None:
 def _int32(values, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(values, device=device).to(torch.int32)
 
-
-def _per_batch(values, batch: int, default) -> Optional[list[int]]:
-    if values is None:
-        return None if default is None else [default] * batch
-    if isinstance(values, int):
-        return [values] * batch
-    out = [int(x) for x in torch.as_tensor(values).reshape(-1).tolist()]
-    if len(out) != batch:
-        raise ValueError(f"expected {batch} per-batch values, got {len(out)}")
-    return out

@@ -4,12 +4,14 @@ vLLM calls :meth:`VAttentionImpl.forward` once per layer with the step's new ``k
 and queries. The layer's K and V are one vattention tensor each, ``[max_num_seqs, max_model_len,
 kv_heads, head_dim]``, whose pages the runner mapped with ``KVCache.step()`` before the forward.
 The whole batch (decode rows and prefill chunks together, vLLM's varlen layout) goes through one
-:func:`vattention.integrations.flash_attn.flash_attn_with_kvcache` call: each request's new K/V are
-appended in place at ``[past, past + new)`` of its row (``cache_batch_idx`` = its slot), and its
+attention call with FlashAttention's ``flash_attn_with_kvcache`` semantics: each request's new K/V
+are appended in place at ``[past, past + new)`` of its row (``cache_batch_idx`` = its slot), and its
 queries attend causally over its row, with the layer's sliding window and fp8 scales. On the CPU
-that is vattention's native kernel; on CUDA FlashAttention (one varlen call with FlashAttention 3,
-else one batched decode call and one call per prefill chunk). No kernel reads a position at or
-beyond a request's length, so nothing unmapped is touched.
+that is vattention's native kernel (:func:`vattention.attention.cpu_attention`, writing into
+vLLM's output buffer); on CUDA FlashAttention through
+:func:`vattention.integrations.flash_attn.flash_attn_with_kvcache` (one varlen call with
+FlashAttention 3, else one batched decode call and one call per prefill chunk). No kernel reads a
+position at or beyond a request's length, so nothing unmapped is touched.
 
 ``forward_includes_kv_cache_update = True`` tells vLLM not to write K/V into a block buffer of its
 own (there is none: the runner binds empty placeholders).
@@ -31,8 +33,9 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 
+from ...attention import cpu_attention
 from .. import flash_attn as fa
-from .geometry import FP8_DTYPES
+from .kv_layout import FP8_DTYPES
 from .prefix_hint import SharedPrefixMemo
 
 __all__ = ["VAttentionBackend", "VAttentionCPUBackend", "VAttentionFlashBackend",
@@ -166,13 +169,12 @@ class VAttentionImpl(AttentionImpl):
                 softmax_scale=self.scale, causal=True, window_size=self.window_size, **scales)
             return output
         # CPU: the kernel writes straight into vLLM's output buffer (no new tensor, no copy)
-        fa._cpu_kernel(
-            q=query[:n], k_cache=k_cache, v_cache=v_cache, k=key[:n], v=value[:n],
+        cpu_attention(
+            query[:n], k_cache, v_cache, key[:n], value[:n],
             cache_seqlens=m.cache_seqlens, cache_batch_idx=m.cache_batch_idx,
             cu_seqlens_q=m.cu_seqlens_q, softmax_scale=self.scale, causal=True,
-            window_size=self.window_size, k_descale=scales.get("k_descale"),
-            v_descale=scales.get("v_descale"), out=output[:n].view(query[:n].shape),
-            prefix_groups=m.prefix_groups, prefix_lens=m.prefix_lens)
+            window_size=self.window_size, out=output[:n].view(query[:n].shape),
+            prefix_groups=m.prefix_groups, prefix_lens=m.prefix_lens, **scales)
         return output
 
 

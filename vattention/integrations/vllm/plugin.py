@@ -9,10 +9,10 @@ change), aligns the block size with vattention's pages (on the CPU, where vLLM's
 not given and a block up to twice as large makes a page whole 2 MB huge pages, that one), and
 names the vattention worker. A user ``--worker-cls`` is refused rather than overridden.
 
-vLLM's defaults are the supported configuration (DESIGN.md section 9):
+vLLM's defaults are the supported configuration:
 
 * prefix caching on: vLLM's block tables name the cache's pages, a hit maps the cached block's
-  pages again (geometry.py, runner.py);
+  pages again (kv_layout.py, runner.py);
 * the V1 model runner: vLLM's V2 runner is its CUDA default when Triton is present, and the plugin
   integrates with V1 (the runner this module's worker classes extend). :func:`select_v1_runner`
   sets vLLM's own switch, ``VLLM_USE_V2_MODEL_RUNNER=0``, in every process vLLM starts, with one
@@ -30,8 +30,9 @@ import logging
 import os
 from typing import Any
 
+from ... import backends
 from ...errors import ConfigError
-from .geometry import (
+from .kv_layout import (
     LAYOUTS,
     aligned_block_size,
     huge_block_size,
@@ -195,11 +196,10 @@ def configure(vllm_config: Any, *, device_type: str) -> None:
         vllm_config.attention_config.backend = _flash_attn_enum()
         _piecewise_cuda_graphs(vllm_config)
 
-    from ... import _C
     if not isinstance(vllm_config.additional_config, dict):
         raise _unsupported("a non-dict additional_config", "drop --additional-config")
     num_layers = model.get_num_layers(parallel)
-    granularity = _C.backend_granularity("cpu" if device_type == "cpu" else "cuda:0")
+    granularity = backends.granularity("cpu" if device_type == "cpu" else "cuda:0")
     requested = cache.block_size or type(cache).DEFAULT_BLOCK_SIZE
 
     def unit_bytes(layout: str) -> int:
@@ -213,7 +213,7 @@ def configure(vllm_config: Any, *, device_type: str) -> None:
         layout = vllm_config.additional_config.get(LAYOUT_KEY) or _cpu_auto_layout(
             vllm_config.scheduler_config.max_num_seqs, model.max_model_len, num_layers,
             aligned_block_size(requested, unit_bytes("layer"), granularity),
-            _C.host_mapping_limit())
+            backends.host_mapping_limit())
     vllm_config.additional_config[LAYOUT_KEY] = layout    # the workers build this layout
     unit = unit_bytes(layout)
     block_size = aligned_block_size(requested, unit, granularity)
@@ -225,7 +225,7 @@ def configure(vllm_config: Any, *, device_type: str) -> None:
         # Mapping a page of whole 2 MB huge pages costs one page-table entry per 2 MB, and
         # attention reading a mega-layout row (one layer's share of every token) misses the TLB
         # far less: worth a block up to twice vLLM's, not more (docs/vllm.md).
-        huge = huge_block_size(block_size, unit, _C.host_huge_unit())
+        huge = huge_block_size(block_size, unit, backends.host_huge_unit())
         if huge != block_size:
             logger.info("vattention: block size %d -> %d tokens so that one %s-layout page "
                         "(%d bytes) is whole 2 MB huge pages of the OS; --block-size keeps "

@@ -5,8 +5,8 @@ their tables, and the plugin's cache maps the same pages behind those ids in eve
 hold the same K/V there. The kernel cannot see that (each row has its own addresses), so each
 step the metadata builder groups the batch's requests by their first block and tells the kernel
 how far each shares its group's first request's table (``prefix_groups`` / ``prefix_lens`` of
-:func:`vattention.integrations.flash_attn.flash_attn_with_kvcache`): the prefix is then read once
-per KV head for the whole group instead of once per request.
+:func:`vattention.attention.cpu_attention`): the prefix is then read once per KV head for the
+whole group instead of once per request.
 
 Only whole blocks cached before the step count (a request's own partial block is never shared),
 and vLLM's null block (a hole: a sliding window's released block) never matches.

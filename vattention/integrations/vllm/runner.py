@@ -5,7 +5,7 @@ block tables as the cache's page tables.
 things:
 
 * ``initialize_kv_cache_tensors``: instead of allocating vLLM's KV buffer it builds a
-  :class:`vattention.KVCache` whose pages vLLM's block ids name (:mod:`.geometry`: one page index
+  :class:`vattention.KVCache` whose pages vLLM's block ids name (:mod:`.kv_layout`: one page index
   per vLLM block, every KV cache group its own table, the blocks vLLM would have allocated as the
   budget), gives every attention layer its dense K/V tensors (``layer.vattention_kv``), hands the
   attention metadata builders the step's batch, and binds empty placeholders where vLLM expects
@@ -34,7 +34,7 @@ from typing import Dict, List, Optional
 import torch
 
 from ... import KVCache, OutOfPagesError
-from .geometry import kv_cache_dtype, kv_layout
+from .kv_layout import kv_cache_dtype, kv_layout
 from .plugin import layout_from_env
 from .settings import ENV_STATS, LAYOUT_KEY
 from .slots import RequestSlots

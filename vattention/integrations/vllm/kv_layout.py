@@ -88,8 +88,9 @@ def aligned_block_size(block_size: int, unit_bytes: int, granularity: int) -> in
 
 def huge_block_size(block_size: int, unit_bytes: int, huge_bytes: int, max_factor: int = 2) -> int:
     """``block_size``, or its smallest multiple whose block is a whole number of ``huge_bytes``
-    (the host backend's huge pages, ``_C.host_huge_unit()``) where that is at most ``max_factor``
-    times ``block_size``: a prefix-cache hit then lands on a boundary at most that much coarser.
+    (the host backend's huge pages, :func:`vattention.backends.host_huge_unit`) where that is at
+    most ``max_factor`` times ``block_size``: a prefix-cache hit then lands on a boundary at most
+    that much coarser.
 
     >>> huge_block_size(128, 8192, 2 << 20)     # a 1 MB page becomes one 2 MB huge page
     256

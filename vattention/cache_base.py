@@ -1,9 +1,10 @@
-"""CoreHandle: what the classes making up :class:`vattention.KVCache` share.
+"""CacheBase: the config and C++ core that every part of :class:`vattention.KVCache` works on.
 
-``KVCache`` is its slot, step and tensor API (cache.py) plus the fork/swap API of
-:class:`vattention.sharing.SharingMixin` (sharing.py). Both work on one C++ core and the config it
-was built from; this base class owns those two and the slot check both use, so neither half
-reaches into the other's privates.
+``KVCache`` is its slot, step and tensor API (cache.py) plus the prefix-sharing API of
+:class:`vattention.sharing.SharingMixin` (sharing.py) and the swap and preemption API of
+:class:`vattention.swap.SwapMixin` (swap.py). All of them drive one C++ core built from one
+config; this base class owns those two and the slot check they all use, so no part reaches into
+another's privates.
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ from . import _C
 from .arguments import as_slot
 from .config import KVCacheConfig
 
-__all__ = ["CoreHandle"]
+__all__ = ["CacheBase"]
 
 
-class CoreHandle:
+class CacheBase:
     """One ``vattention._C.KVCacheCore`` and the :class:`KVCacheConfig` it was built from."""
 
     _config: KVCacheConfig
