@@ -1,6 +1,6 @@
 // pybind11 glue of the CPU attention kernel: the only file where Python meets csrc/attention.
 //
-// vattention/integrations/flash_attn.py checks dtypes, shapes and strides of the torch tensors
+// vattention/attention/kernel.py checks dtypes, shapes and strides of the torch tensors
 // and passes raw data pointers and element strides here; the kernel checks the values it reads
 // (cache_seqlens, cache_batch_idx, cu_seqlens_q) before writing anything and throws
 // std::invalid_argument, which pybind11 raises as ValueError. The GIL is released while the
@@ -88,7 +88,7 @@ void register_attention(py::module_& m) {
       py::arg("k_descale"), py::arg("v_descale"), py::arg("num_threads"),
       py::arg("prefix_group") = 0, py::arg("prefix_len") = 0,
       "Raw entry of the CPU attention kernel; use "
-      "vattention.integrations.flash_attn.flash_attn_with_kvcache.");
+      "vattention.attention.cpu_attention.");
   m.def("attention_kernel_isa", &at::kernel_isa,
         "Instruction set of the CPU attention kernels in use.");
   m.def(
