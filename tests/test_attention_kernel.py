@@ -623,6 +623,17 @@ def test_bad_arguments_raise_typed_errors_and_write_nothing(change, error, match
     assert torch.equal(args["k_cache"], before)
 
 
+@pytest.mark.parametrize("missing", ["k", "v"])
+def test_reference_takes_k_and_v_together(missing):
+    # Like the kernel: one of them alone is an argument error, not a crash inside the oracle.
+    args = _args()
+    args[missing] = None
+    before = args["k_cache"].clone()
+    with pytest.raises(ValueError, match="k and v must be given together"):
+        reference_attention(**args)
+    assert torch.equal(args["k_cache"], before)
+
+
 def test_more_bad_arguments():
     args = _args()
     kc = torch.zeros(2, 8, 1, 32)[..., ::2]  # last dim strided

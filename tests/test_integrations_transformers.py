@@ -256,6 +256,16 @@ def test_non_contiguous_free_slots_are_refused_and_released():
         assert kv.active_slots() == [1, 3]
 
 
+def test_a_k_only_kv_cache_is_refused_with_a_config_error():
+    model = tiny_model("llama")
+    ids, mask = prompts(batch=1)
+    cfg = vattention.KVCacheConfig(**model_kv_shape(model), max_batch_size=1, max_seq_len=64,
+                                   dtype=torch.float32, page_size=PAGE, value_cache=False)
+    with vattention.KVCache(cfg) as kv:
+        with pytest.raises(vattention.ConfigError, match="needs value_cache=True"):
+            generate(model, ids, mask, VAttentionCache(kv), new=2)
+
+
 # ---- sliding windows --------------------------------------------------------------------------
 WINDOW = 8
 WINDOWED = {

@@ -62,8 +62,8 @@ def reference_attention(
     Raises
     ------
     ValueError
-        GQA heads that do not divide, a request that overflows the cache length, or ``k``/``v``
-        without ``cache_seqlens``.
+        GQA heads that do not divide, a request that overflows the cache length, ``k`` without
+        ``v`` (or ``v`` without ``k``), or ``k``/``v`` without ``cache_seqlens``.
 
     Examples
     --------
@@ -86,6 +86,8 @@ def reference_attention(
     else:
         batch, seqlen_q = q.shape[0], q.shape[1]
         spans = [(0, seqlen_q)] * batch
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together")
     if k is not None and cache_seqlens is None:
         raise ValueError("cache_seqlens is required when k/v are given")
     seqlens = _per_request(cache_seqlens, batch, default=k_cache.shape[1])

@@ -427,6 +427,9 @@ class VAttentionCache(Cache):
 
     def _rows(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.kv_cache.layer(layer_idx)
+        if v is None:
+            raise ConfigError("VAttentionCache stores keys and values: its KVCache needs "
+                              "value_cache=True")
         return k[self._row_slice], v[self._row_slice]
 
     # -- whole-cache operations ---------------------------------------------------------------
