@@ -148,7 +148,7 @@ class KVCache(SharingMixin, SwapMixin):
             self._core.set_scrub(True)
         if swap_budget is not None:
             self.set_swap_budget(swap_budget)
-        self._layers: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
+        self._layers: Optional[List[Tuple[torch.Tensor, Optional[torch.Tensor]]]] = None
         logger.debug("KVCache %s: %d bytes virtual", config, config.virtual_bytes)
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -206,7 +206,7 @@ class KVCache(SharingMixin, SwapMixin):
                             for i in range(self._config.num_layers)]
         return self._layers
 
-    def layer(self, index: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    def layer(self, index: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """K and V of one layer: tensors ``[max_batch_size, max_seq_len, num_kv_heads, head_dim]``
         (that layer's ``num_kv_heads[index]`` and ``head_dim[index]`` with per-layer shapes).
 
@@ -255,21 +255,24 @@ class KVCache(SharingMixin, SwapMixin):
         if cfg.layout == "layer":
             k = self._core.tensor_base(index)
             return k, self._core.tensor_base(cfg.num_layers + index) if cfg.value_cache else 0
-        offset = index * cfg.num_kv_heads * cfg.head_dim * cfg.element_bytes
+        offset = index * cfg.layer_kv_heads[index] * cfg.layer_head_dims[index] * cfg.element_bytes
         return (self._core.tensor_base(0) + offset,
                 self._core.tensor_base(1) + offset if cfg.value_cache else 0)
 
-    def host_alias(self, index: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    def host_alias(self, index: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Layer ``index`` exported as CPU tensors whatever the device.
 
         Only meaningful where the device memory is host memory (the host backend, or the CUDA
-        driver emulation used in tests). Never use it with a real GPU.
+        driver emulation used in tests). Never use it with a real GPU. V is ``None`` with
+        ``value_cache=False``.
         """
         index = self._layer_index(index)
-        return tuple(self._as_dtype(torch.from_dlpack(self._core.export_tensor(
-                         kv, index, self._dl_code, self._dl_bits, True)))
-                     if kv == 0 or self._config.value_cache else None
-                     for kv in (0, 1))
+
+        def alias(kv: int) -> torch.Tensor:
+            return self._as_dtype(torch.from_dlpack(self._core.export_tensor(
+                kv, index, self._dl_code, self._dl_bits, True)))
+
+        return alias(0), alias(1) if self._config.value_cache else None
 
     # ---- slots --------------------------------------------------------------------------------
     def alloc(self, *, hits: Optional[Sequence] = None) -> int:
@@ -353,7 +356,7 @@ class KVCache(SharingMixin, SwapMixin):
             cfg = self._config
             raise _lens_error(e, seq_lens, cfg.max_batch_size, cfg.max_seq_len) from None
 
-    def capacity(self, seq_lens: SeqLens = None, *,
+    def capacity(self, seq_lens: Optional[SeqLens] = None, *,
                  new_requests: Sequence[int] = ()) -> Capacity:
         """What :meth:`step` ``(seq_lens)`` would need, plus admitting requests of
         ``new_requests`` tokens each, and what it could get. Maps nothing, changes nothing.

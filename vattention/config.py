@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import re
-from typing import Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -252,6 +252,10 @@ class KVCacheConfig:
     num_blocks: Optional[int] = None
     block_cache: bool = False
     layer_groups: Optional[Sequence[int]] = None
+    if TYPE_CHECKING:
+        # The core's geometry, set by __post_init__; not a field at run time (no __init__
+        # argument, not printed, compared or hashed): declared for the type checker only.
+        _geometry: _C.CacheGeometry = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "max_batch_size", "max_seq_len"):
@@ -355,13 +359,13 @@ class KVCacheConfig:
     def layer_kv_heads(self) -> Tuple[int, ...]:
         """KV heads of each layer."""
         h = self.num_kv_heads
-        return (h,) * self.num_layers if isinstance(h, int) else h
+        return (h,) * self.num_layers if isinstance(h, int) else tuple(h)
 
     @property
     def layer_head_dims(self) -> Tuple[int, ...]:
         """Head dim of each layer."""
         d = self.head_dim
-        return (d,) * self.num_layers if isinstance(d, int) else d
+        return (d,) * self.num_layers if isinstance(d, int) else tuple(d)
 
     def layer_token_bytes(self, layer: int) -> int:
         """Bytes of one token of one layer's K (or V): ``num_kv_heads * head_dim * element``."""

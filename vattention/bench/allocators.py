@@ -307,7 +307,7 @@ class VAttentionAllocator(Allocator):
         suffix = ("" if release else "-norelease") + ("-padded" if padded else "")
         super().__init__(f"vattention-{layout}-{page_size}{suffix}", budget_bytes,
                          model.bytes_per_token)
-        factory = cache_factory or real_cache_factory
+        factory: Callable = cache_factory or real_cache_factory
         extra = {} if release else {"release": False}
         # padded: every layer at the largest shape, the one cache a uniform config can build for
         # a per-layer-shape model; efficiency still counts the model's real bytes per token.

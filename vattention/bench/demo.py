@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-from typing import Deque, Dict, List, Optional
+from typing import Deque, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -41,12 +41,13 @@ def _requests(trace: str, count: int, scale: int, max_seq_len: int, seed: int) -
 def run(num_requests: int = 48, max_batch_size: int = 16, max_seq_len: int = 1024,
         page_size: str = "64KB", layout: str = "layer", budget: str = "24MB",
         trace: str = "sharegpt", scale: int = 4, seed: int = 0, verbose: bool = True) -> Dict:
-    cfg = KVCacheConfig(num_layers=4, num_kv_heads=4, head_dim=64, max_batch_size=max_batch_size,
-                        max_seq_len=max_seq_len, dtype=torch.float32, page_size=page_size,
-                        layout=layout)
+    num_kv_heads, head_dim = 4, 64
+    cfg = KVCacheConfig(num_layers=4, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                        max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                        dtype=torch.float32, page_size=page_size, layout=layout)
     # One query head per KV head: torch's CPU SDPA takes a slow path for grouped-query attention
     # over transposed (BSHD) views, virtual or not.
-    heads_q = cfg.num_kv_heads
+    heads_q = num_kv_heads
     gen = torch.Generator().manual_seed(seed)
     requests = _requests(trace, num_requests, scale, max_seq_len, seed)
     waiting: Deque[int] = collections.deque(range(num_requests))
@@ -58,14 +59,19 @@ def run(num_requests: int = 48, max_batch_size: int = 16, max_seq_len: int = 102
     preemptions = iterations = checks = 0
 
     def kv_for(n: int):
-        return (torch.randn(n, cfg.num_kv_heads, cfg.head_dim, generator=gen),
-                torch.randn(n, cfg.num_kv_heads, cfg.head_dim, generator=gen))
+        return (torch.randn(n, num_kv_heads, head_dim, generator=gen),
+                torch.randn(n, num_kv_heads, head_dim, generator=gen))
+
+    def layer_kv(layer: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        k, v = cache.layer(layer)
+        assert v is not None  # the config keeps V (value_cache=True)
+        return k, v
 
     def attend(slot: int, q_len: int, total: int, check: bool) -> None:
         nonlocal checks
         for layer in range(cfg.num_layers):
-            k, v = cache.layer(layer)
-            q = torch.randn(1, heads_q, q_len, cfg.head_dim, generator=gen)
+            k, v = layer_kv(layer)
+            q = torch.randn(1, heads_q, q_len, head_dim, generator=gen)
             keys = k[slot, :total].transpose(0, 1).unsqueeze(0)      # [1, H, n, D] strided view
             vals = v[slot, :total].transpose(0, 1).unsqueeze(0)
             out = F.scaled_dot_product_attention(q, keys, vals, is_causal=q_len > 1)
@@ -112,13 +118,13 @@ def run(num_requests: int = 48, max_batch_size: int = 16, max_seq_len: int = 102
             for r in prefills:
                 slot, n = running[r], length[r]
                 for layer in range(cfg.num_layers):
-                    k, v = cache.layer(layer)
+                    k, v = layer_kv(layer)
                     k[slot, :n], v[slot, :n] = kv_for(n)
                 attend(slot, n, n, check=r % 8 == 0)
             for r in decoding:
                 slot, n = running[r], length[r]
                 for layer in range(cfg.num_layers):
-                    k, v = cache.layer(layer)
+                    k, v = layer_kv(layer)
                     knew, vnew = kv_for(1)
                     k[slot, n], v[slot, n] = knew[0], vnew[0]
                 attend(slot, 1, n + 1, check=iterations % 50 == 0)

@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -112,7 +112,8 @@ def simulate(allocator: Allocator, workload: Workload, *, max_batch_size: int,
     queue = collections.deque(range(n))
     running: List[int] = []            # admission order: youngest last
     length: Dict[int, int] = {}        # rid -> KV tokens
-    conc, live, held, mapped, need = [], [], [], [], []
+    conc: List[int] = []
+    live, held, mapped, need = [], [], [], []
     finished = preemptions = prefilled = decoded = recomputed = 0
     counters_start = allocator.counters()
     started = time.perf_counter()
@@ -180,7 +181,7 @@ def simulate(allocator: Allocator, workload: Workload, *, max_batch_size: int,
         live_bytes=np.asarray(need, dtype=np.int64))
 
 
-def summarize(result: SimResult) -> Dict[str, object]:
+def summarize(result: SimResult) -> Dict[str, Any]:
     """Metrics of one run, as written to JSON.
 
     ``efficiency_*`` = bytes of live tokens / physical bytes held for the running requests;
@@ -194,7 +195,7 @@ def summarize(result: SimResult) -> Dict[str, object]:
                   else result.live_bytes)
     efficiency = live_bytes / np.maximum(result.held_bytes, 1)
     peak = int(np.argmax(result.live_tokens))
-    metrics: Dict[str, object] = {
+    metrics: Dict[str, Any] = {
         "efficiency_mean": float(efficiency.mean()),
         "efficiency_peak": float(efficiency[peak]),
         "concurrency_mean": float(result.concurrency.mean()),
@@ -239,9 +240,9 @@ class BenchReport:
         Allocator name -> :func:`summarize` dict (the JSON object).
     """
 
-    meta: Dict[str, object]
+    meta: Dict[str, Any]
     results: Dict[str, SimResult]
-    metrics: Dict[str, Dict[str, object]]
+    metrics: Dict[str, Dict[str, Any]]
 
 
 def run_memory_benchmark(workload: Workload, model: ModelShape, *, budget_bytes: int,
@@ -289,7 +290,7 @@ def run_memory_benchmark(workload: Workload, model: ModelShape, *, budget_bytes:
     if int(total.max()) > max_seq_len:
         raise ValueError(f"max_seq_len={max_seq_len} is below the longest request "
                          f"({int(total.max())} tokens)")
-    meta: Dict[str, object] = {
+    meta: Dict[str, Any] = {
         "trace": workload.name, "num_requests": workload.num_requests,
         "sampled_with_replacement": workload.sampled_with_replacement,
         "trace_rows": workload.trace_rows,
@@ -307,7 +308,7 @@ def run_memory_benchmark(workload: Workload, model: ModelShape, *, budget_bytes:
     if factory is None and reclaim != "deferred":
         factory = functools.partial(real_cache_factory, reclaim=reclaim)
     results: Dict[str, SimResult] = {}
-    metrics: Dict[str, Dict[str, object]] = {}
+    metrics: Dict[str, Dict[str, Any]] = {}
     for name in allocators:
         try:
             need = min_bytes_for_request(name, model, int(total.max()), max_seq_len)

@@ -4,7 +4,7 @@ stderr."""
 from __future__ import annotations
 
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 __all__ = ["Progress"]
 
@@ -31,7 +31,7 @@ class Progress:
         self.total, self.label, self.enabled = total, label, enabled
         self.done = 0
         self._next_percent = 10
-        self._bar: Optional[object] = None
+        self._bar: Optional[Any] = None  # a tqdm bar (tqdm ships no type information)
         if enabled:
             try:
                 from tqdm import tqdm

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import numpy as np
 
@@ -33,7 +33,7 @@ def format_bytes(num_bytes: int) -> str:
     return f"{num_bytes}B"
 
 
-def _full_shape(meta: Dict[str, object]) -> str:
+def _full_shape(meta: Dict[str, Any]) -> str:
     """The full-attention layers' shape when it differs (per-layer shapes), else ''."""
     h, d = meta.get("full_kv_heads") or 0, meta.get("full_head_dim") or 0
     if not (h or d):
@@ -42,7 +42,7 @@ def _full_shape(meta: Dict[str, object]) -> str:
             f"H={h or meta['num_kv_heads']}, D={d or meta['head_dim']}")
 
 
-def _header(meta: Dict[str, object]) -> List[str]:
+def _header(meta: Dict[str, Any]) -> List[str]:
     sampled = " (sampled with replacement)" if meta["sampled_with_replacement"] else ""
     return [
         f"Trace `{meta['trace']}`: {meta['num_requests']} requests{sampled} "
@@ -89,14 +89,14 @@ def markdown_table(report: BenchReport) -> str:
     return "\n".join(lines) + "\n"
 
 
-def metrics_json(report: BenchReport) -> Dict[str, Dict[str, object]]:
+def metrics_json(report: BenchReport) -> Dict[str, Dict[str, Any]]:
     """JSON object keyed by allocator name (the ``--json`` file)."""
     return {name: dict(m) for name, m in report.metrics.items()}
 
 
 def write_json(report: BenchReport, path: str, *, with_meta: bool = False) -> None:
     """Write the metrics (and, with ``with_meta``, the run description under ``meta``)."""
-    data: Dict[str, object] = metrics_json(report)
+    data: Dict[str, Any] = metrics_json(report)
     if with_meta:
         data = {"meta": report.meta, "allocators": data}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
 from ..backends import host_mapping_limit
 from ..config import KVCacheConfig
 from .workload import ModelShape
@@ -33,7 +35,7 @@ def cache_config(model: ModelShape, layout: str, page_size: str, *, max_batch_si
     heads, dims = zip(*model.layer_shapes())
     return KVCacheConfig(
         num_layers=model.num_layers, num_kv_heads=heads, head_dim=dims,
-        max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=model.dtype,
+        max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=getattr(torch, model.dtype),
         device="cpu", page_size=page_size, layout=layout, reclaim=reclaim,
         sliding_window=model.sliding_window() if release else None)
 

@@ -12,7 +12,7 @@ rounding noise.
 from __future__ import annotations
 
 import os
-from typing import Dict
+from typing import Any, Dict
 
 __all__ = ["FAMILIES", "build_tiny_model"]
 
@@ -55,12 +55,14 @@ def build_tiny_model(path: str, family: str = "llama", *, num_layers: int = 2,
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>",
                                                 bos_token="<s>", eos_token="</s>")
-    common = dict(vocab_size=vocab_size, hidden_size=hidden_size,
-                  intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
-                  num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                  head_dim=head_dim, max_position_embeddings=max_positions,
-                  initializer_range=initializer_range, bos_token_id=1, eos_token_id=2,
-                  tie_word_embeddings=False)
+    common: Dict[str, Any] = dict(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads, head_dim=head_dim, max_position_embeddings=max_positions,
+        initializer_range=initializer_range, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False)
+    config: transformers.PretrainedConfig
+    model_cls: type[transformers.PreTrainedModel]
     if family == "llama":
         config = transformers.LlamaConfig(**common)
         model_cls = transformers.LlamaForCausalLM
@@ -81,7 +83,11 @@ def build_tiny_model(path: str, family: str = "llama", *, num_layers: int = 2,
         config = transformers.MistralConfig(**common, sliding_window=window if windowed else None)
         model_cls = transformers.MistralForCausalLM
     torch.manual_seed(seed)
-    model = model_cls(config).to(torch.float32)
+    # Each branch above pairs a model class with its own config class; mypy cannot tie the two.
+    model = model_cls(config)  # type: ignore[arg-type]
+    # transformers' PreTrainedModel.to is wrapped with functools.wraps(torch.nn.Module.to), which
+    # types it as the unbound function: mypy takes the dtype for `self`.
+    model = model.to(torch.float32)  # type: ignore[arg-type]
     os.makedirs(path, exist_ok=True)
     fast.save_pretrained(path)
     model.save_pretrained(path)   # config.json last-but-one: its presence marks a complete model

@@ -36,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import IO, Dict, List, Optional, Tuple
 
 from ..integrations.vllm.settings import ENV_ENABLE, ENV_STATS
 
@@ -179,9 +179,12 @@ class Engine:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vattention.bench.vllm_run", "--serve", spec_file],
             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True)
+        assert self.proc.stdin is not None and self.proc.stdout is not None  # both are pipes
+        self._stdin: IO[str] = self.proc.stdin
+        self._stdout: IO[str] = self.proc.stdout
 
     def _answer(self) -> Dict:
-        line = self.proc.stdout.readline()
+        line = self._stdout.readline()
         if not line:
             self.proc.wait()
             with open(self.log_file) as f:
@@ -194,14 +197,14 @@ class Engine:
         assert self._answer().get("ready")
 
     def generate(self, requests: List[Dict]) -> Dict:
-        self.proc.stdin.write(json.dumps({"requests": requests}) + "\n")
-        self.proc.stdin.flush()
+        self._stdin.write(json.dumps({"requests": requests}) + "\n")
+        self._stdin.flush()
         return self._answer()
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
-            self.proc.stdin.close()
+            self._stdin.write(json.dumps({"quit": True}) + "\n")
+            self._stdin.close()
             self.proc.wait(timeout=300)
         self._log.close()
 
@@ -290,7 +293,8 @@ def run(args: argparse.Namespace) -> int:
             engine.generate(warm)
         for name in workloads:
             t0 = time.perf_counter()
-            rounds, same, total, first = {e: [] for e in ENGINES}, 0, 0, None
+            rounds: Dict[str, List[float]] = {e: [] for e in ENGINES}   # tokens/s per pass
+            same, total, first = 0, 0, None
             for r in range(args.repetitions):
                 for k, order in enumerate((ENGINES, ENGINES[::-1])):   # A B B A
                     # fresh token ids each pass: no prefix-cache hits carried between passes

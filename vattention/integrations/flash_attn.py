@@ -38,7 +38,7 @@ Examples
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -184,7 +184,7 @@ def flash_attn_with_kvcache(
         flash = flash_kernel()
         if flash is None:
             return flash_attn_with_kvcache_reference(*fa_args)
-        extra = {
+        extra: Dict[str, Any] = {
             name: value
             for name, value in (
                 ("cu_seqlens_q", cu_seqlens_q),

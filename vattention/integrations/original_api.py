@@ -120,9 +120,10 @@ def init_kvcache(num_layers: int, num_kv_heads: int, head_size: int, max_batch_s
                         layout="mega" if megacache else "layer")
     cache = KVCache(cfg)
     _state = _State(cache, megacache)
+    # The config keeps V (value_cache=True): the filters below drop nothing.
     if not megacache:
-        return list(cache.k_cache) + list(cache.v_cache)
-    return list(cache.mega_tensors())
+        return list(cache.k_cache) + [v for v in cache.v_cache if v is not None]
+    return [t for t in cache.mega_tensors() if t is not None]
 
 
 def get_cache() -> KVCache:

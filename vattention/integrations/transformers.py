@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -217,7 +217,9 @@ class VAttentionLayer(CacheLayerMixin):
         v_rows[:, start:end].copy_(value_states.transpose(1, 2))
         self.seq_len = end
         self._refresh_views()
-        return self.keys, self.values
+        keys, values = self.keys, self.values
+        assert keys is not None and values is not None  # set by _refresh_views (initialized)
+        return keys, values
 
     def get_mask_sizes(self, query_length: Union[int, torch.Tensor]) -> tuple[int, int]:
         """``(kv_length, kv_offset)`` for the mask: past + query keys from the first backed one.
@@ -321,8 +323,7 @@ class VAttentionCache(Cache):
         self._row_slice: Optional[slice] = None
         self._backed_len = 0
         self._starts = [0] * self.config.num_layers  # per layer: first token still backed
-        layers = [VAttentionLayer(self, i) for i in range(self.config.num_layers)]
-        super().__init__(layers=layers)
+        super().__init__(layers=[VAttentionLayer(self, i) for i in range(self.config.num_layers)])
 
     @classmethod
     def from_model(cls, model: Any, *, max_batch_size: int, max_seq_len: int,
@@ -432,6 +433,10 @@ class VAttentionCache(Cache):
                               "value_cache=True")
         return k[self._row_slice], v[self._row_slice]
 
+    def _vattention_layers(self) -> list[VAttentionLayer]:
+        # Cache types its layers as any transformers layer; ours are all built in __init__.
+        return cast("list[VAttentionLayer]", self.layers)
+
     # -- whole-cache operations ---------------------------------------------------------------
     def reset(self) -> None:
         """Free the slots (their pages stay mapped for the next call) and forget all tokens."""
@@ -444,7 +449,7 @@ class VAttentionCache(Cache):
 
     def crop(self, max_length: int) -> None:
         """Drop tokens from the end (assisted decoding); the pages stay mapped."""
-        for layer in self.layers:
+        for layer in self._vattention_layers():
             layer.crop(max_length)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -467,7 +472,7 @@ class VAttentionCache(Cache):
         """Free the slots; close the ``KVCache`` too when this cache created it."""
         if self.slots and not self.kv_cache.closed:
             self.reset()
-        for layer in self.layers:
+        for layer in self._vattention_layers():
             layer.keys = layer.values = None
         if self._owns_cache:
             self.kv_cache.close()

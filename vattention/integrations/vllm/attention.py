@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Callable, ClassVar, List, Optional
+from typing import TYPE_CHECKING, Callable, ClassVar, List, Optional
 
 import torch
 from vllm.v1.attention.backend import (
@@ -37,6 +37,9 @@ from ...attention import cpu_attention
 from .. import flash_attn as fa
 from .kv_layout import FP8_DTYPES
 from .prefix_hint import SharedPrefixMemo
+
+if TYPE_CHECKING:
+    from .runner import BatchSlots
 
 __all__ = ["VAttentionBackend", "VAttentionCPUBackend", "VAttentionFlashBackend",
            "VAttentionImpl", "VAttentionMetadata", "VAttentionMetadataBuilder"]
@@ -63,12 +66,12 @@ class VAttentionMetadata:
 class VAttentionMetadataBuilder(AttentionMetadataBuilder[VAttentionMetadata]):
     """Builds :class:`VAttentionMetadata` from vLLM's common metadata and the runner's slots."""
 
-    reorder_batch_threshold: ClassVar[int] = 1    # vLLM moves one-token (decode) rows first
+    reorder_batch_threshold: ClassVar[Optional[int]] = 1  # vLLM moves one-token (decode) rows first
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         # Set by the runner when it builds the cache: the step's slots and cached lengths.
-        self.batch_source: Optional[Callable[[], object]] = None
+        self.batch_source: Optional[Callable[[], Optional[BatchSlots]]] = None
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> VAttentionMetadata:

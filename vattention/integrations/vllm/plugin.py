@@ -129,7 +129,8 @@ def activate() -> None:
         original.__func__(cls, vllm_config)
         configure(vllm_config, device_type=current_platform.device_type)
 
-    check_and_update_config._vattention_hook = True
+    # mypy does not model attributes set on a function object
+    check_and_update_config._vattention_hook = True  # type: ignore[attr-defined]
     platform_cls.check_and_update_config = classmethod(check_and_update_config)
 
 

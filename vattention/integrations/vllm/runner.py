@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 
@@ -71,6 +71,18 @@ class VAttentionRunnerMixin:
     _vattention: Optional[KVCache] = None
     _vattention_batch: Optional[BatchSlots] = None
     _stats_writer: Optional[StatsWriter] = None
+    if TYPE_CHECKING:
+        # What the mixin uses of vLLM's model runner it goes in front of (vLLM ships no types).
+        vllm_config: Any
+        model_config: Any
+        cache_config: Any
+        compilation_config: Any
+        device: torch.device
+        max_num_reqs: int
+        max_model_len: int
+        kv_caches: List[torch.Tensor]
+        input_batch: Any
+        requests: Dict[str, Any]
 
     # ---- set-up -------------------------------------------------------------------------------
     def initialize_kv_cache_tensors(self, kv_cache_config, kernel_block_sizes,
@@ -177,13 +189,14 @@ class VAttentionRunnerMixin:
 
     def _update_states(self, scheduler_output):
         cache = self._vattention
+        # super(): vLLM's runner after this mixin in the MRO (mypy checks it against object)
         if cache is None:
-            return super()._update_states(scheduler_output)
+            return super()._update_states(scheduler_output)  # type: ignore[misc]
         preempted = scheduler_output.preempted_req_ids or set()
         self._vattention_preemptions += len(preempted)
         self._vattention_slots.release(scheduler_output.finished_req_ids | preempted)
         updates = self._block_updates(scheduler_output)
-        result = super()._update_states(scheduler_output)
+        result = super()._update_states(scheduler_output)  # type: ignore[misc]
 
         scheduled = scheduler_output.num_scheduled_tokens
         slots, past, lens, expected = [], [], {}, {}
@@ -222,13 +235,15 @@ class VAttentionRunnerMixin:
     # ---- observability and shutdown -----------------------------------------------------------
     def vattention_stats(self) -> Dict:
         """``KVCache.stats()`` plus ``max_active_slots`` and what vLLM itself allocated for KV."""
-        stats = dict(self._vattention.stats())
+        cache = self._vattention
+        assert cache is not None  # the stats writer runs only while the cache is open
+        stats: Dict[str, Any] = dict(cache.stats())
         stats.update(max_active_slots=self._vattention_slots.peak,
                      requests_served=self._vattention_slots.served,
                      preemptions=self._vattention_preemptions,
                      peak_bytes_mapped_at_step=self._vattention_peak_mapped,
                      peak_mappings_at_step=self._vattention_peak_mappings,
-                     layout=self._vattention.config.layout,
+                     layout=cache.config.layout,
                      block_size=self._vattention_block_size,
                      vllm_kv_buffer_bytes=sum(t.numel() * t.element_size()
                                               for t in self.kv_caches))

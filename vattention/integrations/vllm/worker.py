@@ -35,7 +35,8 @@ class _ShutdownMixin:
         runner = getattr(self, "model_runner", None)
         if isinstance(runner, VAttentionRunnerMixin):
             runner.close_vattention()
-        super().shutdown()
+        # The vLLM worker after this mixin in the MRO (mypy checks super() against object)
+        super().shutdown()  # type: ignore[misc]
 
 
 class VAttentionCPUWorker(_ShutdownMixin, CPUWorker):
