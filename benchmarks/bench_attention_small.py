@@ -83,11 +83,11 @@ def decode(ops, n, s, hkv, d, shared, calls):
     k_cache = k.expand(n, -1, -1, -1) if shared else k
     v_cache = v.expand(n, -1, -1, -1) if shared else v
     lens = torch.full((n,), s, dtype=torch.int32)
-    ours = lambda: fa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,  # noqa: E731
-                                              causal=True)
+    ours = lambda: fa.flash_attn_with_kvcache(  # noqa: E731
+        q, k_cache, v_cache, cache_seqlens=lens, causal=True)
     hint = dict(prefix_groups=torch.zeros(n, dtype=torch.int32),
                 prefix_lens=torch.full((n,), s // BLOCK * BLOCK, dtype=torch.int32))
-    hinted = (lambda: fa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,  # noqa: E731
+    hinted = (lambda: fa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
                                                  causal=True, **hint)) if shared else None
     sv = s // BLOCK * BLOCK
     kc, vc = paged(ops, k[:, :sv].reshape(-1, hkv, d), v[:, :sv].reshape(-1, hkv, d))
@@ -114,9 +114,9 @@ def prefill(ops, s, heads, hkv, d, calls):
     v_cache = torch.zeros_like(k_cache)
     cu = torch.tensor([0, s], dtype=torch.int32)
     past = torch.zeros(1, dtype=torch.int32)
-    ours = lambda: fa.flash_attn_with_kvcache(q, k_cache, v_cache, k, v,  # noqa: E731
-                                              cache_seqlens=past, cu_seqlens_q=cu,
-                                              max_seqlen_q=s, causal=True)
+    ours = lambda: fa.flash_attn_with_kvcache(  # noqa: E731
+        q, k_cache, v_cache, k, v, cache_seqlens=past, cu_seqlens_q=cu, max_seqlen_q=s,
+        causal=True)
     kc, vc = paged(ops, k, v)
     theirs = vllm_call(ops, q, kc, vc, torch.arange(s // BLOCK, dtype=torch.int32)[None], cu,
                        torch.tensor([s], dtype=torch.int32), hkv, d)

@@ -120,8 +120,8 @@ def run_part(name: str, args, out_dir: str, emulated: bool) -> tuple[str, list[d
             pf = bench_prefetch.run(layout, "2MB", True, **kw)
             ratio = pf["mean"] / base["mean"]
             rows.append({"layout": layout, "page": "2MB", "tokens/page": base["tokens_per_page"],
-                         "no prefetch mean/p99 us":
-                             f"{base['mean'] * 1e6:.1f} / {base['p99'] * 1e6:.1f}",
+                         "no prefetch mean/p99 us": (
+                             f"{base['mean'] * 1e6:.1f} / {base['p99'] * 1e6:.1f}"),
                          "prefetch mean/p99 us": f"{pf['mean'] * 1e6:.1f} / {pf['p99'] * 1e6:.1f}",
                          "ratio (target <= 0.1)": round(ratio, 3),
                          "driver calls/step in step (pf run)": pf["step_calls"],
