@@ -223,8 +223,9 @@ def shared_prefix_batches(draw):
     if draw(st.booleans()):
         b["window"] = (-1, 0 if b["causal"] else -1)
     groups = [draw(st.sampled_from([-1, 0, 0, 0, 1])) for _ in range(n)]
-    lens = [draw(st.integers(0, copied)) if draw(st.integers(0, 4)) == 0 else copied
-            for _ in range(n)]
+    lens = [
+        draw(st.integers(0, copied)) if draw(st.integers(0, 4)) == 0 else copied for _ in range(n)
+    ]
     b["shared"] = (groups, lens, copied)
     return b
 
@@ -271,9 +272,16 @@ def test_long_shared_prefix_split_across_threads(isa, threads):
     q = torch.randn(n, 1, 8, 128, generator=gen)
     k, v = torch.randn(n, 1, 1, 128, generator=gen), torch.randn(n, 1, 1, 128, generator=gen)
     check_against_reference(
-        q, kc, vc, k, v, cache_seqlens=torch.tensor([prefix + 13 * i for i in range(n)]),
-        causal=True, prefix_groups=torch.zeros(n, dtype=torch.int32),
-        prefix_lens=torch.full((n,), prefix, dtype=torch.int32))
+        q,
+        kc,
+        vc,
+        k,
+        v,
+        cache_seqlens=torch.tensor([prefix + 13 * i for i in range(n)]),
+        causal=True,
+        prefix_groups=torch.zeros(n, dtype=torch.int32),
+        prefix_lens=torch.full((n,), prefix, dtype=torch.int32),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])

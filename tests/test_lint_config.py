@@ -51,4 +51,5 @@ def test_the_core_stub_names_what_the_extension_defines(tmp_path):
     changed = sorted(n for n in set(fresh) & set(committed) if fresh[n] != committed[n])
     assert not (missing or stale or changed), (
         f"vattention/_C.pyi is out of date (missing {missing}, no longer defined {stale}, "
-        f"other parameters {changed}); regenerate it as its header says")
+        f"other parameters {changed}); regenerate it as its header says"
+    )

@@ -52,8 +52,9 @@ class Progress:
         if percent >= self._next_percent:
             tty = sys.stderr.isatty()
             start, end = ("\r", "") if tty else ("", "\n")
-            sys.stderr.write(f"{start}{self.label:<24} {percent:3d}% "
-                             f"({self.done}/{self.total}){end}")
+            sys.stderr.write(
+                f"{start}{self.label:<24} {percent:3d}% ({self.done}/{self.total}){end}"
+            )
             sys.stderr.flush()
             step = 10 if tty else 25
             self._next_percent = percent - percent % step + step

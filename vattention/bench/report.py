@@ -15,8 +15,14 @@ import numpy as np
 
 from .memory import BenchReport
 
-__all__ = ["markdown_table", "metrics_json", "write_json", "write_plots", "write_report",
-           "format_bytes"]
+__all__ = [
+    "markdown_table",
+    "metrics_json",
+    "write_json",
+    "write_plots",
+    "write_report",
+    "format_bytes",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +44,10 @@ def _full_shape(meta: Dict[str, Any]) -> str:
     h, d = meta.get("full_kv_heads") or 0, meta.get("full_head_dim") or 0
     if not (h or d):
         return ""
-    return (f"; the {int(meta['num_layers']) - int(meta['window_layers'])} full-attention layers "
-            f"H={h or meta['num_kv_heads']}, D={d or meta['head_dim']}")
+    return (
+        f"; the {int(meta['num_layers']) - int(meta['window_layers'])} full-attention layers "
+        f"H={h or meta['num_kv_heads']}, D={d or meta['head_dim']}"
+    )
 
 
 def _header(meta: Dict[str, Any]) -> List[str]:
@@ -66,9 +74,11 @@ def markdown_table(report: BenchReport) -> str:
     rows = report.metrics
     base = rows.get("static-max", {}).get("concurrency_mean")
     lines = _header(report.meta) + [""]
-    lines.append("| allocator | efficiency mean | efficiency peak | incl. cached pages | "
-                 "concurrency mean | concurrency max | x static-max | preemptions | steps | "
-                 "maps/step | unmaps/step |")
+    lines.append(
+        "| allocator | efficiency mean | efficiency peak | incl. cached pages | "
+        "concurrency mean | concurrency max | x static-max | preemptions | steps | "
+        "maps/step | unmaps/step |"
+    )
     lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, m in rows.items():
         if "error" in m:
@@ -78,14 +88,17 @@ def markdown_table(report: BenchReport) -> str:
         ratio = f"{m['concurrency_mean'] / base:.2f}x" if base else "-"
         maps = f"{m['map_calls_per_step']:.2f}" if "map_calls_per_step" in m else "-"
         unmaps = f"{m['unmap_calls_per_step']:.2f}" if "unmap_calls_per_step" in m else "-"
-        cached = (f"{100 * m['efficiency_mapped_mean']:.1f}%"
-                  if "efficiency_mapped_mean" in m else "-")
+        cached = (
+            f"{100 * m['efficiency_mapped_mean']:.1f}%" if "efficiency_mapped_mean" in m else "-"
+        )
         label = f"{name} ({m['note']})" if m.get("note") else name
-        lines.append(f"| {label} | {100 * m['efficiency_mean']:.1f}% | "
-                     f"{100 * m['efficiency_peak']:.1f}% | {cached} | "
-                     f"{m['concurrency_mean']:.1f} | "
-                     f"{m['concurrency_max']} | {ratio} | {m['preemptions']} | {m['steps']} | "
-                     f"{maps} | {unmaps} |")
+        lines.append(
+            f"| {label} | {100 * m['efficiency_mean']:.1f}% | "
+            f"{100 * m['efficiency_peak']:.1f}% | {cached} | "
+            f"{m['concurrency_mean']:.1f} | "
+            f"{m['concurrency_max']} | {ratio} | {m['preemptions']} | {m['steps']} | "
+            f"{maps} | {unmaps} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -122,14 +135,17 @@ def write_plots(report: BenchReport, prefix: str) -> List[str]:
     """
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         logger.warning("matplotlib is not installed: no plots (pip install 'vattention[bench]')")
         return []
     names = [n for n in report.metrics if n in report.results]
-    title = (f"{report.meta['trace']}, {report.meta['model']}, "
-             f"{format_bytes(report.meta['budget_bytes'])} KV budget")
+    title = (
+        f"{report.meta['trace']}, {report.meta['model']}, "
+        f"{format_bytes(report.meta['budget_bytes'])} KV budget"
+    )
     fig, ax = plt.subplots(figsize=(7.5, 3.8), dpi=100)
     x = np.arange(len(names))
     mean = [100 * report.metrics[n]["efficiency_mean"] for n in names]
@@ -138,8 +154,9 @@ def write_plots(report: BenchReport, prefix: str) -> List[str]:
     ax.bar(x - 0.27, mean, width=0.27, label="mean over steps")
     ax.bar(x, peak, width=0.27, label="at peak load")
     ax.bar(x + 0.27, cached, width=0.27, label="mean, incl. pages cached by freed slots")
-    ax.set_xticks(x, [n.replace("vattention-", "vA-") for n in names], rotation=30, ha="right",
-                  fontsize=8)
+    ax.set_xticks(
+        x, [n.replace("vattention-", "vA-") for n in names], rotation=30, ha="right", fontsize=8
+    )
     ax.set_ylabel("KV memory efficiency (%)")
     ax.set_ylim(0, 105)
     ax.set_title(title, fontsize=9)
@@ -154,8 +171,9 @@ def write_plots(report: BenchReport, prefix: str) -> List[str]:
         steps, conc, window = _smoothed(report.results[name].concurrency)
         ax.plot(steps, conc, label=name, linewidth=1.0)
     ax.set_xlabel("step")
-    ax.set_ylabel(f"concurrent requests ({window}-step mean)" if window > 1
-                  else "concurrent requests")
+    ax.set_ylabel(
+        f"concurrent requests ({window}-step mean)" if window > 1 else "concurrent requests"
+    )
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()

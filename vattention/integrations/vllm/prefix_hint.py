@@ -90,7 +90,7 @@ class SharedPrefixMemo:
     def __call__(self, table: torch.Tensor, past: Sequence[int], block_size: int):
         blocks = [p // block_size for p in past]
         width = max(blocks, default=0)
-        key = (table[:len(past), :width].numpy().tobytes(), tuple(blocks))
+        key = (table[: len(past), :width].numpy().tobytes(), tuple(blocks))
         if key != self._key:
             self._key, self._value = key, shared_prefixes(table, past, block_size)
         return self._value
