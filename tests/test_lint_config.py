@@ -1,5 +1,8 @@
 """The lint tools' configuration agrees with what it describes.
 
+* .pre-commit-config.yaml runs `make lint`'s checks: the same tools, called from the Makefile's
+  virtual env (so at the versions its test-deps line pins, which are those installed here), with
+  the same arguments, in the same order.
 * vattention/_C.pyi, the compiled core's types for mypy, names what the built extension defines:
   its classes, functions, methods and properties, with their parameters. A binding added, removed
   or renamed in csrc/python/ without regenerating the stub fails here (the command is in the
@@ -9,6 +12,8 @@
 from __future__ import annotations
 
 import ast
+import importlib.metadata
+import re
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -16,6 +21,60 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 STUB = ROOT / "vattention" / "_C.pyi"
+MAKEFILE = ROOT / "Makefile"
+PRE_COMMIT = ROOT / ".pre-commit-config.yaml"
+LINT_TOOLS = ("ruff", "mypy", "clang-format")
+
+
+def _pins() -> Dict[str, str]:
+    """The lint tools' versions that the Makefile's test-deps line installs."""
+    return dict(re.findall(r"\b(ruff|mypy|clang-format)==(\S+)", MAKEFILE.read_text()))
+
+
+def _lint_commands() -> List[str]:
+    """`make lint`'s commands, without the files they are given (`.`, the C++ files)."""
+    recipe = re.search(r"^lint:.*\n((?:\t.*\n)+)", MAKEFILE.read_text(), re.MULTILINE)
+    assert recipe, "no lint target in the Makefile"
+    lines = [line.strip() for line in recipe.group(1).splitlines()]
+    return [re.sub(r" (\.|\$\(CPP_FILES\))$", "", line) for line in lines if line[0] != "@"]
+
+
+def _hooks() -> List[Tuple[str, dict]]:
+    yaml = pytest.importorskip("yaml", reason="needs PyYAML (a transformers dependency)")
+    config = yaml.safe_load(PRE_COMMIT.read_text())
+    return [(repo, hook) for repo in config["repos"] for hook in repo["hooks"]]
+
+
+def test_the_makefile_pins_every_lint_tool_and_lint_calls_them_all():
+    pins = _pins()
+    assert sorted(pins) == sorted(LINT_TOOLS), pins
+    tools = [cmd.split()[0].rpartition("/")[2] for cmd in _lint_commands()]
+    assert tools == ["ruff", "ruff", "mypy", "clang-format"], tools
+
+
+def test_pre_commit_runs_make_lints_commands_with_its_tools():
+    venv = re.search(r"^VENV := (\S+)$", MAKEFILE.read_text(), re.MULTILINE).group(1)
+    entries = []
+    for repo, hook in _hooks():
+        # Local hooks running the venv's tools: their versions are the Makefile's pins. (Hooks
+        # from mirror repositories would pin versions of their own: check those here instead.)
+        assert repo["repo"] == "local" and hook["language"] == "system", (repo["repo"], hook)
+        entry = hook["entry"]
+        assert entry.startswith(f"{venv}/bin/"), (entry, f"not run from {venv}/bin/")
+        entries.append("$(VENV)/bin/" + entry[len(venv) + len("/bin/") :])
+        # mypy checks the package its configuration names, as `make lint` runs it
+        assert hook.get("pass_filenames", True) == (hook["id"] != "mypy"), hook
+    assert entries == _lint_commands()
+
+
+def test_the_installed_lint_tools_are_the_pinned_versions():
+    # The tools the tests run beside (make test's venv) are those `make lint` runs.
+    for tool, version in _pins().items():
+        try:
+            installed = importlib.metadata.version(tool)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        assert installed == version, f"{tool} {installed} installed, the Makefile pins {version}"
 
 
 def _api(source: str) -> Dict[str, List[Tuple[str, ...]]]:
