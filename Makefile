@@ -19,7 +19,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.vllm-stamp
 VLLM_PLUGIN_STAMP := $(VLLM_VENV)/.plugin-stamp
 
-.PHONY: all build demo test test-deps sanitize sanitize-build lint format-cpp clean vllm
+.PHONY: all build demo test test-deps sanitize sanitize-build lint format clean vllm
 
 CXX ?= g++
 SAN_DIR := build-sanitize
@@ -41,10 +41,12 @@ $(DEPS_STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q "setuptools>=64" wheel "pybind11>=2.11" numpy
 	touch $@
 
-$(TEST_DEPS_STAMP): $(DEPS_STAMP)
+# Installed again when this file changes (a new pin). The lint tools' versions are also those of
+# .pre-commit-config.yaml's hooks, which call them from $(VENV) (tests/test_lint_config.py).
+$(TEST_DEPS_STAMP): $(DEPS_STAMP) Makefile
 	@echo "make: installing the test and lint tools into $(VENV)"
 	$(PY) -m pip install -q "pytest>=7" "hypothesis>=6" "transformers==5.23.0" matplotlib tqdm \
-	  ruff==0.17.6 clang-format==23.1.5
+	  ruff==0.17.6 mypy==2.4.1 clang-format==23.1.5
 	touch $@
 
 # Editable install: builds vattention._C in place. Headers are not tracked by setuptools'
@@ -146,17 +148,21 @@ run-%_asan: $(SAN_DIR)/%_asan
 
 test-deps: $(TEST_DEPS_STAMP)
 
-# Lint (seconds, no network once the test tools are installed): ruff over the Python tree
-# (pyproject.toml's rules), clang-format's check over the C++ (.clang-format). `make format-cpp`
-# applies clang-format.
+# Lint (no network once the test tools are installed; seconds, about 30 more for mypy's first run,
+# whose cache is .mypy_cache/): ruff's linter and formatter check over the Python tree, mypy over
+# the package (pyproject.toml's [tool.ruff] and [tool.mypy]), clang-format's check over the C++
+# (.clang-format). Any finding fails it. `make format` applies both formatters.
 CPP_FILES = $(shell find csrc tests/cuda_emulator -name '*.cpp' -o -name '*.h' | sort)
 
 lint: $(TEST_DEPS_STAMP)
 	$(VENV)/bin/ruff check --no-cache .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 	$(VENV)/bin/clang-format --dry-run -Werror $(CPP_FILES)
 	@echo "lint: clean"
 
-format-cpp: $(TEST_DEPS_STAMP)
+format: $(TEST_DEPS_STAMP)
+	$(VENV)/bin/ruff format .
 	$(VENV)/bin/clang-format -i $(CPP_FILES)
 
 # Whether this compiler has the sanitizer runtimes (gcc on Debian does): "yes", or empty.

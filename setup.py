@@ -40,18 +40,22 @@ if cuda_include and folder("cuda") and os.environ.get("VATTENTION_NO_CUDA") != "
 
 # VATTENTION_EXT=none: register the package (e.g. the vLLM plugin's entry point in a second venv)
 # without compiling; the editable install then uses the extension already built in place.
-ext_modules = [] if os.environ.get("VATTENTION_EXT") == "none" else [
-    Pybind11Extension(
-        "vattention._C",
-        sources,
-        include_dirs=include_dirs,
-        define_macros=macros,
-        cxx_std=17,
-        extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fopenmp"],
-        extra_link_args=["-fopenmp"],
-        libraries=["dl"],
-    )
-]
+ext_modules = (
+    []
+    if os.environ.get("VATTENTION_EXT") == "none"
+    else [
+        Pybind11Extension(
+            "vattention._C",
+            sources,
+            include_dirs=include_dirs,
+            define_macros=macros,
+            cxx_std=17,
+            extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fopenmp"],
+            extra_link_args=["-fopenmp"],
+            libraries=["dl"],
+        )
+    ]
+)
 
 setup(
     ext_modules=ext_modules,

@@ -14,8 +14,9 @@ def per_call_seconds(fn: Callable[[], object], calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def compare(candidates: Dict[str, Callable[[], object]], *, calls: int,
-            repeats: int = 7) -> Dict[str, float]:
+def compare(
+    candidates: Dict[str, Callable[[], object]], *, calls: int, repeats: int = 7
+) -> Dict[str, float]:
     """Median per-call seconds of each candidate, measured in interleaved rounds so that machine
     noise (other processes, frequency changes) hits every candidate alike."""
     for fn in candidates.values():
@@ -27,8 +28,9 @@ def compare(candidates: Dict[str, Callable[[], object]], *, calls: int,
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def compare_min_median(candidates: Dict[str, Callable[[], object]], *, calls: int,
-                       rounds: int = 6) -> Dict[str, Tuple[float, float]]:
+def compare_min_median(
+    candidates: Dict[str, Callable[[], object]], *, calls: int, rounds: int = 6
+) -> Dict[str, Tuple[float, float]]:
     """(min, median) per-call seconds of each candidate over interleaved rounds.
 
     Each candidate is called once to warm up; then every round times each candidate (`calls`
@@ -39,6 +41,6 @@ def compare_min_median(candidates: Dict[str, Callable[[], object]], *, calls: in
     names = list(candidates)
     samples = {name: [] for name in names}
     for r in range(rounds):
-        for name in (names if r % 2 == 0 else reversed(names)):
+        for name in names if r % 2 == 0 else reversed(names):
             samples[name].append(per_call_seconds(candidates[name], calls))
     return {name: (min(s), statistics.median(s)) for name, s in samples.items()}

@@ -121,8 +121,9 @@ def capture(workload: str, size: str, out_path: str) -> int:
 class Replay:
     """Both kernels' caches for every layer, filled with the same values."""
 
-    def __init__(self, ops, layers: int, heads: int, kv_heads: int, head_dim: int,
-                 layouts=("plain",)):
+    def __init__(
+        self, ops, layers: int, heads: int, kv_heads: int, head_dim: int, layouts=("plain",)
+    ):
         self.ops, self.layers, self.heads = ops, layers, heads
         self.hkv, self.d = kv_heads, head_dim
         plain, self.theirs = [], []
@@ -134,7 +135,7 @@ class Replay:
                 paged(ops, k.reshape(-1, kv_heads, head_dim), v.reshape(-1, kv_heads, head_dim))
             )
         self.table = torch.arange(ROWS * TOKENS // BLOCK, dtype=torch.int32).view(ROWS, -1)
-        self.ours, self.caches = {}, []   # layout -> per layer (k, v); the vattention caches
+        self.ours, self.caches = {}, []  # layout -> per layer (k, v); the vattention caches
         for layout in layouts:
             self.ours[layout] = plain if layout == "plain" else self._cache(layout, plain)
 
@@ -142,9 +143,17 @@ class Replay:
         """A vattention cache of this layout, every row mapped, holding `values`."""
         import vattention
 
-        cache = vattention.KVCache(vattention.KVCacheConfig(
-            num_layers=self.layers, num_kv_heads=self.hkv, head_dim=self.d,
-            max_batch_size=ROWS, max_seq_len=TOKENS, dtype=torch.float32, layout=layout))
+        cache = vattention.KVCache(
+            vattention.KVCacheConfig(
+                num_layers=self.layers,
+                num_kv_heads=self.hkv,
+                head_dim=self.d,
+                max_batch_size=ROWS,
+                max_seq_len=TOKENS,
+                dtype=torch.float32,
+                layout=layout,
+            )
+        )
         self.caches.append(cache)
         slots = [cache.alloc() for _ in range(ROWS)]
         if slots != list(range(ROWS)):  # the calls name rows 0..ROWS-1, as in the plain tensors
@@ -256,7 +265,7 @@ class Replay:
 
 def machine_rates(rounds: int = 5):
     """(read, copy) bytes/s of this machine over 1 GiB, same threads, best of `rounds`."""
-    src = torch.ones(1 << 28)                      # 1 GiB of float32: far beyond the caches
+    src = torch.ones(1 << 28)  # 1 GiB of float32: far beyond the caches
     dst = torch.zeros_like(src)
     read = copy = 0.0
     for _ in range(rounds):
@@ -329,8 +338,10 @@ def _replay(rep: Replay, doc, rounds: int, layouts) -> int:
         f"{os.getloadavg()[0]:.2f} at start\n"
     )
     read, copy = machine_rates()
-    print("| calls | count | our K/V | ours ms | vLLM op ms | ours / vLLM (min) | ours: rate | "
-          "vLLM op: rate |")
+    print(
+        "| calls | count | our K/V | ours ms | vLLM op ms | ours / vLLM (min) | ours: rate | "
+        "vLLM op: rate |"
+    )
     print("|---|---:|---|---:|---:|---:|---:|---:|")
     totals = {layout: [0.0, 0.0] for layout in layouts}
     for name, calls in groups.items():
@@ -355,9 +366,11 @@ def _replay(rep: Replay, doc, rounds: int, layouts) -> int:
             f"{ours / theirs:.2f} | | |"
         )
     read_end, copy_end = machine_rates()
-    print(f"\nthis machine, same threads, 1 GiB: read {read / 1e9:.1f} GB/s before and "
-          f"{read_end / 1e9:.1f} after; copy (read + write bytes) {copy / 1e9:.1f} and "
-          f"{copy_end / 1e9:.1f}")
+    print(
+        f"\nthis machine, same threads, 1 GiB: read {read / 1e9:.1f} GB/s before and "
+        f"{read_end / 1e9:.1f} after; copy (read + write bytes) {copy / 1e9:.1f} and "
+        f"{copy_end / 1e9:.1f}"
+    )
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
     return 0
 
@@ -372,9 +385,13 @@ def main(argv=None) -> int:
     r = sub.add_parser("replay", help="time both kernels on the recorded calls")
     r.add_argument("calls")
     r.add_argument("--rounds", type=int, default=4)
-    r.add_argument("--layout", action="append", choices=("plain", "mega", "layer"),
-                   help="our K/V: plain tensors (default) or a vattention cache of this layout; "
-                        "repeatable, all timed in one alternation")
+    r.add_argument(
+        "--layout",
+        action="append",
+        choices=("plain", "mega", "layer"),
+        help="our K/V: plain tensors (default) or a vattention cache of this layout; "
+        "repeatable, all timed in one alternation",
+    )
     args = p.parse_args(argv)
     if args.cmd == "capture":
         from vattention.bench.vllm_bench import MODEL_SIZES, WORKLOADS

@@ -53,24 +53,47 @@ def paged(ops, k, v):
     tokens, hkv, d = k.shape
     kv = torch.zeros(tokens // BLOCK, hkv, 2 * BLOCK, d, dtype=k.dtype)
     kc, vc = kv.chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), kc, vc, torch.arange(tokens),
-                                   "vec")
+    ops.cpu_attn_reshape_and_cache(
+        k.contiguous(), v.contiguous(), kc, vc, torch.arange(tokens), "vec"
+    )
     return kc, vc
 
 
 def vllm_call(ops, q, kc, vc, block_table, qsl, seq_lens, hkv, d):
     meta = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=seq_lens.numel(), num_heads=q.shape[1], num_kv_heads=hkv, head_dim=d,
-        seq_lens=seq_lens, dtype=q.dtype, query_start_loc=qsl, causal=True,
-        sliding_window_size=-1, isa="vec", enable_kv_split=False)
+        num_reqs=seq_lens.numel(),
+        num_heads=q.shape[1],
+        num_kv_heads=hkv,
+        head_dim=d,
+        seq_lens=seq_lens,
+        dtype=q.dtype,
+        query_start_loc=qsl,
+        causal=True,
+        sliding_window_size=-1,
+        isa="vec",
+        enable_kv_split=False,
+    )
     out = torch.empty_like(q)
 
     def call():
         ops.cpu_attention_with_kv_cache(
-            query=q, key_cache=kc, value_cache=vc, output=out, query_start_loc=qsl,
-            seq_lens=seq_lens, scale=d**-0.5, causal=True, alibi_slopes=None, sliding_window=-1,
-            block_table=block_table, softcap=0.0, scheduler_metadata=meta, s_aux=None)
+            query=q,
+            key_cache=kc,
+            value_cache=vc,
+            output=out,
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            scale=d**-0.5,
+            causal=True,
+            alibi_slopes=None,
+            sliding_window=-1,
+            block_table=block_table,
+            softcap=0.0,
+            scheduler_metadata=meta,
+            s_aux=None,
+        )
         return out
+
     return call
 
 
@@ -83,23 +106,43 @@ def decode(ops, n, s, hkv, d, shared, calls):
     k_cache = k.expand(n, -1, -1, -1) if shared else k
     v_cache = v.expand(n, -1, -1, -1) if shared else v
     lens = torch.full((n,), s, dtype=torch.int32)
-    ours = lambda: fa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,  # noqa: E731
-                                              causal=True)
-    hint = dict(prefix_groups=torch.zeros(n, dtype=torch.int32),
-                prefix_lens=torch.full((n,), s // BLOCK * BLOCK, dtype=torch.int32))
-    hinted = (lambda: fa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,  # noqa: E731
-                                                 causal=True, **hint)) if shared else None
+    ours = lambda: fa.flash_attn_with_kvcache(  # noqa: E731
+        q, k_cache, v_cache, cache_seqlens=lens, causal=True
+    )
+    hint = dict(
+        prefix_groups=torch.zeros(n, dtype=torch.int32),
+        prefix_lens=torch.full((n,), s // BLOCK * BLOCK, dtype=torch.int32),
+    )
+    hinted = (
+        (
+            lambda: fa.flash_attn_with_kvcache(
+                q, k_cache, v_cache, cache_seqlens=lens, causal=True, **hint
+            )
+        )
+        if shared
+        else None
+    )
     sv = s // BLOCK * BLOCK
     kc, vc = paged(ops, k[:, :sv].reshape(-1, hkv, d), v[:, :sv].reshape(-1, hkv, d))
     per_row = sv // BLOCK
     table = torch.arange(rows * per_row, dtype=torch.int32).view(rows, per_row)
     table = table.expand(n, -1).contiguous() if shared else table
-    theirs = vllm_call(ops, q[:, 0].contiguous(), kc, vc, table,
-                       torch.arange(n + 1, dtype=torch.int32),
-                       torch.full((n,), sv, dtype=torch.int32), hkv, d)
-    lens_v = torch.full((n,), sv, dtype=torch.int32)   # the tokens vLLM's op reads
-    check(fa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens_v, causal=True)[:, 0],
-          theirs())
+    theirs = vllm_call(
+        ops,
+        q[:, 0].contiguous(),
+        kc,
+        vc,
+        table,
+        torch.arange(n + 1, dtype=torch.int32),
+        torch.full((n,), sv, dtype=torch.int32),
+        hkv,
+        d,
+    )
+    lens_v = torch.full((n,), sv, dtype=torch.int32)  # the tokens vLLM's op reads
+    check(
+        fa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens_v, causal=True)[:, 0],
+        theirs(),
+    )
     if shared:
         check(hinted(), ours())
     return (*compare(ours, theirs, calls, hinted), sv)
@@ -114,12 +157,21 @@ def prefill(ops, s, heads, hkv, d, calls):
     v_cache = torch.zeros_like(k_cache)
     cu = torch.tensor([0, s], dtype=torch.int32)
     past = torch.zeros(1, dtype=torch.int32)
-    ours = lambda: fa.flash_attn_with_kvcache(q, k_cache, v_cache, k, v,  # noqa: E731
-                                              cache_seqlens=past, cu_seqlens_q=cu,
-                                              max_seqlen_q=s, causal=True)
+    ours = lambda: fa.flash_attn_with_kvcache(  # noqa: E731
+        q, k_cache, v_cache, k, v, cache_seqlens=past, cu_seqlens_q=cu, max_seqlen_q=s, causal=True
+    )
     kc, vc = paged(ops, k, v)
-    theirs = vllm_call(ops, q, kc, vc, torch.arange(s // BLOCK, dtype=torch.int32)[None], cu,
-                       torch.tensor([s], dtype=torch.int32), hkv, d)
+    theirs = vllm_call(
+        ops,
+        q,
+        kc,
+        vc,
+        torch.arange(s // BLOCK, dtype=torch.int32)[None],
+        cu,
+        torch.tensor([s], dtype=torch.int32),
+        hkv,
+        d,
+    )
     check(ours(), theirs())
     return compare(ours, theirs, calls)
 
@@ -130,32 +182,47 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     ops, why = vllm_ops()
     if ops is None:
-        print(f"vLLM's CPU op is not available here ({why}): run with .venv-vllm/bin/python",
-              file=sys.stderr)
+        print(
+            f"vLLM's CPU op is not available here ({why}): run with .venv-vllm/bin/python",
+            file=sys.stderr,
+        )
         return 2
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, {args.threads} thread(s), kernel ISA "
-          f"{fa.kernel_isa()}; load average {os.getloadavg()[0]:.2f} at start\n")
-    print("| decode (fp32) | rows x tokens | KV heads x d | ours us | vLLM us (tokens) "
-          "| ours / vLLM per token (min) | ours with the prefix hint us | hint / vLLM (min) |")
+    print(
+        f"torch {torch.__version__}, {args.threads} thread(s), kernel ISA "
+        f"{fa.kernel_isa()}; load average {os.getloadavg()[0]:.2f} at start\n"
+    )
+    print(
+        "| decode (fp32) | rows x tokens | KV heads x d | ours us | vLLM us (tokens) "
+        "| ours / vLLM per token (min) | ours with the prefix hint us | hint / vLLM (min) |"
+    )
     print("|---|---|---|---:|---:|---:|---:|---:|")
     for shared in (True, False):
         for n, s, hkv, d in ((16, 830, 4, 64), (16, 830, 8, 64), (16, 2048, 8, 64)):
             a, b, *h, sv = decode(ops, n, s, hkv, d, shared, calls=100)
             kind = "shared prefix" if shared else "private rows"
-            hint = (f"{h[0][0] * 1e6:.0f} ({h[0][1] * 1e6:.0f}) | {h[0][0] / b[0] * sv / s:.2f}"
-                    if h else "- | -")
-            print(f"| {kind} | {n} x {s} | {hkv} x {d} | {a[0] * 1e6:.0f} ({a[1] * 1e6:.0f}) "
-                  f"| {b[0] * 1e6:.0f} ({b[1] * 1e6:.0f}) over {sv} | "
-                  f"{a[0] / b[0] * sv / s:.2f} | {hint} |")
-    print("\n| prefill (fp32, causal) | tokens | heads / KV heads x d | ours ms | vLLM ms "
-          "| ours / vLLM (min) |")
+            hint = (
+                f"{h[0][0] * 1e6:.0f} ({h[0][1] * 1e6:.0f}) | {h[0][0] / b[0] * sv / s:.2f}"
+                if h
+                else "- | -"
+            )
+            print(
+                f"| {kind} | {n} x {s} | {hkv} x {d} | {a[0] * 1e6:.0f} ({a[1] * 1e6:.0f}) "
+                f"| {b[0] * 1e6:.0f} ({b[1] * 1e6:.0f}) over {sv} | "
+                f"{a[0] / b[0] * sv / s:.2f} | {hint} |"
+            )
+    print(
+        "\n| prefill (fp32, causal) | tokens | heads / KV heads x d | ours ms | vLLM ms "
+        "| ours / vLLM (min) |"
+    )
     print("|---|---:|---|---:|---:|---:|")
     for s, heads, hkv, d in ((1024, 8, 8, 64), (2048, 32, 8, 128)):
         a, b = prefill(ops, s, heads, hkv, d, calls=5)
-        print(f"| one prompt | {s} | {heads} / {hkv} x {d} | {a[0] * 1e3:.2f} ({a[1] * 1e3:.2f}) "
-              f"| {b[0] * 1e3:.2f} ({b[1] * 1e3:.2f}) | {a[0] / b[0]:.2f} |")
+        print(
+            f"| one prompt | {s} | {heads} / {hkv} x {d} | {a[0] * 1e3:.2f} ({a[1] * 1e3:.2f}) "
+            f"| {b[0] * 1e3:.2f} ({b[1] * 1e3:.2f}) | {a[0] / b[0]:.2f} |"
+        )
     print(f"\nload average at end: {os.getloadavg()[0]:.2f}")
     return 0
 

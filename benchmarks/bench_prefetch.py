@@ -30,13 +30,28 @@ SHAPES = {
 }
 
 
-def run(layout: str, page: str, prefetch: bool, iterations: int, gap_s: float, slots: int,
-        device: str = "cpu", dims: dict | None = None, lookahead_tokens: int | None = None,
-        floor: bool = False):
+def run(
+    layout: str,
+    page: str,
+    prefetch: bool,
+    iterations: int,
+    gap_s: float,
+    slots: int,
+    device: str = "cpu",
+    dims: dict | None = None,
+    lookahead_tokens: int | None = None,
+    floor: bool = False,
+):
     """One decode loop; floor=True keeps every length fixed (step() never maps: its bare cost)."""
-    cfg = vattention.KVCacheConfig(**(dims or SHAPES[(layout, page)]), max_batch_size=slots,
-                                   max_seq_len=4096, dtype=torch.float16, page_size=page,
-                                   layout=layout, device=device)
+    cfg = vattention.KVCacheConfig(
+        **(dims or SHAPES[(layout, page)]),
+        max_batch_size=slots,
+        max_seq_len=4096,
+        dtype=torch.float16,
+        page_size=page,
+        layout=layout,
+        device=device,
+    )
     blocked = []
     with vattention.KVCache(cfg) as cache:
         tpp = cfg.tokens_per_page
@@ -52,19 +67,23 @@ def run(layout: str, page: str, prefetch: bool, iterations: int, gap_s: float, s
             cache.step(lens)
             blocked.append(time.perf_counter() - t0)
             if prefetch:
-                cache.prefetch({s: n + 1 for s, n in lens.items()},
-                               lookahead_tokens=lookahead_tokens)
+                cache.prefetch(
+                    {s: n + 1 for s, n in lens.items()}, lookahead_tokens=lookahead_tokens
+                )
             time.sleep(gap_s)
         stats = cache.stats()
     blocked.sort()
-    return {"mean": statistics.fmean(blocked), "p99": blocked[int(0.99 * (len(blocked) - 1))],
-            "step_maps": stats["step_map_calls"] - before["step_map_calls"],
-            # Driver calls per iteration, made inside step() / by the prefetch thread (None when
-            # the core predates these counters).
-            "step_calls": _per_step(stats, before, "step_driver_calls", iterations),
-            "prefetch_calls": _per_step(stats, before, "prefetch_driver_calls", iterations),
-            "prefetch_maps": stats["prefetch_map_calls"],
-            "tokens_per_page": cfg.tokens_per_page}
+    return {
+        "mean": statistics.fmean(blocked),
+        "p99": blocked[int(0.99 * (len(blocked) - 1))],
+        "step_maps": stats["step_map_calls"] - before["step_map_calls"],
+        # Driver calls per iteration, made inside step() / by the prefetch thread (None when
+        # the core predates these counters).
+        "step_calls": _per_step(stats, before, "step_driver_calls", iterations),
+        "prefetch_calls": _per_step(stats, before, "prefetch_driver_calls", iterations),
+        "prefetch_maps": stats["prefetch_map_calls"],
+        "tokens_per_page": cfg.tokens_per_page,
+    }
 
 
 def _per_step(after: dict, before: dict, key: str, iterations: int):
@@ -74,17 +93,22 @@ def _per_step(after: dict, before: dict, key: str, iterations: int):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--iterations", type=int, default=400)
     parser.add_argument("--gap-ms", type=float, default=2.0, help="simulated compute per iteration")
     parser.add_argument("--slots", type=int, default=16)
     args = parser.parse_args()
-    print(f"host backend, {args.slots} slots, {args.iterations} iterations, "
-          f"{args.gap_ms} ms simulated compute per iteration\n")
-    print("| layout | page | tokens/page | compute gap | step() blocks, no prefetch: "
-          "mean / p99 us | with prefetch: mean / p99 us | ratio (mean, target <= 0.1) | "
-          "maps inside step() (no pf / pf) |")
+    print(
+        f"host backend, {args.slots} slots, {args.iterations} iterations, "
+        f"{args.gap_ms} ms simulated compute per iteration\n"
+    )
+    print(
+        "| layout | page | tokens/page | compute gap | step() blocks, no prefetch: "
+        "mean / p99 us | with prefetch: mean / p99 us | ratio (mean, target <= 0.1) | "
+        "maps inside step() (no pf / pf) |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     # The last row gives layer/2MB (2 x 8 layers x 2 MB to populate per boundary crossing, ~8 ms
     # on the host) a compute gap long enough to hide it.
@@ -92,10 +116,12 @@ def main() -> None:
     for layout, page, gap_ms in rows:
         base = run(layout, page, False, args.iterations, gap_ms / 1e3, args.slots)
         pf = run(layout, page, True, args.iterations, gap_ms / 1e3, args.slots)
-        print(f"| {layout} | {page} | {base['tokens_per_page']} | {gap_ms:g} ms | "
-              f"{base['mean'] * 1e6:.1f} / {base['p99'] * 1e6:.1f} | "
-              f"{pf['mean'] * 1e6:.1f} / {pf['p99'] * 1e6:.1f} | {pf['mean'] / base['mean']:.3f} | "
-              f"{base['step_maps']} / {pf['step_maps']} |")
+        print(
+            f"| {layout} | {page} | {base['tokens_per_page']} | {gap_ms:g} ms | "
+            f"{base['mean'] * 1e6:.1f} / {base['p99'] * 1e6:.1f} | "
+            f"{pf['mean'] * 1e6:.1f} / {pf['p99'] * 1e6:.1f} | {pf['mean'] / base['mean']:.3f} | "
+            f"{base['step_maps']} / {pf['step_maps']} |"
+        )
 
 
 if __name__ == "__main__":

@@ -38,8 +38,12 @@ import emu  # noqa: E402
 
 MB = 1 << 20
 # A100, 2 MB pages (microseconds per call); scaled by page_bytes / 2 MB.
-A100_LATENCY_US_PER_2MB = {"cuMemCreate": 193.0, "cuMemMap": 1.45, "cuMemSetAccess": 36.0,
-                           "cuMemUnmap": 25.6}
+A100_LATENCY_US_PER_2MB = {
+    "cuMemCreate": 193.0,
+    "cuMemMap": 1.45,
+    "cuMemSetAccess": 36.0,
+    "cuMemUnmap": 25.6,
+}
 # Llama-3-8B's KV shape (32 layers, 8 KV heads of 128, fp16): 1024 tokens per 2 MB page per
 # layer (layer layout), 32 per 2 MB page (mega) or per 64 KB page (layer). The 64 KB rows use 8
 # layers (the emulation spends one file descriptor per page and one host mapping per mapped page:
@@ -69,17 +73,28 @@ def fmt_calls(value) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--iterations", type=int, default=300)
     parser.add_argument("--gap-ms", type=float, default=2.0, help="simulated compute per iteration")
     parser.add_argument("--slots", type=int, default=64, help="decode batch size")
-    parser.add_argument("--latency-us", action="append", default=[], metavar="ENTRY=US",
-                        help="per-call latency for 2 MB pages (repeatable); default: A100 figures")
-    parser.add_argument("--lookahead-tokens", type=int, default=16,
-                        help="prefetch look-ahead beyond the next iteration's lengths")
-    parser.add_argument("--rows", default="",
-                        help="comma list of layout/page to run, e.g. layer/2MB")
+    parser.add_argument(
+        "--latency-us",
+        action="append",
+        default=[],
+        metavar="ENTRY=US",
+        help="per-call latency for 2 MB pages (repeatable); default: A100 figures",
+    )
+    parser.add_argument(
+        "--lookahead-tokens",
+        type=int,
+        default=16,
+        help="prefetch look-ahead beyond the next iteration's lengths",
+    )
+    parser.add_argument(
+        "--rows", default="", help="comma list of layout/page to run, e.g. layer/2MB"
+    )
     args = parser.parse_args()
     latency = parse_latency(args.latency_us)
     reason = emu.unavailable_reason()
@@ -90,14 +105,20 @@ def main() -> None:
 
     em = emu.Emulator.load()
     wanted = {r.strip() for r in args.rows.split(",") if r.strip()}
-    print("CUDA backend through the driver EMULATION; per-call latency (us per 2 MB page, scaled "
-          "by page size): " + ", ".join(f"{k} {v:g}" for k, v in latency.items()))
-    print(f"{args.slots} slots, {args.iterations} iterations, {args.gap_ms} ms simulated compute "
-          f"per iteration, prefetch look-ahead {args.lookahead_tokens} tokens\n")
-    print("| layout | page | tokens/page | step() blocks, no prefetch: mean / p99 us | "
-          "with prefetch: mean / p99 us | ratio (mean, target <= 0.1) | floor: mean / p99 us | "
-          "ratio above floor | maps in step (no pf / pf) "
-          "| driver calls per step: in step / prefetch thread (pf run) |")
+    print(
+        "CUDA backend through the driver EMULATION; per-call latency (us per 2 MB page, scaled "
+        "by page size): " + ", ".join(f"{k} {v:g}" for k, v in latency.items())
+    )
+    print(
+        f"{args.slots} slots, {args.iterations} iterations, {args.gap_ms} ms simulated compute "
+        f"per iteration, prefetch look-ahead {args.lookahead_tokens} tokens\n"
+    )
+    print(
+        "| layout | page | tokens/page | step() blocks, no prefetch: mean / p99 us | "
+        "with prefetch: mean / p99 us | ratio (mean, target <= 0.1) | floor: mean / p99 us | "
+        "ratio above floor | maps in step (no pf / pf) "
+        "| driver calls per step: in step / prefetch thread (pf run) |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     violations = 0
     for layout, page, page_bytes, dims in ROWS:
@@ -108,19 +129,27 @@ def main() -> None:
         em.set_device_memory_bytes(80 << 30)  # an 80 GB GPU; untouched pages commit no host memory
         for entry, us in latency.items():
             em.set_latency_ns(entry, round(us * 1000 * page_bytes / (2 * MB)))
-        kw = dict(iterations=args.iterations, gap_s=args.gap_ms / 1e3, slots=args.slots,
-                  device="cuda:0", dims=dims, lookahead_tokens=args.lookahead_tokens)
+        kw = dict(
+            iterations=args.iterations,
+            gap_s=args.gap_ms / 1e3,
+            slots=args.slots,
+            device="cuda:0",
+            dims=dims,
+            lookahead_tokens=args.lookahead_tokens,
+        )
         base = bench_prefetch.run(layout, page, False, **kw)
         pf = bench_prefetch.run(layout, page, True, **kw)
         floor = bench_prefetch.run(layout, page, False, floor=True, **kw)
         violations += em.violations
         above = (pf["mean"] - floor["mean"]) / (base["mean"] - floor["mean"])
-        print(f"| {layout} | {page} | {base['tokens_per_page']} | "
-              f"{base['mean'] * 1e6:.1f} / {base['p99'] * 1e6:.1f} | "
-              f"{pf['mean'] * 1e6:.1f} / {pf['p99'] * 1e6:.1f} | {pf['mean'] / base['mean']:.3f} | "
-              f"{floor['mean'] * 1e6:.1f} / {floor['p99'] * 1e6:.1f} | {above:.3f} | "
-              f"{base['step_maps']} / {pf['step_maps']} | "
-              f"{fmt_calls(pf['step_calls'])} / {fmt_calls(pf['prefetch_calls'])} |")
+        print(
+            f"| {layout} | {page} | {base['tokens_per_page']} | "
+            f"{base['mean'] * 1e6:.1f} / {base['p99'] * 1e6:.1f} | "
+            f"{pf['mean'] * 1e6:.1f} / {pf['p99'] * 1e6:.1f} | {pf['mean'] / base['mean']:.3f} | "
+            f"{floor['mean'] * 1e6:.1f} / {floor['p99'] * 1e6:.1f} | {above:.3f} | "
+            f"{base['step_maps']} / {pf['step_maps']} | "
+            f"{fmt_calls(pf['step_calls'])} / {fmt_calls(pf['prefetch_calls'])} |"
+        )
     print(f"\nemulation rule violations during the run: {violations}")
 
 

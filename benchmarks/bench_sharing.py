@@ -46,13 +46,14 @@ class Model:
     element_bytes: int = 2
 
     @property
-    def bytes_per_token(self) -> int:   # K and V, all layers
+    def bytes_per_token(self) -> int:  # K and V, all layers
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.element_bytes
 
 
 @dataclass(frozen=True)
 class Scheme:
     """A sharing granularity: `tokens_per_unit` tokens cost `unit_bytes` bytes."""
+
     name: str
     tokens_per_unit: int
     unit_bytes: int
@@ -62,17 +63,22 @@ def vattention_scheme(model: Model, layout: str, page_bytes: int) -> Scheme:
     layer_token = model.num_kv_heads * model.head_dim * model.element_bytes
     token_bytes = layer_token * (model.num_layers if layout == "mega" else 1)
     tensors = 2 if layout == "mega" else 2 * model.num_layers
-    label = f"vAttention {layout} {page_bytes >> 10}KB" if page_bytes < (1 << 20) else \
-        f"vAttention {layout} {page_bytes >> 20}MB"
+    label = (
+        f"vAttention {layout} {page_bytes >> 10}KB"
+        if page_bytes < (1 << 20)
+        else f"vAttention {layout} {page_bytes >> 20}MB"
+    )
     return Scheme(label, page_bytes // token_bytes, tensors * page_bytes)
 
 
 def vllm_scheme(model: Model, block_tokens: int = 16) -> Scheme:
-    return Scheme(f"vLLM paged, block {block_tokens}", block_tokens,
-                  block_tokens * model.bytes_per_token)
+    return Scheme(
+        f"vLLM paged, block {block_tokens}", block_tokens, block_tokens * model.bytes_per_token
+    )
 
 
 # ---- the arithmetic: sequences as lists of unit ids with reference counts ------------------------
+
 
 class UnitPool:
     def __init__(self, tokens_per_unit: int, share: bool):
@@ -178,6 +184,7 @@ def arithmetic(scheme: Scheme, trace, workload, share, args):
 
 # ---- the measurement: the same workloads through the library -------------------------------------
 
+
 def stand_in(model: Model, layout: str, page_bytes: int, max_seq: int, max_batch: int):
     """A one-layer config with the same tokens per page, pages a multiple of 4 KB; and the factor
     from its bytes to the model's."""
@@ -185,10 +192,17 @@ def stand_in(model: Model, layout: str, page_bytes: int, max_seq: int, max_batch
     heads = 1
     while (tpp * heads * model.head_dim * 2) % 4096:
         heads *= 2
-    cfg = vattention.KVCacheConfig(num_layers=1, num_kv_heads=heads, head_dim=model.head_dim,
-                                   max_batch_size=max_batch, max_seq_len=max_seq,
-                                   dtype=torch.bfloat16, page_size=tpp * heads * model.head_dim * 2,
-                                   layout=layout, reclaim="eager")
+    cfg = vattention.KVCacheConfig(
+        num_layers=1,
+        num_kv_heads=heads,
+        head_dim=model.head_dim,
+        max_batch_size=max_batch,
+        max_seq_len=max_seq,
+        dtype=torch.bfloat16,
+        page_size=tpp * heads * model.head_dim * 2,
+        layout=layout,
+        reclaim="eager",
+    )
     unit_bytes = vattention_scheme(model, layout, page_bytes).unit_bytes
     factor = unit_bytes / (cfg.num_tensors * cfg.page_bytes)
     return cfg, factor
@@ -241,41 +255,49 @@ def fits_host_mappings(model, layout, page_bytes, trace, workload, args, limit=2
     every slot maps each of its pages, shared or not, and the host backend needs one mmap each."""
     width = args.samples if workload == "parallel" else 2 * args.beam_width
     tpp = vattention_scheme(model, layout, page_bytes).tokens_per_unit
-    keep = [row for row in trace
-            if -(-(int(row[0]) + 2 * int(row[1])) // tpp) * 2 * width <= limit]
+    keep = [row for row in trace if -(-(int(row[0]) + 2 * int(row[1])) // tpp) * 2 * width <= limit]
     return np.array(keep[: args.validate]).reshape(-1, 2)
 
 
 # ---- report --------------------------------------------------------------------------------------
 
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", default="sharegpt")
     ap.add_argument("--prompts", type=int, default=400, help="first N requests of the trace")
-    ap.add_argument("--validate", type=int, default=40,
-                    help="requests also run through the library (0: none)")
+    ap.add_argument(
+        "--validate", type=int, default=40, help="requests also run through the library (0: none)"
+    )
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--beam-width", type=int, default=4)
     ap.add_argument("--segment", type=int, default=16, help="decode tokens between beam re-forks")
     args = ap.parse_args()
     model = Model()
     trace = load_trace(args.trace)[: args.prompts]
-    print(f"{model.name} ({model.bytes_per_token >> 10} KiB/token), {len(trace)} requests of "
-          f"{args.trace}: mean prompt {trace[:, 0].mean():.0f}, "
-          f"mean output {trace[:, 1].mean():.0f}")
+    print(
+        f"{model.name} ({model.bytes_per_token >> 10} KiB/token), {len(trace)} requests of "
+        f"{args.trace}: mean prompt {trace[:, 0].mean():.0f}, "
+        f"mean output {trace[:, 1].mean():.0f}"
+    )
     vllm = vllm_scheme(model)
     configs = [(layout, page) for layout in ("layer", "mega") for page in (2 << 20, 64 << 10)]
-    for workload, title in (("parallel", f"parallel sampling, n={args.samples}"),
-                            ("beam", f"beam search, width {args.beam_width}, "
-                                     f"re-fork every {args.segment} tokens")):
+    for workload, title in (
+        ("parallel", f"parallel sampling, n={args.samples}"),
+        ("beam", f"beam search, width {args.beam_width}, re-fork every {args.segment} tokens"),
+    ):
         start = time.time()
         v_private, _ = arithmetic(vllm, trace, workload, False, args)
         v_shared, v_copied = arithmetic(vllm, trace, workload, True, args)
         print(f"\n## {title}")
-        print(f"{'scheme':<28}{'no sharing GiB':>15}{'sharing GiB':>13}{'ratio':>8}"
-              f"{'vs vLLM shared':>16}{'copied GiB':>12}{'checked':>9}")
-        print(f"{vllm.name:<28}{v_private / GiB:>15.2f}{v_shared / GiB:>13.2f}"
-              f"{v_shared / v_private:>8.3f}{1.0:>16.3f}{v_copied / GiB:>12.2f}{'':>9}")
+        print(
+            f"{'scheme':<28}{'no sharing GiB':>15}{'sharing GiB':>13}{'ratio':>8}"
+            f"{'vs vLLM shared':>16}{'copied GiB':>12}{'checked':>9}"
+        )
+        print(
+            f"{vllm.name:<28}{v_private / GiB:>15.2f}{v_shared / GiB:>13.2f}"
+            f"{v_shared / v_private:>8.3f}{1.0:>16.3f}{v_copied / GiB:>12.2f}{'':>9}"
+        )
         for layout, page in configs:
             scheme = vattention_scheme(model, layout, page)
             private, _ = arithmetic(scheme, trace, workload, False, args)
@@ -286,12 +308,15 @@ def main():
                 want, _ = arithmetic(scheme, sub, workload, True, args)
                 got = measured(model, layout, page, sub, workload, args)
                 if got != want:
-                    raise SystemExit(f"{scheme.name} {workload}: library {got} bytes, "
-                                     f"arithmetic {want} bytes")
+                    raise SystemExit(
+                        f"{scheme.name} {workload}: library {got} bytes, arithmetic {want} bytes"
+                    )
                 checked = f"{len(sub)} req"
-            print(f"{scheme.name:<28}{private / GiB:>15.2f}{shared / GiB:>13.2f}"
-                  f"{shared / private:>8.3f}{shared / v_shared:>16.3f}{copied / GiB:>12.2f}"
-                  f"{checked:>9}")
+            print(
+                f"{scheme.name:<28}{private / GiB:>15.2f}{shared / GiB:>13.2f}"
+                f"{shared / private:>8.3f}{shared / v_shared:>16.3f}{copied / GiB:>12.2f}"
+                f"{checked:>9}"
+            )
         print(f"({time.time() - start:.1f} s)")
 
 

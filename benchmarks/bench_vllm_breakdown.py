@@ -49,8 +49,14 @@ def main(argv=None) -> int:
     layers, hidden, heads, kv_heads, head_dim = MODEL_SIZES[args.model_size]
     model = build_tiny_model(
         os.path.join(tempfile.gettempdir(), f"vattention-breakdown-llama-{args.model_size}"),
-        "llama", num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads,
-        head_dim=head_dim, max_positions=4096)
+        "llama",
+        num_layers=layers,
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        max_positions=4096,
+    )
 
     import vllm
     from vllm.v1.attention.backends import cpu_attn
@@ -59,8 +65,8 @@ def main(argv=None) -> int:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     spent: Dict[str, float] = collections.defaultdict(float)
-    parent: Dict[str, str] = {}   # a nested entry's label -> the label whose time includes it
-    shown: Dict[str, str] = {}    # a label -> the text printed for it, where they differ
+    parent: Dict[str, str] = {}  # a nested entry's label -> the label whose time includes it
+    shown: Dict[str, str] = {}  # a label -> the text printed for it, where they differ
 
     def timed(cls, name: str, label: str, within: str = "", kind=None) -> None:
         """Wraps cls.name to add its wall time to `label`, and to the nested entry that
@@ -89,12 +95,14 @@ def main(argv=None) -> int:
             parent[f"calls {kind} ({label})"] = label
             shown[f"calls {kind} ({label})"] = f"calls {kind}"
 
-        def call_kind(a, k):   # forward(self, layer, q, k, v, kv_cache, attn_metadata, ...)
+        def call_kind(a, k):  # forward(self, layer, q, k, v, kv_cache, attn_metadata, ...)
             md = k.get("attn_metadata", a[6] if len(a) > 6 else None)
-            if md is None:     # vLLM's warm-up and profiling runs
+            if md is None:  # vLLM's warm-up and profiling runs
                 return None
-            return f"calls {'with a prefill chunk' if md.max_query_len > 1 else 'decode only'} " \
-                   f"({label})"
+            return (
+                f"calls {'with a prefill chunk' if md.max_query_len > 1 else 'decode only'} "
+                f"({label})"
+            )
 
         timed(cls, "forward", label, kind=call_kind)
 
@@ -109,24 +117,31 @@ def main(argv=None) -> int:
     timed_attention(cpu_attn.CPUAttentionBackendImpl, "attention (stock CPU_ATTN)")
     # stock writes the new K/V in a separate op (its backend's forward_includes_kv_cache_update
     # is False); the plugin's forward appends them inside its kernel call
-    timed(cpu_attn.CPUAttentionBackendImpl, "do_kv_cache_update",
-          "K/V cache write (stock, outside its attention forward)")
+    timed(
+        cpu_attn.CPUAttentionBackendImpl,
+        "do_kv_cache_update",
+        "K/V cache write (stock, outside its attention forward)",
+    )
     if args.engine == "plugin":
         import vattention._C as native
         from vattention.cache import KVCache
         from vattention.integrations.vllm import attention, runner
 
         timed_attention(attention.VAttentionImpl, "attention (vattention)")
-        timed(native, "flash_attn_with_kvcache", "the native kernel call",
-              "attention (vattention)")
+        timed(native, "flash_attn_with_kvcache", "the native kernel call", "attention (vattention)")
         plugin_states = "runner._update_states (the plugin's, vLLM's included)"
         timed(runner.VAttentionRunnerMixin, "_update_states", plugin_states)
         timed(KVCache, "step", "KVCache.step", plugin_states)
         timed(KVCache, "prefetch", "KVCache.prefetch", plugin_states)
-        parent["runner._update_states (vLLM's)"] = plugin_states   # the plugin's calls super()
+        parent["runner._update_states (vLLM's)"] = plugin_states  # the plugin's calls super()
 
-    llm = vllm.LLM(model=model, dtype="float32", max_model_len=4096, max_num_seqs=16,
-                   kv_cache_memory_bytes=1 << 30)
+    llm = vllm.LLM(
+        model=model,
+        dtype="float32",
+        max_model_len=4096,
+        max_num_seqs=16,
+        kv_cache_memory_bytes=1 << 30,
+    )
     ns = argparse.Namespace(num_requests=64, length_scale=0.5, max_model_len=4096, seed=0)
 
     def one_pass(round_: int):
@@ -137,7 +152,7 @@ def main(argv=None) -> int:
         out = llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - t, sum(len(c.token_ids) for o in out for c in o.outputs)
 
-    for warm in (100, 101):   # compilation, first pages, allocator: outside the timing
+    for warm in (100, 101):  # compilation, first pages, allocator: outside the timing
         one_pass(warm)
     best = None
     for round_ in range(3):
@@ -146,13 +161,16 @@ def main(argv=None) -> int:
         if best is None or dt < best[0]:
             best = (dt, tokens, {k: v - before.get(k, 0.0) for k, v in spent.items()})
     dt, tokens, parts = best
-    print(f"{args.engine}, {args.workload}, model {args.model_size}: fastest of 3 passes "
-          f"{dt * 1e3:.0f} ms, {tokens} tokens, {tokens / dt:.0f} tokens/s; load average "
-          f"{os.getloadavg()[0]:.2f}")
+    print(
+        f"{args.engine}, {args.workload}, model {args.model_size}: fastest of 3 passes "
+        f"{dt * 1e3:.0f} ms, {tokens} tokens, {tokens / dt:.0f} tokens/s; load average "
+        f"{os.getloadavg()[0]:.2f}"
+    )
 
     def show(within: str, depth: int) -> None:
-        for label in sorted((k for k in parts if parent.get(k, "") == within),
-                            key=lambda k: -parts[k]):
+        for label in sorted(
+            (k for k in parts if parent.get(k, "") == within), key=lambda k: -parts[k]
+        ):
             text = shown.get(label, label)
             print(f"  {'  ' * depth}{text:{58 - 2 * depth}s} {parts[label] * 1e3:9.1f} ms")
             show(label, depth + 1)

@@ -30,7 +30,7 @@ def my_decode_kernel(q, k_cache, v_cache, cache_seqlens, cache_batch_idx):
     out = torch.empty_like(q)
     groups = q.shape[2] // k_cache.shape[2]
     for i, (slot, n) in enumerate(zip(cache_batch_idx.tolist(), cache_seqlens.tolist())):
-        keys = k_cache[slot, :n].repeat_interleave(groups, 1)        # [n, heads, dim]
+        keys = k_cache[slot, :n].repeat_interleave(groups, 1)  # [n, heads, dim]
         vals = v_cache[slot, :n].repeat_interleave(groups, 1)
         scores = torch.einsum("hd,nhd->hn", q[i, 0], keys) / math.sqrt(q.shape[-1])
         out[i, 0] = torch.einsum("hn,nhd->hd", scores.softmax(-1), vals)
@@ -43,9 +43,16 @@ def buggy_kernel_reads_whole_row(k_cache, slot):
 
 
 def make_cache() -> vattention.KVCache:
-    cfg = vattention.KVCacheConfig(num_layers=1, num_kv_heads=2, head_dim=64, max_batch_size=8,
-                                   max_seq_len=2048, dtype=torch.float32, device="cpu",
-                                   page_size="64KB")
+    cfg = vattention.KVCacheConfig(
+        num_layers=1,
+        num_kv_heads=2,
+        head_dim=64,
+        max_batch_size=8,
+        max_seq_len=2048,
+        dtype=torch.float32,
+        device="cpu",
+        page_size="64KB",
+    )
     return vattention.KVCache(cfg)
 
 
@@ -61,8 +68,9 @@ def ragged_check() -> float:
         q = torch.randn(len(LENGTHS), 1, 8, 64)
         seqlens, batch_idx = torch.tensor(LENGTHS), torch.tensor(slots)
         got = my_decode_kernel(q, k_cache, v_cache, seqlens, batch_idx)
-        want = fa.flash_attn_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens=seqlens,
-                                                    cache_batch_idx=batch_idx)
+        want = fa.flash_attn_with_kvcache_reference(
+            q, k_cache, v_cache, cache_seqlens=seqlens, cache_batch_idx=batch_idx
+        )
         backed = [cache.mapped_tokens(s) for s in slots]
         print(f"ragged lengths {LENGTHS}; tokens backed by pages {backed} of 2048 per row")
         return float((got - want).abs().max())
@@ -74,15 +82,18 @@ def child_read_past_end() -> None:
         slot = cache.alloc()
         cache.step({slot: 100})
         k_cache, _ = cache.layer(0)
-        print(f"child: slot {slot} backs {cache.mapped_tokens(slot)} tokens; reading the row",
-              flush=True)
+        print(
+            f"child: slot {slot} backs {cache.mapped_tokens(slot)} tokens; reading the row",
+            flush=True,
+        )
         value = buggy_kernel_reads_whole_row(k_cache, slot)
         print(f"child: read returned {value} -- no fault", flush=True)
 
 
 def fault_check() -> str:
-    child = subprocess.run([sys.executable, __file__, "--child"], capture_output=True, text=True,
-                           timeout=60)
+    child = subprocess.run(
+        [sys.executable, __file__, "--child"], capture_output=True, text=True, timeout=60
+    )
     print(child.stdout.strip())
     if child.returncode < 0:
         return signal.Signals(-child.returncode).name
@@ -93,13 +104,15 @@ def main() -> int:
     if sys.argv[1:] == ["--child"]:
         child_read_past_end()
         return 0
-    torch.set_num_threads(1)   # tiny tensors: extra threads only add overhead
+    torch.set_num_threads(1)  # tiny tensors: extra threads only add overhead
     err = ragged_check()
     print(f"my_decode_kernel vs reference: max abs error {err:.2e}")
     outcome = fault_check()
     faulted = outcome in ("SIGSEGV", "SIGBUS")
-    print(f"reading past cache_seqlens: child process ended by {outcome} -> "
-          f"{'faulted (good: no silent garbage)' if faulted else 'NO FAULT'}")
+    print(
+        f"reading past cache_seqlens: child process ended by {outcome} -> "
+        f"{'faulted (good: no silent garbage)' if faulted else 'NO FAULT'}"
+    )
     return 0 if err < 1e-4 and faulted else 1
 
 

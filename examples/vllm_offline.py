@@ -27,28 +27,39 @@ def main() -> None:
 
     workdir = tempfile.mkdtemp(prefix="vattention-vllm-")
     stats_file = os.path.join(workdir, "kv_stats.json")
-    os.environ.setdefault("VATTENTION_VLLM_STATS", stats_file)    # read by the plugin
+    os.environ.setdefault("VATTENTION_VLLM_STATS", stats_file)  # read by the plugin
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # small machines: no pinning
     model = args.model
     if model is None:
         from vattention.bench.tiny_models import build_tiny_model
+
         model = build_tiny_model(os.path.join(workdir, "tiny-llama"), "llama")
 
     import vllm
-    llm = vllm.LLM(model=model, dtype="float32", max_model_len=1024, max_num_seqs=4,
-                   kv_cache_memory_bytes=64 << 20)     # the pages' budget with the plugin
+
+    llm = vllm.LLM(
+        model=model,
+        dtype="float32",
+        max_model_len=1024,
+        max_num_seqs=4,
+        kv_cache_memory_bytes=64 << 20,
+    )  # the pages' budget with the plugin
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 200, 130)]
     params = vllm.SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     for i, out in enumerate(llm.generate(prompts, params, use_tqdm=False)):
-        print(f"request {i}: {len(out.prompt_token_ids)} prompt tokens -> "
-              f"{list(out.outputs[0].token_ids)}")
-    llm.llm_engine.engine_core.shutdown()              # workers write their final stats now
+        print(
+            f"request {i}: {len(out.prompt_token_ids)} prompt tokens -> "
+            f"{list(out.outputs[0].token_ids)}"
+        )
+    llm.llm_engine.engine_core.shutdown()  # workers write their final stats now
     if os.environ.get("VATTENTION_VLLM") == "1" and os.path.exists(stats_file):
         with open(stats_file) as f:
             stats = json.load(f)
-        print(f"vattention: {stats['requests_served']} requests, peak {stats['max_active_slots']} "
-              f"slots, {stats['bytes_mapped']} bytes of pages mapped, "
-              f"{stats['vllm_kv_buffer_bytes']} bytes in vLLM's own KV buffer")
+        print(
+            f"vattention: {stats['requests_served']} requests, peak {stats['max_active_slots']} "
+            f"slots, {stats['bytes_mapped']} bytes of pages mapped, "
+            f"{stats['vllm_kv_buffer_bytes']} bytes in vLLM's own KV buffer"
+        )
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def _background(item) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=_background)   # stable: the rest keep their order, those modules go last
+    items.sort(key=_background)  # stable: the rest keep their order, those modules go last
     if _have_gpu():
         return
     skip = pytest.mark.skip(reason="needs a real NVIDIA GPU and driver (none on this machine)")
@@ -66,7 +66,7 @@ def _have_gpu() -> bool:
 
 @pytest.fixture(params=DEVICES)
 def device(request):
-    """"cpu", or "cuda:0" on the real GPU or the emulation (then checked: no rule violation, and
+    """ "cpu", or "cuda:0" on the real GPU or the emulation (then checked: no rule violation, and
     nothing left mapped, created, reserved or retained once the test's caches are gone)."""
     if request.param == "cpu":
         yield "cpu"
@@ -82,8 +82,11 @@ def device(request):
 
     def left():  # what close() must give back; reservations and the context go when the last
         # reference to the cache dies, which pytest may still hold here (session check below)
-        return {k: v for k, v in emu.live().items()
-                if v and k not in ("live_reservations", "context_refs")}
+        return {
+            k: v
+            for k, v in emu.live().items()
+            if v and k not in ("live_reservations", "context_refs")
+        }
 
     if left():
         gc.collect()  # only when needed: a full collection costs ~0.3 s with torch loaded
@@ -116,16 +119,32 @@ def make_cache(device, layout, page_size):
     """Factory for small caches on the parametrized device/layout/page size; closes them after."""
     caches = []
 
-    def make(*, num_layers=2, num_kv_heads=2, head_dim=64, max_batch_size=4, max_seq_len=4096,
-             dtype=torch.float16, memory_budget=None, **kwargs):
+    def make(
+        *,
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=64,
+        max_batch_size=4,
+        max_seq_len=4096,
+        dtype=torch.float16,
+        memory_budget=None,
+        **kwargs,
+    ):
         if CUDA_MODE == "gpu" and device.startswith("cuda"):
             if vattention.config.parse_size(kwargs.get("page_size", page_size)) < GPU_MIN_PAGE:
                 pytest.skip("real GPUs need pages of at least 2 MB (VMM granularity)")
         cfg = vattention.KVCacheConfig(
-            num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=dtype,
-            device=kwargs.pop("device", device), page_size=kwargs.pop("page_size", page_size),
-            layout=kwargs.pop("layout", layout), **kwargs)
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len,
+            dtype=dtype,
+            device=kwargs.pop("device", device),
+            page_size=kwargs.pop("page_size", page_size),
+            layout=kwargs.pop("layout", layout),
+            **kwargs,
+        )
         cache = vattention.KVCache(cfg, memory_budget=memory_budget)
         caches.append(cache)
         return cache

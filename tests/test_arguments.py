@@ -37,9 +37,18 @@ def page_size():
 
 
 def _host_cache(**kw):
-    return vattention.KVCache(vattention.KVCacheConfig(
-        num_layers=2, num_kv_heads=2, head_dim=64, max_batch_size=4, max_seq_len=4096,
-        dtype=torch.float16, page_size="64KB", **kw))
+    return vattention.KVCache(
+        vattention.KVCacheConfig(
+            num_layers=2,
+            num_kv_heads=2,
+            head_dim=64,
+            max_batch_size=4,
+            max_seq_len=4096,
+            dtype=torch.float16,
+            page_size="64KB",
+            **kw,
+        )
+    )
 
 
 @pytest.fixture
@@ -94,21 +103,34 @@ def test_floats_and_bools_are_refused_not_truncated(busy, call):
     before = page_state(cache)
     with pytest.raises(TypeError) as info:
         FLOAT_CALLS[call](cache, a, b, handle)
-    assert isinstance(info.value, VAttentionError), \
+    assert isinstance(info.value, VAttentionError), (
         f"untyped {type(info.value).__name__}: {info.value}"
+    )
     assert isinstance(info.value, ArgumentTypeError)
     message = str(info.value)
-    assert any(word in message for word in ("slot", "handle", "num_tokens", "start_token",
-                                            "lookahead_tokens", "seq_lens", "layer",
-                                            "src_slot", "new_requests")), message
+    assert any(
+        word in message
+        for word in (
+            "slot",
+            "handle",
+            "num_tokens",
+            "start_token",
+            "lookahead_tokens",
+            "seq_lens",
+            "layer",
+            "src_slot",
+            "new_requests",
+        )
+    ), message
     unchanged(cache, before, written)
 
 
 def test_integer_tensors_and_numpy_ints_are_accepted(busy):
     cache, a, b, handle, written = busy
     i64 = np.int64
-    cache.step(torch.tensor([800 if s == a else 300 if s == b else 0 for s in range(4)],
-                            dtype=torch.int32))
+    cache.step(
+        torch.tensor([800 if s == a else 300 if s == b else 0 for s in range(4)], dtype=torch.int32)
+    )
     assert cache.seq_len(a) == 800
     child = cache.fork(i64(a), i64(512))
     assert cache.seq_len(child) == 512
@@ -168,6 +190,7 @@ def test_huge_ints_get_typed_errors_naming_the_value(busy, call):
 
 # ---- sizes are checked against the budget and the address space, overflow-safe ---------------
 
+
 @pytest.mark.parametrize("size", [2**64 - 1, 2**63 - 1, 2**62])
 def test_reserve_beyond_the_address_space_is_refused(make_cache, size):
     cache = make_cache()
@@ -191,10 +214,16 @@ def test_reserve_the_whole_virtual_size_works_and_one_more_page_does_not(make_ca
 def test_a_block_cache_may_reserve_its_cached_blocks_pages_beyond_its_virtual_size(make_cache):
     # Engine blocks keep their pages while cached (block_pages.h): a vLLM budget of more blocks
     # than the rows can map at once is a pool that large.
-    cache = make_cache(num_layers=1, max_batch_size=1, max_seq_len=512, memory_budget=None,
-                       num_blocks=64, block_cache=True)
+    cache = make_cache(
+        num_layers=1,
+        max_batch_size=1,
+        max_seq_len=512,
+        memory_budget=None,
+        num_blocks=64,
+        block_cache=True,
+    )
     cfg = cache.config
-    width = cfg.pages_per_index                                     # pages a block names
+    width = cfg.pages_per_index  # pages a block names
     limit = cfg.virtual_bytes + 64 * width * cfg.page_bytes
     with pytest.raises(ConfigError, match=rf"plus {64 * width} pages its engine blocks may keep"):
         cache.reserve(limit + 1)
@@ -205,25 +234,29 @@ def test_a_block_cache_may_reserve_its_cached_blocks_pages_beyond_its_virtual_si
 
 # ---- streams -----------------------------------------------------------------------------------
 
+
 class FakeStream:
     cuda_stream = 0
 
 
 @pytest.mark.parametrize("stream", ["x", 1.5, True, [0], object()])
-@pytest.mark.parametrize("call", ["free", "step", "fork", "swap_out", "ensure_private", "swap_in",
-                                  "share_prefix"])
+@pytest.mark.parametrize(
+    "call", ["free", "step", "fork", "swap_out", "ensure_private", "swap_in", "share_prefix"]
+)
 def test_bad_stream_is_a_typed_error_naming_stream(call, stream):
     cache = _host_cache()
     a, b = cache.alloc(), cache.alloc()
     cache.step({a: 100})
     handle = cache.swap_out(cache.fork(a))
-    calls = {"free": lambda: cache.free(a, stream=stream),
-             "step": lambda: cache.step({a: 200}, stream=stream),
-             "fork": lambda: cache.fork(a, stream=stream),
-             "swap_out": lambda: cache.swap_out(a, stream=stream),
-             "ensure_private": lambda: cache.ensure_private(a, 0, stream=stream),
-             "swap_in": lambda: cache.swap_in(handle, stream=stream),
-             "share_prefix": lambda: cache.share_prefix(a, b, 10, stream=stream)}
+    calls = {
+        "free": lambda: cache.free(a, stream=stream),
+        "step": lambda: cache.step({a: 200}, stream=stream),
+        "fork": lambda: cache.fork(a, stream=stream),
+        "swap_out": lambda: cache.swap_out(a, stream=stream),
+        "ensure_private": lambda: cache.ensure_private(a, 0, stream=stream),
+        "swap_in": lambda: cache.swap_in(handle, stream=stream),
+        "share_prefix": lambda: cache.share_prefix(a, b, 10, stream=stream),
+    }
     before = page_state(cache)
     with pytest.raises(ArgumentTypeError, match=r"stream=.*must be None, an int stream handle"):
         calls[call]()
@@ -242,28 +275,45 @@ def test_stream_objects_and_handles_are_accepted():
 # ---- after close() -------------------------------------------------------------------------------
 
 CLOSED_CALLS = {
-    "alloc": lambda c: c.alloc(), "free": lambda c: c.free(0), "step": lambda c: c.step({0: 1}),
-    "prefetch": lambda c: c.prefetch({0: 1}), "wait": lambda c: c.wait(),
-    "reserve": lambda c: c.reserve(1), "reclaim": lambda c: c.reclaim(),
-    "shrink": lambda c: c.shrink(), "set_memory_budget": lambda c: c.set_memory_budget(None),
-    "mapped_tokens": lambda c: c.mapped_tokens(0), "seq_len": lambda c: c.seq_len(0),
+    "alloc": lambda c: c.alloc(),
+    "free": lambda c: c.free(0),
+    "step": lambda c: c.step({0: 1}),
+    "prefetch": lambda c: c.prefetch({0: 1}),
+    "wait": lambda c: c.wait(),
+    "reserve": lambda c: c.reserve(1),
+    "reclaim": lambda c: c.reclaim(),
+    "shrink": lambda c: c.shrink(),
+    "set_memory_budget": lambda c: c.set_memory_budget(None),
+    "mapped_tokens": lambda c: c.mapped_tokens(0),
+    "seq_len": lambda c: c.seq_len(0),
     "window_start": lambda c: c.window_start(0, 0),
-    "active_slots": lambda c: c.active_slots(), "stats": lambda c: c.stats(),
-    "layer": lambda c: c.layer(0), "k_cache": lambda c: c.k_cache, "v_cache": lambda c: c.v_cache,
-    "mega_tensors": lambda c: c.mega_tensors(), "layer_ptrs": lambda c: c.layer_ptrs(0),
-    "host_alias": lambda c: c.host_alias(0), "fork": lambda c: c.fork(0),
+    "active_slots": lambda c: c.active_slots(),
+    "stats": lambda c: c.stats(),
+    "layer": lambda c: c.layer(0),
+    "k_cache": lambda c: c.k_cache,
+    "v_cache": lambda c: c.v_cache,
+    "mega_tensors": lambda c: c.mega_tensors(),
+    "layer_ptrs": lambda c: c.layer_ptrs(0),
+    "host_alias": lambda c: c.host_alias(0),
+    "fork": lambda c: c.fork(0),
     "share_prefix": lambda c: c.share_prefix(0, 1, 1),
     "ensure_private": lambda c: c.ensure_private(0, 0),
-    "swap_out": lambda c: c.swap_out(0), "swap_in": lambda c: c.swap_in(1),
-    "swap_drop": lambda c: c.swap_drop(1), "set_swap_budget": lambda c: c.set_swap_budget(None),
-    "pick_victims": lambda c: c.pick_victims(0), "capacity": lambda c: c.capacity(),
+    "swap_out": lambda c: c.swap_out(0),
+    "swap_in": lambda c: c.swap_in(1),
+    "swap_drop": lambda c: c.swap_drop(1),
+    "set_swap_budget": lambda c: c.set_swap_budget(None),
+    "pick_victims": lambda c: c.pick_victims(0),
+    "capacity": lambda c: c.capacity(),
     "block_table": lambda c: c.block_table(0),
 }
 
 
 def _public_methods():
-    return sorted(name for name in dir(vattention.KVCache)
-                  if not name.startswith("_") and name not in ("close", "closed", "config"))
+    return sorted(
+        name
+        for name in dir(vattention.KVCache)
+        if not name.startswith("_") and name not in ("close", "closed", "config")
+    )
 
 
 def test_every_public_method_is_covered_after_close():
@@ -300,19 +350,28 @@ def test_close_releases_descriptors_while_the_cache_and_a_view_are_still_referen
     k, _ = cache.layer(0)
     assert _memfds() == before + 1
     cache.close()
-    assert _memfds() == before          # at once, not when `cache` and `k` are collected
+    assert _memfds() == before  # at once, not when `cache` and `k` are collected
     assert cache.stats  # still referenced
     del k
 
 
 # ---- a budget below one page ---------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("budget", [0, 1, "32KB", 65535])
 def test_budget_below_one_page_is_refused_naming_the_page_size(budget):
-    cfg = vattention.KVCacheConfig(num_layers=1, num_kv_heads=1, head_dim=64, max_batch_size=1,
-                                   max_seq_len=64, dtype=torch.float16, page_size="64KB")
-    with pytest.raises(ConfigError,
-                       match=r"smaller than one page \(page_size='64KB', 65536 bytes\)"):
+    cfg = vattention.KVCacheConfig(
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=64,
+        max_batch_size=1,
+        max_seq_len=64,
+        dtype=torch.float16,
+        page_size="64KB",
+    )
+    with pytest.raises(
+        ConfigError, match=r"smaller than one page \(page_size='64KB', 65536 bytes\)"
+    ):
         vattention.KVCache(cfg, memory_budget=budget)
-    with vattention.KVCache(cfg, memory_budget="128KB") as cache:   # K and V: one page each
+    with vattention.KVCache(cfg, memory_budget="128KB") as cache:  # K and V: one page each
         cache.step({cache.alloc(): 1})

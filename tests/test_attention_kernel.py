@@ -223,8 +223,9 @@ def shared_prefix_batches(draw):
     if draw(st.booleans()):
         b["window"] = (-1, 0 if b["causal"] else -1)
     groups = [draw(st.sampled_from([-1, 0, 0, 0, 1])) for _ in range(n)]
-    lens = [draw(st.integers(0, copied)) if draw(st.integers(0, 4)) == 0 else copied
-            for _ in range(n)]
+    lens = [
+        draw(st.integers(0, copied)) if draw(st.integers(0, 4)) == 0 else copied for _ in range(n)
+    ]
     b["shared"] = (groups, lens, copied)
     return b
 
@@ -271,9 +272,16 @@ def test_long_shared_prefix_split_across_threads(isa, threads):
     q = torch.randn(n, 1, 8, 128, generator=gen)
     k, v = torch.randn(n, 1, 1, 128, generator=gen), torch.randn(n, 1, 1, 128, generator=gen)
     check_against_reference(
-        q, kc, vc, k, v, cache_seqlens=torch.tensor([prefix + 13 * i for i in range(n)]),
-        causal=True, prefix_groups=torch.zeros(n, dtype=torch.int32),
-        prefix_lens=torch.full((n,), prefix, dtype=torch.int32))
+        q,
+        kc,
+        vc,
+        k,
+        v,
+        cache_seqlens=torch.tensor([prefix + 13 * i for i in range(n)]),
+        causal=True,
+        prefix_groups=torch.zeros(n, dtype=torch.int32),
+        prefix_lens=torch.full((n,), prefix, dtype=torch.int32),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
@@ -620,6 +628,17 @@ def test_bad_arguments_raise_typed_errors_and_write_nothing(change, error, match
     before = args["k_cache"].clone()
     with pytest.raises(error, match=match):
         cpu_attention(**args)
+    assert torch.equal(args["k_cache"], before)
+
+
+@pytest.mark.parametrize("missing", ["k", "v"])
+def test_reference_takes_k_and_v_together(missing):
+    # Like the kernel: one of them alone is an argument error, not a crash inside the oracle.
+    args = _args()
+    args[missing] = None
+    before = args["k_cache"].clone()
+    with pytest.raises(ValueError, match="k and v must be given together"):
+        reference_attention(**args)
     assert torch.equal(args["k_cache"], before)
 
 

@@ -56,16 +56,16 @@ def test_lifecycle_with_one_access_grant_per_run(backend, device):
     assert len(set(pages)) == 3
     for i, page in enumerate(pages):
         backend.map(va + i * P, page)
-    backend.set_access(va, 3 * P)                    # one grant over three adjacent mappings
+    backend.set_access(va, 3 * P)  # one grant over three adjacent mappings
     if host_visible(device):
         ctypes.memset(va, 0x11, 3 * P)
         assert ctypes.string_at(va + 3 * P - 4, 4) == b"\x11" * 4
-    backend.unmap(va, 2 * P)                         # a run of two mappings
+    backend.unmap(va, 2 * P)  # a run of two mappings
     backend.unmap(va + 2 * P, P)
-    backend.map(va + 3 * P, pages[0])                # remap elsewhere in the reservation
+    backend.map(va + 3 * P, pages[0])  # remap elsewhere in the reservation
     backend.set_access(va + 3 * P, P)
     if host_visible(device):
-        assert ctypes.string_at(va + 3 * P, 4) == b"\x11" * 4   # the page kept its bytes
+        assert ctypes.string_at(va + 3 * P, 4) == b"\x11" * 4  # the page kept its bytes
     backend.unmap(va + 3 * P, P)
     for page in pages:
         backend.destroy_page(page)

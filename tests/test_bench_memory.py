@@ -40,6 +40,7 @@ MiB = 1 << 20
 def _real_core_available() -> bool:
     try:
         import vattention
+
         return hasattr(vattention, "KVCache")
     except Exception:
         return False
@@ -61,9 +62,17 @@ def _workload(n=40, seed=0, max_prefill=3000, max_decode=600) -> Workload:
 
 def _run(workload, allocators, factory="fake", budget=32 * MiB, max_batch_size=64, **kw):
     return run_memory_benchmark(
-        workload, SMALL, budget_bytes=budget, max_seq_len=default_max_seq_len(workload),
-        max_batch_size=max_batch_size, allocators=allocators, cache_factory=_factory(factory),
-        check=True, progress=False, **kw)
+        workload,
+        SMALL,
+        budget_bytes=budget,
+        max_seq_len=default_max_seq_len(workload),
+        max_batch_size=max_batch_size,
+        allocators=allocators,
+        cache_factory=_factory(factory),
+        check=True,
+        progress=False,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("factory", FACTORIES)
@@ -116,8 +125,7 @@ def test_preemption_by_recompute_under_a_tight_budget(factory):
     workload = _workload(n=12, seed=3, max_prefill=400, max_decode=3000)
     longest = int(workload.total_tokens.max())
     budget = -(-longest * SMALL.bytes_per_token * 3 // 2 // (2 * MiB)) * 2 * MiB + 4 * MiB
-    report = _run(workload, ["paged-16", "ideal", "vattention-mega-2MB"], factory,
-                  budget=budget)
+    report = _run(workload, ["paged-16", "ideal", "vattention-mega-2MB"], factory, budget=budget)
     for name, result in report.results.items():
         assert result.finished == workload.num_requests, name
         assert result.decode_tokens == int(workload.decode_tokens.sum()), name
@@ -182,7 +190,8 @@ def test_allocator_that_cannot_hold_the_longest_request_is_a_failed_row():
     assert report.metrics["ideal"]["finished"] == 1
     assert report.metrics["vattention-layer-2MB"] == {
         "error": f"the longest request (5010 tokens) needs {16 * MiB} bytes alone, over the "
-                 f"budget of {12 * MiB} bytes"}
+        f"budget of {12 * MiB} bytes"
+    }
 
 
 def test_unknown_allocator_name():
@@ -192,8 +201,10 @@ def test_unknown_allocator_name():
 
 def test_load_workload_is_seeded_and_flags_replacement(tmp_path):
     path = tmp_path / "t.csv"
-    path.write_text("num_prefill_tokens,num_decode_tokens,num_total_tokens,pd_ratio\n"
-                    "10,5,15,2\n20,1,21,20\n30,3,33,10\n")
+    path.write_text(
+        "num_prefill_tokens,num_decode_tokens,num_total_tokens,pd_ratio\n"
+        "10,5,15,2\n20,1,21,20\n30,3,33,10\n"
+    )
     a = load_workload(str(path), 3, seed=7)
     assert not a.sampled_with_replacement
     assert sorted(a.prefill_tokens.tolist()) == [10, 20, 30]
@@ -208,22 +219,46 @@ def test_load_workload_is_seeded_and_flags_replacement(tmp_path):
 def test_cli_writes_table_json_and_files(tmp_path, capsys):
     path = tmp_path / "t.csv"
     rng = np.random.default_rng(0)
-    rows = "\n".join(f"{p},{d},{p + d},1" for p, d in
-                     zip(rng.integers(1, 2000, 30), rng.integers(1, 300, 30)))
+    rows = "\n".join(
+        f"{p},{d},{p + d},1" for p, d in zip(rng.integers(1, 2000, 30), rng.integers(1, 300, 30))
+    )
     path.write_text("num_prefill_tokens,num_decode_tokens,num_total_tokens,pd_ratio\n" + rows)
     out, json_path = tmp_path / "out", tmp_path / "m.json"
-    status = cli.main(["memory", "--trace", str(path), "--num-requests", "30",
-                       "--dims", "4,2,64", "--budget", "16MB", "--allocators",
-                       ",".join(BASELINES), "--out", str(out), "--json", str(json_path),
-                       "--quiet", "--no-plots"])
+    status = cli.main(
+        [
+            "memory",
+            "--trace",
+            str(path),
+            "--num-requests",
+            "30",
+            "--dims",
+            "4,2,64",
+            "--budget",
+            "16MB",
+            "--allocators",
+            ",".join(BASELINES),
+            "--out",
+            str(out),
+            "--json",
+            str(json_path),
+            "--quiet",
+            "--no-plots",
+        ]
+    )
     assert status == 0
     table = capsys.readouterr().out
     assert "| paged-16 (block arithmetic, not vLLM) |" in table
     data = json.loads(json_path.read_text())
     assert list(data) == list(BASELINES)
     for metrics in data.values():
-        for key in ("efficiency_mean", "efficiency_peak", "concurrency_mean",
-                    "concurrency_max", "preemptions", "steps"):
+        for key in (
+            "efficiency_mean",
+            "efficiency_peak",
+            "concurrency_mean",
+            "concurrency_max",
+            "preemptions",
+            "steps",
+        ):
             assert key in metrics
     assert (out / "memory_t_custom-4x2x64-bfloat16.md").read_text().strip() == table.strip()
     saved = json.loads((out / "memory_t_custom-4x2x64-bfloat16.json").read_text())
@@ -237,17 +272,21 @@ def test_cli_rejects_bad_budget(capsys):
 
 def test_plots_are_skipped_without_matplotlib(tmp_path, monkeypatch):
     from vattention.bench import report as report_mod
+
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now raises ImportError
     bench = _run(_workload(n=5), ["ideal"])
     assert report_mod.write_plots(bench, str(tmp_path / "x")) == []
     paths = report_mod.write_report(bench, str(tmp_path))
-    assert [os.path.basename(p) for p in paths] == ["memory_synthetic_small.md",
-                                                    "memory_synthetic_small.json"]
+    assert [os.path.basename(p) for p in paths] == [
+        "memory_synthetic_small.md",
+        "memory_synthetic_small.json",
+    ]
 
 
 def test_plots_are_written_with_matplotlib(tmp_path):
     pytest.importorskip("matplotlib")
     from vattention.bench.report import write_plots
+
     bench = _run(_workload(n=5), ["static-max", "ideal"])
     paths = write_plots(bench, str(tmp_path / "p"))
     assert [os.path.basename(p) for p in paths] == ["p_efficiency.png", "p_concurrency.png"]
@@ -258,6 +297,7 @@ def test_plots_are_written_with_matplotlib(tmp_path):
 
 def test_progress_fallback_without_tqdm(monkeypatch, capsys):
     from vattention.bench.progress import Progress
+
     monkeypatch.setitem(sys.modules, "tqdm", None)
     with Progress(4, "ideal") as bar:
         for _ in range(4):
@@ -273,14 +313,21 @@ def test_driver_error_becomes_a_failed_row_and_other_rows_still_run():
     class FailingCache(FakeKVCache):
         def step(self, lengths):
             if sum(self.pages) > 2:
-                raise DriverError("mmap(MAP_FIXED|MAP_SHARED page) failed: Cannot allocate "
-                                  "memory (errno 12)")
+                raise DriverError(
+                    "mmap(MAP_FIXED|MAP_SHARED page) failed: Cannot allocate memory (errno 12)"
+                )
             super().step(lengths)
 
-    report = run_memory_benchmark(_workload(n=10), SMALL, budget_bytes=32 * MiB,
-                                  max_seq_len=4096, max_batch_size=8,
-                                  allocators=["vattention-mega-64KB", "ideal"],
-                                  cache_factory=FailingCache, progress=False)
+    report = run_memory_benchmark(
+        _workload(n=10),
+        SMALL,
+        budget_bytes=32 * MiB,
+        max_seq_len=4096,
+        max_batch_size=8,
+        allocators=["vattention-mega-64KB", "ideal"],
+        cache_factory=FailingCache,
+        progress=False,
+    )
     assert "max_map_count" in report.metrics["vattention-mega-64KB"]["error"]
     assert report.metrics["ideal"]["finished"] == 10
     assert list(report.results) == ["ideal"]
@@ -290,10 +337,28 @@ def test_driver_error_becomes_a_failed_row_and_other_rows_still_run():
 @pytest.mark.skipif("real" not in FACTORIES, reason="needs the built core")
 def test_cli_packaged_trace_all_allocators_real(tmp_path, capsys):
     json_path = tmp_path / "m.json"
-    status = cli.main(["memory", "--trace", "sharegpt", "--num-requests", "40",
-                       "--dims", "8,2,64", "--budget", "256MB", "--max-batch-size", "32",
-                       "--out", str(tmp_path), "--json", str(json_path), "--quiet",
-                       "--no-plots", "--check"])
+    status = cli.main(
+        [
+            "memory",
+            "--trace",
+            "sharegpt",
+            "--num-requests",
+            "40",
+            "--dims",
+            "8,2,64",
+            "--budget",
+            "256MB",
+            "--max-batch-size",
+            "32",
+            "--out",
+            str(tmp_path),
+            "--json",
+            str(json_path),
+            "--quiet",
+            "--no-plots",
+            "--check",
+        ]
+    )
     assert status == 0
     data = json.loads(json_path.read_text())
     assert list(data) == list(ALL_ALLOCATORS)
@@ -305,15 +370,30 @@ def test_cli_packaged_trace_all_allocators_real(tmp_path, capsys):
 
 
 def test_cli_all_rows_failed_exits_1(tmp_path, capsys):
-    status = cli.main(["memory", "--trace", "sharegpt", "--num-requests", "5", "--budget",
-                       "1MB", "--allocators", "ideal,paged-16", "--out", str(tmp_path),
-                       "--quiet", "--no-plots"])
+    status = cli.main(
+        [
+            "memory",
+            "--trace",
+            "sharegpt",
+            "--num-requests",
+            "5",
+            "--budget",
+            "1MB",
+            "--allocators",
+            "ideal,paged-16",
+            "--out",
+            str(tmp_path),
+            "--quiet",
+            "--no-plots",
+        ]
+    )
     assert status == 1
     assert "2 of 2 allocators failed" in capsys.readouterr().err
 
 
 def test_host_mapping_limit_is_checked_up_front():
     from vattention.bench.sizing import host_mapping_problem
+
     if not os.path.exists("/proc/sys/vm/max_map_count"):
         pytest.skip("not Linux")
     with open("/proc/sys/vm/max_map_count") as f:
@@ -328,10 +408,17 @@ def test_host_mapping_limit_is_checked_up_front():
 
 @pytest.mark.skipif("real" not in FACTORIES, reason="needs the built core")
 def test_eager_reclaim_maps_only_what_running_requests_hold():
-    report = run_memory_benchmark(_workload(n=20, seed=4), SMALL, budget_bytes=32 * MiB,
-                                  max_seq_len=4096, max_batch_size=16,
-                                  allocators=["vattention-mega-64KB"], check=True,
-                                  progress=False, reclaim="eager")
+    report = run_memory_benchmark(
+        _workload(n=20, seed=4),
+        SMALL,
+        budget_bytes=32 * MiB,
+        max_seq_len=4096,
+        max_batch_size=16,
+        allocators=["vattention-mega-64KB"],
+        check=True,
+        progress=False,
+        reclaim="eager",
+    )
     result = report.results["vattention-mega-64KB"]
     assert report.meta["reclaim"] == "eager"
     assert result.finished == 20
@@ -339,18 +426,26 @@ def test_eager_reclaim_maps_only_what_running_requests_hold():
 
 
 # ---- sliding-window and fp8 rows ----------------------------------------------------------------
-SMALL_WINDOW = ModelShape("small-window", num_layers=4, num_kv_heads=2, head_dim=64,
-                          dtype="float16", window=256, window_layers=3)
+SMALL_WINDOW = ModelShape(
+    "small-window",
+    num_layers=4,
+    num_kv_heads=2,
+    head_dim=64,
+    dtype="float16",
+    window=256,
+    window_layers=3,
+)
 
 
 def test_window_block_allocator_frees_blocks_before_the_window_once_decoding():
     from vattention.bench.allocators import WindowBlockAllocator
+
     a = WindowBlockAllocator("paged-16", 4 << 20, SMALL_WINDOW, block_tokens=16)
-    win, full = SMALL_WINDOW.windowed_bytes_per_token, 512   # K and V: 512 bytes per layer
+    win, full = SMALL_WINDOW.windowed_bytes_per_token, 512  # K and V: 512 bytes per layer
     assert (win, SMALL_WINDOW.bytes_per_token - win) == (3 * 512, full)
-    assert a.admit(0, 1000, 2000) and a.held_bytes() == 1008 * (win + full)   # prefill: all
+    assert a.admit(0, 1000, 2000) and a.held_bytes() == 1008 * (win + full)  # prefill: all
     assert a.grow({0: 1001})
-    freed = (1001 - 256) // 16 * 16                                         # whole blocks
+    freed = (1001 - 256) // 16 * 16  # whole blocks
     assert a.held_bytes() == 1008 * full + (1008 - freed) * win
     assert SMALL_WINDOW.kv_bytes(1001) == 1001 * full + 256 * win
     assert SMALL_WINDOW.sliding_window() == (256, 256, 256, None)
@@ -358,12 +453,24 @@ def test_window_block_allocator_frees_blocks_before_the_window_once_decoding():
 
 @pytest.mark.skipif("real" not in FACTORIES, reason="needs the built core")
 def test_window_rows_release_pages_and_hold_less_than_without_release():
-    names = ["paged-16", "ideal", "vattention-layer-64KB", "vattention-layer-64KB-norelease",
-             "vattention-mega-64KB"]
+    names = [
+        "paged-16",
+        "ideal",
+        "vattention-layer-64KB",
+        "vattention-layer-64KB-norelease",
+        "vattention-mega-64KB",
+    ]
     workload = _workload(n=24, seed=5, max_prefill=1500, max_decode=1500)
-    report = run_memory_benchmark(workload, SMALL_WINDOW, budget_bytes=24 * MiB,
-                                  max_seq_len=default_max_seq_len(workload), max_batch_size=16,
-                                  allocators=names, check=True, progress=False)
+    report = run_memory_benchmark(
+        workload,
+        SMALL_WINDOW,
+        budget_bytes=24 * MiB,
+        max_seq_len=default_max_seq_len(workload),
+        max_batch_size=16,
+        allocators=names,
+        check=True,
+        progress=False,
+    )
     m = report.metrics
     assert "per-layer windows need layout='layer'" in m["vattention-mega-64KB"]["error"]
     for name in names[:4]:
@@ -381,22 +488,37 @@ def test_window_rows_release_pages_and_hold_less_than_without_release():
 def test_fp8_row_holds_half_the_bytes_per_token():
     fp8 = ModelShape("small-fp8", num_layers=4, num_kv_heads=2, head_dim=64, dtype="float8_e4m3fn")
     assert fp8.bytes_per_token * 2 == ModelShape("s", 4, 2, 64, "float16").bytes_per_token
-    report = run_memory_benchmark(_workload(n=10, seed=6), fp8, budget_bytes=16 * MiB,
-                                  max_seq_len=4096, max_batch_size=16,
-                                  allocators=["ideal", "vattention-layer-64KB"], check=True,
-                                  progress=False)
+    report = run_memory_benchmark(
+        _workload(n=10, seed=6),
+        fp8,
+        budget_bytes=16 * MiB,
+        max_seq_len=4096,
+        max_batch_size=16,
+        allocators=["ideal", "vattention-layer-64KB"],
+        check=True,
+        progress=False,
+    )
     assert report.results["vattention-layer-64KB"].finished == 10
     assert report.meta["dtype"] == "float8_e4m3fn"
 
 
 # ---- per-layer shapes ---------------------------------------------------------------------------
 # Gemma-4-like: 3 windowed layers of 2 x 64, one full-attention layer of 2 x 128 (fp16).
-SMALL_HYBRID = ModelShape("small-hybrid", num_layers=4, num_kv_heads=2, head_dim=64,
-                          dtype="float16", window=256, window_layers=3, full_head_dim=128)
+SMALL_HYBRID = ModelShape(
+    "small-hybrid",
+    num_layers=4,
+    num_kv_heads=2,
+    head_dim=64,
+    dtype="float16",
+    window=256,
+    window_layers=3,
+    full_head_dim=128,
+)
 
 
 def test_model_shape_counts_each_layers_own_bytes():
     from vattention.bench.sizing import min_bytes_for_request, page_geometry
+
     assert SMALL_HYBRID.layer_shapes() == ((2, 64),) * 3 + ((2, 128),)
     assert SMALL_HYBRID.bytes_per_token == 2 * (3 * 256 + 512)
     assert SMALL_HYBRID.windowed_bytes_per_token == 2 * 3 * 256
@@ -404,20 +526,32 @@ def test_model_shape_counts_each_layers_own_bytes():
     # A 64 KB page index: 256 tokens, 1 page in a windowed layer's tensors, 2 in the full one's.
     assert page_geometry(SMALL_HYBRID, "layer", "64KB") == (2 * (3 + 2), 256, 64 << 10)
     assert min_bytes_for_request("vattention-layer-64KB", SMALL_HYBRID, 1, 4096) == 10 * (64 << 10)
-    assert min_bytes_for_request("vattention-layer-64KB-padded", SMALL_HYBRID, 1, 4096) == \
-        2 * 4 * (64 << 10)   # 512 bytes a token everywhere: 128 tokens per page
+    assert min_bytes_for_request("vattention-layer-64KB-padded", SMALL_HYBRID, 1, 4096) == 2 * 4 * (
+        64 << 10
+    )  # 512 bytes a token everywhere: 128 tokens per page
     gemma4 = MODELS["gemma4-defaults"]
     assert gemma4.bytes_per_token == 2 * 2 * (25 * 4 * 256 + 5 * 4 * 512)
 
 
 @pytest.mark.skipif("real" not in FACTORIES, reason="needs the built core")
 def test_per_layer_rows_hold_each_layers_bytes_and_beat_padding():
-    names = ["ideal", "vattention-layer-64KB", "vattention-layer-64KB-padded",
-             "vattention-mega-64KB"]
+    names = [
+        "ideal",
+        "vattention-layer-64KB",
+        "vattention-layer-64KB-padded",
+        "vattention-mega-64KB",
+    ]
     workload = _workload(n=24, seed=7, max_prefill=1500, max_decode=1500)
-    report = run_memory_benchmark(workload, SMALL_HYBRID, budget_bytes=24 * MiB,
-                                  max_seq_len=default_max_seq_len(workload), max_batch_size=16,
-                                  allocators=names, check=True, progress=False)
+    report = run_memory_benchmark(
+        workload,
+        SMALL_HYBRID,
+        budget_bytes=24 * MiB,
+        max_seq_len=default_max_seq_len(workload),
+        max_batch_size=16,
+        allocators=names,
+        check=True,
+        progress=False,
+    )
     m = report.metrics
     assert "per-layer shapes need layout='layer'" in m["vattention-mega-64KB"]["error"]
     for name in names[:3]:

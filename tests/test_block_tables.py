@@ -32,8 +32,16 @@ def page_size():
 def _config(device, layout, **kw):
     # The emulated CUDA driver's granularity is 64 KB: 16 KV heads keep 16 tokens per page there.
     heads = 1 if device == "cpu" else 16
-    base = dict(num_layers=2, num_kv_heads=heads, head_dim=64, max_batch_size=4,
-                max_seq_len=512, dtype=torch.float32, device=device, layout=layout)
+    base = dict(
+        num_layers=2,
+        num_kv_heads=heads,
+        head_dim=64,
+        max_batch_size=4,
+        max_seq_len=512,
+        dtype=torch.float32,
+        device=device,
+        layout=layout,
+    )
     base.update(kw)
     base["page_size"] = f"{4 * heads * (base['num_layers'] if layout == 'mega' else 1)}KB"
     cfg = vattention.KVCacheConfig(**base)
@@ -76,6 +84,7 @@ def _read(cache, slot, start, end, layer=0):
 
 # ---- the basics: fresh blocks, hits, what stays and what goes ---------------------------------
 
+
 def test_a_hit_maps_the_same_pages_again(make):
     cache = make(num_blocks=16, block_cache=True)
     per_block = cache.config.pages_per_index
@@ -84,14 +93,14 @@ def test_a_hit_maps_the_same_pages_again(make):
     _write(cache, a, 0, 40, tag=1)
     created = cache.stats()["pages_created"]
     b = cache.alloc()
-    cache.step({b: 36}, blocks={b: (0, [5, 6, 9], 2)})      # two hits, one fresh block
+    cache.step({b: 36}, blocks={b: (0, [5, 6, 9], 2)})  # two hits, one fresh block
     stats = cache.stats()
-    assert stats["pages_created"] == created + per_block    # only the fresh block's pages
+    assert stats["pages_created"] == created + per_block  # only the fresh block's pages
     assert stats["block_hits"] == 2
     assert stats["pages_mapped"] == 4 * per_block
     assert stats["mappings"] == 6 * per_block
     assert stats["bytes_saved_by_sharing"] == 2 * per_block * cache.config.page_bytes
-    assert _read(cache, b, 0, 32) == [1000.0 + t for t in range(32)]   # a's tokens, zero copy
+    assert _read(cache, b, 0, 32) == [1000.0 + t for t in range(32)]  # a's tokens, zero copy
     assert cache.block_table(b) == [[5, 6, 9]]
 
 
@@ -105,7 +114,7 @@ def test_a_hit_on_a_block_filled_in_the_same_step(make):
     assert _read(cache, b, 0, 16) == [7000.0 + t for t in range(16)]
     stats = cache.stats()
     assert stats["block_hits"] == 1
-    assert stats["pages_created"] == 3 * cache.config.pages_per_index   # blocks 1, 2, 3
+    assert stats["pages_created"] == 3 * cache.config.pages_per_index  # blocks 1, 2, 3
 
 
 def test_with_block_cache_a_block_outlives_its_rows(make):
@@ -114,12 +123,12 @@ def test_with_block_cache_a_block_outlives_its_rows(make):
     cache.step({a: 32}, blocks={a: (0, [3, 4], 0)})
     _write(cache, a, 0, 32, tag=2)
     cache.free(a)
-    cache.reclaim()                                          # the row's mappings go
+    cache.reclaim()  # the row's mappings go
     stats = cache.stats()
     assert (stats["mappings"], stats["cached_blocks"]) == (0, 2)
-    assert stats["pages_mapped"] == 2 * cache.config.pages_per_index   # held by the blocks
+    assert stats["pages_mapped"] == 2 * cache.config.pages_per_index  # held by the blocks
     b = cache.alloc()
-    cache.step({b: 20}, blocks={b: (0, [3, 8], 1)})          # block 3 hit after its row went
+    cache.step({b: 20}, blocks={b: (0, [3, 8], 1)})  # block 3 hit after its row went
     assert _read(cache, b, 0, 16) == [2000.0 + t for t in range(16)]
 
 
@@ -133,7 +142,7 @@ def test_without_block_cache_pages_go_with_the_last_mapping(make):
     assert (stats["pages_mapped"], stats["blocks_with_pages"]) == (0, 0)
     b = cache.alloc()
     with pytest.raises(vattention.ConfigError, match="block_cache=True"):
-        cache.step({b: 20}, blocks={b: (0, [3, 8], 1)})     # no prefix cache, no hits
+        cache.step({b: 20}, blocks={b: (0, [3, 8], 1)})  # no prefix cache, no hits
 
 
 def test_a_fresh_id_reuses_its_old_pages_in_place(make):
@@ -144,7 +153,7 @@ def test_a_fresh_id_reuses_its_old_pages_in_place(make):
     cache.reclaim()
     created = cache.stats()["pages_created"]
     b = cache.alloc()
-    cache.step({b: 16}, blocks={b: (0, [3], 0)})             # the engine evicted and reuses 3
+    cache.step({b: 16}, blocks={b: (0, [3], 0)})  # the engine evicted and reuses 3
     stats = cache.stats()
     assert stats["pages_created"] == created and stats["blocks_reused"] == 1
     assert stats["pages_mapped"] == cache.config.pages_per_index
@@ -154,10 +163,10 @@ def test_a_fresh_id_an_idle_row_maps_is_taken_from_it(make):
     cache = make(num_blocks=16, block_cache=True)
     a, c = cache.alloc(), cache.alloc()
     cache.step({a: 32}, blocks={a: (0, [3, 4], 0)})
-    cache.free(a)                                            # idle: still maps 3 and 4
+    cache.free(a)  # idle: still maps 3 and 4
     assert cache.stats()["idle_slots_with_pages"] == 1
-    cache.step({c: 16}, blocks={c: (0, [4], 0)})             # 4 handed out fresh
-    assert cache.stats()["idle_slots_with_pages"] == 0      # a's row was unmapped first
+    cache.step({c: 16}, blocks={c: (0, [4], 0)})  # 4 handed out fresh
+    assert cache.stats()["idle_slots_with_pages"] == 0  # a's row was unmapped first
     assert cache._core.check_invariants() == ""
 
 
@@ -168,21 +177,21 @@ def test_hits_an_idle_row_still_maps_cost_no_map_call(make):
     a = cache.alloc()
     cache.step({a: 48}, blocks={a: (0, [1, 2, 3], 0)})
     _write(cache, a, 0, 48, tag=5)
-    one = cache.stats()["map_calls"] // 3                    # map calls of one block
+    one = cache.stats()["map_calls"] // 3  # map calls of one block
     cache.free(a)
     b = cache.alloc()
-    assert b == a                                            # the idle row is picked again
+    assert b == a  # the idle row is picked again
     before = cache.stats()
-    cache.step({b: 40}, blocks={b: (0, [1, 2, 7], 2)})       # hits on 1 and 2, 7 fresh
+    cache.step({b: 40}, blocks={b: (0, [1, 2, 7], 2)})  # hits on 1 and 2, 7 fresh
     after = cache.stats()
-    assert after["map_calls"] - before["map_calls"] == one   # block 7 only
+    assert after["map_calls"] - before["map_calls"] == one  # block 7 only
     assert after["block_hits"] - before["block_hits"] == 2
     assert _read(cache, b, 0, 32) == [5000.0 + t for t in range(32)]
     assert cache.block_table(b) == [[1, 2, 7]]
     assert cache._core.check_invariants() == ""
     cache.free(b)
     c = cache.alloc()
-    cache.step({c: 16}, blocks={c: (0, [9], 0)})             # disagrees at once: all replaced
+    cache.step({c: 16}, blocks={c: (0, [9], 0)})  # disagrees at once: all replaced
     assert cache.block_table(c) == [[9]]
     assert cache._core.check_invariants() == ""
 
@@ -200,17 +209,17 @@ def test_alloc_with_hits_takes_the_idle_row_that_still_maps_them(make):
         _write(cache, rows[name], 0, TPP * len(ids), tag=ord(name))
     for row in rows.values():
         cache.free(row)
-    one = cache.stats()["map_calls"] // 6                    # map calls of one block
+    one = cache.stats()["map_calls"] // 6  # map calls of one block
     b = cache.alloc(hits=[4, 5])
-    assert b == rows["y"]                                    # not x's row, which maps more
+    assert b == rows["y"]  # not x's row, which maps more
     before = cache.stats()
     cache.step({b: 2 * TPP + 3}, blocks={b: (0, [4, 5, 9], 2)})
     after = cache.stats()
-    assert after["map_calls"] - before["map_calls"] == one   # block 9 only
+    assert after["map_calls"] - before["map_calls"] == one  # block 9 only
     assert after["block_hits"] - before["block_hits"] == 2
     assert _read(cache, b, 0, 2 * TPP) == [ord("y") * 1000.0 + t for t in range(2 * TPP)]
-    assert cache.alloc(hits=[1, 7]) == rows["x"]             # a run of one hit still counts
-    assert cache.alloc() == rows["z"]                        # the last idle row
+    assert cache.alloc(hits=[1, 7]) == rows["x"]  # a run of one hit still counts
+    assert cache.alloc() == rows["z"]  # the last idle row
     assert cache._core.check_invariants() == ""
 
 
@@ -219,18 +228,25 @@ def test_alloc_without_a_row_mapping_the_hits_falls_back(make):
     a = cache.alloc()
     cache.step({a: TPP}, blocks={a: (0, [3], 0)})
     cache.free(a)
-    assert cache.alloc(hits=[8]) == a        # no row maps 8: the idle row with pages, as alloc()
-    b = cache.alloc(hits=[])                 # no hits at all: any slot
+    assert cache.alloc(hits=[8]) == a  # no row maps 8: the idle row with pages, as alloc()
+    b = cache.alloc(hits=[])  # no hits at all: any slot
     assert b != a
 
 
-@pytest.mark.parametrize("kw, error, match", [
-    (dict(hits=[16]), vattention.ConfigError, r"block 16 at page index 0 \(group 0\) is outside "
-                                              r"\[0, 16\) \(num_blocks=16"),
-    (dict(hits=[[1], [2]]), vattention.ConfigError, "2 groups of block ids; the cache has 1"),
-    (dict(hits="12"), TypeError, "hits must be a sequence of block ids"),
-    (dict(hits=[1.5]), TypeError, "block ids"),
-])
+@pytest.mark.parametrize(
+    "kw, error, match",
+    [
+        (
+            dict(hits=[16]),
+            vattention.ConfigError,
+            r"block 16 at page index 0 \(group 0\) is outside "
+            r"\[0, 16\) \(num_blocks=16",
+        ),
+        (dict(hits=[[1], [2]]), vattention.ConfigError, "2 groups of block ids; the cache has 1"),
+        (dict(hits="12"), TypeError, "hits must be a sequence of block ids"),
+        (dict(hits=[1.5]), TypeError, "block ids"),
+    ],
+)
 def test_alloc_refuses_bad_hits_with_nothing_changed(make, kw, error, match):
     cache = make(num_blocks=16, block_cache=True)
     before = cache.stats()
@@ -241,8 +257,11 @@ def test_alloc_refuses_bad_hits_with_nothing_changed(make, kw, error, match):
 
 def test_alloc_hits_need_a_cache_named_by_blocks(make):
     cache = make()
-    with pytest.raises(vattention.ConfigError, match=r"alloc\(hits=...\) needs a cache whose "
-                                                     r"pages are named by engine blocks"):
+    with pytest.raises(
+        vattention.ConfigError,
+        match=r"alloc\(hits=...\) needs a cache whose "
+        r"pages are named by engine blocks",
+    ):
         cache.alloc(hits=[1])
     assert cache.stats()["active_slots"] == 0
 
@@ -258,11 +277,11 @@ def test_scrub_keeps_the_hits_an_idle_row_hands_on_and_clears_its_fresh_ids(make
     cache.free(a)
     b = cache.alloc(hits=[1])
     assert b == a
-    cache.step({b: 2 * TPP}, blocks={b: (0, [1, 2], 1)})     # 1 hit, 2 fresh again (evicted)
+    cache.step({b: 2 * TPP}, blocks={b: (0, [1, 2], 1)})  # 1 hit, 2 fresh again (evicted)
     assert _read(cache, b, 0, TPP) == [7000.0 + t for t in range(TPP)]
     assert _read(cache, b, TPP, 2 * TPP) == [0.0] * TPP
     c = cache.alloc()
-    cache.step({c: TPP + 1}, blocks={c: (0, [1, 3], 1)})     # the hit from another row
+    cache.step({c: TPP + 1}, blocks={c: (0, [1, 3], 1)})  # the hit from another row
     assert _read(cache, c, 0, TPP) == [7000.0 + t for t in range(TPP)]
     assert cache._core.check_invariants() == ""
 
@@ -271,18 +290,18 @@ def test_a_fresh_block_adopts_prefetched_pages_without_a_map_call(make):
     cache = make(num_blocks=16, block_cache=True)
     a = cache.alloc()
     cache.step({a: 16}, blocks={a: (0, [2], 0)})
-    cache.prefetch({a: 17})                                  # next step's page, anonymous
+    cache.prefetch({a: 17})  # next step's page, anonymous
     cache.wait()
     before = cache.stats()
-    cache.step({a: 17}, blocks={a: (1, [9], 0)})             # the engine's next block
+    cache.step({a: 17}, blocks={a: (1, [9], 0)})  # the engine's next block
     after = cache.stats()
     assert after["step_map_calls"] == before["step_map_calls"]
     assert after["blocks_adopted"] == 1
     assert cache.block_table(a) == [[2, 9]]
-    cache.step({a: 32})                                      # block 9 full: the engine caches it
+    cache.step({a: 32})  # block 9 full: the engine caches it
     _write(cache, a, 16, 32, tag=3)
     b = cache.alloc()
-    cache.step({b: 33}, blocks={b: (0, [2, 9, 10], 2)})      # hits on the adopted block too
+    cache.step({b: 33}, blocks={b: (0, [2, 9, 10], 2)})  # hits on the adopted block too
     assert _read(cache, b, 16, 32) == [3000.0 + t for t in range(16, 32)]
 
 
@@ -293,9 +312,9 @@ def test_a_replaced_table_remaps_from_the_first_disagreement(make):
     _write(cache, a, 0, 48, tag=4)
     b = cache.alloc()
     cache.step({b: 48}, blocks={b: (0, [1, 2, 5], 0 + 2)})
-    cache.step({b: 48}, blocks={b: (0, [1, 6, 7], 1)})       # resumed: a new table
+    cache.step({b: 48}, blocks={b: (0, [1, 6, 7], 1)})  # resumed: a new table
     assert cache.block_table(b) == [[1, 6, 7]]
-    assert _read(cache, b, 0, 16) == [4000.0 + t for t in range(16)]   # block 1 kept
+    assert _read(cache, b, 0, 16) == [4000.0 + t for t in range(16)]  # block 1 kept
     assert cache._core.check_invariants() == ""
 
 
@@ -320,19 +339,26 @@ def test_a_fresh_id_an_active_row_still_maps_is_detached(make):
     cache.step({c: 16}, blocks={c: (0, [1], 0)})
     assert cache.stats()["blocks_detached"] == 1
     _write(cache, c, 0, 16, tag=6)
-    assert _read(cache, a, 0, 64) == [5000.0 + t for t in range(64)]   # a's pages untouched
+    assert _read(cache, a, 0, 64) == [5000.0 + t for t in range(64)]  # a's pages untouched
     assert _read(cache, c, 0, 16) == [6000.0 + t for t in range(16)]
-    cache.step({a: 65}, blocks={a: (4, [5], 0)})            # a's own release drops them
+    cache.step({a: 65}, blocks={a: (4, [5], 0)})  # a's own release drops them
     assert cache.window_start(a, 0) >= 16 and cache._core.check_invariants() == ""
 
 
 # ---- hybrid groups and windows ----------------------------------------------------------------
 
+
 def test_groups_follow_their_own_tables_and_windows_release_blocks(device):
     # Layer 0 is a sliding-window layer (group 1), layer 1 full attention (group 0), as vLLM's
     # hybrid KV cache manager groups a Gemma-3-like model.
-    cfg = _config(device, "layer", sliding_window=[32, None], layer_groups=[1, 0],
-                  num_blocks=64, block_cache=True)
+    cfg = _config(
+        device,
+        "layer",
+        sliding_window=[32, None],
+        layer_groups=[1, 0],
+        num_blocks=64,
+        block_cache=True,
+    )
     with vattention.KVCache(cfg) as cache:
         assert (cfg.num_groups, cfg.geometry.group_width) == (2, 2)
         a = cache.alloc()
@@ -350,7 +376,7 @@ def test_groups_follow_their_own_tables_and_windows_release_blocks(device):
         # The full group maps all 8 blocks, the windowed one the 2 holding keys 96..127 (the last
         # query, 127, reads (127 - 32, 127]; vLLM frees blocks below (127 - 32 + 1) // 16 = 6).
         assert stats["mappings"] == (8 + 2) * 2
-        assert stats["cached_blocks"] == 6                   # released window blocks kept
+        assert stats["cached_blocks"] == 6  # released window blocks kept
         assert cache._core.check_invariants() == ""
 
 
@@ -358,28 +384,35 @@ def test_a_block_moves_between_groups_of_different_widths(device):
     # vLLM pads a KV cache group short of layers (Gemma 3: six groups of 4 local layers and one
     # of 2): a block then holds the pages of the group that filled it; handed to a wider group it
     # takes new pages, to a group as wide it reuses its own.
-    cfg = _config(device, "layer", num_layers=3, layer_groups=[0, 0, 1], num_blocks=16,
-                  block_cache=True)
+    cfg = _config(
+        device, "layer", num_layers=3, layer_groups=[0, 0, 1], num_blocks=16, block_cache=True
+    )
     with vattention.KVCache(cfg) as cache:
-        assert cfg.geometry.group_width == 4              # group 0: 2 layers x K,V; group 1: 2
+        assert cfg.geometry.group_width == 4  # group 0: 2 layers x K,V; group 1: 2
         a = cache.alloc()
         cache.step({a: 16}, blocks={a: (0, [[1], [2]], 0)})
         created = cache.stats()["pages_created"]
         b = cache.alloc()
-        cache.step({b: 16}, blocks={b: (0, [[2], [1]], 0)})   # ids swap groups, fresh
+        cache.step({b: 16}, blocks={b: (0, [[2], [1]], 0)})  # ids swap groups, fresh
         assert cache.stats()["blocks_reused"] == 0
         assert cache.stats()["pages_created"] == created + 6  # a still maps both: all new
-        c = cache.alloc()                                      # an empty row
-        cache.free(b)                                          # b's row still maps block 1
-        cache.step({c: 16}, blocks={c: (0, [[5], [1]], 0)})   # 1 (2 pages) in a 2-wide group
-        assert cache.stats()["blocks_reused"] == 1             # b's idle row gave it up
+        c = cache.alloc()  # an empty row
+        cache.free(b)  # b's row still maps block 1
+        cache.step({c: 16}, blocks={c: (0, [[5], [1]], 0)})  # 1 (2 pages) in a 2-wide group
+        assert cache.stats()["blocks_reused"] == 1  # b's idle row gave it up
         assert cache._core.check_invariants() == ""
 
 
 def test_groups_keep_one_window_and_layout(device):
     with pytest.raises(vattention.ConfigError, match="share one window"):
-        _config(device, "layer", num_layers=4, sliding_window=[8, None, 8, 8],
-                layer_groups=[0, 0, 1, 1], num_blocks=4)
+        _config(
+            device,
+            "layer",
+            num_layers=4,
+            sliding_window=[8, None, 8, 8],
+            layer_groups=[0, 0, 1, 1],
+            num_blocks=4,
+        )
     with pytest.raises(vattention.ConfigError, match="need layout='layer'"):
         _config(device, "mega", layer_groups=[0, 1], num_blocks=4)
 
@@ -438,7 +471,7 @@ def test_running_out_maps_nothing_new(make):
         cache.step({a: 64, b: 48}, blocks={b: (0, [5, 6, 7], 0)})
     assert info.value.pages_needed == 3 * cache.config.pages_per_index
     assert cache.mapped_tokens(b) == 0 and cache.seq_len(a) == 64
-    cache.step({a: 64, b: 48}, blocks={b: (0, [1, 2, 5], 2)})   # hits need no new pages
+    cache.step({a: 64, b: 48}, blocks={b: (0, [1, 2, 5], 2)})  # hits need no new pages
     assert cache._core.check_invariants() == ""
 
 
@@ -461,6 +494,7 @@ def test_a_failed_map_undoes_every_row(layout):
 
 # ---- a small engine: what every row reads back ------------------------------------------------
 
+
 class Engine:
     """vLLM's block accounting in miniature: a pool of ids (0 is the null block), an LRU free
     queue, prefix caching by content hash of full blocks, window release (blocks wholly before
@@ -473,14 +507,14 @@ class Engine:
         self.free = collections.OrderedDict((b, None) for b in range(1, num_blocks))
         self.hash_of, self.by_hash = {}, {}
         self.ref = collections.Counter()
-        self.reqs = {}                   # rid -> dict(tokens, table, computed, slot)
+        self.reqs = {}  # rid -> dict(tokens, table, computed, slot)
         self.next_rid = 0
 
     def _take(self):
         if not self.free:
             return None
         b, _ = self.free.popitem(last=False)
-        h = self.hash_of.pop(b, None)    # evicted from the prefix cache: its content is dead
+        h = self.hash_of.pop(b, None)  # evicted from the prefix cache: its content is dead
         if h is not None:
             del self.by_hash[h]
         self.ref[b] += 1
@@ -489,13 +523,19 @@ class Engine:
     def _release(self, b):
         self.ref[b] -= 1
         if self.ref[b] == 0:
-            self.free[b] = None          # the tail: least recently used first out
+            self.free[b] = None  # the tail: least recently used first out
 
     def add(self, prefix_pool):
-        toks = list(self.rng.choice(prefix_pool)) + [self.rng.randrange(10**6) for _ in
-                                                     range(self.rng.randrange(1, 40))]
-        self.reqs[self.next_rid] = dict(tokens=toks, table=[], computed=0, slot=None,
-                                        target=len(toks) + self.rng.randrange(1, 60))
+        toks = list(self.rng.choice(prefix_pool)) + [
+            self.rng.randrange(10**6) for _ in range(self.rng.randrange(1, 40))
+        ]
+        self.reqs[self.next_rid] = dict(
+            tokens=toks,
+            table=[],
+            computed=0,
+            slot=None,
+            target=len(toks) + self.rng.randrange(1, 60),
+        )
         self.next_rid += 1
 
     def _hits(self, toks):
@@ -503,7 +543,7 @@ class Engine:
         if not self.caching:
             return out
         for i in range((len(toks) - 1) // TPP):
-            h = tuple(toks[:(i + 1) * TPP])
+            h = tuple(toks[: (i + 1) * TPP])
             b = self.by_hash.get(h)
             if b is None:
                 break
@@ -513,7 +553,7 @@ class Engine:
     def step(self):
         lens, updates = {}, {}
         for r in list(self.reqs.values()):
-            if r["slot"] is None:                        # admission
+            if r["slot"] is None:  # admission
                 if len(lens) >= self.cache.config.max_batch_size:
                     continue
                 hits = self._hits(r["tokens"])
@@ -543,11 +583,11 @@ class Engine:
                 for i in range(dead):
                     if r["table"][i] != 0:
                         self._release(r["table"][i])
-                        r["table"][i] = 0          # the engine's copy; the worker's keeps the id
+                        r["table"][i] = 0  # the engine's copy; the worker's keeps the id
             r["tokens"].append(self.rng.randrange(10**6))
             if (n + 1) > len(r["table"]) * TPP:
                 b = self._take()
-                if b is None:                       # preempt it
+                if b is None:  # preempt it
                     self.cache.free(r["slot"])
                     for x in r["table"]:
                         if x:
@@ -568,7 +608,7 @@ class Engine:
             return
         for i in range(length // TPP):
             b = r["table"][i]
-            h = tuple(r["tokens"][:(i + 1) * TPP])
+            h = tuple(r["tokens"][: (i + 1) * TPP])
             if b and b not in self.hash_of and h not in self.by_hash:
                 self.hash_of[b], self.by_hash[h] = h, b
 
@@ -597,9 +637,17 @@ def _write_tokens(cache, slot, toks, start, end):
 def test_rows_read_back_what_the_engine_wrote(device, caching, window):
     rng = random.Random(11 + caching + (window or 0))
     # scrub: an idle row's pages go to the next request, the hits among them must not be zeroed.
-    cfg = _config(device, "mega" if window is None else "layer", num_layers=2, max_batch_size=6,
-                  max_seq_len=256, sliding_window=window, num_blocks=40, block_cache=caching,
-                  scrub=window is None)
+    cfg = _config(
+        device,
+        "mega" if window is None else "layer",
+        num_layers=2,
+        max_batch_size=6,
+        max_seq_len=256,
+        sliding_window=window,
+        num_blocks=40,
+        block_cache=caching,
+        scrub=window is None,
+    )
     with vattention.KVCache(cfg, memory_budget=40 * cfg.pages_per_index * cfg.page_bytes) as cache:
         engine = Engine(cache, 40, caching, window, rng)
         prefixes = [[rng.randrange(10**6) for _ in range(n)] for n in (0, 16, 35, 48)]
@@ -620,7 +668,7 @@ def test_rows_read_back_what_the_engine_wrote(device, caching, window):
                 _write_tokens(cache, s, r["tokens"], r["new_from"], lens[s])
                 lo = cache.window_start(s, 0) if window else 0
                 got = _read(cache, s, lo, lens[s])
-                assert got == [float(x) for x in r["tokens"][lo:lens[s]]], (step, s)
+                assert got == [float(x) for x in r["tokens"][lo : lens[s]]], (step, s)
                 checked += 1
             engine.after_step(lens)
             assert cache._core.check_invariants() == ""

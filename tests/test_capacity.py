@@ -25,9 +25,15 @@ def page_size():
 
 
 def _scenario(make_cache, rng, window):
-    cache = make_cache(max_batch_size=6, max_seq_len=2048, num_layers=2, num_kv_heads=2,
-                       head_dim=64, memory_budget=f"{int(rng.integers(12, 40)) * 64}KB",
-                       sliding_window=window)
+    cache = make_cache(
+        max_batch_size=6,
+        max_seq_len=2048,
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=64,
+        memory_budget=f"{int(rng.integers(12, 40)) * 64}KB",
+        sliding_window=window,
+    )
     tpp = cache.config.tokens_per_page
     active = {}
     for _ in range(int(rng.integers(1, 6))):
@@ -39,14 +45,15 @@ def _scenario(make_cache, rng, window):
         except vattention.OutOfPagesError:
             cache.free(slot)
     for slot in list(active):
-        if rng.random() < 0.3:                       # idle slots keep their pages
+        if rng.random() < 0.3:  # idle slots keep their pages
             cache.free(slot)
             del active[slot]
-    if active and rng.random() < 0.5:                # look-ahead beyond the lengths
-        cache.prefetch({s: n + 1 for s, n in active.items()},
-                       lookahead_tokens=int(rng.integers(0, 3 * tpp)))
+    if active and rng.random() < 0.5:  # look-ahead beyond the lengths
+        cache.prefetch(
+            {s: n + 1 for s, n in active.items()}, lookahead_tokens=int(rng.integers(0, 3 * tpp))
+        )
         cache.wait()
-    for _ in range(int(rng.integers(0, 3))):         # decode steps (windows release pages)
+    for _ in range(int(rng.integers(0, 3))):  # decode steps (windows release pages)
         try:
             active = {s: min(2048, n + tpp // 2) for s, n in active.items()}
             cache.step(active)
@@ -88,8 +95,9 @@ def test_capacity_predicts_step(make_cache, window):
 def test_capacity_counts_pages_and_the_budget(make_cache):
     probe = make_cache(max_batch_size=4, max_seq_len=4096)
     budget_pages = 8 * probe.config.pages_per_index
-    cache = make_cache(max_batch_size=4, max_seq_len=4096,
-                       memory_budget=budget_pages * probe.config.page_bytes)
+    cache = make_cache(
+        max_batch_size=4, max_seq_len=4096, memory_budget=budget_pages * probe.config.page_bytes
+    )
     cfg = cache.config
     per_index = cfg.pages_per_index
     a = cache.alloc()
@@ -99,7 +107,7 @@ def test_capacity_counts_pages_and_the_budget(make_cache):
     assert cap.pages_needed == cfg.pages_for_tokens(4096) - held + per_index
     assert cap.pages_free + cap.pages_creatable == budget_pages - held
     assert cap.pages_reclaimable == 0
-    cache.free(a)                                    # idle: its pages become reclaimable
+    cache.free(a)  # idle: its pages become reclaimable
     cap = cache.capacity(new_requests=[1])
     assert (cap.pages_needed, cap.pages_reclaimable) == (per_index, held)
 

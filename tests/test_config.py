@@ -10,8 +10,14 @@ import torch
 import vattention
 from vattention import ConfigError, KVCacheConfig, parse_size
 
-BASE = dict(num_layers=32, num_kv_heads=8, head_dim=128, max_batch_size=8, max_seq_len=4096,
-            dtype=torch.bfloat16)
+BASE = dict(
+    num_layers=32,
+    num_kv_heads=8,
+    head_dim=128,
+    max_batch_size=8,
+    max_seq_len=4096,
+    dtype=torch.bfloat16,
+)
 
 
 def test_parse_size_units():
@@ -63,8 +69,9 @@ def test_config_is_frozen_and_keyword_only():
         KVCacheConfig(32, 8, 128, 8, 4096, torch.bfloat16)
 
 
-@pytest.mark.parametrize("field", ["num_layers", "num_kv_heads", "head_dim", "max_batch_size",
-                                   "max_seq_len"])
+@pytest.mark.parametrize(
+    "field", ["num_layers", "num_kv_heads", "head_dim", "max_batch_size", "max_seq_len"]
+)
 @pytest.mark.parametrize("value", [0, -3])
 def test_nonpositive_dimensions_rejected(field, value):
     with pytest.raises(ConfigError, match=f"{field}={value}.*>= 1"):
@@ -91,14 +98,23 @@ def test_bad_dtype_layout_device():
 
 
 def test_page_size_not_multiple_of_granularity_rejected():
-    cfg = KVCacheConfig(num_layers=1, num_kv_heads=1, head_dim=64, max_batch_size=1,
-                        max_seq_len=64, dtype=torch.float16, page_size=6000)
+    cfg = KVCacheConfig(
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=64,
+        max_batch_size=1,
+        max_seq_len=64,
+        dtype=torch.float16,
+        page_size=6000,
+    )
     with pytest.raises(ConfigError, match=r"page_size=6000 bytes is not a positive multiple.*4096"):
         vattention.KVCache(cfg)
 
 
-@pytest.mark.parametrize("field", ["num_layers", "num_kv_heads", "head_dim", "max_batch_size",
-                                   "max_seq_len", "lookahead_tokens"])
+@pytest.mark.parametrize(
+    "field",
+    ["num_layers", "num_kv_heads", "head_dim", "max_batch_size", "max_seq_len", "lookahead_tokens"],
+)
 def test_values_beyond_the_core_are_config_errors_naming_field_and_limit(field):
     # Once pybind11's "incompatible constructor arguments" TypeError leaked through here.
     with pytest.raises(ConfigError, match=rf"{field}=1180591620717411303424 exceeds.*2\*\*63 - 1"):
@@ -106,8 +122,9 @@ def test_values_beyond_the_core_are_config_errors_naming_field_and_limit(field):
 
 
 def test_a_cache_too_large_for_the_address_space_is_a_config_error():
-    with pytest.raises(ConfigError,
-                       match=r"max_batch_size=4611686018427387904.*limit is 65536 GiB"):
+    with pytest.raises(
+        ConfigError, match=r"max_batch_size=4611686018427387904.*limit is 65536 GiB"
+    ):
         KVCacheConfig(**{**BASE, "max_batch_size": 2**62})
 
 

@@ -62,10 +62,10 @@ def test_set_access_once_per_contiguous_run(emu):
     with make(max_batch_size=3) as cache:
         cfg = cache.config
         a, b = cache.alloc(), cache.alloc()
-        cache.step({a: 5 * cfg.tokens_per_page, b: 1})   # a: 5 pages per tensor in one run
-        assert emu.counter("cuMemSetAccess") == 2 * cfg.num_tensors   # (slot, tensor) runs
-        assert emu.counter("cuMemMap") == 6 * cfg.num_tensors         # one per page
-        cache.step({a: 9 * cfg.tokens_per_page})                       # growth: one more run each
+        cache.step({a: 5 * cfg.tokens_per_page, b: 1})  # a: 5 pages per tensor in one run
+        assert emu.counter("cuMemSetAccess") == 2 * cfg.num_tensors  # (slot, tensor) runs
+        assert emu.counter("cuMemMap") == 6 * cfg.num_tensors  # one per page
+        cache.step({a: 9 * cfg.tokens_per_page})  # growth: one more run each
         assert emu.counter("cuMemSetAccess") == 3 * cfg.num_tensors
         assert cache.stats()["set_access_calls"] == emu.counter("cuMemSetAccess")
 
@@ -87,11 +87,11 @@ def test_out_of_device_memory_is_out_of_pages_and_changes_nothing(emu):
         cfg = cache.config
         emu.set_device_memory_bytes(6 * PAGE)
         a = cache.alloc()
-        cache.step({a: cfg.tokens_per_page})                  # 4 pages (2 layers x K/V)
+        cache.step({a: cfg.tokens_per_page})  # 4 pages (2 layers x K/V)
         fill = fill_pattern(cache, a, 0, cfg.tokens_per_page, seed=1)
         before = pages_state(cache)
         with pytest.raises(vattention.OutOfPagesError):
-            cache.step({a: 2 * cfg.tokens_per_page})          # needs 4 more: only 2 fit
+            cache.step({a: 2 * cfg.tokens_per_page})  # needs 4 more: only 2 fit
         assert pages_state(cache) == before
         check_pattern(cache, a, 0, cfg.tokens_per_page, fill)
         assert emu.counter("live_mappings") == 4
@@ -99,13 +99,14 @@ def test_out_of_device_memory_is_out_of_pages_and_changes_nothing(emu):
 
 # ---- contexts and fences ------------------------------------------------------------------------
 
+
 def test_threads_without_context_are_bound_by_the_backend(emu):
     backend = vattention._C.Backend("cuda:0", PAGE)
     seen = {}
 
     def worker():
         seen["before"] = emu.thread_has_context()
-        va = backend.reserve(4 * PAGE)   # the emulation is strict: this fails unless bound
+        va = backend.reserve(4 * PAGE)  # the emulation is strict: this fails unless bound
         backend.release_va(va, 4 * PAGE)
         seen["after"] = emu.thread_has_context()
 
@@ -124,10 +125,10 @@ def test_prefetch_thread_maps_under_strict_context(emu):
         cache.prefetch({slot: 4 * cfg.tokens_per_page})
         cache.wait()
         assert cache.stats()["prefetch_map_calls"] == 4 * cfg.num_tensors
-        assert emu.counter("cuCtxSetCurrent") > set_current_before   # the thread bound itself
+        assert emu.counter("cuCtxSetCurrent") > set_current_before  # the thread bound itself
         calls = emu.counter("cuMemMap")
         cache.step({slot: 4 * cfg.tokens_per_page})
-        assert emu.counter("cuMemMap") == calls                      # step found them mapped
+        assert emu.counter("cuMemMap") == calls  # step found them mapped
 
 
 def _reclaim_in_thread(cache):
@@ -148,14 +149,14 @@ def test_deferred_unmap_waits_for_the_free_event(emu):
     with make() as cache:
         slot = cache.alloc()
         cache.step({slot: 100})
-        emu.set_gpu_busy(True)              # the step's kernels are still running
-        cache.free(slot)                    # event recorded now: pending while busy
+        emu.set_gpu_busy(True)  # the step's kernels are still running
+        cache.free(slot)  # event recorded now: pending while busy
         mapped, unmaps = emu.counter("live_mappings"), emu.counter("cuMemUnmap")
         t, result = _reclaim_in_thread(cache)
         time.sleep(0.2)
         assert t.is_alive(), "reclaim returned while the freeing step's work was in flight"
         assert emu.counter("cuMemUnmap") == unmaps and emu.counter("live_mappings") == mapped
-        emu.set_gpu_busy(False)             # the GPU finishes
+        emu.set_gpu_busy(False)  # the GPU finishes
         t.join(5)
         assert result.get("pages") == mapped and emu.counter("live_mappings") == 0
         assert cache.stats()["fence_waits"] == 1
@@ -167,7 +168,7 @@ def test_free_records_its_fence_on_the_callers_stream(emu):
         cache.step({a: 10, b: 10})
         cache.free(a, stream=0x5EED)
         assert emu.counter("last_event_stream") == 0x5EED
-        cache.free(b)                       # default: the legacy default stream, handle 0
+        cache.free(b)  # default: the legacy default stream, handle 0
         assert emu.counter("last_event_stream") == 0
 
 
@@ -188,15 +189,16 @@ def test_eager_reclaim_defers_unmap_until_event_completes(emu):
         cache.free(slot)
         assert emu.counter("live_mappings") > 0 and emu.counter("cuMemUnmap") == 0
         emu.set_gpu_busy(False)
-        other = cache.alloc()               # a later call drains what is now safe to unmap
+        other = cache.alloc()  # a later call drains what is now safe to unmap
         cache.step({other: 1})
         assert cache.stats()["idle_slots_with_pages"] == 0 or cache.mapped_tokens(slot) == 0
 
 
 # ---- configuration ------------------------------------------------------------------------------
 
+
 def test_page_size_must_be_a_multiple_of_the_device_granularity(emu):
-    emu.set_granularity(2 << 20)            # as on real GPUs
+    emu.set_granularity(2 << 20)  # as on real GPUs
     with pytest.raises(vattention.ConfigError, match=r"65536.*2097152"):
         make(page_size="64KB")
     with make(page_size="2MB", num_kv_heads=8, head_dim=128) as cache:
@@ -220,16 +222,18 @@ def test_backend_surfaces_driver_refusals_as_driver_errors(emu):
     va = backend.reserve(4 * PAGE)
     page = backend.create_page()
     backend.map(va, page)
-    misuse = [("cuMemUnmap", lambda: backend.unmap(va, 2 * PAGE)),          # includes a hole
-              ("cuMemSetAccess", lambda: backend.set_access(va, 2 * PAGE)),  # not fully mapped
-              ("cuMemMap", lambda: backend.map(va, page)),                   # already mapped
-              ("cuMemAddressFree", lambda: backend.release_va(va, 4 * PAGE))]  # still mapped
+    misuse = [
+        ("cuMemUnmap", lambda: backend.unmap(va, 2 * PAGE)),  # includes a hole
+        ("cuMemSetAccess", lambda: backend.set_access(va, 2 * PAGE)),  # not fully mapped
+        ("cuMemMap", lambda: backend.map(va, page)),  # already mapped
+        ("cuMemAddressFree", lambda: backend.release_va(va, 4 * PAGE)),
+    ]  # still mapped
     for call, fn in misuse:
         with pytest.raises(vattention.DriverError) as info:
             fn()
         assert info.value.call == call and info.value.code == E.CUDA_ERROR_INVALID_VALUE
-    assert emu.violations == len(misuse)    # the emulation saw each misuse too
-    backend.set_access(va, PAGE)            # and the backend is still usable
+    assert emu.violations == len(misuse)  # the emulation saw each misuse too
+    backend.set_access(va, PAGE)  # and the backend is still usable
     backend.unmap(va, PAGE)
     backend.destroy_page(page)
     backend.release_va(va, 4 * PAGE)
@@ -240,14 +244,16 @@ def test_backend_surfaces_driver_refusals_as_driver_errors(emu):
 
 # ---- loading the driver -------------------------------------------------------------------------
 
+
 def _run_with_libcuda(path: str, code: str):
     import os
     import subprocess
     import sys
 
     env = dict(os.environ, VATTENTION_LIBCUDA=path)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          timeout=60)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
+    )
 
 
 LOAD_SCRIPT = """
@@ -262,11 +268,16 @@ except vattention.BackendUnavailableError as e:
 """
 
 
-@pytest.mark.parametrize("lib,why", [
-    ("/nonexistent/libcuda.so.1",
-     "cannot load the CUDA driver library '/nonexistent/libcuda.so.1'"),
-    ("libm.so.6", "libm.so.6 exports neither cuGetProcAddress_v2 nor cuGetProcAddress"),
-])
+@pytest.mark.parametrize(
+    "lib,why",
+    [
+        (
+            "/nonexistent/libcuda.so.1",
+            "cannot load the CUDA driver library '/nonexistent/libcuda.so.1'",
+        ),
+        ("libm.so.6", "libm.so.6 exports neither cuGetProcAddress_v2 nor cuGetProcAddress"),
+    ],
+)
 def test_unusable_driver_library_is_backend_unavailable_with_reason(lib, why):
     proc = _run_with_libcuda(lib, LOAD_SCRIPT)
     assert proc.returncode == 0, proc.stderr
@@ -275,17 +286,22 @@ def test_unusable_driver_library_is_backend_unavailable_with_reason(lib, why):
 
 
 def test_missing_entry_point_is_backend_unavailable_naming_it():
-    script = ("import ctypes, os; lib = ctypes.CDLL(os.environ['VATTENTION_LIBCUDA']); "
-              "lib.vaemu_hide_symbol(b'cuMemSetAccess')\n" + LOAD_SCRIPT)
+    script = (
+        "import ctypes, os; lib = ctypes.CDLL(os.environ['VATTENTION_LIBCUDA']); "
+        "lib.vaemu_hide_symbol(b'cuMemSetAccess')\n" + LOAD_SCRIPT
+    )
     proc = _run_with_libcuda(str(E.LIB_PATH), script)
     assert proc.returncode == 0, proc.stderr
-    why = ("does not provide cuMemSetAccess for CUDA 10.2 (cuGetProcAddress returned 0, "
-           "symbol not found)")
+    why = (
+        "does not provide cuMemSetAccess for CUDA 10.2 (cuGetProcAddress returned 0, "
+        "symbol not found)"
+    )
     assert why in proc.stdout.split("RAISED:")[0]
     assert "RAISED: CUDA backend unavailable" in proc.stdout
 
 
 # ---- the hypothesis state machine of test_stateful.py, on the emulated CUDA backend --------------
+
 
 class CudaCacheMachine(CacheMachine):
     """Random alloc/step/free/reclaim/reserve/shrink sequences against the pure-Python model, on the
@@ -308,5 +324,9 @@ class CudaCacheMachine(CacheMachine):
 
 
 TestCudaCacheMachine = CudaCacheMachine.TestCase
-TestCudaCacheMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
-                                         suppress_health_check=[HealthCheck.too_slow])
+TestCudaCacheMachine.settings = settings(
+    max_examples=60,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)

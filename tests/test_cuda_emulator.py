@@ -74,16 +74,25 @@ def test_get_proc_address_table_and_versions(emu):
     res, fn, _ = emu.get_proc("cuEventDestroy", 12000)
     assert fn == E.ctypes.cast(emu.lib.cuEventDestroy_v2, E.ctypes.c_void_p).value
     assert emu.get_proc("cuNoSuchThing", 12000) == (
-        E.CUDA_SUCCESS, 0, E.CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND)
+        E.CUDA_SUCCESS,
+        0,
+        E.CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND,
+    )
     assert emu.get_proc("cuMemMap", 10010) == (
-        E.CUDA_SUCCESS, 0, E.CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT)
+        E.CUDA_SUCCESS,
+        0,
+        E.CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT,
+    )
     assert emu.get_proc("cuMemMap", 99000)[0] == E.CUDA_ERROR_INVALID_VALUE  # newer than driver
 
 
 def test_hidden_symbol_is_not_found(emu):
     emu.hide_symbol("cuMemMap")
     assert emu.get_proc("cuMemMap", 12000) == (
-        E.CUDA_SUCCESS, 0, E.CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND)
+        E.CUDA_SUCCESS,
+        0,
+        E.CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND,
+    )
     assert emu.get_proc("cuMemUnmap", 12000)[1] != 0
 
 

@@ -18,8 +18,6 @@ from support.helpers import check_pattern, fill_pattern
 pytestmark = needs_emulation
 
 
-
-
 STEP_ENTRIES = ["cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuCtxGetCurrent"]
 FAULTS = [E.CUDA_ERROR_UNKNOWN, E.CUDA_ERROR_OUT_OF_MEMORY]
 
@@ -47,7 +45,7 @@ def test_fault_during_step_is_typed_and_transactional(emu, entry, nth, code):
         assert emu.counter("live_mappings") == live["live_mappings"]
         assert cache._core.check_invariants() == ""
         check_pattern(cache, a, 0, 10, fill)
-        cache.step({a: 3 * cfg.tokens_per_page, b: 2 * cfg.tokens_per_page})   # usable again
+        cache.step({a: 3 * cfg.tokens_per_page, b: 2 * cfg.tokens_per_page})  # usable again
         assert cache.mapped_tokens(b) >= 2 * cfg.tokens_per_page
 
 
@@ -63,8 +61,9 @@ def test_fault_during_reserve_keeps_no_pages(emu, nth, code):
         assert cache.stats()["pages_total"] == 8
 
 
-@pytest.mark.parametrize("entry", ["cuMemUnmap", "cuEventQuery", "cuEventDestroy",
-                                   "cuCtxGetCurrent"])
+@pytest.mark.parametrize(
+    "entry", ["cuMemUnmap", "cuEventQuery", "cuEventDestroy", "cuCtxGetCurrent"]
+)
 def test_fault_during_reclaim_is_typed_and_retry_works(emu, entry):
     with make() as cache:
         a, b = cache.alloc(), cache.alloc()
@@ -96,8 +95,9 @@ def test_fault_recording_the_free_fence_leaves_slot_active(emu, entry):
 
 # Known core gaps (reported to the lead), kept visible as strict xfails until fixed:
 @pytest.mark.checks_own_cleanup
-@pytest.mark.parametrize("entry", ["cuMemUnmap", "cuEventSynchronize", "cuEventRecord",
-                                   "cuMemRelease"])
+@pytest.mark.parametrize(
+    "entry", ["cuMemUnmap", "cuEventSynchronize", "cuEventRecord", "cuMemRelease"]
+)
 def test_fault_during_close_is_typed_closes_and_cleans_up(emu, entry):
     cache = make()
     a = cache.alloc()

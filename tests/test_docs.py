@@ -24,7 +24,7 @@ from support.cuda_setup import have_gpu
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 GPU_MARK = "<!-- gpu -->"
-VLLM_MARK = "<!-- vllm -->"   # run by tests/test_integrations_vllm.py, in the vLLM venv
+VLLM_MARK = "<!-- vllm -->"  # run by tests/test_integrations_vllm.py, in the vLLM venv
 FENCE = re.compile(r"^```python\s*$")
 
 
@@ -50,8 +50,10 @@ def python_blocks(text: str):
 
 
 def test_block_discovery_finds_blocks_and_gpu_marks():
-    page = ("x\n```python\na = 1\n```\n<!-- gpu -->\n```python\nb = 2\n```\n```bash\nls\n```\n"
-            "<!-- vllm -->\n```python\nc = 3\n```\n")
+    page = (
+        "x\n```python\na = 1\n```\n<!-- gpu -->\n```python\nb = 2\n```\n```bash\nls\n```\n"
+        "<!-- vllm -->\n```python\nc = 3\n```\n"
+    )
     assert python_blocks(page) == [(3, "a = 1\n", False), (7, "b = 2\n", True)]
 
 
@@ -74,8 +76,15 @@ def test_python_blocks_of_page_run(page, tmp_path):
     if not blocks:
         pytest.skip(f"{page.name}: no Python block to run here")
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", _script(page, blocks), str(tmp_path)],
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, (f"a Python block of {page.name} failed "
-                                  f"(rc={proc.returncode}):\n{proc.stdout[-2000:]}\n"
-                                  f"{proc.stderr[-4000:]}")
+    proc = subprocess.run(
+        [sys.executable, "-c", _script(page, blocks), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, (
+        f"a Python block of {page.name} failed "
+        f"(rc={proc.returncode}):\n{proc.stdout[-2000:]}\n"
+        f"{proc.stderr[-4000:]}"
+    )

@@ -42,4 +42,5 @@ def test_cache_methods_named_in_code_spans_exist(page):
     for name in re.findall(r"`(?:cache|KVCache)\.([a-z_]+)\(", page.read_text()):
         assert hasattr(vattention.KVCache, name), f"{page.name} names KVCache.{name}()"
     assert "`check_invariants()`" not in page.read_text(), (
-        f"{page.name} presents check_invariants() as a KVCache method")
+        f"{page.name} presents check_invariants() as a KVCache method"
+    )

@@ -29,6 +29,7 @@ def test_block_runs_and_prints_what_it_claims(index):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         exec(compile(code, f"{DOC.name}[{index}]", "exec"), {})
-    claims = [c.strip() for c in re.findall(r"^[ \t]*(?:print\(.*\)[ \t]*#|# prints:)(.*)$",
-                                            code, re.M)]
+    claims = [
+        c.strip() for c in re.findall(r"^[ \t]*(?:print\(.*\)[ \t]*#|# prints:)(.*)$", code, re.M)
+    ]
     assert claims and out.getvalue().splitlines() == claims

@@ -35,15 +35,18 @@ def assert_unchanged(cache, before, written):
     assert cache._core.check_invariants() == ""
 
 
-@pytest.mark.parametrize("length,match", [
-    (4097, r"seq_lens\[slot=0\]=4097 exceeds max_seq_len.*\[0, 4096\]"),
-    (-1, r"seq_lens\[slot=0\]=-1 is negative.*\[0, 4096\]"),
-])
+@pytest.mark.parametrize(
+    "length,match",
+    [
+        (4097, r"seq_lens\[slot=0\]=4097 exceeds max_seq_len.*\[0, 4096\]"),
+        (-1, r"seq_lens\[slot=0\]=-1 is negative.*\[0, 4096\]"),
+    ],
+)
 def test_bad_length(busy_cache, length, match):
     cache, written = busy_cache
     before = page_state(cache)
     with pytest.raises(SequenceTooLongError, match=match) as info:
-        cache.step({0: length, 1: 4000})   # the valid entry must not be applied either
+        cache.step({0: length, 1: 4000})  # the valid entry must not be applied either
     assert info.value.seq_len == length and info.value.max_seq_len == 4096
     assert_unchanged(cache, before, written)
 
@@ -65,7 +68,7 @@ def test_step_on_unallocated_slot(busy_cache):
     cache, written = busy_cache
     before = page_state(cache)
     with pytest.raises(InvalidSlotError, match=r"slot=2 has length 5 but is not allocated"):
-        cache.step({0: 800, 2: 5})   # slot 2 was freed (idle)
+        cache.step({0: 800, 2: 5})  # slot 2 was freed (idle)
     with pytest.raises(InvalidSlotError, match=r"slot=3 has length 0 but is not allocated"):
         cache.step({3: 0})
     with pytest.raises(InvalidSlotError, match=r"slot=3 has length 9 but is not allocated"):
@@ -99,7 +102,7 @@ def test_wrong_sequence_length_and_types(busy_cache):
 
 def test_alloc_with_no_free_slot(busy_cache):
     cache, written = busy_cache
-    cache.alloc(), cache.alloc()   # idle slot 2 and free slot 3
+    cache.alloc(), cache.alloc()  # idle slot 2 and free slot 3
     before = page_state(cache)
     with pytest.raises(InvalidSlotError, match=r"no free slot: all max_batch_size=4 slots"):
         cache.alloc()
@@ -110,7 +113,7 @@ def test_out_of_pages_is_transactional(make_cache):
     cache = make_cache(num_kv_heads=8, head_dim=128, max_batch_size=4, max_seq_len=4096)
     cfg = cache.config
     per_index = cfg.num_tensors
-    budget_pages = cfg.pages_for_tokens(cfg.tokens_per_page) * 3   # 3 page indices in all
+    budget_pages = cfg.pages_for_tokens(cfg.tokens_per_page) * 3  # 3 page indices in all
     cache.set_memory_budget(budget_pages * cfg.page_bytes)
     a, b = cache.alloc(), cache.alloc()
     cache.step({a: 1, b: 1})
@@ -124,7 +127,7 @@ def test_out_of_pages_is_transactional(make_cache):
     assert isinstance(info.value, MemoryError)
     assert_unchanged(cache, before, written)
     assert cache.stats()["oom_events"] == 1
-    cache.step({a: cfg.tokens_per_page + 1})   # still usable: the part that fits succeeds
+    cache.step({a: cfg.tokens_per_page + 1})  # still usable: the part that fits succeeds
     assert cache.mapped_tokens(a) >= cfg.tokens_per_page + 1
 
 
@@ -134,11 +137,11 @@ def test_out_of_pages_does_not_touch_idle_slots(make_cache):
     cache.set_memory_budget(2 * cfg.pages_for_tokens(1) * cfg.page_bytes)
     a, b = cache.alloc(), cache.alloc()
     cache.step({a: 1, b: 1})
-    cache.free(b)                     # idle with one page index
+    cache.free(b)  # idle with one page index
     written = {a: fill_pattern(cache, a, 0, 1, seed=1)}
     before = page_state(cache)
     with pytest.raises(OutOfPagesError):
-        cache.step({a: 3 * cfg.tokens_per_page})   # needs 2 more indices; 1 reclaimable
+        cache.step({a: 3 * cfg.tokens_per_page})  # needs 2 more indices; 1 reclaimable
     assert_unchanged(cache, before, written)
     assert cache.stats()["idle_slots_with_pages"] == 1
 
@@ -160,7 +163,7 @@ def test_backend_failure_mid_step_rolls_back(make_cache, op):
         assert after[key] == before[key], key
     check_pattern(cache, a, 0, 10, written[a])
     assert cache._core.check_invariants() == ""
-    cache.step({a: 3000, b: 2000})     # and the cache keeps working
+    cache.step({a: 3000, b: 2000})  # and the cache keeps working
     assert cache.mapped_tokens(b) >= 2000
 
 
@@ -175,9 +178,17 @@ def test_reserve_beyond_budget(make_cache):
 
 
 def test_bad_constructor_arguments():
-    cfg = vattention.KVCacheConfig(num_layers=1, num_kv_heads=1, head_dim=64, max_batch_size=1,
-                                   max_seq_len=64, dtype=torch.float16, page_size="64KB")
+    cfg = vattention.KVCacheConfig(
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=64,
+        max_batch_size=1,
+        max_seq_len=64,
+        dtype=torch.float16,
+        page_size="64KB",
+    )
     import dataclasses
+
     with pytest.raises(ConfigError, match="reclaim='lazy'"):
         dataclasses.replace(cfg, reclaim="lazy")
     with pytest.raises(ConfigError, match="memory_budget='lots'"):
@@ -201,11 +212,20 @@ def test_use_after_close(make_cache):
     slot = cache.alloc()
     cache.step({slot: 10})
     cache.close()
-    cache.close()   # idempotent
-    for call in (lambda: cache.alloc(), lambda: cache.step({slot: 11}), lambda: cache.free(slot),
-                 lambda: cache.stats(), lambda: cache.layer(0), lambda: cache.reserve(1),
-                 lambda: cache.reclaim(), lambda: cache.shrink(), lambda: cache.mapped_tokens(0),
-                 lambda: cache.prefetch({slot: 12}), lambda: cache.wait(),
-                 lambda: cache.set_memory_budget(None)):
+    cache.close()  # idempotent
+    for call in (
+        lambda: cache.alloc(),
+        lambda: cache.step({slot: 11}),
+        lambda: cache.free(slot),
+        lambda: cache.stats(),
+        lambda: cache.layer(0),
+        lambda: cache.reserve(1),
+        lambda: cache.reclaim(),
+        lambda: cache.shrink(),
+        lambda: cache.mapped_tokens(0),
+        lambda: cache.prefetch({slot: 12}),
+        lambda: cache.wait(),
+        lambda: cache.set_memory_budget(None),
+    ):
         with pytest.raises(CacheClosedError, match="closed"):
             call()

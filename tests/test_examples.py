@@ -14,8 +14,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def run_example(name: str, *args: str) -> str:
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    result = subprocess.run([sys.executable, str(ROOT / "examples" / name), *args], cwd=ROOT,
-                            env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / name), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, f"{name} failed:\n{result.stdout}\n{result.stderr}"
     return result.stdout
 
@@ -29,19 +35,30 @@ def test_quickstart():
 
 def test_hf_generate():
     pytest.importorskip("transformers")
-    out = run_example("hf_generate.py", "--new-tokens", "24", "--batch", "2", "--layers", "2",
-                      "--max-seq-len", "512")
-    rows = {line.split()[0]: [int(x.replace(",", "")) for x in line.split()[1:]]
-            for line in out.splitlines() if line.split()[:1] in (["DynamicCache"], ["StaticCache"],
-                                                                 ["VAttentionCache"])}
+    out = run_example(
+        "hf_generate.py",
+        "--new-tokens",
+        "24",
+        "--batch",
+        "2",
+        "--layers",
+        "2",
+        "--max-seq-len",
+        "512",
+    )
+    rows = {
+        line.split()[0]: [int(x.replace(",", "")) for x in line.split()[1:]]
+        for line in out.splitlines()
+        if line.split()[:1] in (["DynamicCache"], ["StaticCache"], ["VAttentionCache"])
+    }
     # one token position = 2 layers x K,V x 2 rows x 2 heads x 16 dims x 4 bytes = 1024 bytes;
     # columns: bytes held, peak bytes, allocated+copied per step, written per step
     assert rows["StaticCache"] == [512 * 1024, 512 * 1024, 0, 1024]
-    assert rows["VAttentionCache"] == [65536, 65536, 0, 1024]     # 55 tokens: 2 pages/tensor
+    assert rows["VAttentionCache"] == [65536, 65536, 0, 1024]  # 55 tokens: 2 pages/tensor
     held, peak, copied, written = rows["DynamicCache"]
     assert held == 55 * 1024
-    assert peak == held + 54 * 512                # + one layer's old K and V alive during cat
-    assert copied == written == 45056             # the whole cache re-copied: 44 tokens average
+    assert peak == held + 54 * 512  # + one layer's old K and V alive during cat
+    assert copied == written == 45056  # the whole cache re-copied: 44 tokens average
     assert "tokens identical across caches: True" in out
 
 
@@ -61,6 +78,7 @@ def test_kernel_dev_reading_past_seqlens_faults():
 def test_readme_quickstart_is_the_example():
     """README's quickstart and examples/quickstart.py must not drift apart."""
     import re
+
     readme = (ROOT / "README.md").read_text()
     snippet = re.search(r"## Quickstart\n\n```python\n(.*?)```", readme, re.S).group(1)
     assert snippet in (ROOT / "examples" / "quickstart.py").read_text()

@@ -35,7 +35,7 @@ def _outcome_is_clean(cache, slots_written):
 
 def test_ensure_private_staging_unmap_failure_leaves_no_mapped_page_in_the_pool(make_cache):
     cache, parent, child, tokens, written = _forked(make_cache)
-    inject_backend_fault(cache, "unmap", 1)   # ensure_private's first unmap: the staging page
+    inject_backend_fault(cache, "unmap", 1)  # ensure_private's first unmap: the staging page
     try:
         copied = cache.ensure_private(child, 0)
     except vattention.DriverError:
@@ -51,11 +51,11 @@ def test_ensure_private_staging_unmap_failure_leaves_no_mapped_page_in_the_pool(
 
 def test_swap_out_staging_unmap_failure_leaves_no_mapped_page_in_the_pool(make_cache):
     cache, parent, child, tokens, written = _forked(make_cache)
-    handle = cache.swap_out(child)      # full pages kept on the device by reference
-    cache.free(parent)                  # now only the handle and an idle slot hold them
+    handle = cache.swap_out(child)  # full pages kept on the device by reference
+    cache.free(parent)  # now only the handle and an idle slot hold them
     other = cache.alloc()
     cache.step({other: 10})
-    inject_backend_fault(cache, "unmap", 1)   # the first unmap of swap_out: a staged page
+    inject_backend_fault(cache, "unmap", 1)  # the first unmap of swap_out: a staged page
     try:
         cache.swap_out(other)
     except vattention.DriverError:

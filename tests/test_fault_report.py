@@ -30,12 +30,16 @@ k, v = cache.layer(1)
 
 
 def _run(layout, action, heads=2):
-    code = textwrap.dedent(SETUP.format(layout=layout, heads=heads)) + textwrap.dedent(action) + \
-        "\nprint('survived')\n"
+    code = (
+        textwrap.dedent(SETUP.format(layout=layout, heads=heads))
+        + textwrap.dedent(action)
+        + "\nprint('survived')\n"
+    )
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("PYTHONFAULTHANDLER", None)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, env=env)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
 
 
 @pytest.mark.parametrize("layout", ["layer", "mega"])

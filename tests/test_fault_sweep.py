@@ -31,34 +31,82 @@ from support.cuda_setup import CUDA_MODE, cuda_emu
 from support.helpers import check_pattern, fill_pattern
 
 HOST_OPS = ("reserve", "create_page", "destroy_page", "map", "set_access", "unmap")
-CUDA_ENTRIES = ("cuMemCreate", "cuMemRelease", "cuMemMap", "cuMemUnmap", "cuMemSetAccess",
-                "cuEventCreate", "cuEventRecord", "cuEventQuery", "cuEventSynchronize",
-                "cuEventDestroy", "cuCtxGetCurrent", "cuCtxSetCurrent", "cuMemcpyAsync",
-                "cuMemcpyDtoDAsync", "cuMemcpyDtoHAsync", "cuMemcpyHtoDAsync", "cuMemHostAlloc",
-                "cuMemFreeHost", "cuStreamSynchronize", "cuMemAddressReserve")
+CUDA_ENTRIES = (
+    "cuMemCreate",
+    "cuMemRelease",
+    "cuMemMap",
+    "cuMemUnmap",
+    "cuMemSetAccess",
+    "cuEventCreate",
+    "cuEventRecord",
+    "cuEventQuery",
+    "cuEventSynchronize",
+    "cuEventDestroy",
+    "cuCtxGetCurrent",
+    "cuCtxSetCurrent",
+    "cuMemcpyAsync",
+    "cuMemcpyDtoDAsync",
+    "cuMemcpyDtoHAsync",
+    "cuMemcpyHtoDAsync",
+    "cuMemHostAlloc",
+    "cuMemFreeHost",
+    "cuStreamSynchronize",
+    "cuMemAddressReserve",
+)
 # Cumulative counters (they count the calls a failed call and its rollback made) and the pool's
 # size (pages created for a failed call may stay in the pool as free pages, invisible to requests).
-STATE_EXEMPT = {"map_calls", "unmap_calls", "set_access_calls", "step_map_calls",
-                "prefetch_map_calls", "pages_created", "pages_destroyed", "pages_total",
-                "pages_free", "bytes_reserved", "committed_bytes", "huge_page_bytes", "oom_events",
-                "fence_waits",
-                "reclaimed_pages", "cow_pages_copied", "swap_out_pages", "swap_in_pages",
-                "prefetch_shortfall_pages", "steps", "scrubbed_pages", "step_driver_calls",
-                "prefetch_driver_calls", "prefetch_errors", "block_hits", "block_hits_in_place",
-                "blocks_adopted", "blocks_reused", "blocks_detached"}
+STATE_EXEMPT = {
+    "map_calls",
+    "unmap_calls",
+    "set_access_calls",
+    "step_map_calls",
+    "prefetch_map_calls",
+    "pages_created",
+    "pages_destroyed",
+    "pages_total",
+    "pages_free",
+    "bytes_reserved",
+    "committed_bytes",
+    "huge_page_bytes",
+    "oom_events",
+    "fence_waits",
+    "reclaimed_pages",
+    "cow_pages_copied",
+    "swap_out_pages",
+    "swap_in_pages",
+    "prefetch_shortfall_pages",
+    "steps",
+    "scrubbed_pages",
+    "step_driver_calls",
+    "prefetch_driver_calls",
+    "prefetch_errors",
+    "block_hits",
+    "block_hits_in_place",
+    "blocks_adopted",
+    "blocks_reused",
+    "blocks_detached",
+}
 
 
 def _config(device, shapes="uniform"):
-    heads = dict(uniform=dict(num_layers=1, num_kv_heads=2),
-                 per_layer=dict(num_layers=2, num_kv_heads=(4, 2), value_cache=False),
-                 blocks=dict(num_layers=1, num_kv_heads=2, num_blocks=32, block_cache=True),
-                 )[shapes]
-    return vattention.KVCacheConfig(**heads, head_dim=64, max_batch_size=3, max_seq_len=2048,
-                                    dtype=torch.float16, device=device, page_size="64KB")
+    heads = dict(
+        uniform=dict(num_layers=1, num_kv_heads=2),
+        per_layer=dict(num_layers=2, num_kv_heads=(4, 2), value_cache=False),
+        blocks=dict(num_layers=1, num_kv_heads=2, num_blocks=32, block_cache=True),
+    )[shapes]
+    return vattention.KVCacheConfig(
+        **heads,
+        head_dim=64,
+        max_batch_size=3,
+        max_seq_len=2048,
+        dtype=torch.float16,
+        device=device,
+        page_size="64KB",
+    )
 
 
 TPP = 256  # tokens per 64 KB page index: 2 heads x 64 x fp16 = 256 bytes a token (the gcd of 512
-           # and 256 bytes with per-layer shapes)
+# and 256 bytes with per-layer shapes)
 
 
 # Each scenario: setup(cache) -> ctx (a dict), then call(cache, ctx). ctx["live"] lists the
@@ -100,7 +148,7 @@ def _reclaimed(cache):
 
 def _fresh_third(cache):
     ctx = _idle_and_active(cache)
-    ctx["c"] = cache.alloc()   # the idle slot: it still holds a page
+    ctx["c"] = cache.alloc()  # the idle slot: it still holds a page
     return ctx
 
 
@@ -155,8 +203,10 @@ SCENARIOS = {
     "alloc_idle": (_idle_and_active, lambda c, x: c.alloc()),
     "free": (_two_active, lambda c, x: c.free(x["a"])),
     "step_grow": (_two_active, lambda c, x: c.step({x["a"]: 3 * TPP, x["b"]: 2 * TPP})),
-    "step_grow_scrub": (_two_active_scrubbed,
-                        lambda c, x: c.step({x["a"]: 3 * TPP, x["b"]: 2 * TPP})),
+    "step_grow_scrub": (
+        _two_active_scrubbed,
+        lambda c, x: c.step({x["a"]: 3 * TPP, x["b"]: 2 * TPP}),
+    ),
     "alloc_idle_scrub": (_idle_and_active_scrubbed, lambda c, x: c.alloc()),
     "step_reclaiming_idle": (_idle_under_budget, lambda c, x: c.step({x["a"]: 3 * TPP})),
     "prefetch_wait": (_two_active, lambda c, x: (c.prefetch({x["a"]: 3 * TPP}), c.wait())),
@@ -175,12 +225,22 @@ SCENARIOS = {
 }
 # Pages named by an engine's block ids: tables grow, hit, take an idle row's block.
 BLOCK_SCENARIOS = {
-    "blocks_grow": (_blocks_two_active, lambda c, x: c.step(
-        {x["a"]: 3 * TPP, x["b"]: 2 * TPP}, blocks={x["a"]: (2, [4], 0), x["b"]: (1, [5], 0)})),
-    "blocks_hit_and_fresh": (_blocks_full_and_fresh, lambda c, x: c.step(
-        {x["a"]: 2 * TPP, x["c"]: 2 * TPP + 5}, blocks={x["c"]: (0, [1, 2, 6], 2)})),
-    "blocks_fresh_from_idle_row": (_blocks_idle_row, lambda c, x: c.step(
-        {x["a"]: TPP + 10, x["c"]: 20}, blocks={x["c"]: (0, [3], 0)})),
+    "blocks_grow": (
+        _blocks_two_active,
+        lambda c, x: c.step(
+            {x["a"]: 3 * TPP, x["b"]: 2 * TPP}, blocks={x["a"]: (2, [4], 0), x["b"]: (1, [5], 0)}
+        ),
+    ),
+    "blocks_hit_and_fresh": (
+        _blocks_full_and_fresh,
+        lambda c, x: c.step(
+            {x["a"]: 2 * TPP, x["c"]: 2 * TPP + 5}, blocks={x["c"]: (0, [1, 2, 6], 2)}
+        ),
+    ),
+    "blocks_fresh_from_idle_row": (
+        _blocks_idle_row,
+        lambda c, x: c.step({x["a"]: TPP + 10, x["c"]: 20}, blocks={x["c"]: (0, [3], 0)}),
+    ),
 }
 # Calls whose failure is reported but need not leave the state as it was: close() closes anyway.
 NOT_TRANSACTIONAL = {"close"}
@@ -188,10 +248,21 @@ NOT_TRANSACTIONAL = {"close"}
 # as share_prefix's fresh destination) before the failing backend call: a failure may leave them
 # reclaimed, as reclaim() would. For these, every slot's length and backing of that length are
 # compared instead of its exact mapped tokens.
-MAY_RECLAIM_UNUSED = {"set_memory_budget", "step_reclaiming_idle", "share_prefix",
-                      "blocks_fresh_from_idle_row"}
-UNUSED_STATE = ("pages_mapped", "bytes_mapped", "mappings", "idle_slots_with_pages", "free_slots",
-                "cached_blocks", "blocks_with_pages")
+MAY_RECLAIM_UNUSED = {
+    "set_memory_budget",
+    "step_reclaiming_idle",
+    "share_prefix",
+    "blocks_fresh_from_idle_row",
+}
+UNUSED_STATE = (
+    "pages_mapped",
+    "bytes_mapped",
+    "mappings",
+    "idle_slots_with_pages",
+    "free_slots",
+    "cached_blocks",
+    "blocks_with_pages",
+)
 
 
 class Faults:
@@ -248,8 +319,9 @@ def _state(cache, name):
 def _prepare(device, setup, shapes):
     cache = vattention.KVCache(_config(device, shapes))
     ctx = setup(cache)
-    ctx["data"] = [(slot, n, fill_pattern(cache, slot, 0, n, seed=slot + 1))
-                   for slot, n in ctx["live"]]
+    ctx["data"] = [
+        (slot, n, fill_pattern(cache, slot, 0, n, seed=slot + 1)) for slot, n in ctx["live"]
+    ]
     return cache, ctx
 
 
@@ -272,8 +344,9 @@ def _sweep(device, name, shapes="uniform"):
     cache.close()
     del cache
     faults.assert_released()
-    plan = [(entry, k) for entry in faults.entries
-            for k in range(1, after[entry] - before[entry] + 1)]
+    plan = [
+        (entry, k) for entry in faults.entries for k in range(1, after[entry] - before[entry] + 1)
+    ]
     if not plan:
         pytest.skip(f"{name} makes no call to this backend")
 
@@ -287,8 +360,9 @@ def _sweep(device, name, shapes="uniform"):
         except vattention.VAttentionError as e:
             raised = e
         except Exception as e:  # noqa: BLE001 - an untyped error is the failure reported here
-            pytest.fail(f"{name}: failing call {k} of {entry} raised untyped "
-                        f"{type(e).__name__}: {e}")
+            pytest.fail(
+                f"{name}: failing call {k} of {entry} raised untyped {type(e).__name__}: {e}"
+            )
         faults.disarm(cache, entry)
         where = f"{name}: failing call {k} of {entry}"
         if raised is not None:
@@ -321,9 +395,18 @@ def test_fault_at_every_call_index(device, name):
     _sweep(device, name)
 
 
-PER_LAYER_SCENARIOS = [(device, name) for device in ("cpu", "cuda:0")
-                       for name in ("step_grow", "step_reclaiming_idle", "prefetch_wait",
-                                    "share_prefix", "ensure_private", "swap_in")]
+PER_LAYER_SCENARIOS = [
+    (device, name)
+    for device in ("cpu", "cuda:0")
+    for name in (
+        "step_grow",
+        "step_reclaiming_idle",
+        "prefetch_wait",
+        "share_prefix",
+        "ensure_private",
+        "swap_in",
+    )
+]
 
 
 @pytest.mark.parametrize("device, name", PER_LAYER_SCENARIOS)

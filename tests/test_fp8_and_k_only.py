@@ -25,9 +25,13 @@ def fill(cache, slot, start, end, seed):
             if tensor is None:
                 pair.append(None)
                 continue
-            raw = torch.randint(0, 127, (end - start, cfg.layer_kv_heads[layer],
-                                         cfg.layer_head_dims[layer]),
-                                generator=gen, dtype=torch.uint8)  # no NaN bit patterns
+            raw = torch.randint(
+                0,
+                127,
+                (end - start, cfg.layer_kv_heads[layer], cfg.layer_head_dims[layer]),
+                generator=gen,
+                dtype=torch.uint8,
+            )  # no NaN bit patterns
             data = raw.view(cfg.dtype) if cfg.element_bytes == 1 else raw.to(cfg.dtype)
             tensor[slot, start:end] = data.to(tensor.device)
             pair.append(data)
@@ -74,8 +78,15 @@ def test_fp8_fork_and_swap_are_bit_identical(make_cache, dtype):
 
 
 def test_fp8_by_name_and_through_the_original_api():
-    cfg = vattention.KVCacheConfig(num_layers=1, num_kv_heads=1, head_dim=64, max_batch_size=1,
-                                   max_seq_len=64, dtype="float8_e5m2", page_size="4KB")
+    cfg = vattention.KVCacheConfig(
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=64,
+        max_batch_size=1,
+        max_seq_len=64,
+        dtype="float8_e5m2",
+        page_size="4KB",
+    )
     assert cfg.dtype == torch.float8_e5m2
     k, v = vattn.init_kvcache(2, 1, 64, 2, 64, "cpu", torch.float8_e4m3fn, 4096)[0::2]
     try:
@@ -86,8 +97,9 @@ def test_fp8_by_name_and_through_the_original_api():
 
 def test_k_only_cache_reserves_and_maps_one_tensor_per_layer(make_cache, layout):
     # DeepSeek-style MLA latent: one "head" of kv_lora_rank + rope_dim = 512 + 64 elements.
-    cache = make_cache(num_layers=3, num_kv_heads=1, head_dim=576, max_seq_len=2048,
-                       value_cache=False)
+    cache = make_cache(
+        num_layers=3, num_kv_heads=1, head_dim=576, max_seq_len=2048, value_cache=False
+    )
     cfg = cache.config
     assert cfg.num_tensors == (3 if layout == "layer" else 1)
     assert cfg.bytes_per_token == 3 * 576 * 2
@@ -112,8 +124,9 @@ def test_k_only_cache_reserves_and_maps_one_tensor_per_layer(make_cache, layout)
 
 
 def test_k_only_cache_forks_swaps_and_windows(make_cache, layout):
-    cache = make_cache(num_kv_heads=1, head_dim=576, max_seq_len=4096, value_cache=False,
-                       sliding_window=512)
+    cache = make_cache(
+        num_kv_heads=1, head_dim=576, max_seq_len=4096, value_cache=False, sliding_window=512
+    )
     src = cache.alloc()
     cache.step({src: 1500})
     written = fill(cache, src, 0, 1500, seed=4)
@@ -129,5 +142,12 @@ def test_k_only_cache_forks_swaps_and_windows(make_cache, layout):
 
 def test_value_cache_must_be_a_bool():
     with pytest.raises(vattention.ConfigError, match="value_cache=0 must be True or False"):
-        vattention.KVCacheConfig(num_layers=1, num_kv_heads=1, head_dim=64, max_batch_size=1,
-                                 max_seq_len=64, dtype=torch.float16, value_cache=0)
+        vattention.KVCacheConfig(
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=64,
+            max_batch_size=1,
+            max_seq_len=64,
+            dtype=torch.float16,
+            value_cache=0,
+        )

@@ -22,8 +22,14 @@ def run_kit(*args: str, env_extra: dict | None = None) -> subprocess.CompletedPr
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     env.pop("VATTENTION_LIBCUDA", None)
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, str(KIT), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, str(KIT), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_without_a_gpu_one_line_and_exit_2():
@@ -43,20 +49,32 @@ def test_unknown_part_is_refused_by_name():
 
 @needs_emulation
 def test_dry_run_writes_one_report(tmp_path):
-    proc = run_kit("--dry-run", "--quick", "--only", "tests,prefetch,vmm,attention,mapping",
-                   "--out-dir", str(tmp_path))
+    proc = run_kit(
+        "--dry-run",
+        "--quick",
+        "--only",
+        "tests,prefetch,vmm,attention,mapping",
+        "--out-dir",
+        str(tmp_path),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     md = (tmp_path / "results.md").read_text()
     assert "DRY RUN through the CUDA driver EMULATION" in md
-    for section in ("## GPU tests (pytest -m gpu tests/gpu)", "## step() blocking with prefetch",
-                    "## Per-call driver latency", "## FlashAttention latency",
-                    "## Mapping throughput of cache.step()"):
+    for section in (
+        "## GPU tests (pytest -m gpu tests/gpu)",
+        "## step() blocking with prefetch",
+        "## Per-call driver latency",
+        "## FlashAttention latency",
+        "## Mapping throughput of cache.step()",
+    ):
         assert section in md
     # Every GPU test is listed (and skipped, by design, under the emulation).
-    for test in ("test_captured_decode_replays_over_pages_mapped_after_capture",
-                 "test_compiled_decode_with_cuda_graphs_equals_eager",
-                 "test_unmapped_read_is_illegal_address",
-                 "test_sdpa_over_virtual_slice_equals_contiguous"):
+    for test in (
+        "test_captured_decode_replays_over_pages_mapped_after_capture",
+        "test_compiled_decode_with_cuda_graphs_equals_eager",
+        "test_unmapped_read_is_illegal_address",
+        "test_sdpa_over_virtual_slice_equals_contiguous",
+    ):
         assert f"{test} | skipped |" in md
     assert "| layer | 2MB | 1024 |" in md and "| mega | 2MB | 32 |" in md
     assert "**Overall: all parts ran, no test failed.**" in md

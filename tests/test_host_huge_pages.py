@@ -25,8 +25,14 @@ MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS, MAP_NORESERVE = 1, 2, 0x10, 0
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_long]
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
@@ -52,7 +58,7 @@ HUGE = BASE_4K and kernel_collapses_shmem()
 try:
     with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as _f:
         _shmem = _f.read()
-except OSError:   # a kernel without transparent huge pages
+except OSError:  # a kernel without transparent huge pages
     _shmem = ""
 SHMEM_HUGE_ANYWAY = "[always]" in _shmem or "[force]" in _shmem
 
@@ -92,12 +98,12 @@ def test_pages_of_whole_2mb_map_with_2mb_entries_where_the_kernel_allows(page_by
     else:
         assert backend.huge_page_bytes() == 0
     both_huge = backend.huge_page_bytes() == 2 * page_bytes
-    assert backend.committed_bytes() == 2 * page_bytes     # the same memory, in bigger pieces
+    assert backend.committed_bytes() == 2 * page_bytes  # the same memory, in bigger pieces
     va = backend.reserve(3 * page_bytes)
     assert va % MB2 == 0
     backend.map(va, pages[0])
     backend.map(va + page_bytes, pages[1])
-    backend.map(va + 2 * page_bytes, pages[0])           # page 0 again: the two alias
+    backend.map(va + 2 * page_bytes, pages[0])  # page 0 again: the two alias
     backend.set_access(va, 3 * page_bytes)
     touch(va, page_bytes, 0x5A)
     touch(va + page_bytes, page_bytes, 0x11)
@@ -105,9 +111,9 @@ def test_pages_of_whole_2mb_map_with_2mb_entries_where_the_kernel_allows(page_by
     assert bytes(alias[:16]) == b"\x5a" * 16 and alias[page_bytes - 1] == 0x5A
     pmd = pmd_mapped_bytes(va, 3 * page_bytes)
     if both_huge:
-        assert pmd == 3 * page_bytes                       # page 0 twice, page 1 once
+        assert pmd == 3 * page_bytes  # page 0 twice, page 1 once
     elif HUGE:
-        assert pmd in (page_bytes, 2 * page_bytes)          # page 1 alone, or page 0 twice
+        assert pmd in (page_bytes, 2 * page_bytes)  # page 1 alone, or page 0 twice
     elif not SHMEM_HUGE_ANYWAY:
         assert pmd == 0
     backend.unmap(va, 3 * page_bytes)
@@ -158,9 +164,16 @@ def test_not_applicable_to_pages_that_are_not_whole_2mb(page_bytes):
 
 
 def test_a_cache_reports_its_huge_pages_and_keeps_its_data():
-    cfg = vattention.KVCacheConfig(num_layers=2, num_kv_heads=4, head_dim=64, max_batch_size=2,
-                                   max_seq_len=4096, dtype=torch.float32, page_size="2MB",
-                                   device="cpu")
+    cfg = vattention.KVCacheConfig(
+        num_layers=2,
+        num_kv_heads=4,
+        head_dim=64,
+        max_batch_size=2,
+        max_seq_len=4096,
+        dtype=torch.float32,
+        page_size="2MB",
+        device="cpu",
+    )
     with vattention.KVCache(cfg) as cache:
         a, b = cache.alloc(), cache.alloc()
         cache.step({a: 3000, b: 1000})
@@ -177,7 +190,7 @@ def test_a_cache_reports_its_huge_pages_and_keeps_its_data():
         v[b, :1000] = want[:1000] * 2
         cache.free(a)
         c = cache.alloc()
-        cache.step({b: 1500, c: 2000})                   # a's pages, reused by c's row
+        cache.step({b: 1500, c: 2000})  # a's pages, reused by c's row
         k, v = cache.layer(1)
         assert torch.equal(v[b, :1000], want[:1000] * 2)
         k[c, :2000] = want[:2000] + 1
@@ -211,8 +224,9 @@ def test_a_kernel_that_refuses_leaves_4kb_pages_that_work():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", FALLBACK], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", FALLBACK], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     # and an engine asking whether to size its pages for huge pages is told no
     assert out.stdout.split() == ["0" if BASE_4K else "-1", "0"]

@@ -9,24 +9,36 @@ import importlib
 import pytest
 
 
-@pytest.mark.parametrize("module", ["vattention.integrations.original_api",
-                                    "vattention.integrations.flash_attn",
-                                    "vattention.integrations.transformers",
-                                    "vattention.integrations.vllm.kv_layout",
-                                    "vattention.integrations.vllm.prefix_hint",
-                                    "vattention.integrations.vllm.plugin",
-                                    "vattention.integrations.vllm.stats_writer",
-                                    "vattention.integrations.vllm.slots",
-                                    "vattention.bench.tiny_models", "vattention.bench.vllm_bench",
-                                    "vattention.bench.workload", "vattention.bench.traces",
-                                    "vattention.bench.progress", "vattention.bench.sizing",
-                                    "vattention.bench.allocators", "vattention.config",
-                                    "vattention.cache", "vattention.sharing", "vattention.swap",
-                                    "vattention.backends", "vattention.attention",
-                                    "vattention.attention.kernel",
-                                    "vattention.attention.reference",
-                                    "vattention.attention.fp8",
-                                    "vattention.attention.arguments"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "vattention.integrations.original_api",
+        "vattention.integrations.flash_attn",
+        "vattention.integrations.transformers",
+        "vattention.integrations.vllm.kv_layout",
+        "vattention.integrations.vllm.prefix_hint",
+        "vattention.integrations.vllm.plugin",
+        "vattention.integrations.vllm.stats_writer",
+        "vattention.integrations.vllm.slots",
+        "vattention.bench.tiny_models",
+        "vattention.bench.vllm_bench",
+        "vattention.bench.workload",
+        "vattention.bench.traces",
+        "vattention.bench.progress",
+        "vattention.bench.sizing",
+        "vattention.bench.allocators",
+        "vattention.config",
+        "vattention.cache",
+        "vattention.sharing",
+        "vattention.swap",
+        "vattention.backends",
+        "vattention.attention",
+        "vattention.attention.kernel",
+        "vattention.attention.reference",
+        "vattention.attention.fp8",
+        "vattention.attention.arguments",
+    ],
+)
 def test_docstring_examples(module):
     if module.endswith("transformers"):
         pytest.importorskip("transformers")

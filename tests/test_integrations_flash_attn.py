@@ -42,18 +42,25 @@ def test_reference_decode_appends_in_place_and_matches_naive_gqa():
     out = fa.decode(q, k_cache, v_cache, k, v, seqlens, slots)
     for i, (n, s) in enumerate(zip(seqlens.tolist(), slots.tolist())):
         assert torch.equal(k_cache[s, n], k[i, 0]) and torch.equal(v_cache[s, n], v[i, 0])
-        expected = naive_attention(q[i], k_cache[s, :n + 1], v_cache[s, :n + 1])
+        expected = naive_attention(q[i], k_cache[s, : n + 1], v_cache[s, : n + 1])
         torch.testing.assert_close(out[i], expected)
     changed = (k_cache != before_k).any(-1).any(-1).nonzero().tolist()
-    assert changed == [[1, 0], [2, 9], [4, 3]]          # (slot, position): only the appends
+    assert changed == [[1, 0], [2, 9], [4, 3]]  # (slot, position): only the appends
 
 
 def test_reference_reads_nothing_past_cache_seqlens():
     k_cache = torch.full((2, 32, 1, 4), float("nan"))
     v_cache = torch.full((2, 32, 1, 4), float("nan"))
     k_cache[1, :5], v_cache[1, :5] = 1.0, 2.0
-    out = fa.decode(torch.ones(1, 1, 2, 4), k_cache, v_cache, torch.ones(1, 1, 1, 4),
-                    torch.full((1, 1, 1, 4), 2.0), torch.tensor([5]), torch.tensor([1]))
+    out = fa.decode(
+        torch.ones(1, 1, 2, 4),
+        k_cache,
+        v_cache,
+        torch.ones(1, 1, 1, 4),
+        torch.full((1, 1, 1, 4), 2.0),
+        torch.tensor([5]),
+        torch.tensor([1]),
+    )
     assert torch.equal(out, torch.full((1, 1, 2, 4), 2.0))
 
 
@@ -83,29 +90,49 @@ def test_chunked_prefill_equals_whole_prefill():
 def test_overflowing_append_is_rejected():
     k_cache, v_cache = torch.zeros(1, 4, 1, 4), torch.zeros(1, 4, 1, 4)
     with pytest.raises(ValueError, match="exceed the cache length 4"):
-        fa.decode(torch.zeros(1, 2, 1, 4), k_cache, v_cache, torch.zeros(1, 2, 1, 4),
-                  torch.zeros(1, 2, 1, 4), torch.tensor([3]), torch.tensor([0]))
+        fa.decode(
+            torch.zeros(1, 2, 1, 4),
+            k_cache,
+            v_cache,
+            torch.zeros(1, 2, 1, 4),
+            torch.zeros(1, 2, 1, 4),
+            torch.tensor([3]),
+            torch.tensor([0]),
+        )
 
 
 @pytest.mark.parametrize("layout", ["layer", "mega"])
 def test_ragged_decode_on_a_vattention_cache(layout):
     torch.manual_seed(3)
-    cfg = vattention.KVCacheConfig(num_layers=2, num_kv_heads=2, head_dim=16, max_batch_size=4,
-                                   max_seq_len=256, dtype=torch.float32, page_size=4096,
-                                   layout=layout)
+    cfg = vattention.KVCacheConfig(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=16,
+        max_batch_size=4,
+        max_seq_len=256,
+        dtype=torch.float32,
+        page_size=4096,
+        layout=layout,
+    )
     with vattention.KVCache(cfg) as cache:
         slots = [cache.alloc() for _ in range(3)]
         prompt_lens = [5, 40, 17]
         cache.step({s: n for s, n in zip(slots, prompt_lens)})
         k_cache, v_cache = cache.layer(1)
         for s, n in zip(slots, prompt_lens):
-            fa.prefill(torch.randn(n, 4, 16), torch.randn(n, 2, 16), torch.randn(n, 2, 16),
-                       k_cache, v_cache, slot=s)
-        cache.step({s: n + 1 for s, n in zip(slots, prompt_lens)})     # back the appended token
+            fa.prefill(
+                torch.randn(n, 4, 16),
+                torch.randn(n, 2, 16),
+                torch.randn(n, 2, 16),
+                k_cache,
+                v_cache,
+                slot=s,
+            )
+        cache.step({s: n + 1 for s, n in zip(slots, prompt_lens)})  # back the appended token
         q, k, v = torch.randn(3, 1, 4, 16), torch.randn(3, 1, 2, 16), torch.randn(3, 1, 2, 16)
         out = fa.decode(q, k_cache, v_cache, k, v, torch.tensor(prompt_lens), torch.tensor(slots))
         for i, (s, n) in enumerate(zip(slots, prompt_lens)):
-            expected = naive_attention(q[i], k_cache[s, :n + 1], v_cache[s, :n + 1])
+            expected = naive_attention(q[i], k_cache[s, : n + 1], v_cache[s, : n + 1])
             torch.testing.assert_close(out[i], expected)
             assert torch.equal(k_cache[s, n], k[i, 0])
 
@@ -118,8 +145,15 @@ def test_flash_attn_kernel_matches_reference_on_gpu():
     if flash is None:
         pytest.skip("flash-attn is not installed")
     torch.manual_seed(4)
-    cfg = vattention.KVCacheConfig(num_layers=1, num_kv_heads=2, head_dim=64, max_batch_size=4,
-                                   max_seq_len=4096, dtype=torch.float16, device="cuda")
+    cfg = vattention.KVCacheConfig(
+        num_layers=1,
+        num_kv_heads=2,
+        head_dim=64,
+        max_batch_size=4,
+        max_seq_len=4096,
+        dtype=torch.float16,
+        device="cuda",
+    )
     with vattention.KVCache(cfg) as cache:
         slots = [cache.alloc() for _ in range(3)]
         lens = [7, 1000, 130]
@@ -131,11 +165,20 @@ def test_flash_attn_kernel_matches_reference_on_gpu():
         q = torch.randn(3, 1, 8, 64, device="cuda", dtype=torch.float16)
         k = torch.randn(3, 1, 2, 64, device="cuda", dtype=torch.float16)
         v = torch.randn(3, 1, 2, 64, device="cuda", dtype=torch.float16)
-        got = fa.decode(q, k_cache, v_cache, k, v, torch.tensor(lens), torch.tensor(slots),
-                        kernel=flash)
+        got = fa.decode(
+            q, k_cache, v_cache, k, v, torch.tensor(lens), torch.tensor(slots), kernel=flash
+        )
         ref_k, ref_v = k_cache.clone(), v_cache.clone()
-        want = fa.decode(q, ref_k, ref_v, k, v, torch.tensor(lens), torch.tensor(slots),
-                         kernel=fa.flash_attn_with_kvcache_reference)
+        want = fa.decode(
+            q,
+            ref_k,
+            ref_v,
+            k,
+            v,
+            torch.tensor(lens),
+            torch.tensor(slots),
+            kernel=fa.flash_attn_with_kvcache_reference,
+        )
         torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
 
 
@@ -154,8 +197,17 @@ def test_flash_path_refuses_slot_offsets_beyond_int32():
         fa.decode(q, k_cache, k_cache, k, k, torch.tensor([0]), torch.tensor([8]), kernel=kernel)
     with pytest.raises(ValueError, match="slot 9 starts"):
         fa.prefill(q[0], k[0], k[0], k_cache, k_cache, slot=9, kernel=kernel)
-    fa.decode(q, k_cache, k_cache, k, k, torch.tensor([0]), torch.tensor([8]), kernel=kernel,
-              check_int32_offsets=False)
+    fa.decode(
+        q,
+        k_cache,
+        k_cache,
+        k,
+        k,
+        torch.tensor([0]),
+        torch.tensor([8]),
+        kernel=kernel,
+        check_int32_offsets=False,
+    )
     assert calls == [[7], [8]]
 
 
@@ -183,22 +235,36 @@ def test_cpu_tensors_run_the_kernel_with_flash_attns_positional_arguments():
     gen = torch.Generator().manual_seed(9)
     q = torch.randn(5, 4, 16, generator=gen)
     k, v = torch.randn(5, 2, 16, generator=gen), torch.randn(5, 2, 16, generator=gen)
-    cached = attention.fp8_store_like_vllm(torch.randn(3, 32, 2, 16, generator=gen),
-                                           torch.float8_e4m3fn)
-    cached[0, :4] = cached[2, :4]     # what the hint says: rows 2 and 0 share 4 tokens
+    cached = attention.fp8_store_like_vllm(
+        torch.randn(3, 32, 2, 16, generator=gen), torch.float8_e4m3fn
+    )
+    cached[0, :4] = cached[2, :4]  # what the hint says: rows 2 and 0 share 4 tokens
     seqlens, rows = torch.tensor([6, 9]), torch.tensor([2, 0])
-    cu = torch.tensor([0, 1, 2])      # two decode rows: the hint's group
+    cu = torch.tensor([0, 1, 2])  # two decode rows: the hint's group
     q, k, v = q[:2], k[:2], v[:2]
     hint = dict(prefix_groups=torch.tensor([0, 0]), prefix_lens=torch.tensor([4, 4]))
     caches = [(cached.clone(), cached.clone()) for _ in range(3)]
-    got = fa.flash_attn_with_kvcache(q, *caches[0], k, v, seqlens, rows, cu, 4, 0.3, True,
-                                     (7, 0), 0.5, 2.0, **hint)
-    want = attention.cpu_attention(q, *caches[1], k, v, cache_seqlens=seqlens,
-                                   cache_batch_idx=rows, cu_seqlens_q=cu, softmax_scale=0.3,
-                                   causal=True, window_size=(7, 0), k_descale=0.5, v_descale=2.0,
-                                   **hint)
-    ref = fa.flash_attn_with_kvcache_reference(q, *caches[2], k, v, seqlens, rows, cu, 4, 0.3,
-                                               True, (7, 0), 0.5, 2.0)
+    got = fa.flash_attn_with_kvcache(
+        q, *caches[0], k, v, seqlens, rows, cu, 4, 0.3, True, (7, 0), 0.5, 2.0, **hint
+    )
+    want = attention.cpu_attention(
+        q,
+        *caches[1],
+        k,
+        v,
+        cache_seqlens=seqlens,
+        cache_batch_idx=rows,
+        cu_seqlens_q=cu,
+        softmax_scale=0.3,
+        causal=True,
+        window_size=(7, 0),
+        k_descale=0.5,
+        v_descale=2.0,
+        **hint,
+    )
+    ref = fa.flash_attn_with_kvcache_reference(
+        q, *caches[2], k, v, seqlens, rows, cu, 4, 0.3, True, (7, 0), 0.5, 2.0
+    )
     assert torch.equal(got, want)
     torch.testing.assert_close(ref, want, atol=5e-5, rtol=5e-5)
     for (kc, vc), (kw, vw) in zip(caches, caches[1:]):

@@ -19,8 +19,9 @@ def _fresh():
 
 
 def init(layers=2, batch=3, context=128, megacache=False):
-    return vattn.init_kvcache(layers, 1, 64, batch, context, "cpu", torch.float32, PAGE,
-                              megacache=megacache)
+    return vattn.init_kvcache(
+        layers, 1, 64, batch, context, "cpu", torch.float32, PAGE, megacache=megacache
+    )
 
 
 def test_init_returns_k_tensors_then_v_tensors():
@@ -28,8 +29,9 @@ def test_init_returns_k_tensors_then_v_tensors():
     cache = vattn.get_cache()
     assert len(tensors) == 6
     assert all(t.shape == (3, 128, 1, 64) for t in tensors)
-    assert [t.data_ptr() for t in tensors] == \
-        [t.data_ptr() for t in list(cache.k_cache) + list(cache.v_cache)]
+    assert [t.data_ptr() for t in tensors] == [
+        t.data_ptr() for t in list(cache.k_cache) + list(cache.v_cache)
+    ]
 
 
 def test_megacache_returns_one_k_and_one_v_sharing_memory_with_layer_views():
@@ -51,11 +53,11 @@ def test_alloc_step_free_cycle_maps_pages_for_seq_lens():
     vattn.step(lens)
     cache = vattn.get_cache()
     assert (cache.mapped_tokens(a), cache.mapped_tokens(b)) == (16, 48)
-    assert cache.stats()["pages_mapped"] == (1 + 3) * 4           # 4 tensors (2 layers, K+V)
+    assert cache.stats()["pages_mapped"] == (1 + 3) * 4  # 4 tensors (2 layers, K+V)
     vattn.free_batch_idx(a)
-    assert vattn.alloc_new_batch_idx(1) == a                       # keeps its mapped pages
+    assert vattn.alloc_new_batch_idx(1) == a  # keeps its mapped pages
     assert vattn.alloc_new_batch_idx(1) == 2
-    assert vattn.alloc_new_batch_idx(1) == -1                      # no free index
+    assert vattn.alloc_new_batch_idx(1) == -1  # no free index
 
 
 def test_eager_reclaim_unmaps_free_indices():
@@ -64,7 +66,7 @@ def test_eager_reclaim_unmaps_free_indices():
     vattn.step([20 if i == idx else 0 for i in range(3)])
     vattn.free_batch_idx(idx)
     cache = vattn.get_cache()
-    assert cache.stats()["pages_mapped"] == 2 * 4                  # deferred: still mapped
+    assert cache.stats()["pages_mapped"] == 2 * 4  # deferred: still mapped
     vattn.step([0, 0, 0], eager_reclaim=True)
     assert cache.stats()["pages_mapped"] == 0
 
@@ -81,11 +83,11 @@ def test_set_deferred_reclamation_false_returns_pages_on_free():
 def test_num_free_kvblocks_counts_pool_and_overcommitted_pages():
     init()
     assert vattn.reserve_physical_pages(12 * PAGE) == 12
-    assert vattn.num_free_kvblocks() == 3                          # 12 pages / 4 tensors
+    assert vattn.num_free_kvblocks() == 3  # 12 pages / 4 tensors
     idx = vattn.alloc_new_batch_idx(20)
-    vattn.step([20 if i == idx else 0 for i in range(3)])          # 2 blocks mapped
+    vattn.step([20 if i == idx else 0 for i in range(3)])  # 2 blocks mapped
     assert vattn.num_free_kvblocks() == 1
-    vattn.free_batch_idx(idx)                                      # mapped but reclaimable
+    vattn.free_batch_idx(idx)  # mapped but reclaimable
     assert vattn.num_free_kvblocks() == 3
 
 
@@ -95,7 +97,7 @@ def test_step_async_backs_the_next_token_too():
     vattn.step_async([16 if i == idx else 0 for i in range(3)])
     cache = vattn.get_cache()
     cache.wait()
-    assert cache.mapped_tokens(idx) == 32                          # 17 tokens -> 2 pages
+    assert cache.mapped_tokens(idx) == 32  # 17 tokens -> 2 pages
 
 
 def test_step_rejects_lengths_for_unallocated_indices_and_wrong_size():
@@ -112,7 +114,7 @@ def test_out_of_pages_is_recoverable_and_maps_nothing():
     cache.set_memory_budget(8 * PAGE)
     a, b = vattn.alloc_new_batch_idx(16), vattn.alloc_new_batch_idx(32)
     lens = [0, 0, 0]
-    lens[a], lens[b] = 16, 32                                      # needs 4 + 8 pages
+    lens[a], lens[b] = 16, 32  # needs 4 + 8 pages
     with pytest.raises(vattention.OutOfPagesError):
         vattn.step(lens)
     assert cache.stats()["pages_mapped"] == 0

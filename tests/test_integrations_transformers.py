@@ -23,7 +23,7 @@ FAMILIES = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 6}),
 }
-PAGE = 4096          # one OS page; a token row of one layer is 2 heads * 16 dims * 4 bytes = 128 B
+PAGE = 4096  # one OS page; a token row of one layer is 2 heads * 16 dims * 4 bytes = 128 B
 TOKENS_PER_PAGE = 32
 
 
@@ -38,10 +38,19 @@ def _one_thread():
 
 def tiny_model(family: str = "llama", attn: str = "sdpa", layers: int = 2) -> torch.nn.Module:
     config_cls, model_cls, extra = FAMILIES[family]
-    config = config_cls(vocab_size=96, hidden_size=64, intermediate_size=96,
-                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                        max_position_embeddings=512, pad_token_id=0, bos_token_id=None,
-                        eos_token_id=None, **extra)
+    config = config_cls(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+        **extra,
+    )
     config._attn_implementation = attn
     torch.manual_seed(0)
     return model_cls(config).eval()
@@ -52,7 +61,7 @@ def prompts(batch: int = 2, length: int = 7) -> tuple[torch.Tensor, torch.Tensor
     ids = torch.randint(1, 96, (batch, length), generator=gen)
     mask = torch.ones_like(ids)
     if batch > 1:
-        mask[1, :3] = 0            # left padding on row 1
+        mask[1, :3] = 0  # left padding on row 1
         ids[1, :3] = 0
     return ids, mask
 
@@ -60,8 +69,15 @@ def prompts(batch: int = 2, length: int = 7) -> tuple[torch.Tensor, torch.Tensor
 def generate(model, ids, mask, cache=None, *, sample=False, new=24, seed=3):
     torch.manual_seed(seed)
     kwargs = {"past_key_values": cache} if cache is not None else {}
-    return model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                          do_sample=sample, top_k=0 if sample else None, **kwargs)
+    return model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=sample,
+        top_k=0 if sample else None,
+        **kwargs,
+    )
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -71,10 +87,11 @@ def test_greedy_tokens_match_dynamic_cache(family, attn, layout):
     model = tiny_model(family, attn)
     ids, mask = prompts(batch=2)
     expected = generate(model, ids, mask, transformers.DynamicCache())
-    with VAttentionCache.from_model(model, max_batch_size=2, max_seq_len=64, page_size=PAGE,
-                                    layout=layout) as cache:
+    with VAttentionCache.from_model(
+        model, max_batch_size=2, max_seq_len=64, page_size=PAGE, layout=layout
+    ) as cache:
         got = generate(model, ids, mask, cache)
-        assert cache.get_seq_length() == ids.shape[1] + 24 - 1   # the last token is not fed back
+        assert cache.get_seq_length() == ids.shape[1] + 24 - 1  # the last token is not fed back
     assert torch.equal(got, expected)
 
 
@@ -83,8 +100,9 @@ def test_sampling_tokens_match_dynamic_cache(family):
     model = tiny_model(family)
     ids, mask = prompts(batch=3)
     expected = generate(model, ids, mask, transformers.DynamicCache(), sample=True)
-    with VAttentionCache.from_model(model, max_batch_size=3, max_seq_len=64,
-                                    page_size=PAGE) as cache:
+    with VAttentionCache.from_model(
+        model, max_batch_size=3, max_seq_len=64, page_size=PAGE
+    ) as cache:
         got = generate(model, ids, mask, cache, sample=True)
     assert torch.equal(got, expected)
 
@@ -92,9 +110,10 @@ def test_sampling_tokens_match_dynamic_cache(family):
 def test_batch_one_and_default_cache_agree():
     model = tiny_model("qwen2")
     ids, mask = prompts(batch=1, length=5)
-    expected = generate(model, ids, mask)           # generate's own DynamicCache
-    with VAttentionCache.from_model(model, max_batch_size=1, max_seq_len=40,
-                                    page_size=PAGE) as cache:
+    expected = generate(model, ids, mask)  # generate's own DynamicCache
+    with VAttentionCache.from_model(
+        model, max_batch_size=1, max_seq_len=40, page_size=PAGE
+    ) as cache:
         assert torch.equal(generate(model, ids, mask, cache), expected)
 
 
@@ -102,31 +121,39 @@ def test_physical_memory_follows_tokens_not_max_len():
     model = tiny_model("llama")
     ids, mask = prompts(batch=2, length=7)
     seen: list[int] = []
-    with VAttentionCache.from_model(model, max_batch_size=2, max_seq_len=4096,
-                                    page_size=PAGE) as cache:
+    with VAttentionCache.from_model(
+        model, max_batch_size=2, max_seq_len=4096, page_size=PAGE
+    ) as cache:
 
-        def record(input_ids, scores):          # called once per generated token
+        def record(input_ids, scores):  # called once per generated token
             seen.append(cache.memory_bytes())
             return scores
 
         model.generate(
-            ids, attention_mask=mask, max_new_tokens=60, min_new_tokens=60, do_sample=False,
-            past_key_values=cache, logits_processor=transformers.LogitsProcessorList([record]))
+            ids,
+            attention_mask=mask,
+            max_new_tokens=60,
+            min_new_tokens=60,
+            do_sample=False,
+            past_key_values=cache,
+            logits_processor=transformers.LogitsProcessorList([record]),
+        )
         cfg = cache.config
-        tensors = 2 * cfg.num_layers * 2        # K and V per layer, 2 slots
+        tensors = 2 * cfg.num_layers * 2  # K and V per layer, 2 slots
         # tokens cached when token t is chosen: 7 + t; pages per tensor: ceil(tokens / 32)
         expected = [-(-(7 + t) // TOKENS_PER_PAGE) * PAGE * tensors for t in range(60)]
         assert seen == expected
-        assert seen[-1] == 3 * PAGE * tensors                 # 66 tokens -> 3 pages per tensor
-        assert cfg.static_bytes == 4194304 > 40 * seen[-1]     # static rows: 4096 tokens each
+        assert seen[-1] == 3 * PAGE * tensors  # 66 tokens -> 3 pages per tensor
+        assert cfg.static_bytes == 4194304 > 40 * seen[-1]  # static rows: 4096 tokens each
 
 
 def test_attention_gets_zero_copy_views_of_the_cache_rows():
     model = tiny_model("llama")
     ids, mask = prompts(batch=2)
     pointers = set()
-    with VAttentionCache.from_model(model, max_batch_size=2, max_seq_len=64,
-                                    page_size=PAGE) as cache:
+    with VAttentionCache.from_model(
+        model, max_batch_size=2, max_seq_len=64, page_size=PAGE
+    ) as cache:
         original = cache.layers[0].update
 
         def spy(k, v, *args, **kwargs):
@@ -142,14 +169,15 @@ def test_attention_gets_zero_copy_views_of_the_cache_rows():
         assert pointers == {(k_rows[slot].data_ptr(), v_rows[slot].data_ptr())}
         keys = cache.layers[0].keys
         assert keys.shape == (2, 2, ids.shape[1] + 9, 16)
-        assert torch.equal(keys.transpose(1, 2), k_rows[slot:slot + 2, :ids.shape[1] + 9])
+        assert torch.equal(keys.transpose(1, 2), k_rows[slot : slot + 2, : ids.shape[1] + 9])
 
 
 def test_reset_reuses_mapped_pages_and_repeats_tokens():
     model = tiny_model("mistral")
     ids, mask = prompts(batch=2)
-    with VAttentionCache.from_model(model, max_batch_size=2, max_seq_len=64,
-                                    page_size=PAGE) as cache:
+    with VAttentionCache.from_model(
+        model, max_batch_size=2, max_seq_len=64, page_size=PAGE
+    ) as cache:
         first = generate(model, ids, mask, cache)
         mapped = cache.memory_bytes()
         cache.reset()
@@ -164,13 +192,16 @@ def test_mask_sizes_and_crop_match_dynamic_cache():
     ids, mask = prompts(batch=2)
     dynamic = transformers.DynamicCache()
     generate(model, ids, mask, dynamic, new=5)
-    with VAttentionCache.from_model(model, max_batch_size=2, max_seq_len=64,
-                                    page_size=PAGE) as cache:
+    with VAttentionCache.from_model(
+        model, max_batch_size=2, max_seq_len=64, page_size=PAGE
+    ) as cache:
         generate(model, ids, mask, cache, new=5)
         assert cache.get_seq_length() == dynamic.get_seq_length() == 11
         # transformers 5.12+ passes the query length; 4.57-5.0 pass cache_position
-        takes_position = "cache_position" in inspect.signature(
-            transformers.cache_utils.DynamicLayer.get_mask_sizes).parameters
+        takes_position = (
+            "cache_position"
+            in inspect.signature(transformers.cache_utils.DynamicLayer.get_mask_sizes).parameters
+        )
         query = torch.arange(11, 12) if takes_position else 1
         assert cache.get_mask_sizes(query, 0) == dynamic.get_mask_sizes(query, 0) == (12, 0)
         cache.crop(-4)
@@ -182,12 +213,14 @@ def test_mask_sizes_and_crop_match_dynamic_cache():
 def test_wrong_batch_or_dtype_is_a_config_error():
     model = tiny_model("llama")
     ids, mask = prompts(batch=2)
-    with VAttentionCache.from_model(model, max_batch_size=1, max_seq_len=64,
-                                    page_size=PAGE) as cache:
+    with VAttentionCache.from_model(
+        model, max_batch_size=1, max_seq_len=64, page_size=PAGE
+    ) as cache:
         with pytest.raises(vattention.ConfigError, match="exceeds max_batch_size=1"):
             generate(model, ids, mask, cache, new=2)
-    with VAttentionCache.from_model(model, max_batch_size=2, max_seq_len=64, page_size=PAGE,
-                                    dtype=torch.float64) as cache:
+    with VAttentionCache.from_model(
+        model, max_batch_size=2, max_seq_len=64, page_size=PAGE, dtype=torch.float64
+    ) as cache:
         with pytest.raises(vattention.ConfigError, match="torch.float64"):
             generate(model, ids, mask, cache, new=2)
 
@@ -195,15 +228,21 @@ def test_wrong_batch_or_dtype_is_a_config_error():
 def test_sequence_longer_than_max_seq_len_raises():
     model = tiny_model("llama")
     ids, mask = prompts(batch=1, length=6)
-    with VAttentionCache.from_model(model, max_batch_size=1, max_seq_len=10,
-                                    page_size=PAGE) as cache:
+    with VAttentionCache.from_model(
+        model, max_batch_size=1, max_seq_len=10, page_size=PAGE
+    ) as cache:
         with pytest.raises(vattention.SequenceTooLongError):
             generate(model, ids, mask, cache, new=8)
 
 
 def test_model_kv_shape_reads_head_dim_and_kv_heads():
-    config = transformers.LlamaConfig(hidden_size=96, num_hidden_layers=3, num_attention_heads=6,
-                                      num_key_value_heads=3, head_dim=8)
+    config = transformers.LlamaConfig(
+        hidden_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        head_dim=8,
+    )
     assert model_kv_shape(config) == {"num_layers": 3, "num_kv_heads": 3, "head_dim": 8}
 
 
@@ -211,30 +250,40 @@ def test_beam_search_and_num_return_sequences_match_dynamic_cache():
     model = tiny_model("llama")
     ids, mask = prompts(batch=2)
     beams = {"max_new_tokens": 12, "num_beams": 3, "do_sample": False}
-    expected = model.generate(ids, attention_mask=mask, past_key_values=transformers.DynamicCache(),
-                              **beams)
-    with VAttentionCache.from_model(model, max_batch_size=6, max_seq_len=64,
-                                    page_size=PAGE) as cache:          # 2 prompts x 3 beams
-        assert torch.equal(model.generate(ids, attention_mask=mask, past_key_values=cache,
-                                          **beams), expected)
+    expected = model.generate(
+        ids, attention_mask=mask, past_key_values=transformers.DynamicCache(), **beams
+    )
+    with VAttentionCache.from_model(
+        model, max_batch_size=6, max_seq_len=64, page_size=PAGE
+    ) as cache:  # 2 prompts x 3 beams
+        assert torch.equal(
+            model.generate(ids, attention_mask=mask, past_key_values=cache, **beams), expected
+        )
     sampled = {"max_new_tokens": 12, "num_return_sequences": 2, "do_sample": True}
     torch.manual_seed(5)
     expected = model.generate(ids, attention_mask=mask, **sampled)
-    with VAttentionCache.from_model(model, max_batch_size=4, max_seq_len=64,
-                                    page_size=PAGE) as cache:
+    with VAttentionCache.from_model(
+        model, max_batch_size=4, max_seq_len=64, page_size=PAGE
+    ) as cache:
         torch.manual_seed(5)
-        assert torch.equal(model.generate(ids, attention_mask=mask, past_key_values=cache,
-                                          **sampled), expected)
+        assert torch.equal(
+            model.generate(ids, attention_mask=mask, past_key_values=cache, **sampled), expected
+        )
 
 
 def test_wrapping_a_shared_kv_cache_uses_free_slots_and_leaves_it_open():
     model = tiny_model("llama")
     ids, mask = prompts(batch=2)
     expected = generate(model, ids, mask, transformers.DynamicCache(), new=6)
-    cfg = vattention.KVCacheConfig(**model_kv_shape(model), max_batch_size=4, max_seq_len=64,
-                                   dtype=torch.float32, page_size=PAGE)
+    cfg = vattention.KVCacheConfig(
+        **model_kv_shape(model),
+        max_batch_size=4,
+        max_seq_len=64,
+        dtype=torch.float32,
+        page_size=PAGE,
+    )
     with vattention.KVCache(cfg) as kv:
-        other = kv.alloc()                                  # slot 0 belongs to someone else
+        other = kv.alloc()  # slot 0 belongs to someone else
         cache = VAttentionCache(kv)
         assert torch.equal(generate(model, ids, mask, cache, new=6), expected)
         assert cache.slots == [1, 2] and kv.active_slots() == [0, 1, 2]
@@ -245,40 +294,88 @@ def test_wrapping_a_shared_kv_cache_uses_free_slots_and_leaves_it_open():
 def test_non_contiguous_free_slots_are_refused_and_released():
     model = tiny_model("llama")
     ids, mask = prompts(batch=2)
-    cfg = vattention.KVCacheConfig(**model_kv_shape(model), max_batch_size=4, max_seq_len=64,
-                                   dtype=torch.float32, page_size=PAGE)
+    cfg = vattention.KVCacheConfig(
+        **model_kv_shape(model),
+        max_batch_size=4,
+        max_seq_len=64,
+        dtype=torch.float32,
+        page_size=PAGE,
+    )
     with vattention.KVCache(cfg) as kv:
         taken = [kv.alloc() for _ in range(4)]
         kv.free(taken[0])
-        kv.free(taken[2])                                   # free: 0 and 2
+        kv.free(taken[2])  # free: 0 and 2
         with pytest.raises(vattention.InvalidSlotError, match=r"not contiguous"):
             generate(model, ids, mask, VAttentionCache(kv), new=2)
         assert kv.active_slots() == [1, 3]
+
+
+def test_a_k_only_kv_cache_is_refused_with_a_config_error():
+    model = tiny_model("llama")
+    ids, mask = prompts(batch=1)
+    cfg = vattention.KVCacheConfig(
+        **model_kv_shape(model),
+        max_batch_size=1,
+        max_seq_len=64,
+        dtype=torch.float32,
+        page_size=PAGE,
+        value_cache=False,
+    )
+    with vattention.KVCache(cfg) as kv:
+        with pytest.raises(vattention.ConfigError, match="needs value_cache=True"):
+            generate(model, ids, mask, VAttentionCache(kv), new=2)
 
 
 # ---- sliding windows --------------------------------------------------------------------------
 WINDOW = 8
 WINDOWED = {
     # family: (config class, model class, extra config, attention implementation)
-    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM,
-                {"sliding_window": WINDOW}, "sdpa"),
-    "qwen2-mixed": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
-                    {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
-                    "sdpa"),
-    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
-               {"sliding_window": WINDOW, "head_dim": 16}, "eager"),   # no SDPA for Gemma 2
-    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
-               {"sliding_window": WINDOW, "head_dim": 16,
-                "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
-               "sdpa"),
+    "mistral": (
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        {"sliding_window": WINDOW},
+        "sdpa",
+    ),
+    "qwen2-mixed": (
+        transformers.Qwen2Config,
+        transformers.Qwen2ForCausalLM,
+        {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
+        "sdpa",
+    ),
+    "gemma2": (
+        transformers.Gemma2Config,
+        transformers.Gemma2ForCausalLM,
+        {"sliding_window": WINDOW, "head_dim": 16},
+        "eager",
+    ),  # no SDPA for Gemma 2
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        transformers.Gemma3ForCausalLM,
+        {
+            "sliding_window": WINDOW,
+            "head_dim": 16,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        },
+        "sdpa",
+    ),
 }
 
 
 def windowed_model(family: str) -> torch.nn.Module:
     config_cls, model_cls, extra, attn = WINDOWED[family]
-    config = config_cls(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                        pad_token_id=0, bos_token_id=None, eos_token_id=None, **extra)
+    config = config_cls(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+        **extra,
+    )
     config._attn_implementation = attn
     torch.manual_seed(0)
     return model_cls(config).eval()
@@ -287,15 +384,16 @@ def windowed_model(family: str) -> torch.nn.Module:
 @pytest.mark.parametrize("family", sorted(WINDOWED))
 def test_sliding_window_models_match_dynamic_cache_with_memory_bounded_by_the_window(family):
     model = windowed_model(family)
-    ids, mask = prompts(batch=2, length=5 * WINDOW)   # prompt longer than the window, left padded
+    ids, mask = prompts(batch=2, length=5 * WINDOW)  # prompt longer than the window, left padded
     new = 60
     expected = generate(model, ids, mask, transformers.DynamicCache(config=model.config), new=new)
-    with VAttentionCache.from_model(model, max_batch_size=2, max_seq_len=128,
-                                    page_size=PAGE) as cache:
+    with VAttentionCache.from_model(
+        model, max_batch_size=2, max_seq_len=128, page_size=PAGE
+    ) as cache:
         windows = cache.config.layer_windows
         assert [w > 0 for w in windows] == cache.is_sliding
         if family != "mistral":
-            assert 0 in windows and WINDOW in windows   # mixed local/global layers
+            assert 0 in windows and WINDOW in windows  # mixed local/global layers
         got = generate(model, ids, mask, cache, new=new)
         seq = cache.get_seq_length()
         assert seq == ids.shape[1] + new - 1
@@ -303,7 +401,7 @@ def test_sliding_window_models_match_dynamic_cache_with_memory_bounded_by_the_wi
         # last step's query at seq - 1 reads keys from seq - WINDOW on).
         gone = (seq - WINDOW) // TOKENS_PER_PAGE
         full_pages = -(-seq // TOKENS_PER_PAGE)
-        per_slot = sum(full_pages - (gone if w else 0) for w in windows) * 2     # K and V
+        per_slot = sum(full_pages - (gone if w else 0) for w in windows) * 2  # K and V
         stats = cache.kv_cache.stats()
         assert stats["pages_mapped"] == 2 * per_slot
         assert gone >= 2 and stats["window_released_pages"] == 2 * 2 * gone * windows.count(WINDOW)
@@ -318,12 +416,26 @@ def test_sliding_window_models_match_dynamic_cache_with_memory_bounded_by_the_wi
 def gemma4_model(**extra) -> torch.nn.Module:
     """Tiny Gemma 4: sliding layers 2 KV heads x 16, global layers 4 KV heads x 32 (its
     ``global_head_dim`` and, with ``attention_k_eq_v``, ``num_global_key_value_heads``)."""
-    args = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
-                attention_k_eq_v=True, num_global_key_value_heads=4, sliding_window=WINDOW,
-                layer_types=["sliding_attention", "full_attention"] * 2,
-                hidden_size_per_layer_input=16, vocab_size_per_layer_input=96,
-                max_position_embeddings=512, pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    args = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        attention_k_eq_v=True,
+        num_global_key_value_heads=4,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=96,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     args.update(extra)
     config = transformers.Gemma4TextConfig(**args)
     config._attn_implementation = "sdpa"
@@ -333,13 +445,17 @@ def gemma4_model(**extra) -> torch.nn.Module:
 
 def test_per_layer_shapes_match_dynamic_cache_with_each_layer_sized_for_itself():
     model = gemma4_model()
-    assert model_kv_shape(model) == {"num_layers": 4, "num_kv_heads": (2, 4, 2, 4),
-                                     "head_dim": (16, 32, 16, 32)}
+    assert model_kv_shape(model) == {
+        "num_layers": 4,
+        "num_kv_heads": (2, 4, 2, 4),
+        "head_dim": (16, 32, 16, 32),
+    }
     ids, mask = prompts(batch=2, length=5 * WINDOW)
     new = 60
     expected = generate(model, ids, mask, transformers.DynamicCache(config=model.config), new=new)
-    with VAttentionCache.from_model(model, max_batch_size=2, max_seq_len=128,
-                                    page_size=PAGE) as cache:
+    with VAttentionCache.from_model(
+        model, max_batch_size=2, max_seq_len=128, page_size=PAGE
+    ) as cache:
         cfg = cache.config
         assert cfg.layer_windows == (WINDOW, 0, WINDOW, 0)
         # fp32 token rows of 128 and 512 bytes: a page index is 32 tokens, 1 and 4 pages a tensor.
@@ -352,21 +468,24 @@ def test_per_layer_shapes_match_dynamic_cache_with_each_layer_sized_for_itself()
         for layer in range(4):
             k = cache.layers[layer].keys
             assert tuple(k.shape[1::2]) == (cfg.layer_kv_heads[layer], cfg.layer_head_dims[layer])
-        per_slot = 2 * (2 * 4 * indices + 2 * 1 * (indices - gone))   # K and V
+        per_slot = 2 * (2 * 4 * indices + 2 * 1 * (indices - gone))  # K and V
         assert cache.kv_cache.stats()["pages_mapped"] == 2 * per_slot
         assert gone >= 2
     assert torch.equal(got, expected)
 
 
 def test_models_sharing_kv_between_layers_are_refused():
-    with pytest.raises(vattention.ConfigError,
-                       match=r"model_type='gemma4_text' shares K/V between layers "
-                             r"\(num_kv_shared_layers=2\)"):
+    with pytest.raises(
+        vattention.ConfigError,
+        match=r"model_type='gemma4_text' shares K/V between layers "
+        r"\(num_kv_shared_layers=2\)",
+    ):
         model_kv_shape(transformers.Gemma4TextConfig(num_hidden_layers=4, num_kv_shared_layers=2))
 
 
 def test_from_model_reads_windows_and_refuses_models_it_cannot_serve():
     from vattention.integrations.transformers import model_windows
+
     assert model_windows(transformers.LlamaConfig()) is None
     assert model_windows(transformers.MistralConfig(sliding_window=4096)) == 4096
     assert model_windows(transformers.Gemma2Config(num_hidden_layers=4)) == (4096, None) * 2
@@ -374,8 +493,14 @@ def test_from_model_reads_windows_and_refuses_models_it_cannot_serve():
     with pytest.raises(vattention.ConfigError, match="model_type='mamba'"):
         model_kv_shape(mamba)
     with pytest.raises(vattention.ConfigError, match="bidirectional"):
-        model_windows(transformers.Gemma3TextConfig(num_hidden_layers=2,
-                                                    use_bidirectional_attention=True))
+        model_windows(
+            transformers.Gemma3TextConfig(num_hidden_layers=2, use_bidirectional_attention=True)
+        )
     with pytest.raises(vattention.ConfigError, match="per-layer windows need layout='layer'"):
-        VAttentionCache.from_model(windowed_model("gemma3"), max_batch_size=1, max_seq_len=64,
-                                   page_size=PAGE, layout="mega")
+        VAttentionCache.from_model(
+            windowed_model("gemma3"),
+            max_batch_size=1,
+            max_seq_len=64,
+            page_size=PAGE,
+            layout="mega",
+        )

@@ -64,27 +64,63 @@ from support.vllm_harness import (
 
 pytestmark = pytest.mark.slow
 
-BLOCK = 128                     # vLLM's CPU block size, one vattention page per tensor here
-LLAMA_REQUESTS = [(5, 20), (127, 10), (128, 15), (129, 12), (200, 8), (255, 30), (256, 5),
-                  (300, 10), (17, 40), (64, 25)]          # (prompt tokens, generated tokens)
+BLOCK = 128  # vLLM's CPU block size, one vattention page per tensor here
+LLAMA_REQUESTS = [
+    (5, 20),
+    (127, 10),
+    (128, 15),
+    (129, 12),
+    (200, 8),
+    (255, 30),
+    (256, 5),
+    (300, 10),
+    (17, 40),
+    (64, 25),
+]  # (prompt tokens, generated tokens)
 SAMPLED = {"n": 3, "temperature": 0.8, "top_p": 0.95, "seed": 1234, "max_tokens": 12}
 QWEN_REQUESTS = [(220, 90), (180, 100), (250, 70), (150, 110), (200, 80), (240, 60)]
-PREFIXES = [prompt(300, 900 + i) for i in range(3)]      # three system prompts, 300 tokens each
-PREFIX_REQUESTS = [(p, 10 + 7 * i) for i in range(4) for p in range(3)]   # (prompt, own tokens)
+PREFIXES = [prompt(300, 900 + i) for i in range(3)]  # three system prompts, 300 tokens each
+PREFIX_REQUESTS = [(p, 10 + 7 * i) for i in range(4) for p in range(3)]  # (prompt, own tokens)
 WINDOW = 64
 WINDOWED = ("mistral-window", "gemma3", "qwen2-window")
 # Engine arguments the plugin must refuse at start-up, and the option its message must name.
-FAIL_FAST = [({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
-                                      "prompt_lookup_max": 2}}, "--speculative-config"),
-             ({"kv_cache_dtype": "int8_per_token_head"}, "--kv-cache-dtype auto")]
+FAIL_FAST = [
+    (
+        {
+            "speculative_config": {
+                "method": "ngram",
+                "num_speculative_tokens": 2,
+                "prompt_lookup_max": 2,
+            }
+        },
+        "--speculative-config",
+    ),
+    ({"kv_cache_dtype": "int8_per_token_head"}, "--kv-cache-dtype auto"),
+]
 
 
 # `bench vllm` at a size the suite can afford: both engines alive, warmed up, A B B A; eager
 # (compiled mode, vLLM's default, is covered by the llama workload, the server, the docs block and
 # the example)
-BENCH_ARGS = ["--model-size", "tiny", "--workload", "sharegpt", "--workload", "shared-prefix",
-              "--num-requests", "8", "--length-scale", "0.2", "--repetitions", "1",
-              "--max-model-len", "1024", "--kv-memory", "64MB", "--enforce-eager"]
+BENCH_ARGS = [
+    "--model-size",
+    "tiny",
+    "--workload",
+    "sharegpt",
+    "--workload",
+    "shared-prefix",
+    "--num-requests",
+    "8",
+    "--length-scale",
+    "0.2",
+    "--repetitions",
+    "1",
+    "--max-model-len",
+    "1024",
+    "--kv-memory",
+    "64MB",
+    "--enforce-eager",
+]
 
 
 def _sizes(**kw):
@@ -116,7 +152,7 @@ def workdir(runs):
 def runs():
     if not VLLM_PYTHON.exists():
         pytest.fail(MISSING)
-    start_in_background()           # no-op when conftest started it
+    start_in_background()  # no-op when conftest started it
     started = _BACKGROUND.result()
     yield started
     _stop_all(started)
@@ -140,11 +176,15 @@ def _stop_all(started: dict) -> None:
 
 
 def _pair(started, name, workdir, spec, zygote, plugin_env=None, hf=False):
-    started[f"{name}-stock"] = Scenario(f"{name}-stock", workdir, spec, plugin=False,
-                                        zygote=zygote)
-    started[f"{name}-plugin"] = Scenario(f"{name}-plugin", workdir,
-                                         dict(spec, hf_reference=hf), plugin=True,
-                                         zygote=zygote, **(plugin_env or {}))
+    started[f"{name}-stock"] = Scenario(f"{name}-stock", workdir, spec, plugin=False, zygote=zygote)
+    started[f"{name}-plugin"] = Scenario(
+        f"{name}-plugin",
+        workdir,
+        dict(spec, hf_reference=hf),
+        plugin=True,
+        zygote=zygote,
+        **(plugin_env or {}),
+    )
 
 
 def _start_all() -> dict:
@@ -154,7 +194,7 @@ def _start_all() -> dict:
     try:
         _start_scenarios(started)
     except BaseException:
-        _stop_all(started)   # what had started (the server would never end on its own)
+        _stop_all(started)  # what had started (the server would never end on its own)
         raise
     return started
 
@@ -164,69 +204,148 @@ def _start_scenarios(started: dict) -> None:
     models = build_models(workdir, ["llama", "qwen2", "mistral", *WINDOWED])
     llama = {
         "model": models["llama"],
-        "engine": _sizes(max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=64,
-                         kv_cache_memory_bytes=16 << 20),
+        "engine": _sizes(
+            max_model_len=1024,
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+            kv_cache_memory_bytes=16 << 20,
+        ),
         "requests": [{"prompt_token_ids": prompt(16, 99), "sampling": SAMPLED}]
-                    + [{"prompt_token_ids": prompt(n, i), "sampling": greedy(m)}
-                       for i, (n, m) in enumerate(LLAMA_REQUESTS)],
+        + [
+            {"prompt_token_ids": prompt(n, i), "sampling": greedy(m)}
+            for i, (n, m) in enumerate(LLAMA_REQUESTS)
+        ],
     }
     prefix = {
         "model": models["llama"],
         "engine": _eager(max_model_len=1024, max_num_seqs=4, kv_cache_memory_bytes=16 << 20),
-        "requests": [{"prompt_token_ids": PREFIXES[p] + prompt(n, 300 + i), "sampling": greedy(8)}
-                     for i, (p, n) in enumerate(PREFIX_REQUESTS)],
+        "requests": [
+            {"prompt_token_ids": PREFIXES[p] + prompt(n, 300 + i), "sampling": greedy(8)}
+            for i, (p, n) in enumerate(PREFIX_REQUESTS)
+        ],
     }
     qwen = {
         "model": models["qwen2"],
         # 8 blocks of 128 tokens x 2 layers x K,V x 2 heads x 32 x fp32 = 1 MiB
         "engine": _eager(max_model_len=512, max_num_seqs=4, kv_cache_memory_bytes=1 << 20),
-        "requests": [{"prompt_token_ids": prompt(n, 50 + i), "sampling": greedy(m)}
-                     for i, (n, m) in enumerate(QWEN_REQUESTS)],
+        "requests": [
+            {"prompt_token_ids": prompt(n, 50 + i), "sampling": greedy(m)}
+            for i, (n, m) in enumerate(QWEN_REQUESTS)
+        ],
     }
     # The server first, outside the harness's SLOTS: once up it idles until its test, and it is
     # up by then. The rest a few at a time (SLOTS), the longest (2-3 minutes each here) first.
     started["server"] = Server(models["mistral"], workdir)
-    started.update({
-        "bench": Inline(["-m", "vattention", "bench", "vllm", *BENCH_ARGS,
-                         "--json", str(workdir / "bench.json")], workdir, "bench", plugin=False,
-                        VATTENTION_VLLM_LAYOUT="mega"),   # handed to the plugin's engine only
-        # two CPU workers (processes), each with a KVCache for its one KV head
-        "llama-tp2": Scenario("llama-tp2", workdir, dict(
-            llama, requests=llama["requests"][1:6],
-            engine=dict(llama["engine"], tensor_parallel_size=2, enforce_eager=True)),
-            plugin=True, zygote=zygote, VLLM_ENABLE_V1_MULTIPROCESSING="1"),
-        "doc-blocks": start_doc_blocks(workdir),
-        "example": Inline([str(ROOT / "examples" / "vllm_offline.py")], workdir, "example",
-                          plugin=True, VLLM_ENABLE_V1_MULTIPROCESSING="1"),
-    })
+    started.update(
+        {
+            "bench": Inline(
+                [
+                    "-m",
+                    "vattention",
+                    "bench",
+                    "vllm",
+                    *BENCH_ARGS,
+                    "--json",
+                    str(workdir / "bench.json"),
+                ],
+                workdir,
+                "bench",
+                plugin=False,
+                VATTENTION_VLLM_LAYOUT="mega",
+            ),  # handed to the plugin's engine only
+            # two CPU workers (processes), each with a KVCache for its one KV head
+            "llama-tp2": Scenario(
+                "llama-tp2",
+                workdir,
+                dict(
+                    llama,
+                    requests=llama["requests"][1:6],
+                    engine=dict(llama["engine"], tensor_parallel_size=2, enforce_eager=True),
+                ),
+                plugin=True,
+                zygote=zygote,
+                VLLM_ENABLE_V1_MULTIPROCESSING="1",
+            ),
+            "doc-blocks": start_doc_blocks(workdir),
+            "example": Inline(
+                [str(ROOT / "examples" / "vllm_offline.py")],
+                workdir,
+                "example",
+                plugin=True,
+                VLLM_ENABLE_V1_MULTIPROCESSING="1",
+            ),
+        }
+    )
     _pair(started, "llama", workdir, llama, zygote, hf=True)
     started["cuda-config"] = Inline(
         [str(ROOT / "tests" / "support" / "vllm_cuda_config_check.py"), models["mistral"]],
-        workdir, "cuda-config", plugin=False)
+        workdir,
+        "cuda-config",
+        plugin=False,
+    )
     _pair(started, "qwen", workdir, qwen, zygote, hf=True)
     # the mega layout, where auto now takes layer: prefix hits and sharing checked in both
-    _pair(started, "prefix", workdir, prefix, zygote,
-          plugin_env={"VATTENTION_VLLM_LAYOUT": "mega"})
+    _pair(started, "prefix", workdir, prefix, zygote, plugin_env={"VATTENTION_VLLM_LAYOUT": "mega"})
     for family in WINDOWED:
-        _pair(started, family, workdir, zygote=zygote, spec={
-            "model": models[family],
-            "engine": _eager(max_model_len=512, max_num_seqs=4, kv_cache_memory_bytes=4 << 20),
-            "requests": [{"prompt_token_ids": prompt(n, 700 + i), "sampling": greedy(m)}
-                         for i, (n, m) in enumerate([(40, 300), (150, 200), (90, 260)])]})
-    _pair(started, "fp8", workdir, zygote=zygote, spec={
-        "model": models["llama"],
-        "engine": _eager(max_model_len=512, max_num_seqs=4, kv_cache_memory_bytes=4 << 20,
-                         kv_cache_dtype="fp8"),
-        "requests": [{"prompt_token_ids": prompt(n, 800 + i), "sampling": greedy(m)}
-                     for i, (n, m) in enumerate([(30, 40), (140, 30), (260, 20)])]})
-    started.update({
-        "fail-fast": Inline(["-c", fail_fast_code(models["llama"])], workdir, "fail-fast",
-                            plugin=True, zygote=zygote),
-        "v2-refused": Inline(["-c", v2_code(models["llama"])], workdir, "v2-refused",
-                             plugin=True, zygote=zygote, VLLM_USE_V2_MODEL_RUNNER="1"),
-        "cpu-config": Inline([str(ROOT / "tests" / "support" / "vllm_cpu_config_check.py"),
-                              str(workdir)], workdir, "cpu-config", plugin=True, zygote=zygote),
-    })
+        _pair(
+            started,
+            family,
+            workdir,
+            zygote=zygote,
+            spec={
+                "model": models[family],
+                "engine": _eager(max_model_len=512, max_num_seqs=4, kv_cache_memory_bytes=4 << 20),
+                "requests": [
+                    {"prompt_token_ids": prompt(n, 700 + i), "sampling": greedy(m)}
+                    for i, (n, m) in enumerate([(40, 300), (150, 200), (90, 260)])
+                ],
+            },
+        )
+    _pair(
+        started,
+        "fp8",
+        workdir,
+        zygote=zygote,
+        spec={
+            "model": models["llama"],
+            "engine": _eager(
+                max_model_len=512,
+                max_num_seqs=4,
+                kv_cache_memory_bytes=4 << 20,
+                kv_cache_dtype="fp8",
+            ),
+            "requests": [
+                {"prompt_token_ids": prompt(n, 800 + i), "sampling": greedy(m)}
+                for i, (n, m) in enumerate([(30, 40), (140, 30), (260, 20)])
+            ],
+        },
+    )
+    started.update(
+        {
+            "fail-fast": Inline(
+                ["-c", fail_fast_code(models["llama"])],
+                workdir,
+                "fail-fast",
+                plugin=True,
+                zygote=zygote,
+            ),
+            "v2-refused": Inline(
+                ["-c", v2_code(models["llama"])],
+                workdir,
+                "v2-refused",
+                plugin=True,
+                zygote=zygote,
+                VLLM_USE_V2_MODEL_RUNNER="1",
+            ),
+            "cpu-config": Inline(
+                [str(ROOT / "tests" / "support" / "vllm_cpu_config_check.py"), str(workdir)],
+                workdir,
+                "cpu-config",
+                plugin=True,
+                zygote=zygote,
+            ),
+        }
+    )
 
 
 def test_greedy_and_seeded_tokens_match_stock_vllm(runs):
@@ -245,21 +364,21 @@ def test_greedy_tokens_match_transformers(runs):
 
 def test_slots_freed_and_vllm_buffer_never_allocated(runs):
     stats = runs["llama-plugin"].result()["vattention_stats"]
-    assert stats["active_slots"] == 0                    # given back by shutdown at the latest
+    assert stats["active_slots"] == 0  # given back by shutdown at the latest
     assert stats["requests_served"] == len(LLAMA_REQUESTS) + SAMPLED["n"]
-    assert 1 <= stats["max_active_slots"] <= 4           # max_num_seqs
+    assert 1 <= stats["max_active_slots"] <= 4  # max_num_seqs
     assert stats["vllm_kv_buffer_bytes"] == 0
     assert stats["oom_events"] == 0
-    assert stats["layout"] == "layer"                    # auto on the CPU, sizes this small
-    assert stats["tokens_per_page"] == BLOCK             # one page index holds one vLLM block
-    assert stats["engine_blocks"] > 0                    # pages named by vLLM's block ids
+    assert stats["layout"] == "layer"  # auto on the CPU, sizes this small
+    assert stats["tokens_per_page"] == BLOCK  # one page index holds one vLLM block
+    assert stats["engine_blocks"] > 0  # pages named by vLLM's block ids
 
 
 def test_mapped_bytes_follow_live_tokens_not_max_model_len(runs):
     result = runs["llama-plugin"].result()
     stats = result["vattention_stats"]
     longest = max(n + m for n, m in LLAMA_REQUESTS)
-    blocks_per_slot = -(-longest // BLOCK)               # 3 blocks of the 8 a 1024-token row has
+    blocks_per_slot = -(-longest // BLOCK)  # 3 blocks of the 8 a 1024-token row has
     # rows map at most their blocks (layer layout: K and V of 2 layers, 4 pages a block); cached
     # blocks are held like stock vLLM's, within its budget
     assert 0 < stats["peak_mappings_at_step"] <= stats["max_active_slots"] * blocks_per_slot * 4
@@ -285,8 +404,11 @@ def test_prefix_cache_hits_map_the_cached_pages_once(runs):
     assert 0 < stats["blocks_with_pages"] <= one_copy
     # With prefix caching the pool is the whole budget from start-up on (as stock vLLM's
     # buffer), and no step had to create a page.
-    assert stats["pages_created"] == stats["pages_total"] == stats["memory_budget"] // stats[
-        "page_bytes"]
+    assert (
+        stats["pages_created"]
+        == stats["pages_total"]
+        == stats["memory_budget"] // stats["page_bytes"]
+    )
     assert stats["bytes_saved_by_sharing"] >= 0 and stats["oom_events"] == 0
 
 
@@ -296,7 +418,7 @@ def test_tight_budget_preempts_and_tokens_still_match(runs):
     assert stats["preemptions"] > 0, "the budget was meant to force vLLM to preempt"
     assert plugin["tokens"] == stock["tokens"]
     assert [t[0] for t in plugin["tokens"]] == plugin["hf_tokens"]
-    assert stats["memory_budget"] == 1 << 20             # exactly the KV memory vLLM was given
+    assert stats["memory_budget"] == 1 << 20  # exactly the KV memory vLLM was given
     assert stats["peak_bytes_mapped_at_step"] <= stats["memory_budget"]
     assert stats["oom_events"] == 0 and stats["active_slots"] == 0
     assert stats["max_active_slots"] == plugin["max_concurrency"] <= 4
@@ -316,7 +438,7 @@ def test_windowed_models_match_stock_and_hold_their_window(runs, family):
     full_blocks = -(-longest // BLOCK)
     layers_windowed, layers = (1, 2) if family == "gemma3" else (2, 2)
     per_request = 2 * (layers_windowed * window_blocks + (layers - layers_windowed) * full_blocks)
-    if stats["layout"] == "mega":                        # one K and one V page per block
+    if stats["layout"] == "mega":  # one K and one V page per block
         per_request = 2 * window_blocks
     assert stats["peak_mappings_at_step"] <= stats["max_active_slots"] * per_request
     assert stats["window_released_pages"] + stats["cached_blocks"] > 0
@@ -341,8 +463,10 @@ def test_fp8_cache_matches_stock_vllms_fp8(runs):
         # (cpu_attn._get_attn_isa); the plugin's kernel has them on every ISA
         if "requires x86 with AVX-512 or AMX" not in str(e):
             raise
-        pytest.skip("stock vLLM has no fp8 KV cache on this CPU (no AVX-512 or AMX): the "
-                    "plugin ran, nothing to compare its tokens with")
+        pytest.skip(
+            "stock vLLM has no fp8 KV cache on this CPU (no AVX-512 or AMX): the "
+            "plugin ran, nothing to compare its tokens with"
+        )
     # The plugin writes K/V into the fp8 cache as vLLM's CPU kernel does (x / scale, clamped,
     # rounded toward zero), so the cached bytes, and greedy tokens, are the same.
     assert plugin["tokens"] == stock["tokens"]
@@ -375,10 +499,13 @@ def test_startup_log_lines(runs):
     assert "budget 16777216 bytes (128 blocks, created at start-up)" in lines[0]
     assert "prefix caching on" in lines[0]
     # auto's choice on the CPU, with its reason: 4 seqs x 8 blocks x 2 layers x K,V
-    assert any("vattention: layout layer: at most 128 page mappings" in line and "INFO" in line
-               for line in log)
-    assert any("VLLM_USE_V2_MODEL_RUNNER=0" in line and "INFO" in line for line in log), \
-        "\n".join(line for line in log if "vattention" in line or "V2" in line)
+    assert any(
+        "vattention: layout layer: at most 128 page mappings" in line and "INFO" in line
+        for line in log
+    )
+    assert any("VLLM_USE_V2_MODEL_RUNNER=0" in line and "INFO" in line for line in log), "\n".join(
+        line for line in log if "vattention" in line or "V2" in line
+    )
 
 
 def test_vllms_cuda_platform_config_code_keeps_the_plugins_config(runs):
@@ -393,7 +520,7 @@ def test_vllms_cuda_platform_config_code_keeps_the_plugins_config(runs):
     assert result["attention_backend"].endswith("FLASH_ATTN")
     assert result["cudagraph_mode"] == "PIECEWISE"
     assert result["block_size"] % result["requested_block_size"] == 0
-    assert result["block_size_in_worker"] == result["block_size"]     # not reset to 16
+    assert result["block_size_in_worker"] == result["block_size"]  # not reset to 16
 
 
 def test_on_the_cpu_auto_takes_layer_where_it_fits_and_mega_pages_go_huge(runs):
@@ -428,7 +555,7 @@ def test_bench_vllm_alternates_both_engines_and_compares_tokens(runs, workdir):
         assert res["tokens_identical"] and res["first_divergence"] is None
         same, total = res["identical_requests"]
         assert same == total > 0
-        assert [len(res["rounds"][e]) for e in ("stock", "vattention")] == [2, 2]   # A B B A
+        assert [len(res["rounds"][e]) for e in ("stock", "vattention")] == [2, 2]  # A B B A
         assert min(res["rounds"]["stock"] + res["rounds"]["vattention"]) > 0
     # the shared prompt's 6 full blocks were mapped from vLLM's prefix cache, in both passes
     # (63 of 64 requests hit them in a run here; at least half must)
@@ -438,26 +565,30 @@ def test_bench_vllm_alternates_both_engines_and_compares_tokens(runs, workdir):
 
 def fail_fast_code(model: str) -> str:
     """Each FAIL_FAST configuration in turn; prints REFUSED <message> or STARTED."""
-    return ("import vllm\n"
-            f"for engine in {[e for e, _ in FAIL_FAST]!r}:\n"
-            "    try:\n"
-            f"        vllm.LLM(model={model!r}, dtype='float32', max_model_len=256,\n"
-            "                 kv_cache_memory_bytes=1 << 20, enforce_eager=True, **engine)\n"
-            "    except Exception as e:\n"
-            "        print('REFUSED', str(e).replace('\\n', ' '))\n"
-            "    else:\n"
-            "        print('STARTED')\n")
+    return (
+        "import vllm\n"
+        f"for engine in {[e for e, _ in FAIL_FAST]!r}:\n"
+        "    try:\n"
+        f"        vllm.LLM(model={model!r}, dtype='float32', max_model_len=256,\n"
+        "                 kv_cache_memory_bytes=1 << 20, enforce_eager=True, **engine)\n"
+        "    except Exception as e:\n"
+        "        print('REFUSED', str(e).replace('\\n', ' '))\n"
+        "    else:\n"
+        "        print('STARTED')\n"
+    )
 
 
 def v2_code(model: str) -> str:
     """vLLM with VLLM_USE_V2_MODEL_RUNNER=1 in the environment: prints REFUSED or STARTED."""
-    return ("import vllm\n"
-            "try:\n"
-            f"    vllm.LLM(model={model!r}, max_model_len=256, kv_cache_memory_bytes=1 << 20)\n"
-            "except Exception as e:\n"
-            "    print('REFUSED', str(e).replace('\\n', ' '))\n"
-            "else:\n"
-            "    print('STARTED')\n")
+    return (
+        "import vllm\n"
+        "try:\n"
+        f"    vllm.LLM(model={model!r}, max_model_len=256, kv_cache_memory_bytes=1 << 20)\n"
+        "except Exception as e:\n"
+        "    print('REFUSED', str(e).replace('\\n', ' '))\n"
+        "else:\n"
+        "    print('STARTED')\n"
+    )
 
 
 def test_unsupported_options_fail_fast_naming_the_option(runs):
@@ -485,8 +616,9 @@ def _free_port() -> int:
 
 
 def _post(url: str, body: dict) -> bytes:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=120) as resp:
         return resp.read()
 
@@ -501,13 +633,27 @@ class Server:
         self.model, self.port = model, _free_port()
         self.stats, self.log_file = workdir / "server.stats.json", workdir / "server.log"
         env = vllm_env(True, VATTENTION_VLLM_STATS=str(self.stats))
-        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")   # as users run it: an engine process
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # as users run it: an engine process
         with open(self.log_file, "w") as log:
             self.proc = subprocess.Popen(
-                [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-                 "--kv-cache-memory-bytes", "1G", "--host", "127.0.0.1", "--port", str(self.port)],
-                env=env, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True)      # its engine process goes with it at stop()
+                [
+                    str(VLLM_PYTHON),
+                    "-m",
+                    "vllm.entrypoints.openai.api_server",
+                    "--model",
+                    model,
+                    "--kv-cache-memory-bytes",
+                    "1G",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.port),
+                ],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # its engine process goes with it at stop()
         self.base = f"http://127.0.0.1:{self.port}"
 
     def wait_healthy(self, timeout: float = 600) -> None:
@@ -529,7 +675,7 @@ class Server:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             pass
-        try:   # the engine process, if the server left it behind
+        try:  # the engine process, if the server left it behind
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
@@ -542,14 +688,22 @@ def test_openai_server_completions(runs):
     try:
         server.wait_healthy()
         text_prompt = " ".join(f"w{i - 3}" for i in prompt(150, 7))
-        body = {"model": server.model, "prompt": text_prompt, "max_tokens": 16,
-                "temperature": 0, "ignore_eos": True}
+        body = {
+            "model": server.model,
+            "prompt": text_prompt,
+            "max_tokens": 16,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         plain = json.loads(_post(server.base + "/v1/completions", body))
         assert plain["usage"]["completion_tokens"] == 16
         assert plain["usage"]["prompt_tokens"] == 150
         streamed = _post(server.base + "/v1/completions", dict(body, stream=True)).decode()
-        events = [json.loads(line[len("data: "):]) for line in streamed.splitlines()
-                  if line.startswith("data: ") and line != "data: [DONE]"]
+        events = [
+            json.loads(line[len("data: ") :])
+            for line in streamed.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"
+        ]
         assert len(events) >= 2 and streamed.rstrip().endswith("data: [DONE]")
         assert "".join(e["choices"][0]["text"] for e in events) == plain["choices"][0]["text"]
         # The running server's periodic stats (every 5 s). The final write at shutdown is not
@@ -576,8 +730,15 @@ def start_doc_blocks(workdir: pathlib.Path) -> list:
         script = workdir / f"doc_block_{i}.py"
         script.write_text(code)
         # as a user runs it: no test environment beyond the machine's defaults
-        runs.append(Inline([str(script)], workdir, f"doc-block-{i}", plugin=False,
-                           VLLM_ENABLE_V1_MULTIPROCESSING="1"))
+        runs.append(
+            Inline(
+                [str(script)],
+                workdir,
+                f"doc-block-{i}",
+                plugin=False,
+                VLLM_ENABLE_V1_MULTIPROCESSING="1",
+            )
+        )
     return runs
 
 
@@ -594,5 +755,9 @@ def test_offline_example(runs):
     assert rc == 0, out[-3000:]
     lines = [line for line in out.splitlines() if line.startswith(("request ", "vattention: "))]
     assert [line.split(":")[0] for line in lines] == [
-        "request 0", "request 1", "request 2", "vattention"]
+        "request 0",
+        "request 1",
+        "request 2",
+        "vattention",
+    ]
     assert "3 requests" in lines[-1] and "0 bytes in vLLM's own KV buffer" in lines[-1]

@@ -45,8 +45,8 @@ def test_data_persists_across_growth_other_frees_and_reuse(make_cache):
         check_pattern(cache, a, 0, 100, wa)
         check_pattern(cache, b, 0, 50, wb)
     wa2 = fill_pattern(cache, a, 100, 8192, seed=3)
-    cache.free(b)                       # another slot's free ...
-    c = cache.alloc()                   # ... and reuse of its (still mapped) pages
+    cache.free(b)  # another slot's free ...
+    c = cache.alloc()  # ... and reuse of its (still mapped) pages
     assert c == b
     cache.step({c: 5000})
     wc = fill_pattern(cache, c, 0, 5000, seed=4)
@@ -80,6 +80,7 @@ def test_step_accepts_dict_sequence_and_tensor(make_cache):
     cache.step(torch.tensor([400, 0, 0, 0]))
     assert cache.seq_len(s0) == 400 and cache.seq_len(s1) == 300
     import numpy as np
+
     cache.step(np.array([401, 301, 0, 0]))
     assert (cache.seq_len(s0), cache.seq_len(s1)) == (401, 301)
 
@@ -112,15 +113,21 @@ def test_alloc_prefers_idle_slot_with_most_pages(make_cache):
 
 
 def test_idle_pages_are_taken_least_recently_freed_first(make_cache):
-    cfg_pages = vattention.KVCacheConfig(num_layers=2, num_kv_heads=2, head_dim=64,
-                                         max_batch_size=4, max_seq_len=4096, dtype=torch.float16,
-                                         page_size="64KB").pages_for_tokens(256)
+    cfg_pages = vattention.KVCacheConfig(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=64,
+        max_batch_size=4,
+        max_seq_len=4096,
+        dtype=torch.float16,
+        page_size="64KB",
+    ).pages_for_tokens(256)
     cache = make_cache(page_size="64KB", memory_budget=3 * cfg_pages * 65536 // 1)
     a, b, c = cache.alloc(), cache.alloc(), cache.alloc()
     cache.step({a: 256, b: 256, c: 256})
     cache.free(b)
-    cache.free(a)       # freed after b
-    d = cache.alloc()   # reuses an idle slot (equal pages: any); take the other idle one's pages
+    cache.free(a)  # freed after b
+    d = cache.alloc()  # reuses an idle slot (equal pages: any); take the other idle one's pages
     assert d in (a, b)
     other = b if d == a else a
     e = cache.alloc()
@@ -149,7 +156,7 @@ def test_reclaim_and_shrink(make_cache):
     slot = cache.alloc()
     cache.step({slot: 1000})
     mapped = cache.stats()["pages_mapped"]
-    assert cache.reclaim() == 0            # active slots are never reclaimed
+    assert cache.reclaim() == 0  # active slots are never reclaimed
     cache.free(slot)
     assert cache.reclaim() == mapped
     stats = cache.stats()
@@ -167,11 +174,11 @@ def test_reserve_precreates_pages_and_step_uses_them(make_cache):
     cfg = cache.config
     cache.reserve(8 * cfg.page_bytes)
     assert cache.stats()["pages_total"] == 8 and cache.stats()["pages_created"] == 8
-    cache.reserve(4 * cfg.page_bytes)      # already holds more: nothing to do
+    cache.reserve(4 * cfg.page_bytes)  # already holds more: nothing to do
     assert cache.stats()["pages_created"] == 8
     slot = cache.alloc()
     cache.step({slot: 1})
-    assert cache.stats()["pages_created"] == 8     # taken from the free list, none created
+    assert cache.stats()["pages_created"] == 8  # taken from the free list, none created
 
 
 def test_sdpa_over_virtual_cache_equals_contiguous_copy(make_cache):
@@ -192,14 +199,22 @@ def test_sdpa_over_virtual_cache_equals_contiguous_copy(make_cache):
             kv_v = v[slot, :n].transpose(0, 1).unsqueeze(0).float()
             virtual = torch.nn.functional.scaled_dot_product_attention(q, kv_k, kv_v)
             contiguous = torch.nn.functional.scaled_dot_product_attention(
-                q, kv_k.contiguous().clone(), kv_v.contiguous().clone())
+                q, kv_k.contiguous().clone(), kv_v.contiguous().clone()
+            )
             assert torch.equal(virtual, contiguous)
 
 
 def test_mega_layout_layers_are_disjoint_views():
-    cfg = vattention.KVCacheConfig(num_layers=3, num_kv_heads=2, head_dim=32, max_batch_size=2,
-                                   max_seq_len=512, dtype=torch.float32, page_size="64KB",
-                                   layout="mega")
+    cfg = vattention.KVCacheConfig(
+        num_layers=3,
+        num_kv_heads=2,
+        head_dim=32,
+        max_batch_size=2,
+        max_seq_len=512,
+        dtype=torch.float32,
+        page_size="64KB",
+        layout="mega",
+    )
     with vattention.KVCache(cfg) as cache:
         slot = cache.alloc()
         cache.step({slot: 300})
@@ -228,7 +243,7 @@ def test_stats_accounting(make_cache):
     assert stats["pages_free"] + stats["pages_mapped"] == stats["pages_total"]
     assert stats["active_slots"] == 2 and stats["free_slots"] == 2
     assert stats["map_calls"] == stats["pages_mapped"]
-    assert stats["set_access_calls"] == 2 * cfg.num_tensors   # one per (slot, tensor) run
+    assert stats["set_access_calls"] == 2 * cfg.num_tensors  # one per (slot, tensor) run
     assert stats["virtual_bytes"] == cfg.virtual_bytes
 
 
@@ -248,5 +263,5 @@ def test_tensors_outlive_close_without_aliasing(make_cache):
     ptr = k.data_ptr()
     cache.close()
     assert cache.closed
-    assert k.data_ptr() == ptr   # reservation still held by the tensor; touching it would fault
+    assert k.data_ptr() == ptr  # reservation still held by the tensor; touching it would fault
     del k

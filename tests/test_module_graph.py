@@ -44,7 +44,7 @@ def _imports(tree: ast.AST, name: str, is_package: bool) -> Iterator[Tuple[ast.s
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
-                base = base[:len(base) - node.level + 1]
+                base = base[: len(base) - node.level + 1]
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
@@ -76,7 +76,7 @@ def find_cycle(graph):
         stack.append(node)
         for dep in sorted(graph[node]):
             if state.get(dep) == "open":
-                return stack[stack.index(dep):] + [dep]
+                return stack[stack.index(dep) :] + [dep]
             if dep not in state:
                 found = visit(dep)
                 if found:
@@ -117,12 +117,23 @@ def test_the_library_never_imports_the_tooling():
     # the library but not the other way round.
     graph = import_graph()
     tooling = {m for m in graph if m == "vattention.bench" or m.startswith("vattention.bench.")}
-    assert {"vattention.bench.demo", "vattention.bench.traces", "vattention.bench.progress",
-            "vattention.bench.data"} <= tooling
-    assert not {"vattention.demo", "vattention.traces", "vattention.progress",
-                "vattention.data"} & set(graph)
-    offenders = {m: sorted(deps & tooling) for m, deps in graph.items()
-                 if m not in tooling and m not in ENTRY_POINTS and deps & tooling}
+    assert {
+        "vattention.bench.demo",
+        "vattention.bench.traces",
+        "vattention.bench.progress",
+        "vattention.bench.data",
+    } <= tooling
+    assert not {
+        "vattention.demo",
+        "vattention.traces",
+        "vattention.progress",
+        "vattention.data",
+    } & set(graph)
+    offenders = {
+        m: sorted(deps & tooling)
+        for m, deps in graph.items()
+        if m not in tooling and m not in ENTRY_POINTS and deps & tooling
+    }
     assert not offenders, f"library modules importing the tooling: {offenders}"
 
 
@@ -135,9 +146,13 @@ def _private(name: str) -> bool:
 
 def is_api_user(name: str) -> bool:
     """Modules held to the public API: the integrations, the tooling, the command line."""
-    return (name.startswith("vattention.integrations.") or name == "vattention.integrations"
-            or name.startswith("vattention.bench.") or name == "vattention.bench"
-            or name == "vattention.__main__")
+    return (
+        name.startswith("vattention.integrations.")
+        or name == "vattention.integrations"
+        or name.startswith("vattention.bench.")
+        or name == "vattention.bench"
+        or name == "vattention.__main__"
+    )
 
 
 _SETTERS = ("setattr", "__setattr__")
@@ -182,14 +197,15 @@ def private_definitions(tree: ast.Module) -> Set[str]:
     return {n for n in found if _private(n)}
 
 
-def private_uses(tree: ast.Module, name: str, is_package: bool, modules: Set[str],
-                 defined: Dict[str, Set[str]]) -> List[str]:
+def private_uses(
+    tree: ast.Module, name: str, is_package: bool, modules: Set[str], defined: Dict[str, Set[str]]
+) -> List[str]:
     """Every use of another vattention module's private name in module ``name``, one line each.
 
     ``modules``: the package's module names; ``defined``: module -> its private definitions.
     """
     found = []
-    bound = {}   # local name -> the vattention module it is bound to
+    bound = {}  # local name -> the vattention module it is bound to
     for node, target, names in _imports(tree, name, is_package):
         if not target.startswith("vattention"):
             continue
@@ -221,8 +237,10 @@ def private_uses(tree: ast.Module, name: str, is_package: bool, modules: Set[str
             owner = owner.value
         where = f"line {node.lineno}"
         if isinstance(owner, ast.Name) and owner.id in bound:
-            found.append(f"{where}: {'.'.join([owner.id, *chain, attr])} (a private name of "
-                         f"module {'.'.join([bound[owner.id], *chain])})")
+            found.append(
+                f"{where}: {'.'.join([owner.id, *chain, attr])} (a private name of "
+                f"module {'.'.join([bound[owner.id], *chain])})"
+            )
         elif attr in others:
             found.append(f"{where}: .{attr} (private to {', '.join(sorted(others[attr]))})")
     return found
@@ -259,7 +277,7 @@ def test_private_use_finder_finds_every_form():
     fine = [
         "from vattention import KVCache, __version__, attention, backends",
         "from .. import flash_attn as fa\nfa.flash_attn_with_kvcache",
-        "def f(layer):\n    return layer._k_scale_float",      # vLLM's attribute: not ours
+        "def f(layer):\n    return layer._k_scale_float",  # vLLM's attribute: not ours
         "class R:\n    def g(self):\n        return super()._update_states()\n"
         "    def _update_states(self):\n        self._core = 1\n        return self._core",
         "from vattention.arguments import as_stream as _stream",
@@ -271,8 +289,12 @@ def test_private_use_finder_finds_every_form():
 def test_integrations_and_tooling_never_import_the_extension():
     modules = _modules()
     users = {m for m in modules if is_api_user(m)}
-    assert {"vattention.__main__", "vattention.bench.sizing", "vattention.integrations.vllm.plugin",
-            "vattention.integrations.vllm.attention"} <= users
+    assert {
+        "vattention.__main__",
+        "vattention.bench.sizing",
+        "vattention.integrations.vllm.plugin",
+        "vattention.integrations.vllm.attention",
+    } <= users
     offenders = {}
     for name in sorted(users):
         path, tree = modules[name]

@@ -59,7 +59,7 @@ def test_reserve_is_all_or_nothing_under_the_budget(backend):
     with pytest.raises(vattention.OutOfPagesError, match="exceeds the memory budget") as info:
         pool.reserve(5)
     assert (info.value.pages_needed, info.value.pages_available) == (3, 2)
-    assert (pool.total, pool.pages_created, pool.headroom) == (2, 2, 2)   # nothing created
+    assert (pool.total, pool.pages_created, pool.headroom) == (2, 2, 2)  # nothing created
     pool.reserve(4)
     assert (pool.total, pool.headroom) == (4, 0)
     pool.destroy_all()
@@ -69,8 +69,8 @@ def test_take_stops_at_the_budget_and_untake_restores_the_pool(backend):
     pool = make_pool(backend, pages=3)
     pool.reserve(1)
     got = pool.take(5)
-    assert len(got) == 3 and pool.headroom == 0       # 1 free + 2 created, then the budget
-    pool.untake(got, 2)                               # the two it created are destroyed again
+    assert len(got) == 3 and pool.headroom == 0  # 1 free + 2 created, then the budget
+    pool.untake(got, 2)  # the two it created are destroyed again
     assert (pool.total, pool.free, pool.in_use) == (1, 1, 0)
     assert (pool.pages_created, pool.pages_destroyed) == (3, 2)
     pool.destroy_all()
@@ -87,9 +87,9 @@ def test_a_page_returns_with_its_last_reference(backend):
     pool.release(page)
     pool.release(page)
     assert (pool.refs(page), pool.free, pool.in_use, pool.extra_refs) == (0, 1, 0, 0)
-    pool.release(page)                                # a free page: nothing happens
+    pool.release(page)  # a free page: nothing happens
     assert (pool.free, pool.extra_refs) == (1, 0)
-    with pytest.raises(IndexError):                   # sharing needs a page in use
+    with pytest.raises(IndexError):  # sharing needs a page in use
         pool.share(page)
     pool.destroy_all()
 
@@ -101,7 +101,7 @@ def test_extra_refs_counts_every_reference_beyond_the_first(backend):
         for _ in range(extra):
             pool.share(page)
     assert pool.extra_refs == 3
-    pool.untake([a], 0)                               # untake drops every reference of a page
+    pool.untake([a], 0)  # untake drops every reference of a page
     assert (pool.extra_refs, pool.refs(a)) == (1, 0)
     pool.release(b)
     pool.release(b)
@@ -114,10 +114,10 @@ def test_shrink_destroys_free_pages_only(backend):
     pool = make_pool(backend)
     pool.reserve(4)
     held = pool.take(1)
-    assert pool.shrink(0) == 3                        # the page in use stays
+    assert pool.shrink(0) == 3  # the page in use stays
     assert (pool.total, pool.free, pool.pages_destroyed) == (1, 0, 3)
     pool.release(held[0])
-    assert pool.shrink(backend.page_bytes) == 0       # keep_bytes already holds it
+    assert pool.shrink(backend.page_bytes) == 0  # keep_bytes already holds it
     assert pool.shrink(0) == 1 and pool.total == 0
     pool.destroy_all()
 
@@ -125,14 +125,14 @@ def test_shrink_destroys_free_pages_only(backend):
 def test_creation_outside_the_lock_counts_against_the_budget_first(backend):
     pool = make_pool(backend, pages=3)
     assert pool.begin_create(5) == 3
-    assert (pool.creating, pool.headroom) == (3, 0)   # nobody else can overshoot meanwhile
-    made = [backend.create_page(), backend.create_page()]   # one fewer than allowed
+    assert (pool.creating, pool.headroom) == (3, 0)  # nobody else can overshoot meanwhile
+    made = [backend.create_page(), backend.create_page()]  # one fewer than allowed
     pool.end_create(3, made)
     assert (pool.creating, pool.total, pool.free, pool.headroom) == (0, 2, 2, 1)
     assert pool.begin_create(4) == 1
-    pool.set_budget(2 * backend.page_bytes)           # lowered while the page is being made
+    pool.set_budget(2 * backend.page_bytes)  # lowered while the page is being made
     pool.end_create(1, [backend.create_page()])
-    assert (pool.total, pool.pages_destroyed) == (2, 1)   # the page over the new budget went
+    assert (pool.total, pool.pages_destroyed) == (2, 1)  # the page over the new budget went
     pool.destroy_all()
 
 
@@ -144,4 +144,4 @@ def test_destroy_all_empties_the_pool_even_with_pages_in_use(backend):
     pool.destroy_all()
     assert (pool.total, pool.free, pool.in_use, pool.extra_refs) == (0, 0, 0, 0)
     assert pool.pages_destroyed == pool.pages_created == 3
-    assert pool.headroom is None                      # no budget
+    assert pool.headroom is None  # no budget

@@ -28,8 +28,15 @@ def make(device, page_size):
     caches = []
 
     def make_one(*, memory_budget=None, **kwargs):
-        args = dict(HYBRID, max_batch_size=3, max_seq_len=4 * _tpp(page_size), dtype=torch.float16,
-                    device=device, page_size=page_size, layout="layer")
+        args = dict(
+            HYBRID,
+            max_batch_size=3,
+            max_seq_len=4 * _tpp(page_size),
+            dtype=torch.float16,
+            device=device,
+            page_size=page_size,
+            layout="layer",
+        )
         args.update(kwargs)
         cache = vattention.KVCache(vattention.KVCacheConfig(**args), memory_budget=memory_budget)
         caches.append(cache)
@@ -57,9 +64,11 @@ def _state(cache):
 
 # ---- configuration ----------------------------------------------------------------------------
 
+
 def test_config_derives_page_indices_from_the_layer_shapes():
-    cfg = vattention.KVCacheConfig(**HYBRID, max_batch_size=2, max_seq_len=1000,
-                                   dtype=torch.float16, page_size="64KB")
+    cfg = vattention.KVCacheConfig(
+        **HYBRID, max_batch_size=2, max_seq_len=1000, dtype=torch.float16, page_size="64KB"
+    )
     assert cfg.per_layer_shapes
     assert cfg.layer_kv_heads == (4, 1, 2, 1) and cfg.layer_head_dims == (64, 64, 64, 128)
     assert [cfg.layer_token_bytes(i) for i in range(4)] == [512, 128, 256, 256]
@@ -77,27 +86,46 @@ def test_config_derives_page_indices_from_the_layer_shapes():
 
 
 def test_equal_entries_collapse_to_one_shape():
-    cfg = vattention.KVCacheConfig(num_layers=3, num_kv_heads=[2, 2, 2], head_dim=(64, 64, 64),
-                                   max_batch_size=1, max_seq_len=16, dtype=torch.float16)
+    cfg = vattention.KVCacheConfig(
+        num_layers=3,
+        num_kv_heads=[2, 2, 2],
+        head_dim=(64, 64, 64),
+        max_batch_size=1,
+        max_seq_len=16,
+        dtype=torch.float16,
+    )
     assert cfg.num_kv_heads == 2 and cfg.head_dim == 64 and not cfg.per_layer_shapes
-    assert cfg == vattention.KVCacheConfig(num_layers=3, num_kv_heads=2, head_dim=64,
-                                           max_batch_size=1, max_seq_len=16, dtype=torch.float16)
+    assert cfg == vattention.KVCacheConfig(
+        num_layers=3,
+        num_kv_heads=2,
+        head_dim=64,
+        max_batch_size=1,
+        max_seq_len=16,
+        dtype=torch.float16,
+    )
     assert cfg.pages_per_index == cfg.num_tensors == 6
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(num_kv_heads=(4, 1, 2)),
-     r"num_kv_heads has 3 entries; it needs one per layer \(num_layers=4\)"),
-    (dict(head_dim=(64, 64, 64, 64, 64)), r"head_dim has 5 entries; it needs one per layer"),
-    (dict(num_kv_heads=(4, 0, 2, 1)), r"num_kv_heads\[1\]=0 must be a positive int"),
-    (dict(head_dim=(64, -64, 64, 64)), r"head_dim\[1\]=-64 must be a positive int"),
-    (dict(num_kv_heads=(4, True, 2, 1)), r"num_kv_heads\[1\]=True must be a positive int"),
-    (dict(head_dim=(64, 64.0, 64, 64)), r"head_dim\[1\]=64.0 must be a positive int"),
-    (dict(num_kv_heads="4"), r"num_kv_heads='4' must be a positive int, or a sequence"),
-    (dict(layout="mega"), r"per-layer shapes need layout='layer'"),
-    (dict(num_kv_heads=(1, 1, 1, 64), head_dim=64, dtype=torch.float32, page_size="4KB"),
-     r"holds less than one token: a token row of one 'layer'-layout tensor is 16384 bytes"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            dict(num_kv_heads=(4, 1, 2)),
+            r"num_kv_heads has 3 entries; it needs one per layer \(num_layers=4\)",
+        ),
+        (dict(head_dim=(64, 64, 64, 64, 64)), r"head_dim has 5 entries; it needs one per layer"),
+        (dict(num_kv_heads=(4, 0, 2, 1)), r"num_kv_heads\[1\]=0 must be a positive int"),
+        (dict(head_dim=(64, -64, 64, 64)), r"head_dim\[1\]=-64 must be a positive int"),
+        (dict(num_kv_heads=(4, True, 2, 1)), r"num_kv_heads\[1\]=True must be a positive int"),
+        (dict(head_dim=(64, 64.0, 64, 64)), r"head_dim\[1\]=64.0 must be a positive int"),
+        (dict(num_kv_heads="4"), r"num_kv_heads='4' must be a positive int, or a sequence"),
+        (dict(layout="mega"), r"per-layer shapes need layout='layer'"),
+        (
+            dict(num_kv_heads=(1, 1, 1, 64), head_dim=64, dtype=torch.float32, page_size="4KB"),
+            r"holds less than one token: a token row of one 'layer'-layout tensor is 16384 bytes",
+        ),
+    ],
+)
 def test_bad_per_layer_shapes_are_config_errors(kwargs, message):
     args = dict(HYBRID, max_batch_size=2, max_seq_len=64, dtype=torch.float16)
     args.update(kwargs)
@@ -107,15 +135,23 @@ def test_bad_per_layer_shapes_are_config_errors(kwargs, message):
 
 def test_coarse_page_indices_are_reported(caplog):
     # 576 and 512 bytes a token (fp8 latents): gcd 64, so 9 and 8 pages per index and tensor.
-    cfg = vattention.KVCacheConfig(num_layers=2, num_kv_heads=1, head_dim=(576, 512),
-                                   max_batch_size=1, max_seq_len=64, dtype=torch.float8_e4m3fn,
-                                   page_size="4KB", value_cache=False)
+    cfg = vattention.KVCacheConfig(
+        num_layers=2,
+        num_kv_heads=1,
+        head_dim=(576, 512),
+        max_batch_size=1,
+        max_seq_len=64,
+        dtype=torch.float8_e4m3fn,
+        page_size="4KB",
+        value_cache=False,
+    )
     with caplog.at_level("WARNING", logger="vattention.cache"):
         vattention.KVCache(cfg).close()
     assert "gcd of 64 bytes, so one page index holds 64 tokens and takes 17 pages" in caplog.text
     caplog.clear()
-    fine = vattention.KVCacheConfig(**HYBRID, max_batch_size=1, max_seq_len=64,
-                                    dtype=torch.float16, page_size="64KB")
+    fine = vattention.KVCacheConfig(
+        **HYBRID, max_batch_size=1, max_seq_len=64, dtype=torch.float16, page_size="64KB"
+    )
     with caplog.at_level("WARNING", logger="vattention.cache"):
         vattention.KVCache(fine).close()
     assert caplog.text == ""
@@ -123,8 +159,15 @@ def test_coarse_page_indices_are_reported(caplog):
 
 def test_the_core_checks_per_layer_shapes_itself():
     # The Python config normalizes first; the core's geometry must not trust its caller either.
-    base = dict(num_layers=4, num_kv_heads=1, head_dim=64, element_bytes=2, max_batch=2,
-                max_seq=64, page_bytes=65536)
+    base = dict(
+        num_layers=4,
+        num_kv_heads=1,
+        head_dim=64,
+        element_bytes=2,
+        max_batch=2,
+        max_seq=64,
+        page_bytes=65536,
+    )
     with pytest.raises(vattention.ConfigError, match=r"num_kv_heads has 3 entries"):
         vattention._C.CacheGeometry(**base, layer_kv_heads=[4, 1, 2])
     with pytest.raises(vattention.ConfigError, match=r"head_dim\[2\]=0 must be a positive"):
@@ -134,6 +177,7 @@ def test_the_core_checks_per_layer_shapes_itself():
 
 
 # ---- tensors and pages ------------------------------------------------------------------------
+
 
 def test_each_layer_gets_its_own_shape_in_disjoint_reservations(make):
     cache = make()
@@ -279,13 +323,17 @@ def test_windows_release_each_layers_own_pages(make):
         cache.step({slot: n})
     n = cache.seq_len(slot)
     indices = -(-n // tpp)
-    full = 2 * (INDEX_PAGES[0] + INDEX_PAGES[2])   # layers 0 and 2 keep everything
+    full = 2 * (INDEX_PAGES[0] + INDEX_PAGES[2])  # layers 0 and 2 keep everything
     windowed = 2 * (INDEX_PAGES[1] + INDEX_PAGES[3])
-    kept = indices - (n - 64) // tpp   # windowed layers keep the indices from (n - 64) on
+    kept = indices - (n - 64) // tpp  # windowed layers keep the indices from (n - 64) on
     assert cache.stats()["pages_mapped"] == indices * full + kept * windowed
     assert cache.stats()["window_released_pages"] == (indices - kept) * windowed
-    assert [cache.window_start(slot, layer) for layer in range(4)] == \
-        [0, (indices - kept) * tpp, 0, (indices - kept) * tpp]
+    assert [cache.window_start(slot, layer) for layer in range(4)] == [
+        0,
+        (indices - kept) * tpp,
+        0,
+        (indices - kept) * tpp,
+    ]
     gen = torch.Generator().manual_seed(7)
     written = {}
     for layer in range(4):  # full layers from token 0, windowed ones from their window start
@@ -343,7 +391,7 @@ def test_scrub_zeroes_every_layers_pages(make):
     cache.step({b: 2 * tpp + 1})  # and one fresh index from the pool
     for layer in range(4):
         for t in kv_views(cache, layer):
-            assert not t[b, :2 * tpp + 1].any(), f"layer {layer} not zeroed"
+            assert not t[b, : 2 * tpp + 1].any(), f"layer {layer} not zeroed"
     assert cache.stats()["scrubbed_pages"] == 2 * 18 + 3 * 18
 
 

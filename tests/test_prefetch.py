@@ -25,7 +25,7 @@ def test_prefetched_pages_need_no_map_calls_in_step(make_cache):
     assert all(cache.mapped_tokens(s) >= n for s, n in target.items())
     cache.step(target)
     after = cache.stats()
-    assert after["step_map_calls"] == before["step_map_calls"]   # zero synchronous maps
+    assert after["step_map_calls"] == before["step_map_calls"]  # zero synchronous maps
     assert after["map_calls"] == before["map_calls"]
 
 
@@ -33,8 +33,8 @@ def test_step_joins_outstanding_prefetch_and_maps_the_rest(make_cache):
     cache = make_cache(num_kv_heads=8, head_dim=128)
     cfg = cache.config
     s = cache.alloc()
-    cache.prefetch({s: cfg.tokens_per_page})            # no wait(): step() must join it
-    cache.step({s: 3 * cfg.tokens_per_page})            # and map what is still missing
+    cache.prefetch({s: cfg.tokens_per_page})  # no wait(): step() must join it
+    cache.step({s: 3 * cfg.tokens_per_page})  # and map what is still missing
     assert cache.mapped_tokens(s) >= 3 * cfg.tokens_per_page
     assert cache._core.check_invariants() == ""
 
@@ -43,7 +43,7 @@ def test_lookahead_from_config_and_per_call(make_cache):
     cache = make_cache(num_kv_heads=8, head_dim=128, lookahead_tokens=100)
     cfg = cache.config
     s = cache.alloc()
-    cache.prefetch({s: cfg.tokens_per_page})            # + 100 from the config
+    cache.prefetch({s: cfg.tokens_per_page})  # + 100 from the config
     cache.wait()
     assert cache.mapped_tokens(s) >= cfg.tokens_per_page + 100
     t = cache.alloc()
@@ -67,14 +67,14 @@ def test_prefetch_shortfall_is_recorded_not_raised(make_cache):
     per_index = cfg.num_tensors
     cache.set_memory_budget(2 * per_index * cfg.page_bytes)
     s = cache.alloc()
-    cache.prefetch({s: 3 * cfg.tokens_per_page})        # wants 3 page indices, 2 allowed
+    cache.prefetch({s: 3 * cfg.tokens_per_page})  # wants 3 page indices, 2 allowed
     cache.wait()
     stats = cache.stats()
     assert stats["prefetch_shortfall_pages"] == 3 * per_index
     assert stats["oom_events"] == 0
-    cache.step({s: 2 * cfg.tokens_per_page})            # the current need fits: no error
+    cache.step({s: 2 * cfg.tokens_per_page})  # the current need fits: no error
     with pytest.raises(OutOfPagesError):
-        cache.step({s: 2 * cfg.tokens_per_page + 1})    # this one does not
+        cache.step({s: 2 * cfg.tokens_per_page + 1})  # this one does not
 
 
 def test_prefetch_validates_input_at_call_time(make_cache):
@@ -109,10 +109,10 @@ def test_background_driver_error_surfaces_typed_on_next_call(make_cache, op):
     with pytest.raises(DriverError, match=match) as info:
         cache.wait()
     assert info.value.call == call
-    cache.wait()                                         # reported once, then cleared
+    cache.wait()  # reported once, then cleared
     check_pattern(cache, s, 0, 1, written)
     assert cache._core.check_invariants() == ""
-    cache.step({s: 3 * cache.config.tokens_per_page})    # and the cache keeps working
+    cache.step({s: 3 * cache.config.tokens_per_page})  # and the cache keeps working
 
 
 def test_background_error_raised_by_next_call_of_any_kind(make_cache):
@@ -127,7 +127,7 @@ def test_background_error_raised_by_next_call_of_any_kind(make_cache):
         time.sleep(0.005)
     with pytest.raises(DriverError, match=match):
         cache.alloc()
-    assert cache.alloc() != s    # reported once; the cache works on
+    assert cache.alloc() != s  # reported once; the cache works on
 
 
 def test_set_memory_budget_shrinks_reclaims_and_reports_excess(make_cache):
@@ -136,8 +136,8 @@ def test_set_memory_budget_shrinks_reclaims_and_reports_excess(make_cache):
     P, T = cfg.page_bytes, cfg.num_tensors
     a, b, c = cache.alloc(), cache.alloc(), cache.alloc()
     cache.step({a: 2 * cfg.tokens_per_page, b: cfg.tokens_per_page, c: cfg.tokens_per_page})
-    cache.free(c)                                        # idle: 1 index
-    cache.reserve((4 + 2) * T * P)                       # 2 free indices
+    cache.free(c)  # idle: 1 index
+    cache.reserve((4 + 2) * T * P)  # 2 free indices
     assert cache.stats()["pages_total"] == 6 * T
     # Lower to 4 indices: the 2 free ones go; nothing else has to.
     assert cache.set_memory_budget(4 * T * P) == 0
@@ -162,7 +162,7 @@ def test_set_memory_budget_trims_lookahead_of_active_slots(make_cache):
     T, P = cfg.num_tensors, cfg.page_bytes
     s = cache.alloc()
     cache.step({s: 1})
-    cache.prefetch({s: 1}, lookahead_tokens=3 * cfg.tokens_per_page)   # 4 indices mapped
+    cache.prefetch({s: 1}, lookahead_tokens=3 * cfg.tokens_per_page)  # 4 indices mapped
     cache.wait()
     assert cache.stats()["pages_mapped"] == 4 * T
     assert cache.set_memory_budget(2 * T * P) == 0

@@ -75,7 +75,7 @@ def test_step_of_other_slots_proceeds_while_a_map_is_held(emu, layout):
         t, result = run_in_thread(lambda: cache.step({a: 1, b: 3 * tpp}))
         t.join(5)
         assert not t.is_alive() and "error" not in result, "step() waited for a map it did not need"
-        assert emu.gate_held()                       # the prefetch map is still open
+        assert emu.gate_held()  # the prefetch map is still open
         assert cache.mapped_tokens(b) >= 3 * tpp
         settle(emu, cache)
         assert cache.mapped_tokens(a) >= 5 * tpp
@@ -153,13 +153,13 @@ def test_driver_error_outside_the_lock_returns_the_pages(emu):
         tpp = cache.config.tokens_per_page
         a = cache.alloc()
         cache.step({a: 1})
-        emu.inject_fault("cuMemMap", 3, 999)   # CUDA_ERROR_UNKNOWN on the third map
+        emu.inject_fault("cuMemMap", 3, 999)  # CUDA_ERROR_UNKNOWN on the third map
         cache.prefetch({a: 4 * tpp}, lookahead_tokens=0)
         with pytest.raises(Exception, match="cuMemMap"):
             cache.wait()
         assert cache._core.check_invariants() == ""
         assert cache.mapped_tokens(a) == tpp
-        cache.step({a: 4 * tpp})                # the range maps again: nothing was left behind
+        cache.step({a: 4 * tpp})  # the range maps again: nothing was left behind
         all_pages_return(cache)
 
 
@@ -168,7 +168,7 @@ def test_driver_calls_per_step_are_counted(emu):
         cfg = cache.config
         a = cache.alloc()
         before = cache.stats()
-        cache.step({a: 2 * cfg.tokens_per_page})     # 2 pages x T tensors: create, map; T grants
+        cache.step({a: 2 * cfg.tokens_per_page})  # 2 pages x T tensors: create, map; T grants
         after = cache.stats()
         T = cfg.num_tensors
         assert after["step_driver_calls"] - before["step_driver_calls"] == 2 * T + 2 * T + T
@@ -177,7 +177,7 @@ def test_driver_calls_per_step_are_counted(emu):
         again = cache.stats()
         assert again["prefetch_driver_calls"] == T + T + T
         assert again["step_driver_calls"] == after["step_driver_calls"]
-        cache.step({a: 3 * cfg.tokens_per_page})     # found mapped: no driver call
+        cache.step({a: 3 * cfg.tokens_per_page})  # found mapped: no driver call
         assert cache.stats()["step_driver_calls"] == after["step_driver_calls"]
 
 
@@ -190,6 +190,6 @@ def test_one_unmap_per_contiguous_run(emu, layout):
         cache.free(a)
         cache.free(b)
         calls, stat = emu.counter("cuMemUnmap"), cache.stats()["unmap_calls"]
-        cache.reclaim()        # 5 and 3 pages per tensor: one call per slot and tensor
+        cache.reclaim()  # 5 and 3 pages per tensor: one call per slot and tensor
         assert emu.counter("cuMemUnmap") - calls == 2 * cfg.num_tensors
         assert cache.stats()["unmap_calls"] - stat == 2 * cfg.num_tensors

@@ -50,7 +50,7 @@ def _recycled_through_pool(cache, n, *, prefetch=False):
     cache.step({a: n})
     fill_pattern(cache, a, 0, n, seed=12)
     cache.free(a)
-    cache.reclaim()   # the pages go back to the pool, unmapped, contents intact
+    cache.reclaim()  # the pages go back to the pool, unmapped, contents intact
     b = cache.alloc()
     if prefetch:
         cache.prefetch({b: n})
@@ -73,7 +73,7 @@ def test_scrub_zeroes_pages_that_change_owner(make_cache, path):
 
 @pytest.mark.parametrize("path", ["idle_slot", "pool"])
 def test_without_scrub_the_previous_contents_stay_visible(make_cache, path):
-    cache = make_cache()   # the default: scrub=False
+    cache = make_cache()  # the default: scrub=False
     assert cache.config.scrub is False
     n = 3 * cache.config.tokens_per_page
     b = _reused_idle_slot(cache, n) if path == "idle_slot" else _recycled_through_pool(cache, n)
@@ -88,7 +88,7 @@ def test_scrub_zeroes_the_rest_of_a_forked_partial_page(make_cache):
     cache.step({a: 4 * tpp})
     fill_pattern(cache, a, 0, 4 * tpp, seed=12)
     cache.free(a)
-    cache.reclaim()                                   # the pool now holds a's used pages
+    cache.reclaim()  # the pool now holds a's used pages
     q = cache.alloc()
     cache.step({q: tpp + 5})
     written = fill_pattern(cache, q, 0, tpp + 5, seed=13)
@@ -102,5 +102,12 @@ def test_scrub_zeroes_the_rest_of_a_forked_partial_page(make_cache):
 
 def test_scrub_must_be_a_bool():
     with pytest.raises(vattention.ConfigError, match="scrub='yes' must be True or False"):
-        vattention.KVCacheConfig(num_layers=1, num_kv_heads=1, head_dim=64, max_batch_size=1,
-                                 max_seq_len=64, dtype=torch.float16, scrub="yes")
+        vattention.KVCacheConfig(
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=64,
+            max_batch_size=1,
+            max_seq_len=64,
+            dtype=torch.float16,
+            scrub="yes",
+        )

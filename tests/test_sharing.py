@@ -24,7 +24,7 @@ def pages_for(cache, num_tokens):
 def test_fork_then_grow_parent_and_child_independently(make_cache):
     cache = paged_cache(make_cache)
     tpp = cache.config.tokens_per_page
-    n = tpp + tpp // 3        # one full page and a partial one in every tensor
+    n = tpp + tpp // 3  # one full page and a partial one in every tensor
     parent = cache.alloc()
     cache.step({parent: n})
     prefix = fill_pattern(cache, parent, 0, n, seed=1)
@@ -100,7 +100,7 @@ def test_parallel_sampling_children_and_freeing_the_parent(make_cache):
     assert stats["pages_mapped"] == shared + 5 * partial
     assert stats["bytes_saved_by_sharing"] == 4 * shared * cache.config.page_bytes
     cache.free(parent)
-    assert cache.reclaim() == pages_for(cache, n)   # the parent's mappings go ...
+    assert cache.reclaim() == pages_for(cache, n)  # the parent's mappings go ...
     assert cache.stats()["pages_mapped"] == shared + 4 * partial  # ... but not shared pages
     for child in children:
         check_pattern(cache, child, 0, n, prefix)
@@ -120,10 +120,10 @@ def test_reclaiming_a_forked_parent_under_pressure_keeps_the_child(make_cache):
     cache.step({parent: 2048})
     prefix = fill_pattern(cache, parent, 0, 2048, seed=8)
     child = cache.fork(parent)
-    cache.free(parent)             # idle, its pages shared with the child
-    other = cache.alloc()          # the idle parent is preferred ...
-    assert other == parent         # ... and must not inherit pages the child reads
-    cache.step({other: 2048})      # needs the whole budget beyond the shared pages
+    cache.free(parent)  # idle, its pages shared with the child
+    other = cache.alloc()  # the idle parent is preferred ...
+    assert other == parent  # ... and must not inherit pages the child reads
+    cache.step({other: 2048})  # needs the whole budget beyond the shared pages
     fill_pattern(cache, other, 0, 2048, seed=9)
     check_pattern(cache, child, 0, 2048, prefix)
     with pytest.raises(vattention.OutOfPagesError):
@@ -153,10 +153,13 @@ def test_share_prefix_into_a_slot_that_inherited_pages(make_cache):
     dst = cache.alloc()
     assert dst == old and cache.mapped_tokens(dst) >= 3000
     cache.share_prefix(src, dst, 700)
-    assert cache.mapped_tokens(dst) == min(cache.config.max_seq_len,
-                                           pages_for(cache, 700) // cache.config.num_tensors
-                                           * cache.config.page_bytes
-                                           // cache.config.tensor_token_bytes)
+    assert cache.mapped_tokens(dst) == min(
+        cache.config.max_seq_len,
+        pages_for(cache, 700)
+        // cache.config.num_tensors
+        * cache.config.page_bytes
+        // cache.config.tensor_token_bytes,
+    )
     check_pattern(cache, dst, 0, 700, data)
 
 
@@ -168,15 +171,15 @@ def test_ensure_private_lets_a_child_rewrite_history(make_cache):
     cache.step({parent: n})
     data = fill_pattern(cache, parent, 0, n, seed=13)
     child = cache.fork(parent)
-    start = tpp + 1   # inside the second page: pages 1.. become private, page 0 stays shared
+    start = tpp + 1  # inside the second page: pages 1.. become private, page 0 stays shared
     copied = cache.ensure_private(child, start)
     tensors = cache.config.num_tensors
     assert copied == tensors * (full_pages(cache, n) // tensors - 1)
     assert cache.stats()["shared_pages"] == cache.config.num_tensors
-    check_pattern(cache, child, 0, n, data)             # copies hold the same bytes
-    fill_pattern(cache, child, start, n, seed=14)      # rewrite the child's history ...
-    check_pattern(cache, parent, 0, n, data)            # ... the parent does not see it
-    assert cache.ensure_private(child, start) == 0     # nothing shared left there
+    check_pattern(cache, child, 0, n, data)  # copies hold the same bytes
+    fill_pattern(cache, child, start, n, seed=14)  # rewrite the child's history ...
+    check_pattern(cache, parent, 0, n, data)  # ... the parent does not see it
+    assert cache.ensure_private(child, start) == 0  # nothing shared left there
     assert cache.ensure_private(parent, 0) == cache.config.num_tensors  # page 0, still shared
     assert cache.stats()["shared_pages"] == 0
 
@@ -188,11 +191,13 @@ def test_sdpa_over_forked_child_equals_sdpa_over_copied_prefix(make_cache):
     parent = cache.alloc()
     cache.step({parent: n + 50})
     fill_pattern(cache, parent, 0, n + 50, seed=15)
-    copies = [(k[parent, :n].clone(), v[parent, :n].clone())
-              for k, v in (kv_views(cache, i) for i in range(cfg.num_layers))]
+    copies = [
+        (k[parent, :n].clone(), v[parent, :n].clone())
+        for k, v in (kv_views(cache, i) for i in range(cfg.num_layers))
+    ]
     child = cache.fork(parent, n)
     cache.step({parent: n + 100})
-    fill_pattern(cache, parent, n, n + 100, seed=16)   # the parent moves on past the fork point
+    fill_pattern(cache, parent, n, n + 100, seed=16)  # the parent moves on past the fork point
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, cfg.num_kv_heads, 1, cfg.head_dim, generator=gen)
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -201,12 +206,16 @@ def test_sdpa_over_forked_child_equals_sdpa_over_copied_prefix(make_cache):
         got = sdpa(q, k[child, :n].transpose(0, 1)[None], v[child, :n].transpose(0, 1)[None])
         want = sdpa(q, kc.transpose(0, 1)[None], vc.transpose(0, 1)[None])
         assert torch.allclose(got, want, rtol=0, atol=1e-6)
-        exact = sdpa(q, k[child, :n].contiguous().transpose(0, 1)[None],
-                     v[child, :n].contiguous().transpose(0, 1)[None])
+        exact = sdpa(
+            q,
+            k[child, :n].contiguous().transpose(0, 1)[None],
+            v[child, :n].contiguous().transpose(0, 1)[None],
+        )
         assert torch.equal(exact, want)
 
 
 # ---- errors: typed, and nothing changed ----------------------------------------------------------
+
 
 def test_fork_and_share_errors_leave_state_unchanged(make_cache):
     cache = make_cache(max_batch_size=3)
@@ -219,12 +228,12 @@ def test_fork_and_share_errors_leave_state_unchanged(make_cache):
     cases = [
         (vattention.InvalidSlotError, lambda: cache.fork(99)),
         (vattention.InvalidSlotError, lambda: cache.fork(-1)),
-        (vattention.InvalidSlotError, lambda: cache.fork(2)),                 # not allocated
-        (vattention.SequenceTooLongError, lambda: cache.fork(src, 501)),       # > src length
+        (vattention.InvalidSlotError, lambda: cache.fork(2)),  # not allocated
+        (vattention.SequenceTooLongError, lambda: cache.fork(src, 501)),  # > src length
         (vattention.SequenceTooLongError, lambda: cache.fork(src, -2)),
         (vattention.InvalidSlotError, lambda: cache.share_prefix(src, dst, 100)),  # not fresh
         (vattention.InvalidSlotError, lambda: cache.share_prefix(src, src, 100)),
-        (vattention.InvalidSlotError, lambda: cache.share_prefix(src, 2, 100)),    # not active
+        (vattention.InvalidSlotError, lambda: cache.share_prefix(src, 2, 100)),  # not active
         (vattention.SequenceTooLongError, lambda: cache.share_prefix(dst, src, 11)),
         (vattention.InvalidSlotError, lambda: cache.ensure_private(2, 0)),
         (vattention.SequenceTooLongError, lambda: cache.ensure_private(src, 501)),
@@ -237,7 +246,7 @@ def test_fork_and_share_errors_leave_state_unchanged(make_cache):
     check_pattern(cache, src, 0, 500, data)
     assert cache.fork(src, 100) == 2
     with pytest.raises(vattention.InvalidSlotError, match="no free slot"):
-        cache.fork(src)                                                        # all slots active
+        cache.fork(src)  # all slots active
 
 
 def test_fork_out_of_pages_changes_nothing(make_cache):
@@ -250,7 +259,7 @@ def test_fork_out_of_pages_changes_nothing(make_cache):
     data = fill_pattern(cache, src, 0, n, seed=18)
     before = page_state(cache)
     with pytest.raises(vattention.OutOfPagesError) as info:
-        cache.fork(src)                       # the partial page needs fresh pages: none left
+        cache.fork(src)  # the partial page needs fresh pages: none left
     assert info.value.pages_needed == cfg.num_tensors
     assert page_state(cache) == before
     assert cache.stats()["oom_events"] == 1

@@ -26,29 +26,36 @@ def rss_shmem_bytes() -> int:
 @pytest.mark.parametrize("layout", ["layer", "mega"])
 @pytest.mark.parametrize("page_size", ["64KB", "2MB"])
 def test_rss_and_committed_memory_follow_tokens_not_max_seq_len(layout, page_size):
-    cfg = vattention.KVCacheConfig(num_layers=4, num_kv_heads=8, head_dim=128, max_batch_size=8,
-                                   max_seq_len=131072, dtype=torch.bfloat16, page_size=page_size,
-                                   layout=layout)
+    cfg = vattention.KVCacheConfig(
+        num_layers=4,
+        num_kv_heads=8,
+        head_dim=128,
+        max_batch_size=8,
+        max_seq_len=131072,
+        dtype=torch.bfloat16,
+        page_size=page_size,
+        layout=layout,
+    )
     with vattention.KVCache(cfg) as cache:
-        assert cfg.virtual_bytes >= 8 << 30   # 8 GiB of address space reserved ...
+        assert cfg.virtual_bytes >= 8 << 30  # 8 GiB of address space reserved ...
         rss0 = rss_shmem_bytes()
         slot = cache.alloc()
         n = 5000
         cache.step({slot: n})
         k, v = cache.layer(cfg.num_layers - 1)
-        k[slot, :n] = 1   # touching what is mapped adds nothing: it is resident already
+        k[slot, :n] = 1  # touching what is mapped adds nothing: it is resident already
         v[slot, :n] = 1
         expected = cfg.pages_for_tokens(n) * cfg.page_bytes
         stats = cache.stats()
         assert stats["bytes_mapped"] == expected
-        assert stats["committed_bytes"] == expected          # memfd blocks really allocated
+        assert stats["committed_bytes"] == expected  # memfd blocks really allocated
         grown = rss_shmem_bytes() - rss0
         assert expected * 0.95 <= grown <= expected * 1.05 + (1 << 20), (grown, expected)
-        assert grown < cfg.static_bytes / 100               # ... but ~1% of it is resident
+        assert grown < cfg.static_bytes / 100  # ... but ~1% of it is resident
         cache.free(slot)
         cache.reclaim()
         assert cache.shrink() == cfg.pages_for_tokens(n)
-        assert cache.stats()["committed_bytes"] == 0        # holes punched: memory given back
+        assert cache.stats()["committed_bytes"] == 0  # holes punched: memory given back
         assert rss_shmem_bytes() - rss0 < (1 << 20)
 
 
@@ -76,9 +83,13 @@ FAULT_SCRIPT = textwrap.dedent("""
 def test_touching_beyond_mapped_region_faults(tmp_path, layout, page_size, offset):
     script = tmp_path / "touch.py"
     script.write_text(FAULT_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), layout, page_size, str(offset)],
-                          capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONFAULTHANDLER": ""})
+    proc = subprocess.run(
+        [sys.executable, str(script), layout, page_size, str(offset)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONFAULTHANDLER": ""},
+    )
     assert "backed ok" in proc.stdout
     assert "did not fault" not in proc.stdout
     assert proc.returncode == -signal.SIGSEGV, (proc.returncode, proc.stderr[-2000:])
@@ -86,7 +97,8 @@ def test_touching_beyond_mapped_region_faults(tmp_path, layout, page_size, offse
 
 def test_other_slot_rows_are_not_backed(tmp_path):
     script = tmp_path / "touch_other.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import torch, vattention
         cfg = vattention.KVCacheConfig(num_layers=1, num_kv_heads=2, head_dim=64,
                                        max_batch_size=2, max_seq_len=4096,
@@ -97,9 +109,11 @@ def test_other_slot_rows_are_not_backed(tmp_path):
         k[a] = 1.0
         print("slot a fully backed", flush=True)
         k[1 - a, 0] = 1.0
-    """))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=120)
+    """)
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
     assert "slot a fully backed" in proc.stdout
     assert proc.returncode == -signal.SIGSEGV
 
@@ -107,7 +121,8 @@ def test_other_slot_rows_are_not_backed(tmp_path):
 def test_host_mapping_limit_is_a_recoverable_out_of_pages(tmp_path):
     """Past vm.max_map_count even unmapping fails, so the host backend stops short of it."""
     script = tmp_path / "limit.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import torch, vattention
         cfg = vattention.KVCacheConfig(num_layers=2, num_kv_heads=2, head_dim=64,
                                        max_batch_size=2, max_seq_len=8192,
@@ -126,8 +141,14 @@ def test_host_mapping_limit_is_a_recoverable_out_of_pages(tmp_path):
         cache.step({b: 1024})                      # and after unmapping, the rest fits too
         cache.close()
         print("ok")
-    """))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "VATTENTION_HOST_MAX_MAPPINGS": "40"})
+    """)
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "VATTENTION_HOST_MAX_MAPPINGS": "40"},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["refused", "True", "ok"]

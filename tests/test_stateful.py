@@ -28,7 +28,7 @@ class Model:
         self.T = cfg.pages_per_index  # pages of one page index over all tensors
         self.cap = budget_pages  # None = no budget
         self.state = ["free"] * cfg.max_batch_size
-        self.mapped = [0] * cfg.max_batch_size   # page indices
+        self.mapped = [0] * cfg.max_batch_size  # page indices
         self.seq = [0] * cfg.max_batch_size
         self.freed_at = [0] * cfg.max_batch_size
         self.clock = 0
@@ -141,23 +141,32 @@ class Model:
 
 
 class CacheMachine(RuleBasedStateMachine):
-    DEVICE = "cpu"   # test_cuda_backend.py runs the same machine on the emulated CUDA backend
+    DEVICE = "cpu"  # test_cuda_backend.py runs the same machine on the emulated CUDA backend
 
-    @initialize(layout=st.sampled_from(["layer", "mega", "per-layer"]),
-                budget=st.one_of(st.integers(min_value=2, max_value=12), st.none()))
+    @initialize(
+        layout=st.sampled_from(["layer", "mega", "per-layer"]),
+        budget=st.one_of(st.integers(min_value=2, max_value=12), st.none()),
+    )
     def setup(self, layout, budget):
         # per-layer: layer 1 has twice layer 0's KV heads (1 + 2 pages per page index and K/V).
         heads = (1, 2) if layout == "per-layer" else 1
-        self.cfg = vattention.KVCacheConfig(num_layers=2, num_kv_heads=heads, head_dim=64,
-                                            max_batch_size=4, max_seq_len=2048,
-                                            dtype=torch.float16, page_size=PAGE,
-                                            layout="layer" if layout == "per-layer" else layout,
-                                            device=self.DEVICE)
+        self.cfg = vattention.KVCacheConfig(
+            num_layers=2,
+            num_kv_heads=heads,
+            head_dim=64,
+            max_batch_size=4,
+            max_seq_len=2048,
+            dtype=torch.float16,
+            page_size=PAGE,
+            layout="layer" if layout == "per-layer" else layout,
+            device=self.DEVICE,
+        )
         budget_pages = None if budget is None else budget * self.cfg.pages_per_index
         self.cache = vattention.KVCache(
-            self.cfg, memory_budget=None if budget is None else budget_pages * PAGE)
+            self.cfg, memory_budget=None if budget is None else budget_pages * PAGE
+        )
         self.model = Model(self.cfg, budget_pages)
-        self.marks = {}   # slot -> (position, value) written in layer 0's K
+        self.marks = {}  # slot -> (position, value) written in layer 0's K
 
     def teardown(self):
         if hasattr(self, "cache"):
@@ -259,11 +268,13 @@ class CacheMachine(RuleBasedStateMachine):
             assert stats["pages_total"] <= m.cap
         for s in range(self.cfg.max_batch_size):
             assert self.cache.mapped_tokens(s) == min(
-                self.cfg.max_seq_len, m.mapped[s] * PAGE // self.cfg.unit_bytes)
+                self.cfg.max_seq_len, m.mapped[s] * PAGE // self.cfg.unit_bytes
+            )
             if m.state[s] == "active":
                 assert self.cache.mapped_tokens(s) >= m.seq[s] == self.cache.seq_len(s)
-        assert sorted(self.cache.active_slots()) == [i for i, s in enumerate(m.state)
-                                                    if s == "active"]
+        assert sorted(self.cache.active_slots()) == [
+            i for i, s in enumerate(m.state) if s == "active"
+        ]
         assert self.cache._core.check_invariants() == ""
         k, _ = kv_views(self.cache, 0)
         for s, (pos, value) in self.marks.items():
@@ -271,5 +282,9 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 TestCacheStateMachine = CacheMachine.TestCase
-TestCacheStateMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None,
-                                          suppress_health_check=[HealthCheck.too_slow])
+TestCacheStateMachine.settings = settings(
+    max_examples=300,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)

@@ -36,19 +36,36 @@ class SharingMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         page_size = "64KB" if self.device == "cpu" else "2MB"
-        cfg = vattention.KVCacheConfig(num_layers=2, num_kv_heads=1, head_dim=64,
-                                       max_batch_size=4, max_seq_len=1, dtype=torch.float16,
-                                       device=self.device, page_size=page_size, layout=self.layout)
+        cfg = vattention.KVCacheConfig(
+            num_layers=2,
+            num_kv_heads=1,
+            head_dim=64,
+            max_batch_size=4,
+            max_seq_len=1,
+            dtype=torch.float16,
+            device=self.device,
+            page_size=page_size,
+            layout=self.layout,
+        )
         tpp = cfg.tokens_per_page
-        cfg = vattention.KVCacheConfig(num_layers=2, num_kv_heads=1, head_dim=64,
-                                       max_batch_size=4, max_seq_len=3 * tpp, dtype=torch.float16,
-                                       device=self.device, page_size=page_size, layout=self.layout)
+        cfg = vattention.KVCacheConfig(
+            num_layers=2,
+            num_kv_heads=1,
+            head_dim=64,
+            max_batch_size=4,
+            max_seq_len=3 * tpp,
+            dtype=torch.float16,
+            device=self.device,
+            page_size=page_size,
+            layout=self.layout,
+        )
         slot_bytes = cfg.pages_for_tokens(cfg.max_seq_len) * cfg.page_bytes
-        self.cache = vattention.KVCache(cfg, memory_budget=slot_bytes * 2 + slot_bytes // 3,
-                                        swap_budget=slot_bytes * 3 // 2)
+        self.cache = vattention.KVCache(
+            cfg, memory_budget=slot_bytes * 2 + slot_bytes // 3, swap_budget=slot_bytes * 3 // 2
+        )
         self.cfg = cfg
-        self.active = {}    # slot -> expected tensor [L, 2, seq_len, H, D]
-        self.handles = {}   # swap handle -> expected tensor
+        self.active = {}  # slot -> expected tensor [L, 2, seq_len, H, D]
+        self.handles = {}  # swap handle -> expected tensor
         self.seed = 0
 
     # ---- model helpers --------------------------------------------------------------------
@@ -72,8 +89,10 @@ class SharingMachine(RuleBasedStateMachine):
         n = expected.shape[2]
         for layer in range(self.cfg.num_layers):
             k, v = kv_views(self.cache, layer)
-            if not (torch.equal(bits(k[slot, :n]), bits(expected[layer, 0])) and
-                    torch.equal(bits(v[slot, :n]), bits(expected[layer, 1]))):
+            if not (
+                torch.equal(bits(k[slot, :n]), bits(expected[layer, 0]))
+                and torch.equal(bits(v[slot, :n]), bits(expected[layer, 1]))
+            ):
                 return False
         return True
 
@@ -211,13 +230,20 @@ class SharingMachine(RuleBasedStateMachine):
 
 
 def test_sharing_state_machine(device, layout):  # fixtures: every backend and layout
-    machine = type(f"SharingMachine_{layout}", (SharingMachine,),
-                   {"device": device, "layout": layout})
+    machine = type(
+        f"SharingMachine_{layout}", (SharingMachine,), {"device": device, "layout": layout}
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: a thread pool only adds wake-ups on a busy CI box
     try:
-        run_state_machine_as_test(machine, settings=settings(
-            max_examples=40, stateful_step_count=40, deadline=None,
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+        run_state_machine_as_test(
+            machine,
+            settings=settings(
+                max_examples=40,
+                stateful_step_count=40,
+                deadline=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+            ),
+        )
     finally:
         torch.set_num_threads(threads)

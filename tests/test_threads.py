@@ -21,11 +21,19 @@ def open_fds() -> int:
 
 
 def test_concurrent_alloc_step_prefetch_free_stats(device, layout):
-    gc.collect()   # earlier tests' garbage must not close descriptors during this one
+    gc.collect()  # earlier tests' garbage must not close descriptors during this one
     fds, rss = open_fds(), rss_shmem_bytes()
-    cfg = vattention.KVCacheConfig(num_layers=2, num_kv_heads=4, head_dim=64, max_batch_size=16,
-                                   max_seq_len=4096, dtype=torch.float16, page_size="64KB",
-                                   layout=layout, device=device)
+    cfg = vattention.KVCacheConfig(
+        num_layers=2,
+        num_kv_heads=4,
+        head_dim=64,
+        max_batch_size=16,
+        max_seq_len=4096,
+        dtype=torch.float16,
+        page_size="64KB",
+        layout=layout,
+        device=device,
+    )
     cache = vattention.KVCache(cfg, memory_budget="24MB")
     errors, counts = [], {"steps": 0, "oom": 0, "no_slot": 0}
     stop = time.monotonic() + 1.5
@@ -33,7 +41,7 @@ def test_concurrent_alloc_step_prefetch_free_stats(device, layout):
 
     def worker(seed: int) -> None:
         rng = random.Random(seed)
-        mine = {}   # slot -> length; only this thread frees its slots
+        mine = {}  # slot -> length; only this thread frees its slots
         try:
             while time.monotonic() < stop:
                 op = rng.random()
@@ -44,20 +52,21 @@ def test_concurrent_alloc_step_prefetch_free_stats(device, layout):
                         with lock:
                             counts["no_slot"] += 1
                 elif op < 0.6 and mine:
-                    lens = {s: min(cfg.max_seq_len, n + rng.randint(1, 300))
-                            for s, n in mine.items()}
+                    lens = {
+                        s: min(cfg.max_seq_len, n + rng.randint(1, 300)) for s, n in mine.items()
+                    }
                     try:
                         cache.step(lens)
                         mine.update(lens)
                         k, v = kv_views(cache, 0)
                         for s, n in lens.items():
-                            k[s, n - 1] = float(s)        # the last token must be backed
+                            k[s, n - 1] = float(s)  # the last token must be backed
                         with lock:
                             counts["steps"] += 1
                     except vattention.OutOfPagesError:
                         with lock:
                             counts["oom"] += 1
-                        s = rng.choice(list(mine))       # preempt one of ours
+                        s = rng.choice(list(mine))  # preempt one of ours
                         cache.free(s)
                         del mine[s]
                 elif op < 0.75 and mine:
@@ -73,7 +82,7 @@ def test_concurrent_alloc_step_prefetch_free_stats(device, layout):
                     assert stats["pages_free"] + stats["pages_mapped"] == stats["pages_total"]
             for s in mine:
                 cache.free(s)
-        except Exception as e:   # pragma: no cover - reported below
+        except Exception as e:  # pragma: no cover - reported below
             errors.append(e)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
@@ -91,5 +100,5 @@ def test_concurrent_alloc_step_prefetch_free_stats(device, layout):
     cache.close()
     cache = None  # drop the last reference (worker() shares the variable: `del` reads as F821)
     gc.collect()
-    assert open_fds() <= fds                       # memfd arenas closed
-    assert rss_shmem_bytes() - rss < (1 << 20)     # and their memory returned
+    assert open_fds() <= fds  # memfd arenas closed
+    assert rss_shmem_bytes() - rss < (1 << 20)  # and their memory returned

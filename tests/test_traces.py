@@ -31,8 +31,9 @@ def test_packaged_traces_load_as_4000_positive_rows(name):
 
 
 def test_columns_are_found_by_name_in_any_order_others_ignored(tmp_path):
-    path = write(tmp_path, "pd_ratio,num_decode_tokens,id,num_prefill_tokens\n"
-                           "2.5,5,a,10\r\n1,7,b,20\r\n")
+    path = write(
+        tmp_path, "pd_ratio,num_decode_tokens,id,num_prefill_tokens\n2.5,5,a,10\r\n1,7,b,20\r\n"
+    )
     assert load_trace(path).tolist() == [[10, 5], [20, 7]]
 
 
@@ -51,15 +52,19 @@ def test_workload_reads_through_the_same_reader(tmp_path):
         workload.load_workload(write(tmp_path, HEADER + "10,-1,9,0\n", "bad.csv"), 1)
 
 
-@pytest.mark.parametrize("body,row,line,column,what", [
-    ("10,5,15,2\n20,x,21,20\n", 2, 3, "num_decode_tokens", "'x' is not a whole number"),
-    ("10,5,15,2\n12.5,1,13.5,12\n", 2, 3, "num_prefill_tokens", "'12.5' is not a whole number"),
-    ("0,5,5,0\n", 1, 2, "num_prefill_tokens", "0 is below 1"),
-    ("10,-3,7,0\n", 1, 2, "num_decode_tokens", "-3 is below 0"),
-    ("10,5,15,2\n\n10,,10,0\n", 2, 4, "num_decode_tokens", "empty value"),
-    ("10\n", 1, 2, "num_decode_tokens", "no value"),
-    ("inf,1,1,1\n", 1, 2, "num_prefill_tokens", "'inf' is not a whole number"),
-], ids=["not-a-number", "fraction", "no-prompt", "negative", "empty-cell", "short-row", "inf"])
+@pytest.mark.parametrize(
+    "body,row,line,column,what",
+    [
+        ("10,5,15,2\n20,x,21,20\n", 2, 3, "num_decode_tokens", "'x' is not a whole number"),
+        ("10,5,15,2\n12.5,1,13.5,12\n", 2, 3, "num_prefill_tokens", "'12.5' is not a whole number"),
+        ("0,5,5,0\n", 1, 2, "num_prefill_tokens", "0 is below 1"),
+        ("10,-3,7,0\n", 1, 2, "num_decode_tokens", "-3 is below 0"),
+        ("10,5,15,2\n\n10,,10,0\n", 2, 4, "num_decode_tokens", "empty value"),
+        ("10\n", 1, 2, "num_decode_tokens", "no value"),
+        ("inf,1,1,1\n", 1, 2, "num_prefill_tokens", "'inf' is not a whole number"),
+    ],
+    ids=["not-a-number", "fraction", "no-prompt", "negative", "empty-cell", "short-row", "inf"],
+)
 def test_bad_value_names_file_row_line_and_column(tmp_path, body, row, line, column, what):
     path = write(tmp_path, HEADER + body)
     with pytest.raises(ValueError) as info:
@@ -71,9 +76,13 @@ def test_bad_value_names_file_row_line_and_column(tmp_path, body, row, line, col
 
 def test_missing_column_is_named_with_the_header(tmp_path):
     path = write(tmp_path, "num_prefill_tokens,tokens\n10,5\n")
-    with pytest.raises(ValueError, match=re.escape(
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
             f"trace {path} lacks column(s) num_decode_tokens: its header is "
-            "num_prefill_tokens,tokens")):
+            "num_prefill_tokens,tokens"
+        ),
+    ):
         load_trace(path)
 
 

@@ -22,33 +22,45 @@ from vattention.integrations.vllm import kv_layout, plugin
 from vattention.integrations.vllm.stats_writer import StatsWriter, stats_path
 
 
-@given(block=st.integers(1, 1024), heads=st.integers(1, 16), dim=st.sampled_from([16, 32, 64, 80,
-       96, 128, 256]), dtype=st.sampled_from([torch.uint8, torch.bfloat16, torch.float32]),
-       layers=st.integers(1, 64), layout=st.sampled_from(kv_layout.LAYOUTS),
-       gran=st.sampled_from([4096, 65536, 2 << 20]))
-def test_aligned_block_is_the_smallest_page_aligned_multiple(block, heads, dim, dtype, layers,
-                                                             layout, gran):
+@given(
+    block=st.integers(1, 1024),
+    heads=st.integers(1, 16),
+    dim=st.sampled_from([16, 32, 64, 80, 96, 128, 256]),
+    dtype=st.sampled_from([torch.uint8, torch.bfloat16, torch.float32]),
+    layers=st.integers(1, 64),
+    layout=st.sampled_from(kv_layout.LAYOUTS),
+    gran=st.sampled_from([4096, 65536, 2 << 20]),
+)
+def test_aligned_block_is_the_smallest_page_aligned_multiple(
+    block, heads, dim, dtype, layers, layout, gran
+):
     unit = kv_layout.model_unit_bytes(layout, layers, heads, dim, dtype)
     aligned = kv_layout.aligned_block_size(block, unit, gran)
     assert aligned % block == 0 and (aligned * unit) % gran == 0
     assert all((m * unit) % gran for m in range(block, aligned, block))
 
 
-@given(block=st.sampled_from([16, 32, 128, 256]), huge=st.sampled_from([0, 2 << 20]),
-       data=st.data())
+@given(
+    block=st.sampled_from([16, 32, 128, 256]), huge=st.sampled_from([0, 2 << 20]), data=st.data()
+)
 def test_huge_block_is_at_most_twice_the_block_and_only_for_whole_huge_pages(block, huge, data):
     # token sizes of any kind, and odd multiples of 2 MB / (f x block): a block f times as large
     # is the first of whole huge pages (f = 2: taken; f = 4: too coarse)
-    unit = data.draw(st.one_of(
-        st.integers(1, 1 << 16).map(lambda u: u * 16),
-        *(st.integers(0, 63).map(lambda k, f=f: (2 * k + 1) * (2 << 20) // (f * block))
-          for f in (2, 4))))
+    unit = data.draw(
+        st.one_of(
+            st.integers(1, 1 << 16).map(lambda u: u * 16),
+            *(
+                st.integers(0, 63).map(lambda k, f=f: (2 * k + 1) * (2 << 20) // (f * block))
+                for f in (2, 4)
+            ),
+        )
+    )
     chosen = kv_layout.huge_block_size(block, unit, huge)
 
     def whole(b):
         return huge and (b * unit) % huge == 0
 
-    if whole(block) or not whole(2 * block):   # nothing to gain, or 2x is not enough
+    if whole(block) or not whole(2 * block):  # nothing to gain, or 2x is not enough
         assert chosen == block
     else:
         assert chosen == 2 * block
@@ -59,8 +71,10 @@ def _spec(window=None, heads=2, dim=32, block=128):
 
 
 def _kv(*groups, num_blocks=10):
-    return NS(num_blocks=num_blocks,
-              kv_cache_groups=[NS(kv_cache_spec=spec, layer_names=names) for spec, names in groups])
+    return NS(
+        num_blocks=num_blocks,
+        kv_cache_groups=[NS(kv_cache_spec=spec, layer_names=names) for spec, names in groups],
+    )
 
 
 @pytest.mark.parametrize("layout, pages_per_block", [("mega", 2), ("layer", 6)])
@@ -69,22 +83,24 @@ def test_a_cache_with_vllms_budget_holds_exactly_its_blocks(layout, pages_per_bl
     cfg = kv.cache_config(max_batch_size=4, max_seq_len=1280, device="cpu", block_cache=False)
     assert cfg.tokens_per_page == kv.block_size == 128
     assert cfg.pages_per_index == pages_per_block
-    vllm_block_bytes = 2 * 3 * 128 * 2 * 32 * 4            # K,V x layers x tokens x H x D x fp32
+    vllm_block_bytes = 2 * 3 * 128 * 2 * 32 * 4  # K,V x layers x tokens x H x D x fp32
     assert kv.memory_budget(cfg) == 10 * vllm_block_bytes
     with vattention.KVCache(cfg, memory_budget=kv.memory_budget(cfg)) as cache:
         s = [cache.alloc() for _ in range(3)]
         # vLLM's ids are [0, num_blocks), 0 its null block: 9 real blocks, 2 + 2 + 5 here
-        cache.step({s[0]: 129, s[1]: 256, s[2]: 640},
-                   blocks={s[0]: (0, [1, 2], 0), s[1]: (0, [3, 4], 0),
-                           s[2]: (0, [5, 6, 7, 8, 9], 0)})
+        cache.step(
+            {s[0]: 129, s[1]: 256, s[2]: 640},
+            blocks={s[0]: (0, [1, 2], 0), s[1]: (0, [3, 4], 0), s[2]: (0, [5, 6, 7, 8, 9], 0)},
+        )
         assert cache.stats()["pages_mapped"] == 9 * pages_per_block
-        spare = cache.capacity()        # the budget's last block: the null block's share
+        spare = cache.capacity()  # the budget's last block: the null block's share
         assert spare.pages_free + spare.pages_creatable == pages_per_block
 
 
 def test_hybrid_groups_become_layer_groups_with_their_windows():
-    kv = kv_layout.kv_layout(_kv((_spec(), ["l1", "l3"]), (_spec(64), ["l0", "l2"])),
-                            torch.bfloat16, "auto")
+    kv = kv_layout.kv_layout(
+        _kv((_spec(), ["l1", "l3"]), (_spec(64), ["l0", "l2"])), torch.bfloat16, "auto"
+    )
     assert kv.layout == "layer" and kv.layer_names == ("l1", "l3", "l0", "l2")
     assert kv.layer_groups == (0, 0, 1, 1) and kv.windows == (None, None, 64, 64)
     cfg = kv.cache_config(max_batch_size=2, max_seq_len=512, device="cpu", block_cache=True)
@@ -96,12 +112,18 @@ def test_what_one_cache_cannot_hold_is_refused_naming_it():
     with pytest.raises(vattention.ConfigError, match="VATTENTION_VLLM_LAYOUT=layer"):
         kv_layout.kv_layout(_kv((_spec(), ["a"]), (_spec(64), ["b"])), torch.float32, "mega")
     with pytest.raises(vattention.ConfigError, match=r"block sizes \[16, 32\]"):
-        kv_layout.kv_layout(_kv((_spec(block=16), ["a"]), (_spec(block=32), ["b"])),
-                           torch.float32, "auto")
+        kv_layout.kv_layout(
+            _kv((_spec(block=16), ["a"]), (_spec(block=32), ["b"])), torch.float32, "auto"
+        )
     with pytest.raises(vattention.ConfigError, match="group 0 is a MambaSpec"):
-        kv_layout.kv_layout(NS(num_blocks=4, kv_cache_groups=[
-            NS(kv_cache_spec=type("MambaSpec", (), {})(), layer_names=["m"])]),
-            torch.float32, "auto")
+        kv_layout.kv_layout(
+            NS(
+                num_blocks=4,
+                kv_cache_groups=[NS(kv_cache_spec=type("MambaSpec", (), {})(), layer_names=["m"])],
+            ),
+            torch.float32,
+            "auto",
+        )
 
 
 def test_kv_cache_dtypes():
@@ -115,8 +137,11 @@ def test_untested_version_is_refused_unless_overridden(monkeypatch):
     monkeypatch.delenv(vattention.integrations.vllm.ENV_ALLOW_UNTESTED, raising=False)
     plugin.check_version("0.32.0+cpu")
     plugin.check_version("0.33.0")
-    with pytest.raises(vattention.ConfigError, match=r"tested with vLLM 0\.32\.0, 0\.33\.0, not "
-                                                     r"0\.31\.2"):
+    with pytest.raises(
+        vattention.ConfigError,
+        match=r"tested with vLLM 0\.32\.0, 0\.33\.0, not "
+        r"0\.31\.2",
+    ):
         plugin.check_version("0.31.2")
     monkeypatch.setenv("VATTENTION_VLLM_ALLOW_UNTESTED", "1")
     plugin.check_version("0.31.2")
@@ -135,19 +160,19 @@ def test_cpu_auto_layout_is_layer_only_while_its_mappings_fit_half_the_limit(cap
     caplog.set_level("INFO", logger=plugin.logger.name)
     assert plugin._cpu_auto_layout(16, 4096, 4, 128, 28669) == "layer"
     assert "layout layer: at most 4096 page mappings" in caplog.text
-    assert plugin._cpu_auto_layout(16, 4096, 4, 128, 8192) == "layer"      # exactly half
+    assert plugin._cpu_auto_layout(16, 4096, 4, 128, 8192) == "layer"  # exactly half
     assert plugin._cpu_auto_layout(16, 4096, 4, 128, 8191) == "mega"
     assert "could need 4096 page mappings" in caplog.text and "--max-num-seqs" in caplog.text
     # vLLM's CPU defaults (256 seqs) and an 8B model's 8k rows: 32 layers x 64 blocks x 2 x 256
     assert plugin._cpu_auto_layout(256, 8192, 32, 128, 28669) == "mega"
-    assert plugin._cpu_auto_layout(1, 100, 1, 128, 0) == "mega"            # no mappings allowed
+    assert plugin._cpu_auto_layout(1, 100, 1, 128, 0) == "mega"  # no mappings allowed
 
 
 def test_the_v1_runner_is_selected_and_an_explicit_v2_refused(monkeypatch):
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     plugin.select_v1_runner()
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
-    plugin.select_v1_runner()                               # idempotent
+    plugin.select_v1_runner()  # idempotent
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     with pytest.raises(vattention.ConfigError, match="VLLM_USE_V2_MODEL_RUNNER=1"):
         plugin.select_v1_runner()
@@ -155,11 +180,14 @@ def test_the_v1_runner_is_selected_and_an_explicit_v2_refused(monkeypatch):
 
 def test_register_is_a_no_op_without_the_switch():
     """Installing vattention changes nothing: without VATTENTION_VLLM=1, vLLM is not imported."""
-    code = ("import sys, vattention.integrations.vllm as p; p.register(); "
-            "print(any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules))")
+    code = (
+        "import sys, vattention.integrations.vllm as p; p.register(); "
+        "print(any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules))"
+    )
     env = {"PATH": "/usr/bin:/bin"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    )
     assert out.stdout.strip() == "False"
 
 
@@ -172,14 +200,14 @@ def test_stats_writer_writes_periodically_and_a_final_document(tmp_path):
         return {"ticks": len(ticks)}
 
     writer = StatsWriter(str(path), snapshot, interval_s=0.05)
-    assert json.loads(path.read_text())["ticks"] == 1        # written at start
+    assert json.loads(path.read_text())["ticks"] == 1  # written at start
     deadline = time.monotonic() + 10
     while json.loads(path.read_text())["ticks"] < 3:
         assert time.monotonic() < deadline
         time.sleep(0.02)
     writer.close({"final": True})
     assert json.loads(path.read_text()) == {"final": True}
-    assert [p.name for p in tmp_path.iterdir()] == ["kv.json"]   # no temporary left behind
+    assert [p.name for p in tmp_path.iterdir()] == ["kv.json"]  # no temporary left behind
     assert stats_path(str(path), 3, 4).endswith("kv.json.rank3")
 
 
@@ -215,14 +243,18 @@ def test_shared_prefix_hint_never_claims_more_than_the_tables_share(case):
     groups, lens = shared_prefixes(table, past, bs)
     ids = table.tolist()
 
-    def shared_tokens(i, j):   # whole cached blocks both rows name alike (holes never match)
+    def shared_tokens(i, j):  # whole cached blocks both rows name alike (holes never match)
         run = 0
-        while (run < len(ids[i]) and ids[i][run] == ids[j][run] and ids[i][run] != 0
-               and (run + 1) * bs <= min(past[i], past[j])):
+        while (
+            run < len(ids[i])
+            and ids[i][run] == ids[j][run]
+            and ids[i][run] != 0
+            and (run + 1) * bs <= min(past[i], past[j])
+        ):
             run += 1
         return run * bs
 
-    if groups is None:   # no two requests with the same non-null first block, both cached
+    if groups is None:  # no two requests with the same non-null first block, both cached
         firsts = [ids[i][0] for i in range(len(ids)) if ids[i][0] and past[i] >= bs]
         assert len(firsts) == len(set(firsts))
         return
@@ -235,8 +267,8 @@ def test_shared_prefix_hint_never_claims_more_than_the_tables_share(case):
                 assert min(n[i], n[j]) <= shared_tokens(i, j)
                 assert ids[i][0] == ids[j][0]
             elif i != j and ids[i][0] == ids[j][0] and ids[i][0] and min(past[i], past[j]) >= bs:
-                assert g[i] == g[j] >= 0   # requests sharing a cached first block: one group
-        if g[i] >= 0:   # and no less than it shares with its group's first request
+                assert g[i] == g[j] >= 0  # requests sharing a cached first block: one group
+        if g[i] >= 0:  # and no less than it shares with its group's first request
             lead = g.index(g[i])
             assert min(n[i], n[lead]) == (shared_tokens(i, lead) if i != lead else n[i])
     # the memo answers the same, and again without recomputing while nothing changed

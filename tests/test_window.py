@@ -20,14 +20,25 @@ H, D = 2, 64  # float32 (marks up to 2^24 are exact): 512 bytes per token row, l
 def windowed(make_cache, window_pages=1.5, pages=8, **kwargs):
     """A cache whose window spans `window_pages` pages of one tensor and slots hold `pages`
     pages."""
-    probe = make_cache(num_kv_heads=H, head_dim=D, max_batch_size=1, max_seq_len=1,
-                       dtype=torch.float32,
-                       **{k: v for k, v in kwargs.items() if k == "value_cache"})
+    probe = make_cache(
+        num_kv_heads=H,
+        head_dim=D,
+        max_batch_size=1,
+        max_seq_len=1,
+        dtype=torch.float32,
+        **{k: v for k, v in kwargs.items() if k == "value_cache"},
+    )
     tpp = probe.config.tokens_per_page
     probe.close()
     window = int(window_pages * tpp)
-    cache = make_cache(num_kv_heads=H, head_dim=D, max_seq_len=pages * tpp, dtype=torch.float32,
-                       sliding_window=kwargs.pop("sliding_window", window), **kwargs)
+    cache = make_cache(
+        num_kv_heads=H,
+        head_dim=D,
+        max_seq_len=pages * tpp,
+        dtype=torch.float32,
+        sliding_window=kwargs.pop("sliding_window", window),
+        **kwargs,
+    )
     return cache, tpp, window
 
 
@@ -82,8 +93,9 @@ def test_decode_holds_pages_bounded_by_the_window(make_cache):
         assert stats["pages_mapped"] == T * (cfg.pages_for_tokens(seq) // T - gone)
         assert stats["window_released_pages"] == T * gone
         start = -(-gone * cfg.page_bytes // cfg.tensor_token_bytes)
-        assert [cache.window_start(slot, layer) for layer in range(cfg.num_layers)] == \
-            [start] * cfg.num_layers
+        assert [cache.window_start(slot, layer) for layer in range(cfg.num_layers)] == [
+            start
+        ] * cfg.num_layers
         assert start <= old - window + 1 or start == 0  # every key of this step's queries is kept
         check_marks(cache, slot, max(start, seq - window), seq)
         peak = max(peak, stats["pages_mapped"])
@@ -123,10 +135,10 @@ def test_per_layer_windows_release_only_windowed_layers(make_cache, layout):
     full = cfg.pages_for_tokens(seq) // cfg.num_tensors
     assert cache.window_start(slot, 1) == 0
     assert cache.window_start(slot, 0) > 0
-    check_marks(cache, slot, 0, seq, layers=[1])                       # full layer: everything
+    check_marks(cache, slot, 0, seq, layers=[1])  # full layer: everything
     check_marks(cache, slot, cache.window_start(slot, 0), seq, layers=[0])
     gone = cache.stats()["window_released_pages"]
-    assert gone > 0 and gone % 2 == 0                                  # K and V of layer 0
+    assert gone > 0 and gone % 2 == 0  # K and V of layer 0
     assert cache.stats()["pages_mapped"] == 4 * full - gone
 
 
@@ -228,13 +240,22 @@ def test_window_pages_cover_a_step_under_a_tight_budget(make_cache):
 
 
 def test_window_config_errors_name_the_value():
-    base = dict(num_layers=2, num_kv_heads=2, head_dim=64, max_batch_size=1, max_seq_len=64,
-                dtype=torch.float16, page_size="4KB")
-    for bad, match in [(0, r"sliding_window=0 must be an int >= 1"),
-                       (True, r"sliding_window=True"),
-                       ([64], r"sliding_window has 1 entries; it needs one per layer"),
-                       ([64, -1], r"sliding_window\[1\]=-1 must be an int >= 1"),
-                       ("64", r"sliding_window='64' must be an int")]:
+    base = dict(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=64,
+        max_batch_size=1,
+        max_seq_len=64,
+        dtype=torch.float16,
+        page_size="4KB",
+    )
+    for bad, match in [
+        (0, r"sliding_window=0 must be an int >= 1"),
+        (True, r"sliding_window=True"),
+        ([64], r"sliding_window has 1 entries; it needs one per layer"),
+        ([64, -1], r"sliding_window\[1\]=-1 must be an int >= 1"),
+        ("64", r"sliding_window='64' must be an int"),
+    ]:
         with pytest.raises(vattention.ConfigError, match=match):
             vattention.KVCacheConfig(**base, sliding_window=bad)
     cfg = vattention.KVCacheConfig(**base, sliding_window=[None, 16])

@@ -135,32 +135,36 @@ class Checker:
             alias = next(a for a in found.names if (a.asname or a.name) == name)
             if origin.startswith("vllm"):
                 sub = f"{origin}.{alias.name}"
-                if self.src.module(sub) is not None:        # "from pkg import submodule"
+                if self.src.module(sub) is not None:  # "from pkg import submodule"
                     return sub, self.src.module(sub)
                 return self.find_def(origin, alias.name, depth + 1) or (module, found)
         if found is not None:
             return module, found
-        for node in _top_statements(tree.body):              # from .x import *
+        for node in _top_statements(tree.body):  # from .x import *
             if isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names):
                 origin = _absolute(module, is_pkg, node)
                 hit = self.find_def(origin, name, depth + 1)
                 if hit is not None:
                     return hit
-        for node in tree.body:                               # def __getattr__(name): "name"
+        for node in tree.body:  # def __getattr__(name): "name"
             if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
                 if any(isinstance(n, ast.Constant) and n.value == name for n in ast.walk(node)):
                     return module, node
         return None
 
     # ---- classes -----------------------------------------------------------------------------
-    def find_member(self, module: str, cls_name: str, member: str, want_attr: bool,
-                    depth: int = 0) -> Optional[ast.AST]:
+    def find_member(
+        self, module: str, cls_name: str, member: str, want_attr: bool, depth: int = 0
+    ) -> Optional[ast.AST]:
         hit = self.find_def(module, cls_name)
         if hit is None or not isinstance(hit[1], ast.ClassDef) or depth > MAX_DEPTH:
             return None
         mod, cls = hit
-        defs = [n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
-                and n.name == member]
+        defs = [
+            n
+            for n in cls.body
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == member
+        ]
         real = [d for d in defs if not any(_name_of(x) == "overload" for x in d.decorator_list)]
         if defs:
             return (real or defs)[-1]
@@ -172,12 +176,16 @@ class Checker:
                 if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.args.args:
                     me = fn.args.args[0].arg
                     for n in ast.walk(fn):
-                        if (isinstance(n, ast.Attribute) and n.attr == member
-                                and isinstance(n.ctx, ast.Store)
-                                and isinstance(n.value, ast.Name) and n.value.id == me):
+                        if (
+                            isinstance(n, ast.Attribute)
+                            and n.attr == member
+                            and isinstance(n.ctx, ast.Store)
+                            and isinstance(n.value, ast.Name)
+                            and n.value.id == me
+                        ):
                             return n
         for base in cls.bases:
-            if isinstance(base, ast.Subscript):              # Generic[T], Base[M]
+            if isinstance(base, ast.Subscript):  # Generic[T], Base[M]
                 base = base.value
             if isinstance(base, ast.Name):
                 found = self.find_member(mod, base.id, member, want_attr, depth + 1)
@@ -205,8 +213,9 @@ def check_params(fn: ast.AST, expected: Sequence[str]) -> Optional[str]:
     positional, kwonly = _params(fn)
     leading = [p for p in expected if not p.endswith("=")]
     anywhere = [p[:-1] for p in expected if p.endswith("=")]
-    ok = positional[:len(leading)] == leading and all(
-        p in positional or p in kwonly for p in anywhere)
+    ok = positional[: len(leading)] == leading and all(
+        p in positional or p in kwonly for p in anywhere
+    )
     if ok:
         return None
     shown = positional + [f"*, {k}" if i == 0 else k for i, k in enumerate(kwonly)]
@@ -219,14 +228,16 @@ def check_entry(checker: Checker, entry: Sequence) -> Tuple[str, str]:
     label = f"{kind:9s} {module}:{name}" + (f"({', '.join(params)})" if params else "")
     if kind == "literal":
         tree = checker.src.module(module)
-        hit = tree is not None and any(isinstance(n, ast.Constant) and n.value == name
-                                       for n in ast.walk(tree))
+        hit = tree is not None and any(
+            isinstance(n, ast.Constant) and n.value == name for n in ast.walk(tree)
+        )
         return ("OK" if hit else "MISSING"), label
     if kind == "assigned":
         tree = checker.src.module(module)
         hit = tree is not None and any(
             isinstance(n, ast.Attribute) and n.attr == name and isinstance(n.ctx, ast.Store)
-            for n in ast.walk(tree))
+            for n in ast.walk(tree)
+        )
         return ("OK" if hit else "MISSING"), label
     if kind in ("class", "function", "name"):
         hit = checker.find_def(module, name)
@@ -281,8 +292,11 @@ def run(location: str, manifest: List[Sequence], out=sys.stdout) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("vllm", help="a vLLM wheel, a folder holding vllm/, or the vllm folder")
-    parser.add_argument("--manifest", default=str(pathlib.Path(__file__).with_name(
-        "vllm_api_manifest.py")), help="Python file defining MANIFEST (default: %(default)s)")
+    parser.add_argument(
+        "--manifest",
+        default=str(pathlib.Path(__file__).with_name("vllm_api_manifest.py")),
+        help="Python file defining MANIFEST (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
     try:
         manifest = load_manifest(pathlib.Path(args.manifest))

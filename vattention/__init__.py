@@ -30,8 +30,20 @@ from .errors import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "KVCache", "KVCacheConfig", "Capacity", "parse_size", "VAttentionError", "ConfigError",
+    "KVCache",
+    "KVCacheConfig",
+    "Capacity",
+    "parse_size",
+    "VAttentionError",
+    "ConfigError",
     "InvalidSlotError",
-    "SequenceTooLongError", "OutOfPagesError", "DriverError", "BackendUnavailableError",
-    "CacheClosedError", "SwapSpaceError", "ArgumentTypeError", "ops", "__version__",
+    "SequenceTooLongError",
+    "OutOfPagesError",
+    "DriverError",
+    "BackendUnavailableError",
+    "CacheClosedError",
+    "SwapSpaceError",
+    "ArgumentTypeError",
+    "ops",
+    "__version__",
 ]

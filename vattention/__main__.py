@@ -42,12 +42,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     # Everything after the command is the command's own (``demo --help`` prints demo's usage).
     command, rest = argv[0], argv[1:]
     if command == "info":
-        parser = argparse.ArgumentParser(prog="python -m vattention info",
-                                         description="Backends available here, and why not.")
+        parser = argparse.ArgumentParser(
+            prog="python -m vattention info", description="Backends available here, and why not."
+        )
         parser.parse_args(rest)
         return _info()
     if command == "demo":
         from .bench.demo import main as demo_main
+
         return demo_main(rest)
     try:
         from .bench.cli import main as bench_main

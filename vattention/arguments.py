@@ -48,7 +48,8 @@ def as_int(value, name: str) -> int:
         return operator.index(value)
     except TypeError:
         raise ArgumentTypeError(
-            f"{name}={value!r} must be an int, got {type(value).__name__}") from None
+            f"{name}={value!r} must be an int, got {type(value).__name__}"
+        ) from None
 
 
 def as_slot(value, max_batch_size: int, name: str = "slot") -> int:
@@ -56,8 +57,9 @@ def as_slot(value, max_batch_size: int, name: str = "slot") -> int:
     the core checks ``[0, max_batch_size)`` itself (after checking that the cache is open)."""
     slot = as_int(value, name)
     if not -INT32_MAX - 1 <= slot <= INT32_MAX:
-        raise InvalidSlotError(f"{name}={slot} is out of range [0, {max_batch_size}) "
-                               f"(max_batch_size={max_batch_size})")
+        raise InvalidSlotError(
+            f"{name}={slot} is out of range [0, {max_batch_size}) (max_batch_size={max_batch_size})"
+        )
     return slot
 
 
@@ -70,8 +72,7 @@ def as_tokens(value, name: str, limit: int, *, none_as: int | None = None) -> in
         return none_as
     tokens = as_int(value, name)
     if not -INT64_MAX - 1 <= tokens <= INT64_MAX or (none_as is not None and tokens < 0):
-        raise SequenceTooLongError(f"{name}={tokens} is outside [0, {limit}] "
-                                   f"(max_seq_len={limit})")
+        raise SequenceTooLongError(f"{name}={tokens} is outside [0, {limit}] (max_seq_len={limit})")
     return tokens
 
 
@@ -79,8 +80,10 @@ def as_handle(value, name: str = "handle") -> int:
     """A swap handle (an int from ``swap_out``); out-of-range ints are unknown handles."""
     handle = as_int(value, name)
     if not 0 <= handle <= INT64_MAX:
-        raise InvalidSlotError(f"{name}={handle} is not a swap handle (handles are ints in "
-                               f"[1, {INT64_MAX}] returned by swap_out())")
+        raise InvalidSlotError(
+            f"{name}={handle} is not a swap handle (handles are ints in "
+            f"[1, {INT64_MAX}] returned by swap_out())"
+        )
     return handle
 
 
@@ -96,9 +99,10 @@ def as_stream(stream, name: str = "stream") -> int:
     except ArgumentTypeError:
         raise ArgumentTypeError(
             f"{name}={stream!r} must be None, an int stream handle or a torch.cuda.Stream, "
-            f"got {type(stream).__name__}") from None
+            f"got {type(stream).__name__}"
+        ) from None
     if not 0 <= handle <= UINT64_MAX:
-        raise ConfigError(f"{name}={handle} is not a stream handle: it must be in "
-                          f"[0, {UINT64_MAX}]")
+        raise ConfigError(
+            f"{name}={handle} is not a stream handle: it must be in [0, {UINT64_MAX}]"
+        )
     return handle
-

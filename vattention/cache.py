@@ -35,10 +35,15 @@ def _as_lens(seq_lens: SeqLens):
     if isinstance(seq_lens, torch.Tensor):
         if seq_lens.dim() != 1:
             raise ConfigError(f"seq_lens tensor must be 1-D, got shape {tuple(seq_lens.shape)}")
-        if seq_lens.dtype.is_floating_point or seq_lens.dtype.is_complex or \
-                seq_lens.dtype == torch.bool:
-            raise ArgumentTypeError(f"seq_lens must hold integers (lengths in tokens), got a "
-                                    f"{seq_lens.dtype} tensor; convert it explicitly")
+        if (
+            seq_lens.dtype.is_floating_point
+            or seq_lens.dtype.is_complex
+            or seq_lens.dtype == torch.bool
+        ):
+            raise ArgumentTypeError(
+                f"seq_lens must hold integers (lengths in tokens), got a "
+                f"{seq_lens.dtype} tensor; convert it explicitly"
+            )
         return seq_lens.detach().to("cpu", torch.int64).tolist()
     return seq_lens
 
@@ -49,11 +54,14 @@ def _lens_error(error: Exception, seq_lens, max_batch: int, max_seq: int) -> Exc
         items = seq_lens.items() if isinstance(seq_lens, dict) else enumerate(seq_lens)
         for slot, length in items:
             if isinstance(slot, int) and not 0 <= slot < max_batch:
-                return InvalidSlotError(f"slot={slot} is out of range [0, {max_batch}) "
-                                        f"(max_batch_size={max_batch})")
-            if isinstance(length, int) and not -2**63 <= length < 2**63:
-                return SequenceTooLongError(f"seq_lens[slot={slot}]={length} is outside "
-                                            f"[0, {max_seq}] (max_seq_len={max_seq})")
+                return InvalidSlotError(
+                    f"slot={slot} is out of range [0, {max_batch}) (max_batch_size={max_batch})"
+                )
+            if isinstance(length, int) and not -(2**63) <= length < 2**63:
+                return SequenceTooLongError(
+                    f"seq_lens[slot={slot}]={length} is outside "
+                    f"[0, {max_seq}] (max_seq_len={max_seq})"
+                )
     return ArgumentTypeError(str(error))
 
 
@@ -90,10 +98,15 @@ def _warn_if_coarse(config: KVCacheConfig) -> None:
             "per-layer shapes: token rows of %s bytes have a gcd of %d bytes, so one page index "
             "holds %d tokens and takes %d pages (%d bytes) over all layers, %dx the pages of the "
             "largest layer alone; a request rounds up to that. A smaller page_size (now %d bytes) "
-            "makes indices finer", sorted({config.layer_token_bytes(i)
-                                           for i in range(config.num_layers)}),
-            config.unit_bytes, config.tokens_per_page, config.pages_per_index,
-            config.pages_per_index * config.page_bytes, most, config.page_bytes)
+            "makes indices finer",
+            sorted({config.layer_token_bytes(i) for i in range(config.num_layers)}),
+            config.unit_bytes,
+            config.tokens_per_page,
+            config.pages_per_index,
+            config.pages_per_index * config.page_bytes,
+            most,
+            config.page_bytes,
+        )
 
 
 class KVCache(SharingMixin, SwapMixin):
@@ -128,8 +141,13 @@ class KVCache(SharingMixin, SwapMixin):
     256
     """
 
-    def __init__(self, config: KVCacheConfig, *, memory_budget: Optional[Size] = None,
-                 swap_budget: Optional[Size] = None) -> None:
+    def __init__(
+        self,
+        config: KVCacheConfig,
+        *,
+        memory_budget: Optional[Size] = None,
+        swap_budget: Optional[Size] = None,
+    ) -> None:
         if not isinstance(config, KVCacheConfig):
             raise ConfigError(f"config must be a KVCacheConfig, got {type(config).__name__}")
         budget = -1 if memory_budget is None else parse_size(memory_budget, name="memory_budget")
@@ -137,18 +155,28 @@ class KVCache(SharingMixin, SwapMixin):
             raise ConfigError(
                 f"memory_budget={memory_budget!r} ({budget} bytes) is smaller than one page "
                 f"(page_size={config.page_size!r}, {config.page_bytes} bytes): no token could "
-                f"ever be mapped; give at least {config.page_bytes} bytes or None for no cap")
+                f"ever be mapped; give at least {config.page_bytes} bytes or None for no cap"
+            )
         self._dl_code, self._dl_bits = DTYPES[config.dtype]
         if config.per_layer_shapes:
             _warn_if_coarse(config)
-        self._attach(config, _C.KVCacheCore(config.device, config.geometry, budget,
-                                            config.reclaim == "eager", config.lookahead_tokens,
-                                            config.num_blocks or 0, config.block_cache))
+        self._attach(
+            config,
+            _C.KVCacheCore(
+                config.device,
+                config.geometry,
+                budget,
+                config.reclaim == "eager",
+                config.lookahead_tokens,
+                config.num_blocks or 0,
+                config.block_cache,
+            ),
+        )
         if config.scrub:
             self._core.set_scrub(True)
         if swap_budget is not None:
             self.set_swap_budget(swap_budget)
-        self._layers: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
+        self._layers: Optional[List[Tuple[torch.Tensor, Optional[torch.Tensor]]]] = None
         logger.debug("KVCache %s: %d bytes virtual", config, config.virtual_bytes)
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -202,11 +230,13 @@ class KVCache(SharingMixin, SwapMixin):
             if self.closed:
                 raise CacheClosedError("the KV cache is closed; create a new KVCache")
             values = self._config.value_cache
-            self._layers = [(self._tensor(0, i), self._tensor(1, i) if values else None)
-                            for i in range(self._config.num_layers)]
+            self._layers = [
+                (self._tensor(0, i), self._tensor(1, i) if values else None)
+                for i in range(self._config.num_layers)
+            ]
         return self._layers
 
-    def layer(self, index: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    def layer(self, index: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """K and V of one layer: tensors ``[max_batch_size, max_seq_len, num_kv_heads, head_dim]``
         (that layer's ``num_kv_heads[index]`` and ``head_dim[index]`` with per-layer shapes).
 
@@ -255,21 +285,29 @@ class KVCache(SharingMixin, SwapMixin):
         if cfg.layout == "layer":
             k = self._core.tensor_base(index)
             return k, self._core.tensor_base(cfg.num_layers + index) if cfg.value_cache else 0
-        offset = index * cfg.num_kv_heads * cfg.head_dim * cfg.element_bytes
-        return (self._core.tensor_base(0) + offset,
-                self._core.tensor_base(1) + offset if cfg.value_cache else 0)
+        offset = index * cfg.layer_kv_heads[index] * cfg.layer_head_dims[index] * cfg.element_bytes
+        return (
+            self._core.tensor_base(0) + offset,
+            self._core.tensor_base(1) + offset if cfg.value_cache else 0,
+        )
 
-    def host_alias(self, index: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    def host_alias(self, index: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Layer ``index`` exported as CPU tensors whatever the device.
 
         Only meaningful where the device memory is host memory (the host backend, or the CUDA
-        driver emulation used in tests). Never use it with a real GPU.
+        driver emulation used in tests). Never use it with a real GPU. V is ``None`` with
+        ``value_cache=False``.
         """
         index = self._layer_index(index)
-        return tuple(self._as_dtype(torch.from_dlpack(self._core.export_tensor(
-                         kv, index, self._dl_code, self._dl_bits, True)))
-                     if kv == 0 or self._config.value_cache else None
-                     for kv in (0, 1))
+
+        def alias(kv: int) -> torch.Tensor:
+            return self._as_dtype(
+                torch.from_dlpack(
+                    self._core.export_tensor(kv, index, self._dl_code, self._dl_bits, True)
+                )
+            )
+
+        return alias(0), alias(1) if self._config.value_cache else None
 
     # ---- slots --------------------------------------------------------------------------------
     def alloc(self, *, hits: Optional[Sequence] = None) -> int:
@@ -298,8 +336,9 @@ class KVCache(SharingMixin, SwapMixin):
         """
         self._core.free(self._slot(slot), _stream_handle(stream))
 
-    def step(self, seq_lens: SeqLens, *, blocks: Optional[Mapping[int, BlockUpdate]] = None,
-             stream=None) -> None:
+    def step(
+        self, seq_lens: SeqLens, *, blocks: Optional[Mapping[int, BlockUpdate]] = None, stream=None
+    ) -> None:
         """Back every listed slot up to its length before the next attention call.
 
         Parameters
@@ -345,16 +384,16 @@ class KVCache(SharingMixin, SwapMixin):
             if blocks is None:
                 self._core.step(seq_lens, 0 if stream is None else _stream_handle(stream))
             else:
-                self._core.step(seq_lens, 0 if stream is None else _stream_handle(stream),
-                                blocks)
+                self._core.step(seq_lens, 0 if stream is None else _stream_handle(stream), blocks)
         except (TypeError, OverflowError) as e:
             if isinstance(e, ArgumentTypeError):
                 raise
             cfg = self._config
             raise _lens_error(e, seq_lens, cfg.max_batch_size, cfg.max_seq_len) from None
 
-    def capacity(self, seq_lens: SeqLens = None, *,
-                 new_requests: Sequence[int] = ()) -> Capacity:
+    def capacity(
+        self, seq_lens: Optional[SeqLens] = None, *, new_requests: Sequence[int] = ()
+    ) -> Capacity:
         """What :meth:`step` ``(seq_lens)`` would need, plus admitting requests of
         ``new_requests`` tokens each, and what it could get. Maps nothing, changes nothing.
 
@@ -396,8 +435,9 @@ class KVCache(SharingMixin, SwapMixin):
         limit = self._config.max_seq_len
         for i, n in enumerate(new):
             if not 0 <= n <= limit:
-                raise SequenceTooLongError(f"new_requests[{i}]={n} is outside [0, {limit}] "
-                                           f"(max_seq_len={limit})")
+                raise SequenceTooLongError(
+                    f"new_requests[{i}]={n} is outside [0, {limit}] (max_seq_len={limit})"
+                )
         try:
             c = self._core.capacity(lens, new)
         except (TypeError, OverflowError) as e:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import re
-from typing import Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -44,9 +44,19 @@ LAYOUTS = ("layer", "mega")
 RECLAIM_POLICIES = ("deferred", "eager")
 
 MAX_SIZE = 2**63 - 1  # bytes: sizes cross into the core as int64/size_t
-MAX_INT = 2**63 - 1   # every count crosses into the core as int64
-_UNITS = {"": 1, "b": 1, "kb": 1 << 10, "kib": 1 << 10, "mb": 1 << 20, "mib": 1 << 20,
-          "gb": 1 << 30, "gib": 1 << 30, "tb": 1 << 40, "tib": 1 << 40}
+MAX_INT = 2**63 - 1  # every count crosses into the core as int64
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1 << 10,
+    "kib": 1 << 10,
+    "mb": 1 << 20,
+    "mib": 1 << 20,
+    "gb": 1 << 30,
+    "gib": 1 << 30,
+    "tb": 1 << 40,
+    "tib": 1 << 40,
+}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -61,8 +71,11 @@ def parse_size(size: Size, *, name: str = "size") -> int:
     """
     if isinstance(size, bool):
         raise ConfigError(f"{name} must be an int (bytes) or a string like '2MB', got {size!r}")
-    if not isinstance(size, (int, str)) and hasattr(size, "__index__") and \
-            not str(getattr(size, "dtype", "")).endswith("bool"):
+    if (
+        not isinstance(size, (int, str))
+        and hasattr(size, "__index__")
+        and not str(getattr(size, "dtype", "")).endswith("bool")
+    ):
         size = operator.index(size)  # numpy and torch integer scalars
     if isinstance(size, int):
         value = size
@@ -72,15 +85,18 @@ def parse_size(size: Size, *, name: str = "size") -> int:
         if m is None or unit not in _UNITS:
             raise ConfigError(
                 f"{name}={size!r} is not a size; use bytes or a number with one of "
-                "B, KB, MB, GB, TB (binary units)")
+                "B, KB, MB, GB, TB (binary units)"
+            )
         value = int(float(m.group(1)) * _UNITS[unit])
     else:
         raise ConfigError(f"{name} must be an int (bytes) or a string like '2MB', got {size!r}")
     if value < 0:
         raise ConfigError(f"{name}={size!r} must be >= 0 bytes")
     if value > MAX_SIZE:
-        raise ConfigError(f"{name}={size!r} ({value} bytes) exceeds the largest size the core "
-                          f"accepts, {MAX_SIZE} bytes (2**63 - 1)")
+        raise ConfigError(
+            f"{name}={size!r} ({value} bytes) exceeds the largest size the core "
+            f"accepts, {MAX_SIZE} bytes (2**63 - 1)"
+        )
     return value
 
 
@@ -95,49 +111,60 @@ def _normalize_dtype(dtype) -> torch.dtype:
 
 def _normalize_window(window: Window, num_layers: int) -> Union[None, int, tuple]:
     """None, an int W >= 1 for every layer, or a tuple of num_layers entries (None = full)."""
+
     def check(value, where):
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{where}={value!r} must be an int >= 1 (tokens) or None "
-                              "(full attention)")
+            raise ConfigError(
+                f"{where}={value!r} must be an int >= 1 (tokens) or None (full attention)"
+            )
         return _int64(value, where)
 
     if window is None or isinstance(window, (int, bool)):
         return check(window, "sliding_window")
     if isinstance(window, (str, bytes)) or not isinstance(window, Sequence):
-        raise ConfigError(f"sliding_window={window!r} must be an int, None, or a sequence of "
-                          f"{num_layers} ints/None (one per layer)")
+        raise ConfigError(
+            f"sliding_window={window!r} must be an int, None, or a sequence of "
+            f"{num_layers} ints/None (one per layer)"
+        )
     if len(window) != num_layers:
-        raise ConfigError(f"sliding_window has {len(window)} entries; it needs one per layer "
-                          f"(num_layers={num_layers})")
+        raise ConfigError(
+            f"sliding_window has {len(window)} entries; it needs one per layer "
+            f"(num_layers={num_layers})"
+        )
     # Whether the layout allows per-layer windows is the core's check (geometry.h).
     return tuple(check(w, f"sliding_window[{i}]") for i, w in enumerate(window))
 
 
 def _normalize_per_layer(value: PerLayer, name: str, num_layers: int) -> Union[int, tuple]:
     """An int >= 1, or a sequence of num_layers of them (collapsed to an int when all equal)."""
+
     def check(v, where):
         if isinstance(v, bool) or not isinstance(v, int):
             raise ConfigError(f"{where}={v!r} must be a positive int (>= 1)")
         return _int64(v, where)
 
     if isinstance(value, (str, bytes)) or not isinstance(value, (int, Sequence)):
-        raise ConfigError(f"{name}={value!r} must be a positive int, or a sequence of "
-                          f"{num_layers} positive ints (one per layer)")
+        raise ConfigError(
+            f"{name}={value!r} must be a positive int, or a sequence of "
+            f"{num_layers} positive ints (one per layer)"
+        )
     if not isinstance(value, Sequence):
         return check(value, name)
     if len(value) != num_layers:
-        raise ConfigError(f"{name} has {len(value)} entries; it needs one per layer "
-                          f"(num_layers={num_layers})")
+        raise ConfigError(
+            f"{name} has {len(value)} entries; it needs one per layer (num_layers={num_layers})"
+        )
     per_layer = tuple(check(v, f"{name}[{i}]") for i, v in enumerate(value))
     return per_layer[0] if len(set(per_layer)) == 1 else per_layer
 
 
 def _int64(value: int, name: str) -> int:
     if value > MAX_INT:
-        raise ConfigError(f"{name}={value} exceeds the largest value the core accepts, "
-                          f"{MAX_INT} (2**63 - 1)")
+        raise ConfigError(
+            f"{name}={value} exceeds the largest value the core accepts, {MAX_INT} (2**63 - 1)"
+        )
     return value
 
 
@@ -252,6 +279,10 @@ class KVCacheConfig:
     num_blocks: Optional[int] = None
     block_cache: bool = False
     layer_groups: Optional[Sequence[int]] = None
+    if TYPE_CHECKING:
+        # The core's geometry, set by __post_init__; not a field at run time (no __init__
+        # argument, not printed, compared or hashed): declared for the type checker only.
+        _geometry: _C.CacheGeometry = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "max_batch_size", "max_seq_len"):
@@ -262,8 +293,9 @@ class KVCacheConfig:
         if self.num_layers < 1:  # the per-layer sequences below are checked against it
             raise ConfigError(f"num_layers={self.num_layers!r} must be a positive int (>= 1)")
         for name in ("num_kv_heads", "head_dim"):
-            object.__setattr__(self, name,
-                               _normalize_per_layer(getattr(self, name), name, self.num_layers))
+            object.__setattr__(
+                self, name, _normalize_per_layer(getattr(self, name), name, self.num_layers)
+            )
         object.__setattr__(self, "dtype", _normalize_dtype(self.dtype))
         object.__setattr__(self, "device", _normalize_device(self.device))
         if self.layout not in LAYOUTS:
@@ -274,15 +306,21 @@ class KVCacheConfig:
             raise ConfigError(f"scrub={self.scrub!r} must be True or False")
         if not isinstance(self.value_cache, bool):
             raise ConfigError(f"value_cache={self.value_cache!r} must be True or False")
-        object.__setattr__(self, "sliding_window",
-                           _normalize_window(self.sliding_window, self.num_layers))
-        if (isinstance(self.lookahead_tokens, bool) or not isinstance(self.lookahead_tokens, int)
-                or self.lookahead_tokens < 0):
+        object.__setattr__(
+            self, "sliding_window", _normalize_window(self.sliding_window, self.num_layers)
+        )
+        if (
+            isinstance(self.lookahead_tokens, bool)
+            or not isinstance(self.lookahead_tokens, int)
+            or self.lookahead_tokens < 0
+        ):
             raise ConfigError(f"lookahead_tokens={self.lookahead_tokens!r} must be an int >= 0")
         _int64(self.lookahead_tokens, "lookahead_tokens")
-        if self.num_blocks is not None and (isinstance(self.num_blocks, bool) or
-                                            not isinstance(self.num_blocks, int) or
-                                            self.num_blocks < 1):
+        if self.num_blocks is not None and (
+            isinstance(self.num_blocks, bool)
+            or not isinstance(self.num_blocks, int)
+            or self.num_blocks < 1
+        ):
             raise ConfigError(f"num_blocks={self.num_blocks!r} must be an int >= 1, or None")
         if self.num_blocks is not None:
             _int64(self.num_blocks, "num_blocks")
@@ -291,26 +329,40 @@ class KVCacheConfig:
         if self.block_cache and self.num_blocks is None:
             raise ConfigError("block_cache=True needs num_blocks (pages named by engine blocks)")
         if self.layer_groups is not None:
-            if isinstance(self.layer_groups, (str, bytes)) or \
-                    not isinstance(self.layer_groups, Sequence) or \
-                    any(isinstance(g, bool) or not isinstance(g, int) for g in self.layer_groups):
-                raise ConfigError(f"layer_groups={self.layer_groups!r} must be a sequence of "
-                                  f"{self.num_layers} ints (the KV cache group of each layer)")
+            if (
+                isinstance(self.layer_groups, (str, bytes))
+                or not isinstance(self.layer_groups, Sequence)
+                or any(isinstance(g, bool) or not isinstance(g, int) for g in self.layer_groups)
+            ):
+                raise ConfigError(
+                    f"layer_groups={self.layer_groups!r} must be a sequence of "
+                    f"{self.num_layers} ints (the KV cache group of each layer)"
+                )
             object.__setattr__(self, "layer_groups", tuple(self.layer_groups))
         page_bytes = parse_size(self.page_size, name="page_size")
         if page_bytes < 1:
             raise ConfigError(f"page_size={self.page_size!r} must be > 0 bytes")
         per_layer = self.per_layer_shapes
         # The core checks every value and computes every size (csrc/core/geometry.h).
-        object.__setattr__(self, "_geometry", _C.CacheGeometry(
-            num_layers=self.num_layers, num_kv_heads=self.layer_kv_heads[0],
-            head_dim=self.layer_head_dims[0], element_bytes=self.element_bytes,
-            max_batch=self.max_batch_size, max_seq=self.max_seq_len, page_bytes=page_bytes,
-            mega=self.layout == "mega", value_cache=self.value_cache,
-            windows=list(self.layer_windows) if self.sliding_window else [],
-            layer_kv_heads=list(self.layer_kv_heads) if per_layer else [],
-            layer_head_dims=list(self.layer_head_dims) if per_layer else [],
-            layer_groups=list(self.layer_groups or ())))
+        object.__setattr__(
+            self,
+            "_geometry",
+            _C.CacheGeometry(
+                num_layers=self.num_layers,
+                num_kv_heads=self.layer_kv_heads[0],
+                head_dim=self.layer_head_dims[0],
+                element_bytes=self.element_bytes,
+                max_batch=self.max_batch_size,
+                max_seq=self.max_seq_len,
+                page_bytes=page_bytes,
+                mega=self.layout == "mega",
+                value_cache=self.value_cache,
+                windows=list(self.layer_windows) if self.sliding_window else [],
+                layer_kv_heads=list(self.layer_kv_heads) if per_layer else [],
+                layer_head_dims=list(self.layer_head_dims) if per_layer else [],
+                layer_groups=list(self.layer_groups or ()),
+            ),
+        )
 
     @property
     def geometry(self) -> _C.CacheGeometry:
@@ -355,13 +407,13 @@ class KVCacheConfig:
     def layer_kv_heads(self) -> Tuple[int, ...]:
         """KV heads of each layer."""
         h = self.num_kv_heads
-        return (h,) * self.num_layers if isinstance(h, int) else h
+        return (h,) * self.num_layers if isinstance(h, int) else tuple(h)
 
     @property
     def layer_head_dims(self) -> Tuple[int, ...]:
         """Head dim of each layer."""
         d = self.head_dim
-        return (d,) * self.num_layers if isinstance(d, int) else d
+        return (d,) * self.num_layers if isinstance(d, int) else tuple(d)
 
     def layer_token_bytes(self, layer: int) -> int:
         """Bytes of one token of one layer's K (or V): ``num_kv_heads * head_dim * element``."""

@@ -41,19 +41,24 @@ __all__ = ["append", "append_kv"]
 
 def _check(cache: Tensor, x: Tensor, slots: Tensor, positions: Tensor) -> None:
     if cache.dim() < 3:
-        raise ConfigError(f"cache must be a [batch, seq, ...] cache tensor, got shape "
-                          f"{tuple(cache.shape)}")
+        raise ConfigError(
+            f"cache must be a [batch, seq, ...] cache tensor, got shape {tuple(cache.shape)}"
+        )
     for name, idx in (("slots", slots), ("positions", positions)):
         if idx.dim() != 1 or idx.dtype not in (torch.int64, torch.int32):
-            raise ConfigError(f"{name} must be a 1-D int64 or int32 tensor, got shape "
-                              f"{tuple(idx.shape)} and dtype {idx.dtype}")
+            raise ConfigError(
+                f"{name} must be a 1-D int64 or int32 tensor, got shape "
+                f"{tuple(idx.shape)} and dtype {idx.dtype}"
+            )
     n = slots.shape[0]
     if positions.shape[0] != n:
         raise ConfigError(f"positions has {positions.shape[0]} entries but slots has {n}")
     want = (n,) + tuple(cache.shape[2:])
     if tuple(x.shape) != want:
-        raise ConfigError(f"new tokens have shape {tuple(x.shape)}; this cache takes {want} "
-                          f"(one row per slot: [n, *cache.shape[2:]])")
+        raise ConfigError(
+            f"new tokens have shape {tuple(x.shape)}; this cache takes {want} "
+            f"(one row per slot: [n, *cache.shape[2:]])"
+        )
     if x.dtype != cache.dtype:
         raise ConfigError(f"new tokens have dtype {x.dtype}; the cache holds {cache.dtype}")
 
@@ -96,8 +101,9 @@ def _append_fake(cache: Tensor, x: Tensor, slots: Tensor, positions: Tensor) -> 
     return None
 
 
-def append_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slots: Tensor,
-              positions: Tensor) -> None:
+def append_kv(
+    k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slots: Tensor, positions: Tensor
+) -> None:
     """:func:`append` into a layer's K and V caches: ``k[i]``, ``v[i]`` at
     ``(slots[i], positions[i])``.
 

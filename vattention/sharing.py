@@ -72,8 +72,9 @@ class SharingMixin(CacheBase):
         inherited from an earlier request go back to the pool.
         """
         n = as_tokens(num_tokens, "num_tokens", self._config.max_seq_len)
-        self._core.share_prefix(self._slot(src_slot, "src_slot"), self._slot(dst_slot, "dst_slot"),
-                                n, _stream(stream))
+        self._core.share_prefix(
+            self._slot(src_slot, "src_slot"), self._slot(dst_slot, "dst_slot"), n, _stream(stream)
+        )
 
     def ensure_private(self, slot: int, start_token: int, *, stream=None) -> int:
         """Give ``slot`` private copies of its shared pages from ``start_token``'s page on.

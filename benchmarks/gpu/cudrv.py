@@ -17,8 +17,13 @@ class _Loc(ctypes.Structure):
 
 
 class _Prop(ctypes.Structure):
-    _fields_ = [("type", _int), ("requestedHandleTypes", _int), ("location", _Loc),
-                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", ctypes.c_ubyte * 8)]
+    _fields_ = [
+        ("type", _int),
+        ("requestedHandleTypes", _int),
+        ("location", _Loc),
+        ("win32HandleMetaData", ctypes.c_void_p),
+        ("allocFlags", ctypes.c_ubyte * 8),
+    ]
 
 
 class _Access(ctypes.Structure):
@@ -45,8 +50,11 @@ class Driver:
         self.lib.cuMemMap.argtypes = [_u64, _sz, _sz, _u64, _u64]
         self.lib.cuMemUnmap.argtypes = [_u64, _sz]
         self.lib.cuMemSetAccess.argtypes = [_u64, _sz, ctypes.POINTER(_Access), _sz]
-        self.lib.cuMemGetAllocationGranularity.argtypes = [ctypes.POINTER(_sz),
-                                                          ctypes.POINTER(_Prop), _int]
+        self.lib.cuMemGetAllocationGranularity.argtypes = [
+            ctypes.POINTER(_sz),
+            ctypes.POINTER(_Prop),
+            _int,
+        ]
 
     @staticmethod
     def _check(res: int, what: str) -> None:
@@ -55,8 +63,10 @@ class Driver:
 
     def granularity(self) -> int:
         g = _sz()
-        self._check(self.lib.cuMemGetAllocationGranularity(ctypes.byref(g), ctypes.byref(self.prop),
-                                                           0), "granularity")
+        self._check(
+            self.lib.cuMemGetAllocationGranularity(ctypes.byref(g), ctypes.byref(self.prop), 0),
+            "granularity",
+        )
         return g.value
 
     def reserve(self, nbytes: int) -> int:
@@ -69,8 +79,9 @@ class Driver:
 
     def create(self, nbytes: int) -> int:
         h = _u64()
-        self._check(self.lib.cuMemCreate(ctypes.byref(h), nbytes, ctypes.byref(self.prop), 0),
-                    "cuMemCreate")
+        self._check(
+            self.lib.cuMemCreate(ctypes.byref(h), nbytes, ctypes.byref(self.prop), 0), "cuMemCreate"
+        )
         return h.value
 
     def release(self, h: int) -> None:
@@ -80,8 +91,9 @@ class Driver:
         self._check(self.lib.cuMemMap(va, nbytes, 0, h, 0), "cuMemMap")
 
     def set_access(self, va: int, nbytes: int) -> None:
-        self._check(self.lib.cuMemSetAccess(va, nbytes, ctypes.byref(self.access), 1),
-                    "cuMemSetAccess")
+        self._check(
+            self.lib.cuMemSetAccess(va, nbytes, ctypes.byref(self.access), 1), "cuMemSetAccess"
+        )
 
     def unmap(self, va: int, nbytes: int) -> None:
         self._check(self.lib.cuMemUnmap(va, nbytes), "cuMemUnmap")

@@ -11,8 +11,13 @@ import time
 GB = 1 << 30
 
 
-def measure(device: str = "cuda:0", page_sizes=("2MB", "8MB"), batch: int = 64,
-            max_seq: int = 8192, chunk: int = 512) -> list[dict]:
+def measure(
+    device: str = "cuda:0",
+    page_sizes=("2MB", "8MB"),
+    batch: int = 64,
+    max_seq: int = 8192,
+    chunk: int = 512,
+) -> list[dict]:
     import torch
 
     import vattention
@@ -20,9 +25,16 @@ def measure(device: str = "cuda:0", page_sizes=("2MB", "8MB"), batch: int = 64,
     rows = []
     for page in page_sizes:
         for pre_created in (True, False):
-            cfg = vattention.KVCacheConfig(num_layers=32, num_kv_heads=8, head_dim=128,
-                                           max_batch_size=batch, max_seq_len=max_seq,
-                                           dtype=torch.bfloat16, device=device, page_size=page)
+            cfg = vattention.KVCacheConfig(
+                num_layers=32,
+                num_kv_heads=8,
+                head_dim=128,
+                max_batch_size=batch,
+                max_seq_len=max_seq,
+                dtype=torch.bfloat16,
+                device=device,
+                page_size=page,
+            )
             with vattention.KVCache(cfg) as cache:
                 slots = [cache.alloc() for _ in range(batch)]
                 if pre_created:
@@ -34,11 +46,15 @@ def measure(device: str = "cuda:0", page_sizes=("2MB", "8MB"), batch: int = 64,
                 elapsed = time.perf_counter() - t0
                 after = cache.stats()
                 mapped = after["bytes_mapped"] - before["bytes_mapped"]
-                rows.append({"page": page, "pages_pre_created": pre_created,
-                             "GB_mapped": round(mapped / GB, 2),
-                             "map_calls": after["map_calls"] - before["map_calls"],
-                             "set_access_calls": after["set_access_calls"]
-                             - before["set_access_calls"],
-                             "seconds": round(elapsed, 4),
-                             "GB_per_s": round(mapped / GB / elapsed, 2)})
+                rows.append(
+                    {
+                        "page": page,
+                        "pages_pre_created": pre_created,
+                        "GB_mapped": round(mapped / GB, 2),
+                        "map_calls": after["map_calls"] - before["map_calls"],
+                        "set_access_calls": after["set_access_calls"] - before["set_access_calls"],
+                        "seconds": round(elapsed, 4),
+                        "GB_per_s": round(mapped / GB / elapsed, 2),
+                    }
+                )
     return rows

@@ -54,5 +54,9 @@ def _bars_png(path: str, values: list[float], width: int = 800, height: int = 30
 
     with open(path, "wb") as f:
         header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
-        f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
-                + chunk(b"IDAT", raw) + chunk(b"IEND", b""))
+        f.write(
+            b"\x89PNG\r\n\x1a\n"
+            + chunk(b"IHDR", header)
+            + chunk(b"IDAT", raw)
+            + chunk(b"IEND", b"")
+        )

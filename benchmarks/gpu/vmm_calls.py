@@ -41,8 +41,13 @@ def measure(page_sizes_mb=(2, 4, 8, 16, 32, 64), total_mb: int = 1024) -> list[d
             drv.release(h)
         t["release"] = time.perf_counter() - t0
         drv.free(va, n * size)
-        rows.append({"page_MB": size_mb, "pages": n,
-                     **{f"{k}_us": round(v / n * 1e6, 2) for k, v in t.items()}})
+        rows.append(
+            {
+                "page_MB": size_mb,
+                "pages": n,
+                **{f"{k}_us": round(v / n * 1e6, 2) for k, v in t.items()},
+            }
+        )
     return rows
 
 

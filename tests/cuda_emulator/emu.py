@@ -80,7 +80,7 @@ class CUmemAccessDesc(ctypes.Structure):
 
 
 def unavailable_reason() -> str:
-    """"" when the emulation library is built (or can be built now), else why not."""
+    """ "" when the emulation library is built (or can be built now), else why not."""
     if LIB_PATH.exists():
         return ""
     if shutil.which("make") is None:
@@ -137,20 +137,29 @@ class Emulator:
             "cuDeviceGet": ([ctypes.POINTER(ctypes.c_int), ctypes.c_int], ctypes.c_int),
             "cuDeviceGetCount": ([ctypes.POINTER(ctypes.c_int)], ctypes.c_int),
             "cuDeviceGetAttribute": (
-                [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int], ctypes.c_int),
-            "cuDevicePrimaryCtxRetain": ([ctypes.POINTER(ctypes.c_void_p), ctypes.c_int],
-                                         ctypes.c_int),
+                [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int],
+                ctypes.c_int,
+            ),
+            "cuDevicePrimaryCtxRetain": (
+                [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int],
+                ctypes.c_int,
+            ),
             "cuDevicePrimaryCtxRelease_v2": ([ctypes.c_int], ctypes.c_int),
             "cuCtxSetCurrent": ([ctypes.c_void_p], ctypes.c_int),
             "cuCtxGetCurrent": ([ctypes.POINTER(ctypes.c_void_p)], ctypes.c_int),
             "cuMemGetAllocationGranularity": (
                 [ctypes.POINTER(sz), ctypes.POINTER(CUmemAllocationProp), ctypes.c_int],
-                ctypes.c_int),
-            "cuMemAddressReserve": ([ctypes.POINTER(u64), sz, sz, u64, ctypes.c_ulonglong],
-                                    ctypes.c_int),
+                ctypes.c_int,
+            ),
+            "cuMemAddressReserve": (
+                [ctypes.POINTER(u64), sz, sz, u64, ctypes.c_ulonglong],
+                ctypes.c_int,
+            ),
             "cuMemAddressFree": ([u64, sz], ctypes.c_int),
-            "cuMemCreate": ([ctypes.POINTER(u64), sz, ctypes.POINTER(CUmemAllocationProp),
-                             ctypes.c_ulonglong], ctypes.c_int),
+            "cuMemCreate": (
+                [ctypes.POINTER(u64), sz, ctypes.POINTER(CUmemAllocationProp), ctypes.c_ulonglong],
+                ctypes.c_int,
+            ),
             "cuMemRelease": ([u64], ctypes.c_int),
             "cuMemMap": ([u64, sz, sz, u64, ctypes.c_ulonglong], ctypes.c_int),
             "cuMemUnmap": ([u64, sz], ctypes.c_int),
@@ -161,11 +170,20 @@ class Emulator:
             "cuEventSynchronize": ([ctypes.c_void_p], ctypes.c_int),
             "cuEventDestroy_v2": ([ctypes.c_void_p], ctypes.c_int),
             "cuGetErrorString": ([ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)], ctypes.c_int),
-            "cuGetProcAddress_v2": ([ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p),
-                                     ctypes.c_int, ctypes.c_uint64,
-                                     ctypes.POINTER(ctypes.c_int)], ctypes.c_int),
-            "cuGetProcAddress": ([ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
-                                  ctypes.c_uint64], ctypes.c_int),
+            "cuGetProcAddress_v2": (
+                [
+                    ctypes.c_char_p,
+                    ctypes.POINTER(ctypes.c_void_p),
+                    ctypes.c_int,
+                    ctypes.c_uint64,
+                    ctypes.POINTER(ctypes.c_int),
+                ],
+                ctypes.c_int,
+            ),
+            "cuGetProcAddress": (
+                [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_uint64],
+                ctypes.c_int,
+            ),
         }
         for name, (args, res) in sigs.items():
             fn = getattr(lib, name)
@@ -261,8 +279,15 @@ class Emulator:
 
     def live(self) -> dict[str, int]:
         """Everything that must be back to zero when no cache/backend is alive."""
-        names = ("live_handles", "live_mappings", "live_reservations", "live_events",
-                 "context_refs", "bytes_in_use", "live_host_allocs")
+        names = (
+            "live_handles",
+            "live_mappings",
+            "live_reservations",
+            "live_events",
+            "context_refs",
+            "bytes_in_use",
+            "live_host_allocs",
+        )
         return {n: self.counter(n) for n in names}
 
     # ---- driver calls returning (CUresult, value) where useful ----
@@ -287,8 +312,9 @@ class Emulator:
     def address_free(self, va: int, size: int) -> int:
         return self.lib.cuMemAddressFree(va, size)
 
-    def create(self, size: int, ordinal: int = 0, prop: CUmemAllocationProp | None = None
-               ) -> tuple[int, int]:
+    def create(
+        self, size: int, ordinal: int = 0, prop: CUmemAllocationProp | None = None
+    ) -> tuple[int, int]:
         h = ctypes.c_uint64()
         prop = prop if prop is not None else device_prop(ordinal)
         return self.lib.cuMemCreate(ctypes.byref(h), size, ctypes.byref(prop), 0), h.value
@@ -302,8 +328,9 @@ class Emulator:
     def unmap(self, va: int, size: int) -> int:
         return self.lib.cuMemUnmap(va, size)
 
-    def set_access(self, va: int, size: int, ordinal: int = 0,
-                   flags: int = CU_MEM_ACCESS_FLAGS_PROT_READWRITE) -> int:
+    def set_access(
+        self, va: int, size: int, ordinal: int = 0, flags: int = CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    ) -> int:
         desc = rw_access(ordinal, flags)
         return self.lib.cuMemSetAccess(va, size, ctypes.byref(desc), 1)
 
@@ -327,11 +354,15 @@ class Emulator:
         """(CUresult, function address or 0, symbolStatus or -1)."""
         fn = ctypes.c_void_p()
         if not v2:
-            return self.lib.cuGetProcAddress(symbol.encode(), ctypes.byref(fn), version, 0), \
-                fn.value or 0, -1
+            return (
+                self.lib.cuGetProcAddress(symbol.encode(), ctypes.byref(fn), version, 0),
+                fn.value or 0,
+                -1,
+            )
         status = ctypes.c_int(-1)
-        res = self.lib.cuGetProcAddress_v2(symbol.encode(), ctypes.byref(fn), version, 0,
-                                           ctypes.byref(status))
+        res = self.lib.cuGetProcAddress_v2(
+            symbol.encode(), ctypes.byref(fn), version, 0, ctypes.byref(status)
+        )
         return res, fn.value or 0, status.value
 
 

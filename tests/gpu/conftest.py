@@ -12,7 +12,7 @@ import pytest
 
 
 def real_gpu_reason() -> str:
-    """"" when a real GPU is usable, else why these tests skip."""
+    """ "" when a real GPU is usable, else why these tests skip."""
     lib = os.environ.get("VATTENTION_LIBCUDA", "")
     if "cuda_emu" in lib:
         return "VATTENTION_LIBCUDA points at the CUDA emulation, not a real driver"

@@ -40,9 +40,16 @@ def reference(q, k_cache, v_cache, slots, lens):
 
 
 def make_cache(device):
-    cfg = vattention.KVCacheConfig(num_layers=1, num_kv_heads=32, head_dim=128, max_batch_size=8,
-                                   max_seq_len=8192, dtype=torch.float16, device=device,
-                                   page_size="2MB")
+    cfg = vattention.KVCacheConfig(
+        num_layers=1,
+        num_kv_heads=32,
+        head_dim=128,
+        max_batch_size=8,
+        max_seq_len=8192,
+        dtype=torch.float16,
+        device=device,
+        page_size="2MB",
+    )
     return vattention.KVCache(cfg)
 
 
@@ -50,29 +57,39 @@ def test_captured_decode_replays_over_pages_mapped_after_capture(gpu):
     with make_cache(gpu) as cache:
         kc, vc = cache.layer(0)
         slots = [cache.alloc(), cache.alloc()]
-        cache.step({s: W for s in slots})     # the warm-up runs eagerly over the whole window
-        static = dict(q=torch.randn(2, 32, 1, 128, device=gpu, dtype=torch.float16),
-                      k=torch.randn(2, 32, 128, device=gpu, dtype=torch.float16),
-                      v=torch.randn(2, 32, 128, device=gpu, dtype=torch.float16),
-                      slots=torch.tensor(slots, device=gpu), lens=torch.tensor([3, 10], device=gpu))
+        cache.step({s: W for s in slots})  # the warm-up runs eagerly over the whole window
+        static = dict(
+            q=torch.randn(2, 32, 1, 128, device=gpu, dtype=torch.float16),
+            k=torch.randn(2, 32, 128, device=gpu, dtype=torch.float16),
+            v=torch.randn(2, 32, 128, device=gpu, dtype=torch.float16),
+            slots=torch.tensor(slots, device=gpu),
+            lens=torch.tensor([3, 10], device=gpu),
+        )
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(3):
-                decode(static["q"], static["k"], static["v"], kc, vc, static["slots"],
-                       static["lens"])
+                decode(
+                    static["q"], static["k"], static["v"], kc, vc, static["slots"], static["lens"]
+                )
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = decode(static["q"], static["k"], static["v"], kc, vc, static["slots"],
-                         static["lens"])
+            out = decode(
+                static["q"], static["k"], static["v"], kc, vc, static["slots"], static["lens"]
+            )
         # After capture: a new request in a new slot, its 2 pages per tensor mapped now, then the
         # same graph replayed over them (the rule: mapped before replay, by step()).
         late = cache.alloc()
         cache.step({late: W})
-        for it, (batch, lens) in enumerate([(slots, [4, 11]), (slots, [300, 12]),
-                                            ([slots[0], late], [301, 0]),
-                                            ([slots[0], late], [302, 1])]):
+        for it, (batch, lens) in enumerate(
+            [
+                (slots, [4, 11]),
+                (slots, [300, 12]),
+                ([slots[0], late], [301, 0]),
+                ([slots[0], late], [302, 1]),
+            ]
+        ):
             static["slots"].copy_(torch.tensor(batch, device=gpu))
             static["lens"].copy_(torch.tensor(lens, device=gpu))
             for key in ("q", "k", "v"):

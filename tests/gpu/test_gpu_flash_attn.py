@@ -18,9 +18,16 @@ def _filled_cache(device, layout):
 
     import vattention
 
-    cfg = vattention.KVCacheConfig(num_layers=2, num_kv_heads=8, head_dim=128,
-                                   max_batch_size=len(LENS), max_seq_len=4096,
-                                   dtype=torch.bfloat16, device=device, layout=layout)
+    cfg = vattention.KVCacheConfig(
+        num_layers=2,
+        num_kv_heads=8,
+        head_dim=128,
+        max_batch_size=len(LENS),
+        max_seq_len=4096,
+        dtype=torch.bfloat16,
+        device=device,
+        layout=layout,
+    )
     cache = vattention.KVCache(cfg)
     slots = [cache.alloc() for _ in LENS]
     cache.step(dict(zip(slots, LENS)))
@@ -55,8 +62,9 @@ def test_flash_attn_virtual_equals_contiguous(gpu, layout, q_len):
         lens = torch.tensor(LENS, dtype=torch.int32, device=gpu)
         idx = torch.tensor(slots, dtype=torch.int32, device=gpu)
         q = torch.randn(len(LENS), q_len, 32, 128, device=gpu, dtype=torch.bfloat16)
-        out_virtual = fa.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, cache_batch_idx=idx,
-                                                 causal=True)
+        out_virtual = fa.flash_attn_with_kvcache(
+            q, k, v, cache_seqlens=lens, cache_batch_idx=idx, causal=True
+        )
         kc, vc = _contiguous_copy(k, slots), _contiguous_copy(v, slots)
         out_contig = fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True)
         torch.cuda.synchronize()

@@ -33,8 +33,9 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_unmapped_read_is_illegal_address(gpu):
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120
+    )
     out = proc.stdout + proc.stderr
     assert "MAPPED_OK 1024.0" in out, out
     assert "NO_FAULT" not in out, out

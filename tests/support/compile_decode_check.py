@@ -27,16 +27,23 @@ W = 64  # the window every slot has mapped; the compiled step reads [0, W) of it
 def decode(q, k, v, k_cache, v_cache, slots, lens):
     """Append this step's k/v at position lens[i] of slot slots[i], then attend over [0, lens]."""
     append_kv(k_cache, v_cache, k, v, slots, lens)
-    kw = k_cache[slots, :W].transpose(1, 2)                       # [B, H, W, D]
+    kw = k_cache[slots, :W].transpose(1, 2)  # [B, H, W, D]
     vw = v_cache[slots, :W].transpose(1, 2)
-    mask = (torch.arange(W) <= lens[:, None])[:, None, None, :]   # [B, 1, 1, W]
+    mask = (torch.arange(W) <= lens[:, None])[:, None, None, :]  # [B, 1, 1, W]
     return F.scaled_dot_product_attention(q, kw, vw, attn_mask=mask)
 
 
 def run(layout: str) -> None:
-    cfg = vattention.KVCacheConfig(num_layers=2, num_kv_heads=2, head_dim=64, max_batch_size=4,
-                                   max_seq_len=4096, dtype=torch.float32, page_size="64KB",
-                                   layout=layout)
+    cfg = vattention.KVCacheConfig(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=64,
+        max_batch_size=4,
+        max_seq_len=4096,
+        dtype=torch.float32,
+        page_size="64KB",
+        layout=layout,
+    )
     compiled = torch.compile(decode, fullgraph=True, dynamic=False)
     torch.manual_seed(0)
     with vattention.KVCache(cfg) as eager_cache, vattention.KVCache(cfg) as comp_cache:
@@ -57,7 +64,7 @@ def run(layout: str) -> None:
             k, v = torch.randn(2, 2, 64), torch.randn(2, 2, 64)
             outs = []
             for fn, c, s in ((decode, eager_cache, slots[0]), (compiled, comp_cache, slots[1])):
-                c.step({x: W for x in s})                     # maps nothing new: [0, W) is mapped
+                c.step({x: W for x in s})  # maps nothing new: [0, W) is mapped
                 for layer in range(cfg.num_layers):
                     kc, vc = c.layer(layer)
                     outs.append(fn(q, k, v, kc, vc, torch.tensor(s), torch.tensor(lens)))

@@ -18,8 +18,8 @@ from .cuda_setup import CUDA_MODE, CUDA_REASON, cuda_emu as E
 from .helpers import page_state
 
 needs_emulation = pytest.mark.skipif(
-    CUDA_MODE != "emulated",
-    reason=f"needs the CUDA emulation ({CUDA_REASON or 'real GPU in use'})")
+    CUDA_MODE != "emulated", reason=f"needs the CUDA emulation ({CUDA_REASON or 'real GPU in use'})"
+)
 
 PAGE = 64 * 1024
 
@@ -33,8 +33,14 @@ def pages_state(cache):
     map_calls/unmap_calls count the calls made, including those of the rollback.
     """
     state = page_state(cache)
-    for key in ("pages_created", "pages_destroyed", "pages_total", "pages_free", "map_calls",
-                "unmap_calls"):
+    for key in (
+        "pages_created",
+        "pages_destroyed",
+        "pages_total",
+        "pages_free",
+        "map_calls",
+        "unmap_calls",
+    ):
         del state[key]
     return state
 
@@ -65,10 +71,17 @@ def emu(request):
 
 
 def make(layout="layer", **kw):
-    args = dict(num_layers=2, num_kv_heads=2, head_dim=64, max_batch_size=4, max_seq_len=4096,
-                dtype=torch.float16, device="cuda:0", page_size=PAGE, layout=layout)
+    args = dict(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=64,
+        max_batch_size=4,
+        max_seq_len=4096,
+        dtype=torch.float16,
+        device="cuda:0",
+        page_size=PAGE,
+        layout=layout,
+    )
     budget = kw.pop("memory_budget", None)
     args.update(kw)
     return vattention.KVCache(vattention.KVCacheConfig(**args), memory_budget=budget)
-
-

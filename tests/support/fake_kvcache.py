@@ -28,7 +28,7 @@ class FakeKVCache:
         self.page_bytes = _bytes(page_size)
         self.max_seq_len = max_seq_len
         self.budget_pages = budget_bytes // self.page_bytes
-        self.pages = [0] * max_batch_size       # mapped pages per tensor, per slot
+        self.pages = [0] * max_batch_size  # mapped pages per tensor, per slot
         self.lengths = [0] * max_batch_size
         self.active = [False] * max_batch_size
         self.map_calls = self.unmap_calls = 0
@@ -81,11 +81,15 @@ class FakeKVCache:
 
     def stats(self) -> dict:
         mapped = self._mapped()
-        return {"page_bytes": self.page_bytes, "pages_mapped": mapped,
-                "bytes_mapped": mapped * self.page_bytes,
-                "bytes_reserved": mapped * self.page_bytes,
-                "memory_budget": self.budget_pages * self.page_bytes,
-                "map_calls": self.map_calls, "unmap_calls": self.unmap_calls}
+        return {
+            "page_bytes": self.page_bytes,
+            "pages_mapped": mapped,
+            "bytes_mapped": mapped * self.page_bytes,
+            "bytes_reserved": mapped * self.page_bytes,
+            "memory_budget": self.budget_pages * self.page_bytes,
+            "map_calls": self.map_calls,
+            "unmap_calls": self.unmap_calls,
+        }
 
     def close(self) -> None:
         pass

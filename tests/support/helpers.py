@@ -5,8 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-_DRIVER_ENTRY = {"map": "cuMemMap", "set_access": "cuMemSetAccess", "create_page": "cuMemCreate",
-                 "unmap": "cuMemUnmap", "destroy_page": "cuMemRelease"}
+_DRIVER_ENTRY = {
+    "map": "cuMemMap",
+    "set_access": "cuMemSetAccess",
+    "create_page": "cuMemCreate",
+    "unmap": "cuMemUnmap",
+    "destroy_page": "cuMemRelease",
+}
 
 
 def inject_backend_fault(cache, op, nth):
@@ -19,6 +24,7 @@ def inject_backend_fault(cache, op, nth):
         cache._core.inject_host_fault(op, nth)
         return op, "injected fault"
     from .cuda_setup import CUDA_MODE, cuda_emu
+
     if CUDA_MODE != "emulated":
         pytest.skip("faults are injected through the host hook or the CUDA emulation only")
     cuda_emu.Emulator.load().inject_fault(_DRIVER_ENTRY[op], nth, cuda_emu.CUDA_ERROR_UNKNOWN)
@@ -57,13 +63,26 @@ def check_pattern(cache, slot, start, end, written):
         k, v = kv_views(cache, layer)
         assert torch.equal(k[slot, start:end].cpu(), kd), f"K of layer {layer} slot {slot} changed"
         if vd is not None:
-            assert torch.equal(v[slot, start:end].cpu(), vd), \
+            assert torch.equal(v[slot, start:end].cpu(), vd), (
                 f"V of layer {layer} slot {slot} changed"
+            )
 
 
-PAGE_STATE_KEYS = ("pages_total", "pages_free", "pages_mapped", "mappings", "bytes_mapped",
-                   "active_slots", "idle_slots_with_pages", "free_slots", "bytes_used_by_tokens",
-                   "map_calls", "unmap_calls", "pages_created", "pages_destroyed")
+PAGE_STATE_KEYS = (
+    "pages_total",
+    "pages_free",
+    "pages_mapped",
+    "mappings",
+    "bytes_mapped",
+    "active_slots",
+    "idle_slots_with_pages",
+    "free_slots",
+    "bytes_used_by_tokens",
+    "map_calls",
+    "unmap_calls",
+    "pages_created",
+    "pages_destroyed",
+)
 
 
 def page_state(cache):

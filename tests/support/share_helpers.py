@@ -35,7 +35,7 @@ def fast_fill(cache, slot, start, end, seed):
         pair = []
         for kv, tensor in enumerate((k, v)):
             offset = (seed * 7919 + layer * 211 + kv * 101 + start * 13) % 100_003
-            data = pool[offset:offset + numel].view(shape)
+            data = pool[offset : offset + numel].view(shape)
             tensor[slot, start:end] = data
             pair.append(data)
         written.append(tuple(pair))
@@ -58,8 +58,9 @@ def paged_cache(make_cache, pages=4, **kwargs):
 def bits(tensor):
     """The tensor's raw bits as integers: exact comparison, and far faster than float16 equality
     on a CPU busy with other work (torch's float16 paths spin up its thread pool)."""
-    return tensor.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
-        tensor.element_size()])
+    return tensor.view(
+        {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
+    )
 
 
 def check_pattern(cache, slot, start, end, written):

@@ -48,15 +48,18 @@ def layout_and_block_size(model: str, **args) -> list:
 
 def main(workdir: str) -> None:
     load_general_plugins()
-    model = build_tiny_model(os.path.join(workdir, "llama-8kb-rows"), "llama", max_positions=8192,
-                             **GEOMETRY)
-    out = {"huge_unit": vattention._C.host_huge_unit(),
-           "mapping_limit": vattention._C.host_mapping_limit(),
-           "default": layout_and_block_size(model),
-           "large": layout_and_block_size(model, max_num_seqs=None, max_model_len=8192),
-           # 100 x 64 blocks x 2 x 2 = 25600 mappings: mega, whose 256-token blocks would halve
-           # the count (a check of the config again must not then take layer)
-           "middle": layout_and_block_size(model, max_num_seqs=100, max_model_len=8192)}
+    model = build_tiny_model(
+        os.path.join(workdir, "llama-8kb-rows"), "llama", max_positions=8192, **GEOMETRY
+    )
+    out = {
+        "huge_unit": vattention._C.host_huge_unit(),
+        "mapping_limit": vattention._C.host_mapping_limit(),
+        "default": layout_and_block_size(model),
+        "large": layout_and_block_size(model, max_num_seqs=None, max_model_len=8192),
+        # 100 x 64 blocks x 2 x 2 = 25600 mappings: mega, whose 256-token blocks would halve
+        # the count (a check of the config again must not then take layer)
+        "middle": layout_and_block_size(model, max_num_seqs=100, max_model_len=8192),
+    }
     os.environ["VATTENTION_VLLM_LAYOUT"] = "mega"
     out["mega"] = layout_and_block_size(model)
     out["mega_given"] = layout_and_block_size(model, block_size=128)

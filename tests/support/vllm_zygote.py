@@ -69,7 +69,7 @@ def _child(cmd: dict) -> None:
         except BaseException:  # noqa: BLE001 - reported as the interpreter would
             traceback.print_exc()
             code = 1
-        threading._shutdown()     # the interpreter's exit: join non-daemon threads, then atexit
+        threading._shutdown()  # the interpreter's exit: join non-daemon threads, then atexit
         atexit._run_exitfuncs()
     except BaseException:  # noqa: BLE001 - before the command ran (its log), or in the exit
         import traceback
@@ -103,7 +103,7 @@ def main() -> int:
         replies.flush()
 
     reply({"ready": True})
-    children: dict = {}   # pid -> id
+    children: dict = {}  # pid -> id
     buffered, done = b"", False
     while not done or children:
         if not done and select.select([0], [], [], 0.2)[0]:

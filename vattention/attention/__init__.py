@@ -44,5 +44,12 @@ from .fp8 import fp8_store_like_vllm
 from .kernel import cpu_attention, kernel_isa, supports
 from .reference import reference_attention
 
-__all__ = ["cpu_attention", "reference_attention", "kernel_isa", "supports",
-           "fp8_store_like_vllm", "IntArg", "Scale"]
+__all__ = [
+    "cpu_attention",
+    "reference_attention",
+    "kernel_isa",
+    "supports",
+    "fp8_store_like_vllm",
+    "IntArg",
+    "Scale",
+]

@@ -63,4 +63,3 @@ def descale_factor(value: Scale, name: str, cache_dtype: torch.dtype) -> float:
     if not (math.isfinite(x) and x > 0):
         raise ValueError(f"{name} must be finite and > 0, got {x}")
     return x
-

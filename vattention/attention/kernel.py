@@ -235,7 +235,7 @@ def cpu_attention(
             raise ValueError("cu_seqlens_q must hold n + 1 >= 1 offsets")
     else:
         n = q.shape[0]
-    if k is not None:
+    if k is not None and v is not None:  # both or neither (checked above)
         if k.dtype != dtype or v.dtype != dtype:
             raise TypeError(f"k/v dtype must be q's ({dtype}), got {k.dtype} and {v.dtype}")
         if varlen and tuple(k.shape) != (q.shape[0], kv_heads, head_dim):

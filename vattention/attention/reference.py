@@ -8,7 +8,7 @@ obviously right over being fast: each request's keys are sliced out of its row a
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, overload
 
 import torch
 import torch.nn.functional as F
@@ -62,8 +62,8 @@ def reference_attention(
     Raises
     ------
     ValueError
-        GQA heads that do not divide, a request that overflows the cache length, or ``k``/``v``
-        without ``cache_seqlens``.
+        GQA heads that do not divide, a request that overflows the cache length, ``k`` without
+        ``v`` (or ``v`` without ``k``), or ``k``/``v`` without ``cache_seqlens``.
 
     Examples
     --------
@@ -86,6 +86,8 @@ def reference_attention(
     else:
         batch, seqlen_q = q.shape[0], q.shape[1]
         spans = [(0, seqlen_q)] * batch
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together")
     if k is not None and cache_seqlens is None:
         raise ValueError("cache_seqlens is required when k/v are given")
     seqlens = _per_request(cache_seqlens, batch, default=k_cache.shape[1])
@@ -110,7 +112,7 @@ def reference_attention(
                 f"batch entry {i}: {past} cached + {new} new tokens exceed the "
                 f"cache length {k_cache.shape[1]}"
             )
-        if new_k is not None:
+        if new_k is not None and new_v is not None:  # both or neither (checked above)
             k_cache[row, past:total] = _to_cache(new_k, k_cache.dtype, kd)
             v_cache[row, past:total] = _to_cache(new_v, v_cache.dtype, vd)
         lq = qi.shape[0]
@@ -169,6 +171,12 @@ def _to_cache(x: torch.Tensor, cache_dtype: torch.dtype, descale: float) -> torc
     # 1 / descale in float32 first, as the kernel multiplies by it (x / descale rounds otherwise)
     inv = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(descale, dtype=torch.float32)
     return fp8_store_like_vllm(x.float() * inv.to(x.device), cache_dtype)
+
+
+@overload
+def _per_request(values: IntArg, n: int, default: int) -> List[int]: ...
+@overload
+def _per_request(values: IntArg, n: int, default: None) -> Optional[List[int]]: ...
 
 
 def _per_request(values: IntArg, n: int, default: Optional[int]) -> Optional[List[int]]:

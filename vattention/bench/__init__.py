@@ -14,5 +14,13 @@ core; plots need matplotlib and the progress bar tqdm (optional extra ``bench``)
 from .memory import BenchReport, run_memory_benchmark, simulate, summarize
 from .workload import MODELS, ModelShape, Workload, load_workload
 
-__all__ = ["BenchReport", "run_memory_benchmark", "simulate", "summarize", "MODELS",
-           "ModelShape", "Workload", "load_workload"]
+__all__ = [
+    "BenchReport",
+    "run_memory_benchmark",
+    "simulate",
+    "summarize",
+    "MODELS",
+    "ModelShape",
+    "Workload",
+    "load_workload",
+]

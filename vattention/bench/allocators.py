@@ -34,10 +34,18 @@ from vattention.errors import InvalidSlotError, OutOfPagesError
 from .sizing import cache_config, page_geometry, window_pages_per_index
 from .workload import ModelShape
 
-__all__ = ["Allocator", "StaticAllocator", "BlockAllocator", "VAttentionAllocator",
-           "make_allocator", "real_cache_factory",
-           "ALL_ALLOCATORS", "BASELINES", "VATTENTION_VARIANTS",
-           "ALLOCATOR_NOTES"]
+__all__ = [
+    "Allocator",
+    "StaticAllocator",
+    "BlockAllocator",
+    "VAttentionAllocator",
+    "make_allocator",
+    "real_cache_factory",
+    "ALL_ALLOCATORS",
+    "BASELINES",
+    "VATTENTION_VARIANTS",
+    "ALLOCATOR_NOTES",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -120,8 +128,9 @@ class StaticAllocator(Allocator):
     40
     """
 
-    def __init__(self, name: str, budget_bytes: int, bytes_per_token: int, *, reserve: str,
-                 max_seq_len: int) -> None:
+    def __init__(
+        self, name: str, budget_bytes: int, bytes_per_token: int, *, reserve: str, max_seq_len: int
+    ) -> None:
         super().__init__(name, budget_bytes, bytes_per_token)
         if reserve not in ("max", "oracle"):
             raise ValueError(f"reserve={reserve!r} must be 'max' or 'oracle'")
@@ -143,8 +152,10 @@ class StaticAllocator(Allocator):
     def grow(self, lengths: Dict[int, int]) -> bool:
         for rid, tokens in lengths.items():
             if tokens > self._reserved[rid]:
-                raise ValueError(f"request {rid} grew to {tokens} tokens beyond its static "
-                                 f"reservation of {self._reserved[rid]}")
+                raise ValueError(
+                    f"request {rid} grew to {tokens} tokens beyond its static "
+                    f"reservation of {self._reserved[rid]}"
+                )
         return True
 
     def release(self, rid: int) -> None:
@@ -168,8 +179,9 @@ class BlockAllocator(Allocator):
     48
     """
 
-    def __init__(self, name: str, budget_bytes: int, bytes_per_token: int, *,
-                 block_tokens: int) -> None:
+    def __init__(
+        self, name: str, budget_bytes: int, bytes_per_token: int, *, block_tokens: int
+    ) -> None:
         super().__init__(name, budget_bytes, bytes_per_token)
         if block_tokens < 1:
             raise ValueError(f"block_tokens={block_tokens} must be >= 1")
@@ -220,8 +232,9 @@ class WindowBlockAllocator(Allocator):
     (True, 256, True, 224)
     """
 
-    def __init__(self, name: str, budget_bytes: int, model: ModelShape, *,
-                 block_tokens: int) -> None:
+    def __init__(
+        self, name: str, budget_bytes: int, model: ModelShape, *, block_tokens: int
+    ) -> None:
         super().__init__(name, budget_bytes, model.bytes_per_token)
         self.block_tokens = int(block_tokens)
         self.window = model.window
@@ -260,9 +273,17 @@ class WindowBlockAllocator(Allocator):
         return self._total
 
 
-def real_cache_factory(model: ModelShape, layout: str, page_size: str, max_batch_size: int,
-                       max_seq_len: int, budget_bytes: int, *, reclaim: str = "deferred",
-                       release: bool = True):
+def real_cache_factory(
+    model: ModelShape,
+    layout: str,
+    page_size: str,
+    max_batch_size: int,
+    max_seq_len: int,
+    budget_bytes: int,
+    *,
+    reclaim: str = "deferred",
+    release: bool = True,
+):
     """Create the real :class:`vattention.KVCache` on the host backend (``device="cpu"``).
 
     ``reclaim`` is the cache's policy for pages of freed slots: ``"deferred"`` (the default:
@@ -271,8 +292,15 @@ def real_cache_factory(model: ModelShape, layout: str, page_size: str, max_batch
     """
     import vattention  # imported late: needs the built core and torch
 
-    cfg = cache_config(model, layout, page_size, max_batch_size=max_batch_size,
-                       max_seq_len=max_seq_len, release=release, reclaim=reclaim)
+    cfg = cache_config(
+        model,
+        layout,
+        page_size,
+        max_batch_size=max_batch_size,
+        max_seq_len=max_seq_len,
+        release=release,
+        reclaim=reclaim,
+    )
     return vattention.KVCache(cfg, memory_budget=budget_bytes)
 
 
@@ -300,28 +328,40 @@ class VAttentionAllocator(Allocator):
         and that every running slot backs its length (tests).
     """
 
-    def __init__(self, model: ModelShape, *, layout: str, page_size: str, max_batch_size: int,
-                 max_seq_len: int, budget_bytes: int,
-                 cache_factory: Optional[Callable] = None, verify: bool = False,
-                 release: bool = True, padded: bool = False) -> None:
+    def __init__(
+        self,
+        model: ModelShape,
+        *,
+        layout: str,
+        page_size: str,
+        max_batch_size: int,
+        max_seq_len: int,
+        budget_bytes: int,
+        cache_factory: Optional[Callable] = None,
+        verify: bool = False,
+        release: bool = True,
+        padded: bool = False,
+    ) -> None:
         suffix = ("" if release else "-norelease") + ("-padded" if padded else "")
-        super().__init__(f"vattention-{layout}-{page_size}{suffix}", budget_bytes,
-                         model.bytes_per_token)
-        factory = cache_factory or real_cache_factory
+        super().__init__(
+            f"vattention-{layout}-{page_size}{suffix}", budget_bytes, model.bytes_per_token
+        )
+        factory: Callable = cache_factory or real_cache_factory
         extra = {} if release else {"release": False}
         # padded: every layer at the largest shape, the one cache a uniform config can build for
         # a per-layer-shape model; efficiency still counts the model's real bytes per token.
         cache_model = model.padded() if padded else model
-        self.cache = factory(cache_model, layout, page_size, max_batch_size, max_seq_len,
-                             budget_bytes, **extra)
+        self.cache = factory(
+            cache_model, layout, page_size, max_batch_size, max_seq_len, budget_bytes, **extra
+        )
         # Windowed layers (the first window_layers ones, see ModelShape.sliding_window) release
         # the same page indices: one window_start per slot tells how many.
         self._window_pages = window_pages_per_index(cache_model, layout) if release else 0
         self.layout, self.page_size, self.verify = layout, page_size, verify
         self.max_batch_size = max_batch_size
         self._geometry = page_geometry(cache_model, layout, page_size)
-        self._slot: Dict[int, int] = {}     # rid -> slot
-        self._length: Dict[int, int] = {}   # rid -> tokens backed by the last step
+        self._slot: Dict[int, int] = {}  # rid -> slot
+        self._length: Dict[int, int] = {}  # rid -> tokens backed by the last step
         self.failed_steps = 0  # step() calls refused with OutOfPagesError (nothing changed)
 
     def _step(self, lengths: Dict[int, int]) -> bool:
@@ -361,8 +401,9 @@ class VAttentionAllocator(Allocator):
         pages_per_index, unit_bytes, page_bytes = self._geometry
         pages = pages_per_index * -(-self.cache.mapped_tokens(slot) * unit_bytes // page_bytes)
         if self._window_pages:
-            pages -= self._window_pages * (self.cache.window_start(slot, 0) * unit_bytes
-                                           // page_bytes)
+            pages -= self._window_pages * (
+                self.cache.window_start(slot, 0) * unit_bytes // page_bytes
+            )
         return pages
 
     def held_bytes(self) -> int:
@@ -374,42 +415,64 @@ class VAttentionAllocator(Allocator):
 
     def counters(self) -> Dict[str, int]:
         stats = self.cache.stats()
-        return {"map_calls": int(stats["map_calls"]), "unmap_calls": int(stats["unmap_calls"]),
-                "pages_mapped": int(stats["pages_mapped"]),
-                "bytes_reserved": int(stats["bytes_reserved"]),
-                "failed_steps": self.failed_steps}
+        return {
+            "map_calls": int(stats["map_calls"]),
+            "unmap_calls": int(stats["unmap_calls"]),
+            "pages_mapped": int(stats["pages_mapped"]),
+            "bytes_reserved": int(stats["bytes_reserved"]),
+            "failed_steps": self.failed_steps,
+        }
 
     def check(self) -> None:
         stats = self.cache.stats()
         if stats["bytes_mapped"] != stats["pages_mapped"] * stats["page_bytes"]:
-            raise AssertionError(f"{self.name}: bytes_mapped {stats['bytes_mapped']} != "
-                                 f"{stats['pages_mapped']} pages * {stats['page_bytes']}")
+            raise AssertionError(
+                f"{self.name}: bytes_mapped {stats['bytes_mapped']} != "
+                f"{stats['pages_mapped']} pages * {stats['page_bytes']}"
+            )
         if stats["memory_budget"] >= 0 and stats["bytes_reserved"] > stats["memory_budget"]:
-            raise AssertionError(f"{self.name}: {stats['bytes_reserved']} bytes of pages "
-                                 f"exceed the budget {stats['memory_budget']}")
+            raise AssertionError(
+                f"{self.name}: {stats['bytes_reserved']} bytes of pages "
+                f"exceed the budget {stats['memory_budget']}"
+            )
         for rid, n in self._length.items():
             backed = self.cache.mapped_tokens(self._slot[rid])
             if backed < n:
-                raise AssertionError(f"{self.name}: request {rid} needs {n} tokens, slot "
-                                     f"{self._slot[rid]} backs {backed}")
+                raise AssertionError(
+                    f"{self.name}: request {rid} needs {n} tokens, slot "
+                    f"{self._slot[rid]} backs {backed}"
+                )
         pages = sum(self._slot_pages(slot) for slot in range(self.max_batch_size))
         if pages != stats["pages_mapped"]:
-            raise AssertionError(f"{self.name}: slots back {pages} pages of tokens, stats say "
-                                 f"{stats['pages_mapped']} pages mapped")
+            raise AssertionError(
+                f"{self.name}: slots back {pages} pages of tokens, stats say "
+                f"{stats['pages_mapped']} pages mapped"
+            )
 
     def close(self) -> None:
         self.cache.close()
 
 
 BASELINES = ("static-max", "static-oracle", "paged-16", "ideal")
-VATTENTION_VARIANTS = ("vattention-layer-2MB", "vattention-mega-2MB",
-                       "vattention-layer-64KB", "vattention-mega-64KB")
+VATTENTION_VARIANTS = (
+    "vattention-layer-2MB",
+    "vattention-mega-2MB",
+    "vattention-layer-64KB",
+    "vattention-mega-64KB",
+)
 ALL_ALLOCATORS = BASELINES + VATTENTION_VARIANTS
 
 
-def make_allocator(name: str, model: ModelShape, *, budget_bytes: int, max_seq_len: int,
-                   max_batch_size: int, cache_factory: Optional[Callable] = None,
-                   verify: bool = False) -> Allocator:
+def make_allocator(
+    name: str,
+    model: ModelShape,
+    *,
+    budget_bytes: int,
+    max_seq_len: int,
+    max_batch_size: int,
+    cache_factory: Optional[Callable] = None,
+    verify: bool = False,
+) -> Allocator:
     """Build the allocator called ``name`` (one of :data:`ALL_ALLOCATORS`, or any
     ``vattention-<layer|mega>-<page size>``).
 
@@ -420,33 +483,61 @@ def make_allocator(name: str, model: ModelShape, *, budget_bytes: int, max_seq_l
     ...                max_seq_len=4096, max_batch_size=8).num_blocks
     512
     """
-    allocator = _make(name, model, budget_bytes=budget_bytes, max_seq_len=max_seq_len,
-                      max_batch_size=max_batch_size, cache_factory=cache_factory, verify=verify)
+    allocator = _make(
+        name,
+        model,
+        budget_bytes=budget_bytes,
+        max_seq_len=max_seq_len,
+        max_batch_size=max_batch_size,
+        cache_factory=cache_factory,
+        verify=verify,
+    )
     if model.window and model.window_layers:
         allocator.kv_bytes = model.kv_bytes
     return allocator
 
 
-def _make(name: str, model: ModelShape, *, budget_bytes: int, max_seq_len: int,
-          max_batch_size: int, cache_factory: Optional[Callable], verify: bool) -> Allocator:
+def _make(
+    name: str,
+    model: ModelShape,
+    *,
+    budget_bytes: int,
+    max_seq_len: int,
+    max_batch_size: int,
+    cache_factory: Optional[Callable],
+    verify: bool,
+) -> Allocator:
     bpt = model.bytes_per_token
     windowed = bool(model.window and model.window_layers)
     if name in ("static-max", "static-oracle"):
-        return StaticAllocator(name, budget_bytes, bpt, reserve=name.split("-")[1],
-                               max_seq_len=max_seq_len)
+        return StaticAllocator(
+            name, budget_bytes, bpt, reserve=name.split("-")[1], max_seq_len=max_seq_len
+        )
     if name in ("paged-16", "ideal"):
         tokens = 16 if name == "paged-16" else 1
         if windowed:
             return WindowBlockAllocator(name, budget_bytes, model, block_tokens=tokens)
         return BlockAllocator(name, budget_bytes, bpt, block_tokens=tokens)
     parts = name.split("-")
-    if (len(parts) in (3, 4) and parts[0] == "vattention" and parts[1] in ("layer", "mega")
-            and parts[3:] in ([], ["norelease"], ["padded"])):
-        return VAttentionAllocator(model, layout=parts[1], page_size=parts[2],
-                                   max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                                   budget_bytes=budget_bytes, cache_factory=cache_factory,
-                                   verify=verify, release=parts[3:] != ["norelease"],
-                                   padded=parts[3:] == ["padded"])
-    raise ValueError(f"allocator {name!r} is not one of {', '.join(ALL_ALLOCATORS)} "
-                     "(or vattention-<layer|mega>-<page size>[-norelease|-padded])")
-
+    if (
+        len(parts) in (3, 4)
+        and parts[0] == "vattention"
+        and parts[1] in ("layer", "mega")
+        and parts[3:] in ([], ["norelease"], ["padded"])
+    ):
+        return VAttentionAllocator(
+            model,
+            layout=parts[1],
+            page_size=parts[2],
+            max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len,
+            budget_bytes=budget_bytes,
+            cache_factory=cache_factory,
+            verify=verify,
+            release=parts[3:] != ["norelease"],
+            padded=parts[3:] == ["padded"],
+        )
+    raise ValueError(
+        f"allocator {name!r} is not one of {', '.join(ALL_ALLOCATORS)} "
+        "(or vattention-<layer|mega>-<page size>[-norelease|-padded])"
+    )

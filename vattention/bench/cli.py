@@ -45,47 +45,88 @@ def _allocator_list(text: str) -> List[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     """Parser of ``bench`` with its ``memory`` subcommand."""
-    parser = argparse.ArgumentParser(prog="python -m vattention bench",
-                                     description="vattention benchmarks")
+    parser = argparse.ArgumentParser(
+        prog="python -m vattention bench", description="vattention benchmarks"
+    )
     sub = parser.add_subparsers(dest="benchmark", required=True)
     mem = sub.add_parser(
-        "memory", help="KV memory efficiency on a request trace (continuous batching)",
+        "memory",
+        help="KV memory efficiency on a request trace (continuous batching)",
         description="Simulate continuous batching of a request trace and compare static, "
-                    "paged (block arithmetic), ideal and the real vattention allocator "
-                    "(host backend) under one KV memory budget.")
-    mem.add_argument("--trace", default="sharegpt",
-                     help="sharegpt | arxiv_summarization | arxiv_long | path to a CSV "
-                          "(default: sharegpt)")
-    mem.add_argument("--num-requests", type=int, default=1000,
-                     help="requests drawn from the trace (default: 1000)")
+        "paged (block arithmetic), ideal and the real vattention allocator "
+        "(host backend) under one KV memory budget.",
+    )
+    mem.add_argument(
+        "--trace",
+        default="sharegpt",
+        help="sharegpt | arxiv_summarization | arxiv_long | path to a CSV (default: sharegpt)",
+    )
+    mem.add_argument(
+        "--num-requests",
+        type=int,
+        default=1000,
+        help="requests drawn from the trace (default: 1000)",
+    )
     mem.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
-    mem.add_argument("--model", default="llama3-8b", choices=sorted(MODELS),
-                     help="model KV shape (default: llama3-8b)")
-    mem.add_argument("--dims", default=None,
-                     help="explicit shape L,H,D[,dtype] (overrides --model)")
-    mem.add_argument("--budget", type=parse_bytes, default=parse_bytes("8GB"),
-                     help="KV memory budget; the real allocator commits up to this much host "
-                          "memory (default: 8GB)")
-    mem.add_argument("--max-seq-len", type=int, default=None,
-                     help="tokens per request slot (default: longest request, rounded up to "
-                          "a multiple of 1024)")
-    mem.add_argument("--max-batch-size", type=int, default=256,
-                     help="most concurrent requests, for every allocator (default: 256)")
-    mem.add_argument("--allocators", type=_allocator_list, default=list(ALL_ALLOCATORS),
-                     help="comma-separated subset of: " + ", ".join(ALL_ALLOCATORS))
-    mem.add_argument("--reclaim", choices=("deferred", "eager"), default="deferred",
-                     help="what the vattention caches do with a freed slot's pages: keep them "
-                          "until needed elsewhere (deferred, the default) or unmap at once")
-    mem.add_argument("--out", default="bench_results",
-                     help="directory for the markdown, JSON and PNG files "
-                          "(default: bench_results/)")
-    mem.add_argument("--json", default=None, metavar="PATH",
-                     help="also write the metrics keyed by allocator name to PATH")
+    mem.add_argument(
+        "--model",
+        default="llama3-8b",
+        choices=sorted(MODELS),
+        help="model KV shape (default: llama3-8b)",
+    )
+    mem.add_argument(
+        "--dims", default=None, help="explicit shape L,H,D[,dtype] (overrides --model)"
+    )
+    mem.add_argument(
+        "--budget",
+        type=parse_bytes,
+        default=parse_bytes("8GB"),
+        help="KV memory budget; the real allocator commits up to this much host "
+        "memory (default: 8GB)",
+    )
+    mem.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=None,
+        help="tokens per request slot (default: longest request, rounded up to a multiple of 1024)",
+    )
+    mem.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=256,
+        help="most concurrent requests, for every allocator (default: 256)",
+    )
+    mem.add_argument(
+        "--allocators",
+        type=_allocator_list,
+        default=list(ALL_ALLOCATORS),
+        help="comma-separated subset of: " + ", ".join(ALL_ALLOCATORS),
+    )
+    mem.add_argument(
+        "--reclaim",
+        choices=("deferred", "eager"),
+        default="deferred",
+        help="what the vattention caches do with a freed slot's pages: keep them "
+        "until needed elsewhere (deferred, the default) or unmap at once",
+    )
+    mem.add_argument(
+        "--out",
+        default="bench_results",
+        help="directory for the markdown, JSON and PNG files (default: bench_results/)",
+    )
+    mem.add_argument(
+        "--json",
+        default=None,
+        metavar="PATH",
+        help="also write the metrics keyed by allocator name to PATH",
+    )
     mem.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    mem.add_argument("--check", action="store_true",
-                     help="check allocator invariants at every step (slower)")
+    mem.add_argument(
+        "--check", action="store_true", help="check allocator invariants at every step (slower)"
+    )
     mem.add_argument("--quiet", action="store_true", help="no progress bar")
     from .vllm_bench import add_parser as add_vllm_parser
+
     add_vllm_parser(sub)
     return parser
 
@@ -95,29 +136,45 @@ def _run_memory(args: argparse.Namespace) -> int:
     workload = load_workload(args.trace, args.num_requests, args.seed)
     max_seq_len = args.max_seq_len or default_max_seq_len(workload)
     if workload.sampled_with_replacement:
-        print(f"note: trace {args.trace} has {workload.trace_rows} rows; "
-              f"{args.num_requests} requests were sampled with replacement", file=sys.stderr)
+        print(
+            f"note: trace {args.trace} has {workload.trace_rows} rows; "
+            f"{args.num_requests} requests were sampled with replacement",
+            file=sys.stderr,
+        )
     if not args.quiet:
-        print(f"memory benchmark: {workload.num_requests} requests of {workload.name}, "
-              f"{model.name}, budget {format_bytes(args.budget)}, max_seq_len {max_seq_len}",
-              file=sys.stderr)
-    report = run_memory_benchmark(workload, model, budget_bytes=args.budget,
-                                  max_seq_len=max_seq_len, max_batch_size=args.max_batch_size,
-                                  allocators=args.allocators, check=args.check,
-                                  progress=not args.quiet, reclaim=args.reclaim)
+        print(
+            f"memory benchmark: {workload.num_requests} requests of {workload.name}, "
+            f"{model.name}, budget {format_bytes(args.budget)}, max_seq_len {max_seq_len}",
+            file=sys.stderr,
+        )
+    report = run_memory_benchmark(
+        workload,
+        model,
+        budget_bytes=args.budget,
+        max_seq_len=max_seq_len,
+        max_batch_size=args.max_batch_size,
+        allocators=args.allocators,
+        check=args.check,
+        progress=not args.quiet,
+        reclaim=args.reclaim,
+    )
     print(markdown_table(report))
     paths = write_report(report, args.out, plots=not args.no_plots)
     if args.json:
         write_json(report, args.json)
         paths.append(args.json)
     if not args.no_plots and not any(p.endswith(".png") for p in paths):
-        print("no plots: matplotlib is not installed (pip install 'vattention[bench]')",
-              file=sys.stderr)
+        print(
+            "no plots: matplotlib is not installed (pip install 'vattention[bench]')",
+            file=sys.stderr,
+        )
     print("wrote " + ", ".join(paths), file=sys.stderr)
     failed = [name for name, m in report.metrics.items() if "error" in m]
     if failed:
-        print(f"{len(failed)} of {len(report.metrics)} allocators failed: {', '.join(failed)}",
-              file=sys.stderr)
+        print(
+            f"{len(failed)} of {len(report.metrics)} allocators failed: {', '.join(failed)}",
+            file=sys.stderr,
+        )
     return 1 if len(failed) == len(report.metrics) else 0
 
 
@@ -138,13 +195,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             return _run_memory(args)
         if args.benchmark == "vllm":
             from .vllm_bench import run as run_vllm
+
             return run_vllm(args)
     except (ValueError, RuntimeError, ImportError) as exc:
         wants_real = any(n.startswith("vattention-") for n in getattr(args, "allocators", []))
         hint = ""
         if isinstance(exc, ImportError) and wants_real:
-            hint = (" (the vattention rows need the built core: `make build`; or pass "
-                    f"--allocators without {', '.join(VATTENTION_VARIANTS)})")
+            hint = (
+                " (the vattention rows need the built core: `make build`; or pass "
+                f"--allocators without {', '.join(VATTENTION_VARIANTS)})"
+            )
         print(f"error: {exc}{hint}", file=sys.stderr)
         return 2
     return 2

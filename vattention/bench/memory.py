@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -77,9 +77,15 @@ class SimResult:
         return int(len(self.concurrency))
 
 
-def simulate(allocator: Allocator, workload: Workload, *, max_batch_size: int,
-             on_finish: Optional[Callable[[int], None]] = None, check: bool = False,
-             max_steps: Optional[int] = None) -> SimResult:
+def simulate(
+    allocator: Allocator,
+    workload: Workload,
+    *,
+    max_batch_size: int,
+    on_finish: Optional[Callable[[int], None]] = None,
+    check: bool = False,
+    max_steps: Optional[int] = None,
+) -> SimResult:
     """Run the workload through ``allocator`` (see the module docstring for the policy).
 
     Parameters
@@ -110,9 +116,10 @@ def simulate(allocator: Allocator, workload: Workload, *, max_batch_size: int,
     generated = np.zeros(n, dtype=np.int64)
     admitted_before = np.zeros(n, dtype=bool)
     queue = collections.deque(range(n))
-    running: List[int] = []            # admission order: youngest last
-    length: Dict[int, int] = {}        # rid -> KV tokens
-    conc, live, held, mapped, need = [], [], [], [], []
+    running: List[int] = []  # admission order: youngest last
+    length: Dict[int, int] = {}  # rid -> KV tokens
+    conc: List[int] = []
+    live, held, mapped, need = [], [], [], []
     finished = preemptions = prefilled = decoded = recomputed = 0
     counters_start = allocator.counters()
     started = time.perf_counter()
@@ -128,8 +135,10 @@ def simulate(allocator: Allocator, workload: Workload, *, max_batch_size: int,
                 queue.appendleft(victim)
                 preemptions += 1
                 if not running:
-                    raise RuntimeError(f"{allocator.name}: request {victim} cannot grow even "
-                                       "alone; raise the budget")
+                    raise RuntimeError(
+                        f"{allocator.name}: request {victim} cannot grow even "
+                        "alone; raise the budget"
+                    )
             generated[running] += 1
             decoded += len(running)
             length.update(new)
@@ -147,8 +156,10 @@ def simulate(allocator: Allocator, workload: Workload, *, max_batch_size: int,
                 prefilled += tokens
                 admitted_before[rid] = True
         if not running:
-            raise RuntimeError(f"{allocator.name}: request {queue[0]} ({int(total[queue[0]])} "
-                               "tokens) does not fit even alone; raise the budget")
+            raise RuntimeError(
+                f"{allocator.name}: request {queue[0]} ({int(total[queue[0]])} "
+                "tokens) does not fit even alone; raise the budget"
+            )
         conc.append(len(running))  # 3. record this iteration
         live.append(sum(length.values()))
         need.append(sum(allocator.kv_bytes(n) for n in length.values()))
@@ -157,9 +168,11 @@ def simulate(allocator: Allocator, workload: Workload, *, max_batch_size: int,
         if check:
             allocator.check()
             if not need[-1] <= held[-1] <= mapped[-1] <= allocator.budget_bytes:
-                raise AssertionError(f"{allocator.name} step {len(conc)}: live "
-                                     f"{need[-1]} held {held[-1]} mapped {mapped[-1]} "
-                                     f"budget {allocator.budget_bytes}")
+                raise AssertionError(
+                    f"{allocator.name} step {len(conc)}: live "
+                    f"{need[-1]} held {held[-1]} mapped {mapped[-1]} "
+                    f"budget {allocator.budget_bytes}"
+                )
         done = [rid for rid in running if length[rid] >= total[rid]]  # 4. finish
         for rid in done:
             running.remove(rid)
@@ -169,18 +182,28 @@ def simulate(allocator: Allocator, workload: Workload, *, max_batch_size: int,
         if on_finish and done:
             on_finish(len(done))
     return SimResult(
-        allocator=allocator.name, note=allocator.note, bytes_per_token=bpt,
-        budget_bytes=allocator.budget_bytes, max_batch_size=max_batch_size,
-        concurrency=np.asarray(conc, dtype=np.int64), live_tokens=np.asarray(live, np.int64),
+        allocator=allocator.name,
+        note=allocator.note,
+        bytes_per_token=bpt,
+        budget_bytes=allocator.budget_bytes,
+        max_batch_size=max_batch_size,
+        concurrency=np.asarray(conc, dtype=np.int64),
+        live_tokens=np.asarray(live, np.int64),
         held_bytes=np.asarray(held, dtype=np.int64),
-        mapped_bytes=np.asarray(mapped, dtype=np.int64), finished=finished,
-        preemptions=preemptions, prefill_tokens=prefilled, decode_tokens=decoded,
-        recomputed_tokens=recomputed, counters_start=counters_start,
-        counters_end=allocator.counters(), wall_seconds=time.perf_counter() - started,
-        live_bytes=np.asarray(need, dtype=np.int64))
+        mapped_bytes=np.asarray(mapped, dtype=np.int64),
+        finished=finished,
+        preemptions=preemptions,
+        prefill_tokens=prefilled,
+        decode_tokens=decoded,
+        recomputed_tokens=recomputed,
+        counters_start=counters_start,
+        counters_end=allocator.counters(),
+        wall_seconds=time.perf_counter() - started,
+        live_bytes=np.asarray(need, dtype=np.int64),
+    )
 
 
-def summarize(result: SimResult) -> Dict[str, object]:
+def summarize(result: SimResult) -> Dict[str, Any]:
     """Metrics of one run, as written to JSON.
 
     ``efficiency_*`` = bytes of live tokens / physical bytes held for the running requests;
@@ -190,11 +213,14 @@ def summarize(result: SimResult) -> Dict[str, object]:
     ``efficiency_mapped_peak`` divide by all mapped bytes instead. vattention rows add
     ``map_calls_per_step`` and ``unmap_calls_per_step``.
     """
-    live_bytes = (result.live_tokens * result.bytes_per_token if result.live_bytes is None
-                  else result.live_bytes)
+    live_bytes = (
+        result.live_tokens * result.bytes_per_token
+        if result.live_bytes is None
+        else result.live_bytes
+    )
     efficiency = live_bytes / np.maximum(result.held_bytes, 1)
     peak = int(np.argmax(result.live_tokens))
-    metrics: Dict[str, object] = {
+    metrics: Dict[str, Any] = {
         "efficiency_mean": float(efficiency.mean()),
         "efficiency_peak": float(efficiency[peak]),
         "concurrency_mean": float(result.concurrency.mean()),
@@ -239,16 +265,24 @@ class BenchReport:
         Allocator name -> :func:`summarize` dict (the JSON object).
     """
 
-    meta: Dict[str, object]
+    meta: Dict[str, Any]
     results: Dict[str, SimResult]
-    metrics: Dict[str, Dict[str, object]]
+    metrics: Dict[str, Dict[str, Any]]
 
 
-def run_memory_benchmark(workload: Workload, model: ModelShape, *, budget_bytes: int,
-                         max_seq_len: int, max_batch_size: int,
-                         allocators=ALL_ALLOCATORS, cache_factory: Optional[Callable] = None,
-                         check: bool = False, progress: bool = True,
-                         reclaim: str = "deferred") -> BenchReport:
+def run_memory_benchmark(
+    workload: Workload,
+    model: ModelShape,
+    *,
+    budget_bytes: int,
+    max_seq_len: int,
+    max_batch_size: int,
+    allocators=ALL_ALLOCATORS,
+    cache_factory: Optional[Callable] = None,
+    check: bool = False,
+    progress: bool = True,
+    reclaim: str = "deferred",
+) -> BenchReport:
     """Simulate ``workload`` once per allocator, one allocator alive at a time.
 
     Parameters
@@ -287,27 +321,36 @@ def run_memory_benchmark(workload: Workload, model: ModelShape, *, budget_bytes:
     """
     total = workload.total_tokens
     if int(total.max()) > max_seq_len:
-        raise ValueError(f"max_seq_len={max_seq_len} is below the longest request "
-                         f"({int(total.max())} tokens)")
-    meta: Dict[str, object] = {
-        "trace": workload.name, "num_requests": workload.num_requests,
+        raise ValueError(
+            f"max_seq_len={max_seq_len} is below the longest request ({int(total.max())} tokens)"
+        )
+    meta: Dict[str, Any] = {
+        "trace": workload.name,
+        "num_requests": workload.num_requests,
         "sampled_with_replacement": workload.sampled_with_replacement,
         "trace_rows": workload.trace_rows,
         "prefill_tokens": int(workload.prefill_tokens.sum()),
         "decode_tokens": int(workload.decode_tokens.sum()),
-        "model": model.name, "num_layers": model.num_layers,
-        "window": model.window, "window_layers": model.window_layers,
-        "num_kv_heads": model.num_kv_heads, "head_dim": model.head_dim, "dtype": model.dtype,
-        "full_kv_heads": model.full_kv_heads, "full_head_dim": model.full_head_dim,
-        "bytes_per_token": model.bytes_per_token, "budget_bytes": int(budget_bytes),
-        "max_seq_len": int(max_seq_len), "max_batch_size": int(max_batch_size),
+        "model": model.name,
+        "num_layers": model.num_layers,
+        "window": model.window,
+        "window_layers": model.window_layers,
+        "num_kv_heads": model.num_kv_heads,
+        "head_dim": model.head_dim,
+        "dtype": model.dtype,
+        "full_kv_heads": model.full_kv_heads,
+        "full_head_dim": model.full_head_dim,
+        "bytes_per_token": model.bytes_per_token,
+        "budget_bytes": int(budget_bytes),
+        "max_seq_len": int(max_seq_len),
+        "max_batch_size": int(max_batch_size),
         "reclaim": reclaim,
     }
     factory = cache_factory
     if factory is None and reclaim != "deferred":
         factory = functools.partial(real_cache_factory, reclaim=reclaim)
     results: Dict[str, SimResult] = {}
-    metrics: Dict[str, Dict[str, object]] = {}
+    metrics: Dict[str, Dict[str, Any]] = {}
     for name in allocators:
         try:
             need = min_bytes_for_request(name, model, int(total.max()), max_seq_len)
@@ -316,9 +359,11 @@ def run_memory_benchmark(workload: Workload, model: ModelShape, *, budget_bytes:
             logger.warning("%s skipped: %s", name, exc)
             continue
         if need > budget_bytes:
-            metrics[name] = {"error": f"the longest request ({int(total.max())} tokens) needs "
-                                      f"{need} bytes alone, over the budget of {budget_bytes} "
-                                      "bytes"}
+            metrics[name] = {
+                "error": f"the longest request ({int(total.max())} tokens) needs "
+                f"{need} bytes alone, over the budget of {budget_bytes} "
+                "bytes"
+            }
             logger.warning("%s skipped: %s", name, metrics[name]["error"])
             continue
         problem = None if cache_factory else host_mapping_problem(name, model, budget_bytes)
@@ -327,9 +372,15 @@ def run_memory_benchmark(workload: Workload, model: ModelShape, *, budget_bytes:
             logger.warning("%s %s", name, problem)
             continue
         try:
-            allocator = make_allocator(name, model, budget_bytes=budget_bytes,
-                                       max_seq_len=max_seq_len, max_batch_size=max_batch_size,
-                                       cache_factory=factory, verify=check)
+            allocator = make_allocator(
+                name,
+                model,
+                budget_bytes=budget_bytes,
+                max_seq_len=max_seq_len,
+                max_batch_size=max_batch_size,
+                cache_factory=factory,
+                verify=check,
+            )
         except ConfigError as exc:  # e.g. per-layer windows in the mega layout
             metrics[name] = {"error": str(exc)}
             logger.warning("%s skipped: %s", name, exc)
@@ -340,8 +391,13 @@ def run_memory_benchmark(workload: Workload, model: ModelShape, *, budget_bytes:
             continue
         try:
             with Progress(workload.num_requests, name, enabled=progress) as bar:
-                result = simulate(allocator, workload, max_batch_size=max_batch_size,
-                                  on_finish=bar.update, check=check)
+                result = simulate(
+                    allocator,
+                    workload,
+                    max_batch_size=max_batch_size,
+                    on_finish=bar.update,
+                    check=check,
+                )
         except DriverError as exc:  # an OS/driver limit, reported as this row's result
             metrics[name] = {"error": _explain_driver_error(exc)}
             logger.warning("%s failed: %s", name, metrics[name]["error"])
@@ -363,9 +419,11 @@ def _explain_driver_error(exc: Exception) -> str:
                 limit = f.read().strip()
         except OSError:
             limit = "?"
-        text += (f" -- the host backend maps every page separately and Linux allows "
-                 f"vm.max_map_count={limit} mappings per process; use a larger page, a smaller "
-                 "--budget, or raise vm.max_map_count")
+        text += (
+            f" -- the host backend maps every page separately and Linux allows "
+            f"vm.max_map_count={limit} mappings per process; use a larger page, a smaller "
+            "--budget, or raise vm.max_map_count"
+        )
     return text
 
 

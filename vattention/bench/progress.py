@@ -4,7 +4,7 @@ stderr."""
 from __future__ import annotations
 
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 __all__ = ["Progress"]
 
@@ -31,7 +31,7 @@ class Progress:
         self.total, self.label, self.enabled = total, label, enabled
         self.done = 0
         self._next_percent = 10
-        self._bar: Optional[object] = None
+        self._bar: Optional[Any] = None  # a tqdm bar (tqdm ships no type information)
         if enabled:
             try:
                 from tqdm import tqdm
@@ -52,8 +52,9 @@ class Progress:
         if percent >= self._next_percent:
             tty = sys.stderr.isatty()
             start, end = ("\r", "") if tty else ("", "\n")
-            sys.stderr.write(f"{start}{self.label:<24} {percent:3d}% "
-                             f"({self.done}/{self.total}){end}")
+            sys.stderr.write(
+                f"{start}{self.label:<24} {percent:3d}% ({self.done}/{self.total}){end}"
+            )
             sys.stderr.flush()
             step = 10 if tty else 25
             self._next_percent = percent - percent % step + step

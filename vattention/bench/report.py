@@ -9,14 +9,20 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import numpy as np
 
 from .memory import BenchReport
 
-__all__ = ["markdown_table", "metrics_json", "write_json", "write_plots", "write_report",
-           "format_bytes"]
+__all__ = [
+    "markdown_table",
+    "metrics_json",
+    "write_json",
+    "write_plots",
+    "write_report",
+    "format_bytes",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -33,16 +39,18 @@ def format_bytes(num_bytes: int) -> str:
     return f"{num_bytes}B"
 
 
-def _full_shape(meta: Dict[str, object]) -> str:
+def _full_shape(meta: Dict[str, Any]) -> str:
     """The full-attention layers' shape when it differs (per-layer shapes), else ''."""
     h, d = meta.get("full_kv_heads") or 0, meta.get("full_head_dim") or 0
     if not (h or d):
         return ""
-    return (f"; the {int(meta['num_layers']) - int(meta['window_layers'])} full-attention layers "
-            f"H={h or meta['num_kv_heads']}, D={d or meta['head_dim']}")
+    return (
+        f"; the {int(meta['num_layers']) - int(meta['window_layers'])} full-attention layers "
+        f"H={h or meta['num_kv_heads']}, D={d or meta['head_dim']}"
+    )
 
 
-def _header(meta: Dict[str, object]) -> List[str]:
+def _header(meta: Dict[str, Any]) -> List[str]:
     sampled = " (sampled with replacement)" if meta["sampled_with_replacement"] else ""
     return [
         f"Trace `{meta['trace']}`: {meta['num_requests']} requests{sampled} "
@@ -66,9 +74,11 @@ def markdown_table(report: BenchReport) -> str:
     rows = report.metrics
     base = rows.get("static-max", {}).get("concurrency_mean")
     lines = _header(report.meta) + [""]
-    lines.append("| allocator | efficiency mean | efficiency peak | incl. cached pages | "
-                 "concurrency mean | concurrency max | x static-max | preemptions | steps | "
-                 "maps/step | unmaps/step |")
+    lines.append(
+        "| allocator | efficiency mean | efficiency peak | incl. cached pages | "
+        "concurrency mean | concurrency max | x static-max | preemptions | steps | "
+        "maps/step | unmaps/step |"
+    )
     lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, m in rows.items():
         if "error" in m:
@@ -78,25 +88,28 @@ def markdown_table(report: BenchReport) -> str:
         ratio = f"{m['concurrency_mean'] / base:.2f}x" if base else "-"
         maps = f"{m['map_calls_per_step']:.2f}" if "map_calls_per_step" in m else "-"
         unmaps = f"{m['unmap_calls_per_step']:.2f}" if "unmap_calls_per_step" in m else "-"
-        cached = (f"{100 * m['efficiency_mapped_mean']:.1f}%"
-                  if "efficiency_mapped_mean" in m else "-")
+        cached = (
+            f"{100 * m['efficiency_mapped_mean']:.1f}%" if "efficiency_mapped_mean" in m else "-"
+        )
         label = f"{name} ({m['note']})" if m.get("note") else name
-        lines.append(f"| {label} | {100 * m['efficiency_mean']:.1f}% | "
-                     f"{100 * m['efficiency_peak']:.1f}% | {cached} | "
-                     f"{m['concurrency_mean']:.1f} | "
-                     f"{m['concurrency_max']} | {ratio} | {m['preemptions']} | {m['steps']} | "
-                     f"{maps} | {unmaps} |")
+        lines.append(
+            f"| {label} | {100 * m['efficiency_mean']:.1f}% | "
+            f"{100 * m['efficiency_peak']:.1f}% | {cached} | "
+            f"{m['concurrency_mean']:.1f} | "
+            f"{m['concurrency_max']} | {ratio} | {m['preemptions']} | {m['steps']} | "
+            f"{maps} | {unmaps} |"
+        )
     return "\n".join(lines) + "\n"
 
 
-def metrics_json(report: BenchReport) -> Dict[str, Dict[str, object]]:
+def metrics_json(report: BenchReport) -> Dict[str, Dict[str, Any]]:
     """JSON object keyed by allocator name (the ``--json`` file)."""
     return {name: dict(m) for name, m in report.metrics.items()}
 
 
 def write_json(report: BenchReport, path: str, *, with_meta: bool = False) -> None:
     """Write the metrics (and, with ``with_meta``, the run description under ``meta``)."""
-    data: Dict[str, object] = metrics_json(report)
+    data: Dict[str, Any] = metrics_json(report)
     if with_meta:
         data = {"meta": report.meta, "allocators": data}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -122,14 +135,17 @@ def write_plots(report: BenchReport, prefix: str) -> List[str]:
     """
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         logger.warning("matplotlib is not installed: no plots (pip install 'vattention[bench]')")
         return []
     names = [n for n in report.metrics if n in report.results]
-    title = (f"{report.meta['trace']}, {report.meta['model']}, "
-             f"{format_bytes(report.meta['budget_bytes'])} KV budget")
+    title = (
+        f"{report.meta['trace']}, {report.meta['model']}, "
+        f"{format_bytes(report.meta['budget_bytes'])} KV budget"
+    )
     fig, ax = plt.subplots(figsize=(7.5, 3.8), dpi=100)
     x = np.arange(len(names))
     mean = [100 * report.metrics[n]["efficiency_mean"] for n in names]
@@ -138,8 +154,9 @@ def write_plots(report: BenchReport, prefix: str) -> List[str]:
     ax.bar(x - 0.27, mean, width=0.27, label="mean over steps")
     ax.bar(x, peak, width=0.27, label="at peak load")
     ax.bar(x + 0.27, cached, width=0.27, label="mean, incl. pages cached by freed slots")
-    ax.set_xticks(x, [n.replace("vattention-", "vA-") for n in names], rotation=30, ha="right",
-                  fontsize=8)
+    ax.set_xticks(
+        x, [n.replace("vattention-", "vA-") for n in names], rotation=30, ha="right", fontsize=8
+    )
     ax.set_ylabel("KV memory efficiency (%)")
     ax.set_ylim(0, 105)
     ax.set_title(title, fontsize=9)
@@ -154,8 +171,9 @@ def write_plots(report: BenchReport, prefix: str) -> List[str]:
         steps, conc, window = _smoothed(report.results[name].concurrency)
         ax.plot(steps, conc, label=name, linewidth=1.0)
     ax.set_xlabel("step")
-    ax.set_ylabel(f"concurrent requests ({window}-step mean)" if window > 1
-                  else "concurrent requests")
+    ax.set_ylabel(
+        f"concurrent requests ({window}-step mean)" if window > 1 else "concurrent requests"
+    )
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()

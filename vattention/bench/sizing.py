@@ -9,17 +9,31 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
 from ..backends import host_mapping_limit
 from ..config import KVCacheConfig
 from .workload import ModelShape
 
-__all__ = ["cache_config", "page_geometry", "window_pages_per_index", "min_bytes_for_request",
-           "host_mapping_problem"]
+__all__ = [
+    "cache_config",
+    "page_geometry",
+    "window_pages_per_index",
+    "min_bytes_for_request",
+    "host_mapping_problem",
+]
 
 
-def cache_config(model: ModelShape, layout: str, page_size: str, *, max_batch_size: int = 1,
-                 max_seq_len: int = 1, release: bool = True,
-                 reclaim: str = "deferred") -> KVCacheConfig:
+def cache_config(
+    model: ModelShape,
+    layout: str,
+    page_size: str,
+    *,
+    max_batch_size: int = 1,
+    max_seq_len: int = 1,
+    release: bool = True,
+    reclaim: str = "deferred",
+) -> KVCacheConfig:
     """The host-backend ``KVCacheConfig`` that holds ``model`` in ``layout`` with ``page_size``.
 
     ``release``: give the cache the model's sliding windows (``False``: every layer keeps every
@@ -32,14 +46,21 @@ def cache_config(model: ModelShape, layout: str, page_size: str, *, max_batch_si
     """
     heads, dims = zip(*model.layer_shapes())
     return KVCacheConfig(
-        num_layers=model.num_layers, num_kv_heads=heads, head_dim=dims,
-        max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=model.dtype,
-        device="cpu", page_size=page_size, layout=layout, reclaim=reclaim,
-        sliding_window=model.sliding_window() if release else None)
+        num_layers=model.num_layers,
+        num_kv_heads=heads,
+        head_dim=dims,
+        max_batch_size=max_batch_size,
+        max_seq_len=max_seq_len,
+        dtype=getattr(torch, model.dtype),
+        device="cpu",
+        page_size=page_size,
+        layout=layout,
+        reclaim=reclaim,
+        sliding_window=model.sliding_window() if release else None,
+    )
 
 
-def min_bytes_for_request(name: str, model: ModelShape, num_tokens: int,
-                          max_seq_len: int) -> int:
+def min_bytes_for_request(name: str, model: ModelShape, num_tokens: int, max_seq_len: int) -> int:
     """Bytes allocator ``name`` needs to hold one request of ``num_tokens`` tokens alone.
 
     For vattention rows this is the page arithmetic of ``KVCacheConfig.pages_for_tokens``:
@@ -119,6 +140,8 @@ def host_mapping_problem(name: str, model: ModelShape, budget_bytes: int) -> Opt
     pages = budget_bytes // page_bytes
     if pages <= limit:
         return None
-    return (f"skipped: the host backend maps each {page} page separately; this budget needs up "
-            f"to {pages} page mappings, over the {limit} this process may hold (vm.max_map_count). "
-            f"Use 2MB pages, a budget <= {(limit * page_bytes) >> 20}MB, or raise vm.max_map_count")
+    return (
+        f"skipped: the host backend maps each {page} page separately; this budget needs up "
+        f"to {pages} page mappings, over the {limit} this process may hold (vm.max_map_count). "
+        f"Use 2MB pages, a budget <= {(limit * page_bytes) >> 20}MB, or raise vm.max_map_count"
+    )

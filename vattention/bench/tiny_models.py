@@ -12,7 +12,7 @@ rounding noise.
 from __future__ import annotations
 
 import os
-from typing import Dict
+from typing import Any, Dict
 
 __all__ = ["FAMILIES", "build_tiny_model"]
 
@@ -24,10 +24,21 @@ FAMILIES = ("llama", "qwen2", "mistral", "mistral-window", "gemma3", "qwen2-wind
 SPECIAL = ("<unk>", "<s>", "</s>")
 
 
-def build_tiny_model(path: str, family: str = "llama", *, num_layers: int = 2,
-                     hidden_size: int = 128, num_heads: int = 4, num_kv_heads: int = 2,
-                     head_dim: int = 32, vocab_size: int = 512, max_positions: int = 4096,
-                     initializer_range: float = 0.1, window: int = 64, seed: int = 0) -> str:
+def build_tiny_model(
+    path: str,
+    family: str = "llama",
+    *,
+    num_layers: int = 2,
+    hidden_size: int = 128,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    vocab_size: int = 512,
+    max_positions: int = 4096,
+    initializer_range: float = 0.1,
+    window: int = 64,
+    seed: int = 0,
+) -> str:
     """Write a random ``family`` model and its tokenizer to ``path``; return ``path``.
 
     Idempotent: an existing ``config.json`` at ``path`` is kept as it is. ``window``: the sliding
@@ -53,36 +64,57 @@ def build_tiny_model(path: str, family: str = "llama", *, num_layers: int = 2,
         vocab[f"w{i}"] = len(vocab)
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>",
-                                                bos_token="<s>", eos_token="</s>")
-    common = dict(vocab_size=vocab_size, hidden_size=hidden_size,
-                  intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
-                  num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                  head_dim=head_dim, max_position_embeddings=max_positions,
-                  initializer_range=initializer_range, bos_token_id=1, eos_token_id=2,
-                  tie_word_embeddings=False)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    common: Dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_positions,
+        initializer_range=initializer_range,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    config: transformers.PretrainedConfig
+    model_cls: type[transformers.PreTrainedModel]
     if family == "llama":
         config = transformers.LlamaConfig(**common)
         model_cls = transformers.LlamaForCausalLM
     elif family in ("qwen2", "qwen2-window"):
         windowed = family == "qwen2-window"
-        config = transformers.Qwen2Config(**common, use_sliding_window=windowed,
-                                          sliding_window=window if windowed else None,
-                                          max_window_layers=0 if windowed else num_layers)
+        config = transformers.Qwen2Config(
+            **common,
+            use_sliding_window=windowed,
+            sliding_window=window if windowed else None,
+            max_window_layers=0 if windowed else num_layers,
+        )
         model_cls = transformers.Qwen2ForCausalLM
     elif family == "gemma3":
         kinds = ("sliding_attention", "full_attention")
         config = transformers.Gemma3TextConfig(
-            **common, sliding_window=window, query_pre_attn_scalar=head_dim,
-            layer_types=[kinds[i % 2] for i in range(num_layers)])
+            **common,
+            sliding_window=window,
+            query_pre_attn_scalar=head_dim,
+            layer_types=[kinds[i % 2] for i in range(num_layers)],
+        )
         model_cls = transformers.Gemma3ForCausalLM
     else:
         windowed = family == "mistral-window"
         config = transformers.MistralConfig(**common, sliding_window=window if windowed else None)
         model_cls = transformers.MistralForCausalLM
     torch.manual_seed(seed)
-    model = model_cls(config).to(torch.float32)
+    # Each branch above pairs a model class with its own config class; mypy cannot tie the two.
+    model = model_cls(config)  # type: ignore[arg-type]
+    # transformers' PreTrainedModel.to is wrapped with functools.wraps(torch.nn.Module.to), which
+    # types it as the unbound function: mypy takes the dtype for `self`.
+    model = model.to(torch.float32)  # type: ignore[arg-type]
     os.makedirs(path, exist_ok=True)
     fast.save_pretrained(path)
-    model.save_pretrained(path)   # config.json last-but-one: its presence marks a complete model
+    model.save_pretrained(path)  # config.json last-but-one: its presence marks a complete model
     return path

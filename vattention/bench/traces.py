@@ -75,7 +75,8 @@ def load_trace(name_or_path: str) -> np.ndarray:
         with open(name_or_path, newline="") as f:
             return _parse(f, f"trace {name_or_path}")
     raise FileNotFoundError(
-        f"trace {name_or_path!r} is neither a packaged trace {TRACE_NAMES} nor an existing file")
+        f"trace {name_or_path!r} is neither a packaged trace {TRACE_NAMES} nor an existing file"
+    )
 
 
 def _parse(lines: Iterable[str], source: str) -> np.ndarray:
@@ -84,13 +85,19 @@ def _parse(lines: Iterable[str], source: str) -> np.ndarray:
     header = reader.fieldnames or []
     missing = [name for name, _ in TRACE_COLUMNS if name not in header]
     if missing:
-        raise ValueError(f"{source} lacks column(s) {', '.join(missing)}: its header is "
-                         f"{','.join(header) or '(empty file)'}; need "
-                         f"{', '.join(name for name, _ in TRACE_COLUMNS)}")
+        raise ValueError(
+            f"{source} lacks column(s) {', '.join(missing)}: its header is "
+            f"{','.join(header) or '(empty file)'}; need "
+            f"{', '.join(name for name, _ in TRACE_COLUMNS)}"
+        )
     data = []
     for row_number, row in enumerate(reader, start=1):
-        data.append(tuple(_value(row.get(name), least, source, row_number, reader.line_num, name)
-                          for name, least in TRACE_COLUMNS))
+        data.append(
+            tuple(
+                _value(row.get(name), least, source, row_number, reader.line_num, name)
+                for name, least in TRACE_COLUMNS
+            )
+        )
     if not data:
         raise ValueError(f"{source} has no rows")
     return np.asarray(data, dtype=np.int64).reshape(-1, 2)
@@ -100,8 +107,11 @@ def _value(text, least: int, source: str, row: int, line: int, column: str) -> i
     """The whole number ``text`` of one cell, >= ``least``; else a ValueError naming the cell."""
     where = f"{source}, row {row} (line {line}), column {column!r}"
     if text is None or not text.strip():
-        raise ValueError(f"{where}: no value (the row has fewer fields than the header)"
-                         if text is None else f"{where}: empty value")
+        raise ValueError(
+            f"{where}: no value (the row has fewer fields than the header)"
+            if text is None
+            else f"{where}: empty value"
+        )
     try:
         value = int(text)
     except ValueError:

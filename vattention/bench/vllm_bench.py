@@ -36,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import IO, Dict, List, Optional, Tuple
 
 from ..integrations.vllm.settings import ENV_ENABLE, ENV_STATS
 
@@ -45,39 +45,70 @@ __all__ = ["add_parser", "run", "make_requests", "make_workload", "MODEL_SIZES",
 ENGINES = ("stock", "vattention")
 WORKLOADS = ("sharegpt", "shared-prefix", "long-prompt", "long-generation", "long-context")
 # (layers, hidden, heads, kv heads, head dim): attention's share of a step shrinks as they grow.
-MODEL_SIZES = {"tiny": (2, 256, 4, 4, 64), "small": (4, 512, 8, 8, 64),
-               "medium": (8, 1024, 16, 8, 64), "large": (16, 2048, 32, 8, 64)}
+MODEL_SIZES = {
+    "tiny": (2, 256, 4, 4, 64),
+    "small": (4, 512, 8, 8, 64),
+    "medium": (8, 1024, 16, 8, 64),
+    "large": (16, 2048, 32, 8, 64),
+}
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add the ``vllm`` subcommand to ``bench``'s subparsers."""
     p = sub.add_parser(
-        "vllm", help="stock vLLM vs the vattention vLLM plugin, alternated (needs vLLM)",
+        "vllm",
+        help="stock vLLM vs the vattention vLLM plugin, alternated (needs vLLM)",
         description="Serve workloads with stock vLLM and with the vattention plugin (same model, "
-                    "requests and KV memory, both at vLLM's defaults), alternated A B B A over "
-                    "repetitions after a warm-up; print tokens/s (min, median) and the ratio.")
-    p.add_argument("--workload", action="append", choices=WORKLOADS + ("all",),
-                   help="workload(s) to run (repeatable; default: sharegpt; all: every one)")
-    p.add_argument("--model-size", choices=tuple(MODEL_SIZES), default="small",
-                   help="random Llama size (default: small: 4 layers, hidden 512, 8 KV heads "
-                        "x 64, fp32)")
-    p.add_argument("--repetitions", type=int, default=2,
-                   help="rounds of each workload per engine (default: 2; >= 2 for a median "
-                        "worth the name)")
-    p.add_argument("--num-requests", type=int, default=64,
-                   help="requests of the sharegpt workload (default: 64)")
-    p.add_argument("--length-scale", type=float, default=0.5,
-                   help="sharegpt: multiply the trace's lengths by this (default: 0.5)")
+        "requests and KV memory, both at vLLM's defaults), alternated A B B A over "
+        "repetitions after a warm-up; print tokens/s (min, median) and the ratio.",
+    )
+    p.add_argument(
+        "--workload",
+        action="append",
+        choices=WORKLOADS + ("all",),
+        help="workload(s) to run (repeatable; default: sharegpt; all: every one)",
+    )
+    p.add_argument(
+        "--model-size",
+        choices=tuple(MODEL_SIZES),
+        default="small",
+        help="random Llama size (default: small: 4 layers, hidden 512, 8 KV heads x 64, fp32)",
+    )
+    p.add_argument(
+        "--repetitions",
+        type=int,
+        default=2,
+        help="rounds of each workload per engine (default: 2; >= 2 for a median worth the name)",
+    )
+    p.add_argument(
+        "--num-requests",
+        type=int,
+        default=64,
+        help="requests of the sharegpt workload (default: 64)",
+    )
+    p.add_argument(
+        "--length-scale",
+        type=float,
+        default=0.5,
+        help="sharegpt: multiply the trace's lengths by this (default: 0.5)",
+    )
     p.add_argument("--max-model-len", type=int, default=4096, help="default: 4096")
     p.add_argument("--max-num-seqs", type=int, default=16, help="default: 16")
-    p.add_argument("--kv-memory", default="1GB",
-                   help="kv_cache_memory_bytes for both engines (default: 1GB)")
+    p.add_argument(
+        "--kv-memory", default="1GB", help="kv_cache_memory_bytes for both engines (default: 1GB)"
+    )
     p.add_argument("--seed", type=int, default=0, help="default: 0")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="both engines in eager mode (vLLM's default is the compiled model; "
-                        "eager starts faster, for quick checks)")
-    p.add_argument("--model-dir", default=None,
-                   help="where the random model is built (default: a temporary directory)")
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="both engines in eager mode (vLLM's default is the compiled model; "
+        "eager starts faster, for quick checks)",
+    )
+    p.add_argument(
+        "--model-dir",
+        default=None,
+        help="where the random model is built (default: a temporary directory)",
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
     return p
 
@@ -86,8 +117,9 @@ def _greedy(n: int) -> Dict:
     return {"temperature": 0.0, "max_tokens": n, "ignore_eos": True}
 
 
-def make_requests(trace: str, num_requests: int, scale: float, max_model_len: int,
-                  seed: int) -> List[Dict]:
+def make_requests(
+    trace: str, num_requests: int, scale: float, max_model_len: int, seed: int
+) -> List[Dict]:
     """Greedy requests (token ids, ``max_tokens``) with trace-drawn lengths, scaled and clipped.
 
     >>> reqs = make_requests("sharegpt", 3, 0.25, 1024, 0)
@@ -98,14 +130,16 @@ def make_requests(trace: str, num_requests: int, scale: float, max_model_len: in
     import numpy as np
 
     from .workload import load_workload
+
     workload = load_workload(trace, num_requests, seed)
     rng = np.random.default_rng(seed)
     out = []
     for p, d in zip(workload.prefill_tokens, workload.decode_tokens):
         prompt = max(1, min(int(p * scale), max_model_len - 2))
         output = max(1, min(int(d * scale), max_model_len - prompt))
-        out.append({"prompt_token_ids": rng.integers(3, 512, prompt).tolist(),
-                    "sampling": _greedy(output)})
+        out.append(
+            {"prompt_token_ids": rng.integers(3, 512, prompt).tolist(), "sampling": _greedy(output)}
+        )
     return out
 
 
@@ -123,23 +157,39 @@ def make_workload(name: str, round_: int, args: argparse.Namespace) -> List[Dict
 
     seed = args.seed * 1000 + round_
     if name == "sharegpt":
-        lengths = make_requests("sharegpt", args.num_requests, args.length_scale,
-                                args.max_model_len, args.seed)
+        lengths = make_requests(
+            "sharegpt", args.num_requests, args.length_scale, args.max_model_len, args.seed
+        )
         rng = np.random.default_rng(seed)
-        return [{"prompt_token_ids": rng.integers(3, 512, len(r["prompt_token_ids"])).tolist(),
-                 "sampling": r["sampling"]} for r in lengths]
+        return [
+            {
+                "prompt_token_ids": rng.integers(3, 512, len(r["prompt_token_ids"])).tolist(),
+                "sampling": r["sampling"],
+            }
+            for r in lengths
+        ]
     rng = np.random.default_rng(seed)
-    shape = {"long-prompt": [(int(rng.integers(700, 1101)), 16) for _ in range(24)],
-             "long-generation": [(32, 600)] * 16,
-             "long-context": [(int(rng.integers(3000, 3401)), 128) for _ in range(16)]}
+    shape = {
+        "long-prompt": [(int(rng.integers(700, 1101)), 16) for _ in range(24)],
+        "long-generation": [(32, 600)] * 16,
+        "long-context": [(int(rng.integers(3000, 3401)), 128) for _ in range(16)],
+    }
     if name == "shared-prefix":
         system = rng.integers(3, 512, 768).tolist()
-        return [{"prompt_token_ids": system + rng.integers(3, 512, int(rng.integers(16, 97)))
-                 .tolist(), "sampling": _greedy(64)} for _ in range(64)]
+        return [
+            {
+                "prompt_token_ids": system
+                + rng.integers(3, 512, int(rng.integers(16, 97))).tolist(),
+                "sampling": _greedy(64),
+            }
+            for _ in range(64)
+        ]
     if name not in shape:
         raise ValueError(f"workload {name!r} is not one of {WORKLOADS}")
-    return [{"prompt_token_ids": rng.integers(3, 512, p).tolist(), "sampling": _greedy(n)}
-            for p, n in shape[name]]
+    return [
+        {"prompt_token_ids": rng.integers(3, 512, p).tolist(), "sampling": _greedy(n)}
+        for p, n in shape[name]
+    ]
 
 
 def plugin_settings(environ) -> Dict[str, str]:
@@ -178,30 +228,39 @@ class Engine:
         self._log = open(self.log_file, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vattention.bench.vllm_run", "--serve", spec_file],
-            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True)
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+        )
+        assert self.proc.stdin is not None and self.proc.stdout is not None  # both are pipes
+        self._stdin: IO[str] = self.proc.stdin
+        self._stdout: IO[str] = self.proc.stdout
 
     def _answer(self) -> Dict:
-        line = self.proc.stdout.readline()
+        line = self._stdout.readline()
         if not line:
             self.proc.wait()
             with open(self.log_file) as f:
                 tail = f.read()[-3000:]
-            raise RuntimeError(f"the {self.name} engine exited {self.proc.returncode}; log tail:"
-                               f"\n{tail}")
+            raise RuntimeError(
+                f"the {self.name} engine exited {self.proc.returncode}; log tail:\n{tail}"
+            )
         return json.loads(line)
 
     def ready(self) -> None:
         assert self._answer().get("ready")
 
     def generate(self, requests: List[Dict]) -> Dict:
-        self.proc.stdin.write(json.dumps({"requests": requests}) + "\n")
-        self.proc.stdin.flush()
+        self._stdin.write(json.dumps({"requests": requests}) + "\n")
+        self._stdin.flush()
         return self._answer()
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
-            self.proc.stdin.close()
+            self._stdin.write(json.dumps({"quit": True}) + "\n")
+            self._stdin.close()
             self.proc.wait(timeout=300)
         self._log.close()
 
@@ -251,48 +310,65 @@ def run(args: argparse.Namespace) -> int:
     from ..config import parse_size
     from .tiny_models import build_tiny_model
 
-    workloads = list(WORKLOADS) if "all" in (args.workload or []) else \
-        (args.workload or ["sharegpt"])
+    workloads = (
+        list(WORKLOADS) if "all" in (args.workload or []) else (args.workload or ["sharegpt"])
+    )
     if args.repetitions < 1:
         raise SystemExit("--repetitions must be >= 1")
     kv_bytes = parse_size(args.kv_memory, name="--kv-memory")
     workdir = tempfile.mkdtemp(prefix="vattention-bench-vllm-")
     layers, hidden, heads, kv_heads, head_dim = MODEL_SIZES[args.model_size]
     model = build_tiny_model(
-        args.model_dir or os.path.join(workdir, f"llama-{args.model_size}"), "llama",
-        num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads,
-        head_dim=head_dim, max_positions=max(4096, args.max_model_len))
+        args.model_dir or os.path.join(workdir, f"llama-{args.model_size}"),
+        "llama",
+        num_layers=layers,
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        max_positions=max(4096, args.max_model_len),
+    )
     # vLLM's defaults (prefix caching, compiled mode): only sizes, and the checkpoint's dtype.
-    spec = {"model": model, "engine": {"dtype": "float32", "max_model_len": args.max_model_len,
-                                       "max_num_seqs": args.max_num_seqs,
-                                       "kv_cache_memory_bytes": kv_bytes,
-                                       **({"enforce_eager": True} if args.enforce_eager else {})}}
+    spec = {
+        "model": model,
+        "engine": {
+            "dtype": "float32",
+            "max_model_len": args.max_model_len,
+            "max_num_seqs": args.max_num_seqs,
+            "kv_cache_memory_bytes": kv_bytes,
+            **({"enforce_eager": True} if args.enforce_eager else {}),
+        },
+    }
     spec_file = os.path.join(workdir, "spec.json")
     with open(spec_file, "w") as f:
         json.dump(spec, f)
     load_before = os.getloadavg()
-    print(f"vLLM benchmark: random Llama '{args.model_size}' ({layers} layers, hidden {hidden}, "
-          f"{heads} heads / {kv_heads} KV heads x {head_dim}, fp32), KV memory "
-          f"{kv_bytes >> 20} MiB, max_num_seqs {args.max_num_seqs}, max_model_len "
-          f"{args.max_model_len}, vLLM's defaults{' but eager' if args.enforce_eager else ''}; "
-          f"{args.repetitions} repetition(s) of A B B A; "
-          f"load average {load_before[0]:.2f}; logs in {workdir}"
-          + "".join(f"; plugin {k}={v}" for k, v in sorted(plugin_settings(os.environ).items())),
-          file=sys.stderr)
+    print(
+        f"vLLM benchmark: random Llama '{args.model_size}' ({layers} layers, hidden {hidden}, "
+        f"{heads} heads / {kv_heads} KV heads x {head_dim}, fp32), KV memory "
+        f"{kv_bytes >> 20} MiB, max_num_seqs {args.max_num_seqs}, max_model_len "
+        f"{args.max_model_len}, vLLM's defaults{' but eager' if args.enforce_eager else ''}; "
+        f"{args.repetitions} repetition(s) of A B B A; "
+        f"load average {load_before[0]:.2f}; logs in {workdir}"
+        + "".join(f"; plugin {k}={v}" for k, v in sorted(plugin_settings(os.environ).items())),
+        file=sys.stderr,
+    )
     engines = {name: Engine(name, spec_file, workdir) for name in ENGINES}
     results: Dict[str, Dict] = {}
     try:
         for engine in engines.values():
             engine.ready()
-        warm = make_workload("sharegpt", 10_000, argparse.Namespace(
-            **{**vars(args), "num_requests": 4}))
-        for engine in engines.values():   # compilation, first pages, allocator: outside timing
+        warm = make_workload(
+            "sharegpt", 10_000, argparse.Namespace(**{**vars(args), "num_requests": 4})
+        )
+        for engine in engines.values():  # compilation, first pages, allocator: outside timing
             engine.generate(warm)
         for name in workloads:
             t0 = time.perf_counter()
-            rounds, same, total, first = {e: [] for e in ENGINES}, 0, 0, None
+            rounds: Dict[str, List[float]] = {e: [] for e in ENGINES}  # tokens/s per pass
+            same, total, first = 0, 0, None
             for r in range(args.repetitions):
-                for k, order in enumerate((ENGINES, ENGINES[::-1])):   # A B B A
+                for k, order in enumerate((ENGINES, ENGINES[::-1])):  # A B B A
                     # fresh token ids each pass: no prefix-cache hits carried between passes
                     requests = make_workload(name, 2 * r + k, args)
                     out = _round(engines, order, requests)
@@ -302,16 +378,22 @@ def run(args: argparse.Namespace) -> int:
                     same, total = same + n, total + len(requests)
                     for e in ENGINES:
                         rounds[e].append(out[e]["tokens_per_s"])
-            results[name] = {"rounds": rounds, "tokens_identical": same == total,
-                             "identical_requests": [same, total], "first_divergence": first,
-                             "seconds": time.perf_counter() - t0}
+            results[name] = {
+                "rounds": rounds,
+                "tokens_identical": same == total,
+                "identical_requests": [same, total],
+                "first_divergence": first,
+                "seconds": time.perf_counter() - t0,
+            }
             print(f"  {name}: done in {results[name]['seconds']:.0f} s", file=sys.stderr)
     finally:
         for engine in engines.values():
             engine.close()
     load_after = os.getloadavg()
-    print("| workload | stock tokens/s (min / median) | plugin tokens/s (min / median) | "
-          "plugin / stock (median) | tokens identical |")
+    print(
+        "| workload | stock tokens/s (min / median) | plugin tokens/s (min / median) | "
+        "plugin / stock (median) | tokens identical |"
+    )
     print("|---|---:|---:|---:|---|")
     ok = True
     for name, res in results.items():
@@ -319,21 +401,38 @@ def run(args: argparse.Namespace) -> int:
         ok = ok and res["tokens_identical"]
         same, total = res["identical_requests"]
         first = res["first_divergence"]
-        identical = "yes" if res["tokens_identical"] else (
-            f"{same} of {total} requests (first difference: pass {first['pass']}, request "
-            f"{first['request']}, token {first['token']})")
-        print(f"| {name} | {smin:.0f} / {smed:.0f} | {pmin:.0f} / {pmed:.0f} | "
-              f"{pmed / smed:.2f}x | {identical} |")
+        identical = (
+            "yes"
+            if res["tokens_identical"]
+            else (
+                f"{same} of {total} requests (first difference: pass {first['pass']}, request "
+                f"{first['request']}, token {first['token']})"
+            )
+        )
+        print(
+            f"| {name} | {smin:.0f} / {smed:.0f} | {pmin:.0f} / {pmed:.0f} | "
+            f"{pmed / smed:.2f}x | {identical} |"
+        )
     stats = {}
     if os.path.exists(engines["vattention"].stats_file):
         with open(engines["vattention"].stats_file) as f:
             stats = json.load(f)
-    print(f"\nmodel {args.model_size}; {2 * args.repetitions} timed rounds per engine and "
-          f"workload (A B B A), after a warm-up; load average {load_before[0]:.2f} before, "
-          f"{load_after[0]:.2f} after; plugin: {stats.get('block_hits', 0)} prefix-cache block "
-          f"hits mapped zero-copy, {stats.get('oom_events', '?')} OOM events")
+    print(
+        f"\nmodel {args.model_size}; {2 * args.repetitions} timed rounds per engine and "
+        f"workload (A B B A), after a warm-up; load average {load_before[0]:.2f} before, "
+        f"{load_after[0]:.2f} after; plugin: {stats.get('block_hits', 0)} prefix-cache block "
+        f"hits mapped zero-copy, {stats.get('oom_events', '?')} OOM events"
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": results, "load": [load_before, load_after],
-                       "plugin_settings": plugin_settings(os.environ), "plugin_stats": stats}, f)
+            json.dump(
+                {
+                    "args": vars(args),
+                    "results": results,
+                    "load": [load_before, load_after],
+                    "plugin_settings": plugin_settings(os.environ),
+                    "plugin_stats": stats,
+                },
+                f,
+            )
     return 0 if ok else 1

@@ -83,8 +83,11 @@ def serve(spec: Dict[str, Any]) -> int:
 
     llm = vllm.LLM(model=spec["model"], **spec.get("engine", {}))
     peak = _track_running(llm)
-    print(json.dumps({"ready": True, "plugin": os.environ.get("VATTENTION_VLLM") == "1"}),
-          file=answer, flush=True)
+    print(
+        json.dumps({"ready": True, "plugin": os.environ.get("VATTENTION_VLLM") == "1"}),
+        file=answer,
+        flush=True,
+    )
     for line in sys.stdin:
         command = json.loads(line)
         if command.get("quit"):
@@ -97,10 +100,19 @@ def serve(spec: Dict[str, Any]) -> int:
         wall_s = time.perf_counter() - t0
         tokens = [[list(c.token_ids) for c in o.outputs] for o in outputs]
         generated = sum(len(t) for per_req in tokens for t in per_req)
-        print(json.dumps({"tokens": tokens, "generate_s": wall_s,
-                          "tokens_per_s": generated / wall_s if wall_s > 0 else 0.0,
-                          "max_concurrency": peak(), "peak_rss": _peak_rss()}),
-              file=answer, flush=True)
+        print(
+            json.dumps(
+                {
+                    "tokens": tokens,
+                    "generate_s": wall_s,
+                    "tokens_per_s": generated / wall_s if wall_s > 0 else 0.0,
+                    "max_concurrency": peak(),
+                    "peak_rss": _peak_rss(),
+                }
+            ),
+            file=answer,
+            flush=True,
+        )
     _shutdown(llm)
     return 0
 
@@ -116,8 +128,9 @@ def _track_running(llm):
     instance's ``schedule`` is wrapped to record ``len(running)`` after each call. Returns a
     function giving the peak (-1 when the scheduler is in another process).
     """
-    core = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None),
-                   "engine_core", None)
+    core = getattr(
+        getattr(getattr(llm, "llm_engine", None), "engine_core", None), "engine_core", None
+    )
     scheduler = getattr(core, "scheduler", None)
     if scheduler is None:
         return lambda: -1
@@ -146,15 +159,16 @@ def hf_greedy(model_path: str, requests: List[Dict[str, Any]]) -> List[List[int]
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_path,
-                                                              dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=torch.float32
+    ).eval()
     out = []
     for r in requests:
         n = r.get("sampling", {}).get("max_tokens", 16)
         ids = torch.tensor([r["prompt_token_ids"]])
         with torch.no_grad():
             gen = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        out.append(gen[0, ids.shape[1]:].tolist())
+        out.append(gen[0, ids.shape[1] :].tolist())
     return out
 
 
@@ -164,8 +178,11 @@ def main(argv: List[str] | None = None) -> int:
         with open(argv[1]) as f:
             return serve(json.load(f))
     if len(argv) != 2:
-        print("usage: python -m vattention.bench.vllm_run SPEC.json OUT.json\n"
-              "       python -m vattention.bench.vllm_run --serve SPEC.json", file=sys.stderr)
+        print(
+            "usage: python -m vattention.bench.vllm_run SPEC.json OUT.json\n"
+            "       python -m vattention.bench.vllm_run --serve SPEC.json",
+            file=sys.stderr,
+        )
         return 2
     with open(argv[0]) as f:
         spec = json.load(f)

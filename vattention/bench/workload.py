@@ -17,13 +17,27 @@ import numpy as np
 
 from .traces import load_trace
 
-__all__ = ["ModelShape", "MODELS", "parse_model", "Workload", "load_workload",
-           "default_max_seq_len"]
+__all__ = [
+    "ModelShape",
+    "MODELS",
+    "parse_model",
+    "Workload",
+    "load_workload",
+    "default_max_seq_len",
+]
 
 logger = logging.getLogger(__name__)
 
-_ELEMENT_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int8": 1, "uint8": 1,
-                  "float8_e4m3fn": 1, "float8_e5m2": 1}
+_ELEMENT_BYTES = {
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float64": 8,
+    "int8": 1,
+    "uint8": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +76,10 @@ class ModelShape:
 
     def __post_init__(self) -> None:
         if self.window < 0 or not 0 <= self.window_layers <= self.num_layers:
-            raise ValueError(f"window={self.window}, window_layers={self.window_layers}: need "
-                             f"window >= 0 and 0 <= window_layers <= num_layers={self.num_layers}")
+            raise ValueError(
+                f"window={self.window}, window_layers={self.window_layers}: need "
+                f"window >= 0 and 0 <= window_layers <= num_layers={self.num_layers}"
+            )
         if self.dtype not in _ELEMENT_BYTES:
             raise ValueError(f"dtype={self.dtype!r} is not one of {sorted(_ELEMENT_BYTES)}")
         for field in ("num_layers", "num_kv_heads", "head_dim"):
@@ -96,8 +112,14 @@ class ModelShape:
         """The same model with every layer at its largest shape: the one cache a uniform
         ``KVCacheConfig`` could hold it in."""
         h, d = max(self.layer_shapes(), key=lambda s: s[0] * s[1])
-        return dataclasses.replace(self, name=f"{self.name}-padded", num_kv_heads=h, head_dim=d,
-                                   full_kv_heads=0, full_head_dim=0)
+        return dataclasses.replace(
+            self,
+            name=f"{self.name}-padded",
+            num_kv_heads=h,
+            head_dim=d,
+            full_kv_heads=0,
+            full_head_dim=0,
+        )
 
     @functools.cached_property  # a frozen value; kv_bytes() needs it per request and step
     def bytes_per_token(self) -> int:
@@ -109,7 +131,7 @@ class ModelShape:
         """The part of :attr:`bytes_per_token` in sliding-window layers."""
         if not self.window:
             return 0
-        return 2 * sum(self.layer_token_bytes()[:self.window_layers])
+        return 2 * sum(self.layer_token_bytes()[: self.window_layers])
 
     def kv_bytes(self, num_tokens: int) -> int:
         """Bytes a request of ``num_tokens`` tokens really needs: all tokens on full layers, the
@@ -139,8 +161,9 @@ MODELS = {
     "gemma3-12b": ModelShape("gemma3-12b", 48, 8, 256, window=1024, window_layers=40),
     # per-layer shapes: transformers' Gemma4TextConfig defaults (30 layers, 5 local :
     # 1 global, 4 KV heads, head_dim 256 local / global_head_dim 512, window 512), no KV sharing
-    "gemma4-defaults": ModelShape("gemma4-defaults", 30, 4, 256, window=512, window_layers=25,
-                                  full_head_dim=512),
+    "gemma4-defaults": ModelShape(
+        "gemma4-defaults", 30, 4, 256, window=512, window_layers=25, full_head_dim=512
+    ),
 }
 
 
@@ -161,8 +184,9 @@ def parse_model(model: Optional[str] = None, dims: Optional[str] = None) -> Mode
         except ValueError:
             raise ValueError(f"--dims {dims!r}: L, H and D must be integers") from None
         dtype = parts[3] if len(parts) == 4 else "bfloat16"
-        return ModelShape(f"custom-{layers}x{heads}x{head_dim}-{dtype}", layers, heads, head_dim,
-                          dtype)
+        return ModelShape(
+            f"custom-{layers}x{heads}x{head_dim}-{dtype}", layers, heads, head_dim, dtype
+        )
     name = model or "llama3-8b"
     if name not in MODELS:
         raise ValueError(f"--model {name!r} is not one of {sorted(MODELS)}; or use --dims")
@@ -225,13 +249,21 @@ def load_workload(trace: str, num_requests: int, seed: int = 0) -> Workload:
     rng = np.random.default_rng(seed)
     with_replacement = num_requests > len(rows)
     if with_replacement:
-        logger.warning("trace %s has %d rows < %d requests: sampling with replacement",
-                       trace, len(rows), num_requests)
+        logger.warning(
+            "trace %s has %d rows < %d requests: sampling with replacement",
+            trace,
+            len(rows),
+            num_requests,
+        )
     index = rng.choice(len(rows), size=num_requests, replace=with_replacement)
     chosen = rows[index]
-    return Workload(name=os.path.basename(trace), prefill_tokens=chosen[:, 0].copy(),
-                    decode_tokens=chosen[:, 1].copy(),
-                    sampled_with_replacement=with_replacement, trace_rows=len(rows))
+    return Workload(
+        name=os.path.basename(trace),
+        prefill_tokens=chosen[:, 0].copy(),
+        decode_tokens=chosen[:, 1].copy(),
+        sampled_with_replacement=with_replacement,
+        trace_rows=len(rows),
+    )
 
 
 def default_max_seq_len(workload: Workload, multiple: int = 1024) -> int:

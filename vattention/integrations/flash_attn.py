@@ -38,7 +38,7 @@ Examples
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -178,13 +178,27 @@ def flash_attn_with_kvcache(
     >>> bool(torch.allclose(plain, hinted, atol=1e-6))
     True
     """
-    fa_args = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cu_seqlens_q,
-               max_seqlen_q, softmax_scale, causal, window_size, k_descale, v_descale)
+    fa_args = (
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        cache_seqlens,
+        cache_batch_idx,
+        cu_seqlens_q,
+        max_seqlen_q,
+        softmax_scale,
+        causal,
+        window_size,
+        k_descale,
+        v_descale,
+    )
     if q.device.type == "cuda":
         flash = flash_kernel()
         if flash is None:
             return flash_attn_with_kvcache_reference(*fa_args)
-        extra = {
+        extra: Dict[str, Any] = {
             name: value
             for name, value in (
                 ("cu_seqlens_q", cu_seqlens_q),
@@ -435,8 +449,12 @@ def prefill(
 
 
 # vattention's own kernels compute row offsets in 64 bits: no int32 check for them.
-_OWN_KERNELS = (flash_attn_with_kvcache, flash_attn_with_kvcache_reference, cpu_attention,
-                reference_attention)
+_OWN_KERNELS = (
+    flash_attn_with_kvcache,
+    flash_attn_with_kvcache_reference,
+    cpu_attention,
+    reference_attention,
+)
 
 
 def _default_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> Kernel:
@@ -464,4 +482,3 @@ def _check_offsets(k_cache: torch.Tensor, v_cache: torch.Tensor, slots) -> None:
 
 def _int32(values, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(values, device=device).to(torch.int32)
-

@@ -42,9 +42,21 @@ import torch
 from .. import KVCache, KVCacheConfig
 from ..errors import InvalidSlotError, VAttentionError
 
-__all__ = ["init_kvcache", "reserve_physical_pages", "alloc_new_batch_idx", "free_batch_idx",
-           "step", "step_async", "num_free_kvblocks", "set_deferred_reclamation", "set_verbose",
-           "show_kvcache_config", "show_allocator_state", "cleanup", "get_cache"]
+__all__ = [
+    "init_kvcache",
+    "reserve_physical_pages",
+    "alloc_new_batch_idx",
+    "free_batch_idx",
+    "step",
+    "step_async",
+    "num_free_kvblocks",
+    "set_deferred_reclamation",
+    "set_verbose",
+    "show_kvcache_config",
+    "show_allocator_state",
+    "cleanup",
+    "get_cache",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +86,17 @@ def _device_name(device: Union[int, str, torch.device]) -> str:
     return f"cuda:{device}" if isinstance(device, int) else str(device)
 
 
-def init_kvcache(num_layers: int, num_kv_heads: int, head_size: int, max_batch_size: int,
-                 max_context_length: int, device: Union[int, str, torch.device],
-                 dtype: torch.dtype, page_size: int, megacache: bool = False
-                 ) -> list[torch.Tensor]:
+def init_kvcache(
+    num_layers: int,
+    num_kv_heads: int,
+    head_size: int,
+    max_batch_size: int,
+    max_context_length: int,
+    device: Union[int, str, torch.device],
+    dtype: torch.dtype,
+    page_size: int,
+    megacache: bool = False,
+) -> list[torch.Tensor]:
     """Create the process-wide KV cache and return its virtual tensors.
 
     Parameters
@@ -114,15 +133,23 @@ def init_kvcache(num_layers: int, num_kv_heads: int, head_size: int, max_batch_s
     if _state is not None:
         logger.warning("init_kvcache called again: releasing the previous cache")
         cleanup()
-    cfg = KVCacheConfig(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_size,
-                        max_batch_size=max_batch_size, max_seq_len=max_context_length,
-                        dtype=dtype, device=_device_name(device), page_size=page_size,
-                        layout="mega" if megacache else "layer")
+    cfg = KVCacheConfig(
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_size,
+        max_batch_size=max_batch_size,
+        max_seq_len=max_context_length,
+        dtype=dtype,
+        device=_device_name(device),
+        page_size=page_size,
+        layout="mega" if megacache else "layer",
+    )
     cache = KVCache(cfg)
     _state = _State(cache, megacache)
+    # The config keeps V (value_cache=True): the filters below drop nothing.
     if not megacache:
-        return list(cache.k_cache) + list(cache.v_cache)
-    return list(cache.mega_tensors())
+        return list(cache.k_cache) + [v for v in cache.v_cache if v is not None]
+    return [t for t in cache.mega_tensors() if t is not None]
 
 
 def get_cache() -> KVCache:
@@ -184,12 +211,15 @@ def _lengths(state: _State, seq_lens: Sequence[int]) -> dict[int, int]:
     size = state.cache.config.max_batch_size
     if len(values) != size:
         raise InvalidSlotError(
-            f"seq_lens has {len(values)} entries; expected max_batch_size={size}")
+            f"seq_lens has {len(values)} entries; expected max_batch_size={size}"
+        )
     active = set(state.cache.active_slots())
     stray = [i for i, n in enumerate(values) if n and i not in active]
     if stray:
-        raise InvalidSlotError(f"seq_lens gives tokens to batch indices {stray} that are not "
-                               "allocated; call alloc_new_batch_idx() first")
+        raise InvalidSlotError(
+            f"seq_lens gives tokens to batch indices {stray} that are not "
+            "allocated; call alloc_new_batch_idx() first"
+        )
     return {slot: values[slot] for slot in sorted(active)}
 
 
@@ -251,13 +281,21 @@ def set_verbose(flag: bool) -> None:
 def show_kvcache_config() -> str:
     """Print (and return) the cache configuration, as the original's log lines."""
     cfg = _require().cache.config
-    text = "\n".join([
-        f"Num layers: {cfg.num_layers}", f"Num kv_heads: {cfg.num_kv_heads}",
-        f"Head size: {cfg.head_dim}", f"Max batch size: {cfg.max_batch_size}",
-        f"Max context length: {cfg.max_seq_len}", f"Bytes per elem: {cfg.element_bytes}",
-        f"Page size: {cfg.page_bytes}", f"Tokens per page: {cfg.tokens_per_page}",
-        f"Layout: {cfg.layout}", f"virt_buff_size_per_req: {cfg.slot_bytes}",
-        f"virt_buff_size: {cfg.max_batch_size * cfg.slot_bytes}"])
+    text = "\n".join(
+        [
+            f"Num layers: {cfg.num_layers}",
+            f"Num kv_heads: {cfg.num_kv_heads}",
+            f"Head size: {cfg.head_dim}",
+            f"Max batch size: {cfg.max_batch_size}",
+            f"Max context length: {cfg.max_seq_len}",
+            f"Bytes per elem: {cfg.element_bytes}",
+            f"Page size: {cfg.page_bytes}",
+            f"Tokens per page: {cfg.tokens_per_page}",
+            f"Layout: {cfg.layout}",
+            f"virt_buff_size_per_req: {cfg.slot_bytes}",
+            f"virt_buff_size: {cfg.max_batch_size * cfg.slot_bytes}",
+        ]
+    )
     print(text)
     return text
 
@@ -267,8 +305,10 @@ def show_allocator_state() -> str:
     state = _require()
     cache, cfg = state.cache, state.cache.config
     per_block = cfg.pages_per_index  # pages of one KV block (page index) over all tensors
-    lines = [f"Free pool: {int(cache.stats()['pages_free']) // per_block} KV blocks",
-             "reqId : seqlen: mapped: required"]
+    lines = [
+        f"Free pool: {int(cache.stats()['pages_free']) // per_block} KV blocks",
+        "reqId : seqlen: mapped: required",
+    ]
     for slot in range(cfg.max_batch_size):
         seq = cache.seq_len(slot) or state.requested.get(slot, 0)
         mapped = cfg.pages_for_tokens(cache.mapped_tokens(slot)) // per_block

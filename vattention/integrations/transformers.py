@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -84,16 +84,23 @@ def model_kv_shape(model_or_config: Any) -> dict:
     """
     config = _text_config(model_or_config)
     layers = config.num_hidden_layers
-    per_layer = getattr(config, "per_layer_config", None) if getattr(
-        config, "is_heterogeneous", False) else None
+    per_layer = (
+        getattr(config, "per_layer_config", None)
+        if getattr(config, "is_heterogeneous", False)
+        else None
+    )
     shapes = [_layer_shape(c) for c in per_layer] if per_layer else [_layer_shape(config)] * layers
     if len(shapes) != layers:
-        raise ConfigError(f"model_type={config.model_type!r} describes {len(shapes)} layers in "
-                          f"per_layer_config but has num_hidden_layers={layers}")
+        raise ConfigError(
+            f"model_type={config.model_type!r} describes {len(shapes)} layers in "
+            f"per_layer_config but has num_hidden_layers={layers}"
+        )
     heads, dims = (tuple(x) for x in zip(*shapes))
-    return {"num_layers": layers,
-            "num_kv_heads": heads[0] if len(set(heads)) == 1 else heads,
-            "head_dim": dims[0] if len(set(dims)) == 1 else dims}
+    return {
+        "num_layers": layers,
+        "num_kv_heads": heads[0] if len(set(heads)) == 1 else heads,
+        "head_dim": dims[0] if len(set(dims)) == 1 else dims,
+    }
 
 
 def _layer_shape(config: Any) -> tuple:
@@ -110,23 +117,31 @@ def _text_config(model_or_config: Any) -> Any:
         config = config.get_text_config(decoder=True)
     model_type = getattr(config, "model_type", type(config).__name__)
     if not hasattr(config, "num_attention_heads") or getattr(config, "is_encoder_decoder", False):
-        raise ConfigError(f"model_type={model_type!r} has no decoder self-attention K/V cache that "
-                          "vattention can hold (state-space, recurrent or encoder-decoder models "
-                          "are not supported)")
+        raise ConfigError(
+            f"model_type={model_type!r} has no decoder self-attention K/V cache that "
+            "vattention can hold (state-space, recurrent or encoder-decoder models "
+            "are not supported)"
+        )
     bad = sorted(set(getattr(config, "layer_types", None) or ()) - set(_ATTENTION_LAYER_TYPES))
     if bad:
-        raise ConfigError(f"model_type={model_type!r} has layer types {bad}; vattention serves "
-                          f"only {list(_ATTENTION_LAYER_TYPES)} layers")
+        raise ConfigError(
+            f"model_type={model_type!r} has layer types {bad}; vattention serves "
+            f"only {list(_ATTENTION_LAYER_TYPES)} layers"
+        )
     if getattr(config, "use_bidirectional_attention", False):
-        raise ConfigError(f"model_type={model_type!r} uses bidirectional attention "
-                          "(use_bidirectional_attention=True); vattention serves causal models "
-                          "only")
+        raise ConfigError(
+            f"model_type={model_type!r} uses bidirectional attention "
+            "(use_bidirectional_attention=True); vattention serves causal models "
+            "only"
+        )
     if getattr(config, "num_kv_shared_layers", 0):
         # Layers that reuse another layer's K/V never call the cache: a KVCache tensor per layer
         # would map pages for them that nothing reads.
-        raise ConfigError(f"model_type={model_type!r} shares K/V between layers "
-                          f"(num_kv_shared_layers={config.num_kv_shared_layers}); vattention "
-                          "serves models whose every attention layer keeps its own K/V")
+        raise ConfigError(
+            f"model_type={model_type!r} shares K/V between layers "
+            f"(num_kv_shared_layers={config.num_kv_shared_layers}); vattention "
+            "serves models whose every attention layer keeps its own K/V"
+        )
     return config
 
 
@@ -190,8 +205,9 @@ class VAttentionLayer(CacheLayerMixin):
         self.is_sliding = self.sliding_window > 0
 
     # -- transformers layer API ---------------------------------------------------------------
-    def lazy_initialization(self, key_states: torch.Tensor,
-                            value_states: Optional[torch.Tensor] = None) -> None:
+    def lazy_initialization(
+        self, key_states: torch.Tensor, value_states: Optional[torch.Tensor] = None
+    ) -> None:
         """Check shapes/dtype against this layer of the ``KVCache`` and claim slots for the batch
         (first layer)."""
         values = key_states if value_states is None else value_states
@@ -200,8 +216,9 @@ class VAttentionLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``key_states``/``value_states`` ``[batch, kv_heads, new, head_dim]`` in place.
 
         Returns views ``[batch, kv_heads, seq_len + new, head_dim]`` of the backed prefix; nothing
@@ -217,7 +234,9 @@ class VAttentionLayer(CacheLayerMixin):
         v_rows[:, start:end].copy_(value_states.transpose(1, 2))
         self.seq_len = end
         self._refresh_views()
-        return self.keys, self.values
+        keys, values = self.keys, self.values
+        assert keys is not None and values is not None  # set by _refresh_views (initialized)
+        return keys, values
 
     def get_mask_sizes(self, query_length: Union[int, torch.Tensor]) -> tuple[int, int]:
         """``(kv_length, kv_offset)`` for the mask: past + query keys from the first backed one.
@@ -280,8 +299,8 @@ class VAttentionLayer(CacheLayerMixin):
             return
         k_rows, v_rows = self._owner._rows(self.layer_idx)
         start = self._start()
-        self.keys = k_rows[:, start:self.seq_len].transpose(1, 2)
-        self.values = v_rows[:, start:self.seq_len].transpose(1, 2)
+        self.keys = k_rows[:, start : self.seq_len].transpose(1, 2)
+        self.values = v_rows[:, start : self.seq_len].transpose(1, 2)
 
     def _start(self) -> int:
         if not self.is_sliding:
@@ -321,14 +340,21 @@ class VAttentionCache(Cache):
         self._row_slice: Optional[slice] = None
         self._backed_len = 0
         self._starts = [0] * self.config.num_layers  # per layer: first token still backed
-        layers = [VAttentionLayer(self, i) for i in range(self.config.num_layers)]
-        super().__init__(layers=layers)
+        super().__init__(layers=[VAttentionLayer(self, i) for i in range(self.config.num_layers)])
 
     @classmethod
-    def from_model(cls, model: Any, *, max_batch_size: int, max_seq_len: int,
-                   page_size: Union[int, str] = "2MB", layout: str = "layer",
-                   dtype: Optional[torch.dtype] = None, device: Optional[str] = None,
-                   memory_budget: Union[int, str, None] = None) -> VAttentionCache:
+    def from_model(
+        cls,
+        model: Any,
+        *,
+        max_batch_size: int,
+        max_seq_len: int,
+        page_size: Union[int, str] = "2MB",
+        layout: str = "layer",
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[str] = None,
+        memory_budget: Union[int, str, None] = None,
+    ) -> VAttentionCache:
         """Build a cache sized for ``model`` with its own ``KVCache``.
 
         Sliding windows come from the model config (:func:`model_windows`): Mistral's
@@ -369,15 +395,22 @@ class VAttentionCache(Cache):
         ...                                    page_size="64KB")           # doctest: +SKIP
         """
         param = next(model.parameters())
-        cfg = KVCacheConfig(**model_kv_shape(model), max_batch_size=max_batch_size,
-                            max_seq_len=max_seq_len, dtype=dtype or param.dtype,
-                            device=device or str(param.device), page_size=page_size,
-                            layout=layout, sliding_window=model_windows(model))
+        cfg = KVCacheConfig(
+            **model_kv_shape(model),
+            max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len,
+            dtype=dtype or param.dtype,
+            device=device or str(param.device),
+            page_size=page_size,
+            layout=layout,
+            sliding_window=model_windows(model),
+        )
         return cls(KVCache(cfg, memory_budget=memory_budget), owns_cache=True)
 
     # -- slot management ----------------------------------------------------------------------
-    def _check_states(self, layer_idx: int, key_states: torch.Tensor,
-                      value_states: torch.Tensor) -> None:
+    def _check_states(
+        self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> None:
         cfg = self.config
         _, heads, _, head_dim = key_states.shape
         want = (cfg.layer_kv_heads[layer_idx], cfg.layer_head_dims[layer_idx])
@@ -385,18 +418,23 @@ class VAttentionCache(Cache):
             raise ConfigError(
                 f"key/value states of layer {layer_idx} have kv_heads={heads}, "
                 f"head_dim={head_dim}; the KVCache was configured with num_kv_heads={want[0]}, "
-                f"head_dim={want[1]} there")
+                f"head_dim={want[1]} there"
+            )
         if key_states.dtype != cfg.dtype:
-            raise ConfigError(f"key states are {key_states.dtype}; the KVCache holds {cfg.dtype} "
-                              "(build it with dtype=model.dtype)")
+            raise ConfigError(
+                f"key states are {key_states.dtype}; the KVCache holds {cfg.dtype} "
+                "(build it with dtype=model.dtype)"
+            )
 
     def _claim_slots(self, key_states: torch.Tensor) -> None:
         cfg = self.config
         batch = key_states.shape[0]
         if self.slots:
             if batch != len(self.slots):
-                raise ConfigError(f"batch size changed from {len(self.slots)} to {batch}; call "
-                                  "cache.reset() before a generate() call with another batch")
+                raise ConfigError(
+                    f"batch size changed from {len(self.slots)} to {batch}; call "
+                    "cache.reset() before a generate() call with another batch"
+                )
             return
         if batch > cfg.max_batch_size:
             raise ConfigError(f"batch size {batch} exceeds max_batch_size={cfg.max_batch_size}")
@@ -407,7 +445,8 @@ class VAttentionCache(Cache):
             raise InvalidSlotError(
                 f"free slots {slots} are not contiguous, so batch rows cannot be a zero-copy "
                 "slice; "
-                "use a KVCache whose other slots are free (or max_batch_size equal to the batch)")
+                "use a KVCache whose other slots are free (or max_batch_size equal to the batch)"
+            )
         self.slots = slots
         self._row_slice = slice(slots[0], slots[0] + batch)
         self._backed_len = 0
@@ -419,15 +458,25 @@ class VAttentionCache(Cache):
             self.kv_cache.step({slot: seq_len for slot in self.slots})
             self._backed_len = seq_len
             if self.config.sliding_window:
-                self._starts = [max(self.kv_cache.window_start(s, layer) for s in self.slots)
-                                for layer in range(self.config.num_layers)]
+                self._starts = [
+                    max(self.kv_cache.window_start(s, layer) for s in self.slots)
+                    for layer in range(self.config.num_layers)
+                ]
 
     def _window_start(self, layer_idx: int) -> int:
         return self._starts[layer_idx]
 
     def _rows(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.kv_cache.layer(layer_idx)
+        if v is None:
+            raise ConfigError(
+                "VAttentionCache stores keys and values: its KVCache needs value_cache=True"
+            )
         return k[self._row_slice], v[self._row_slice]
+
+    def _vattention_layers(self) -> list[VAttentionLayer]:
+        # Cache types its layers as any transformers layer; ours are all built in __init__.
+        return cast("list[VAttentionLayer]", self.layers)
 
     # -- whole-cache operations ---------------------------------------------------------------
     def reset(self) -> None:
@@ -441,12 +490,14 @@ class VAttentionCache(Cache):
 
     def crop(self, max_length: int) -> None:
         """Drop tokens from the end (assisted decoding); the pages stay mapped."""
-        for layer in self.layers:
+        for layer in self._vattention_layers():
             layer.crop(max_length)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("VAttentionCache cannot change its batch size after prefill; "
-                                  "expand the inputs before generate() instead")
+        raise NotImplementedError(
+            "VAttentionCache cannot change its batch size after prefill; "
+            "expand the inputs before generate() instead"
+        )
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         raise NotImplementedError("VAttentionCache cannot change its batch size after prefill")
@@ -464,7 +515,7 @@ class VAttentionCache(Cache):
         """Free the slots; close the ``KVCache`` too when this cache created it."""
         if self.slots and not self.kv_cache.closed:
             self.reset()
-        for layer in self.layers:
+        for layer in self._vattention_layers():
             layer.keys = layer.values = None
         if self._owns_cache:
             self.kv_cache.close()

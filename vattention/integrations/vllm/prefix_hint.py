@@ -16,7 +16,7 @@ This module reads plain tensors only (no vLLM import), so it is tested without v
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -47,15 +47,16 @@ def shared_prefixes(
     if n < 2:
         return None, None
     ids = table[:n].numpy()
-    by_first = {}
+    by_first: Dict[int, List[int]] = {}
     for i, (block, cached) in enumerate(zip(ids[:, 0].tolist(), past)):
         if block != NULL_BLOCK and cached >= block_size:
             by_first.setdefault(block, []).append(i)
-    groups = lens = None
+    groups: Optional[np.ndarray] = None
+    lens: Optional[np.ndarray] = None
     for members in by_first.values():
         if len(members) < 2:
             continue
-        if groups is None:
+        if groups is None or lens is None:  # both or neither
             groups, lens, gid = np.full(n, -1, dtype=np.int32), np.zeros(n, dtype=np.int32), 0
         full = np.asarray([past[i] for i in members]) // block_size
         width = min(int(full.max()), ids.shape[1])
@@ -83,13 +84,13 @@ class SharedPrefixMemo:
     """
 
     def __init__(self) -> None:
-        self._key = None
+        self._key: Optional[Tuple[bytes, Tuple[int, ...]]] = None
         self._value: Tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None)
 
     def __call__(self, table: torch.Tensor, past: Sequence[int], block_size: int):
         blocks = [p // block_size for p in past]
         width = max(blocks, default=0)
-        key = (table[:len(past), :width].numpy().tobytes(), tuple(blocks))
+        key = (table[: len(past), :width].numpy().tobytes(), tuple(blocks))
         if key != self._key:
             self._key, self._value = key, shared_prefixes(table, past, block_size)
         return self._value

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 
@@ -71,20 +71,35 @@ class VAttentionRunnerMixin:
     _vattention: Optional[KVCache] = None
     _vattention_batch: Optional[BatchSlots] = None
     _stats_writer: Optional[StatsWriter] = None
+    if TYPE_CHECKING:
+        # What the mixin uses of vLLM's model runner it goes in front of (vLLM ships no types).
+        vllm_config: Any
+        model_config: Any
+        cache_config: Any
+        compilation_config: Any
+        device: torch.device
+        max_num_reqs: int
+        max_model_len: int
+        kv_caches: List[torch.Tensor]
+        input_batch: Any
+        requests: Dict[str, Any]
 
     # ---- set-up -------------------------------------------------------------------------------
-    def initialize_kv_cache_tensors(self, kv_cache_config, kernel_block_sizes,
-                                    kv_cache_allocation_context=None) -> Dict[str, torch.Tensor]:
+    def initialize_kv_cache_tensors(
+        self, kv_cache_config, kernel_block_sizes, kv_cache_allocation_context=None
+    ) -> Dict[str, torch.Tensor]:
         from vllm.v1.worker.utils import bind_kv_cache
 
         dtype = kv_cache_dtype(self.cache_config.cache_dtype, self.model_config.dtype)
         layout = self.vllm_config.additional_config.get(LAYOUT_KEY) or layout_from_env()
         kv = kv_layout(kv_cache_config, dtype, layout)
-        self.close_vattention()   # vLLM sizes the KV cache twice with CUDA graphs (profiling)
+        self.close_vattention()  # vLLM sizes the KV cache twice with CUDA graphs (profiling)
         config = kv.cache_config(
-            max_batch_size=self.max_num_reqs, max_seq_len=self.max_model_len,
+            max_batch_size=self.max_num_reqs,
+            max_seq_len=self.max_model_len,
             device="cpu" if self.device.type == "cpu" else f"cuda:{self.device.index or 0}",
-            block_cache=bool(self.cache_config.enable_prefix_caching))
+            block_cache=bool(self.cache_config.enable_prefix_caching),
+        )
         cache = KVCache(config, memory_budget=kv.memory_budget(config))
         if config.block_cache:
             # With prefix caching a block keeps its pages until vLLM hands its id out fresh, and
@@ -119,10 +134,19 @@ class VAttentionRunnerMixin:
         logger.info(
             "vattention KV cache: %d slots x %d tokens, layout %s, page %d bytes (%d tokens, one "
             "vLLM block), budget %d bytes (%d blocks, %s), %d layers in %d KV cache group(s), "
-            "prefix caching %s", config.max_batch_size, config.max_seq_len, config.layout,
-            config.page_bytes, kv.block_size, kv.memory_budget(config), kv.num_blocks,
+            "prefix caching %s",
+            config.max_batch_size,
+            config.max_seq_len,
+            config.layout,
+            config.page_bytes,
+            kv.block_size,
+            kv.memory_budget(config),
+            kv.num_blocks,
             "created at start-up" if config.block_cache else "created as tokens arrive",
-            len(kv.layer_names), kv.num_groups, "on" if config.block_cache else "off")
+            len(kv.layer_names),
+            kv.num_groups,
+            "on" if config.block_cache else "off",
+        )
         self._start_stats_writer()
         return placeholders
 
@@ -138,6 +162,7 @@ class VAttentionRunnerMixin:
         rank = getattr(parallel, "rank", 0)
         try:
             from vllm.distributed import get_world_group
+
             rank, world = get_world_group().rank, get_world_group().world_size
         except Exception:  # no distributed group in this process
             world = parallel.world_size
@@ -150,7 +175,8 @@ class VAttentionRunnerMixin:
         if scheduler_output.kv_cache_block_copies:
             raise NotImplementedError(
                 "vattention: vLLM asked for KV block copies (partial prefix-cache hits of hybrid "
-                "state-space models), which the plugin does not serve")
+                "state-space models), which the plugin does not serve"
+            )
         updates = {}
         for new in scheduler_output.scheduled_new_reqs:
             ids = _ids(new.block_ids)
@@ -164,7 +190,7 @@ class VAttentionRunnerMixin:
             if new_ids is None:
                 continue
             ids = _ids(new_ids)
-            if req_id in resumed:   # its table is replaced, hits (recomputed prefix) first
+            if req_id in resumed:  # its table is replaced, hits (recomputed prefix) first
                 hits = cached.num_computed_tokens[i] // bs
                 slot = slots.slot_for(req_id, _hits(ids, hits))
                 slots.replace_table(req_id, len(ids[0]))
@@ -177,17 +203,18 @@ class VAttentionRunnerMixin:
 
     def _update_states(self, scheduler_output):
         cache = self._vattention
+        # super(): vLLM's runner after this mixin in the MRO (mypy checks it against object)
         if cache is None:
-            return super()._update_states(scheduler_output)
+            return super()._update_states(scheduler_output)  # type: ignore[misc]
         preempted = scheduler_output.preempted_req_ids or set()
         self._vattention_preemptions += len(preempted)
         self._vattention_slots.release(scheduler_output.finished_req_ids | preempted)
         updates = self._block_updates(scheduler_output)
-        result = super()._update_states(scheduler_output)
+        result = super()._update_states(scheduler_output)  # type: ignore[misc]
 
         scheduled = scheduler_output.num_scheduled_tokens
         slots, past, lens, expected = [], [], {}, {}
-        for req_id in self.input_batch.req_ids[:self.input_batch.num_reqs]:
+        for req_id in self.input_batch.req_ids[: self.input_batch.num_reqs]:
             slot = self._vattention_slots.slot_for(req_id)
             state = self.requests[req_id]
             computed = state.num_computed_tokens
@@ -195,7 +222,7 @@ class VAttentionRunnerMixin:
             slots.append(slot)
             past.append(computed)
             lens[slot] = length
-            known = state.num_tokens     # prompt, plus the output a resumed request recomputes
+            known = state.num_tokens  # prompt, plus the output a resumed request recomputes
             # next step: the next prefill chunk (up to the known tokens), else one more token
             nxt = min(known, length + scheduled[req_id]) if length < known else length + 1
             expected[slot] = min(self.max_model_len, nxt)
@@ -204,12 +231,12 @@ class VAttentionRunnerMixin:
         except OutOfPagesError as e:
             raise RuntimeError(
                 "vattention: the page pool ran dry although vLLM's block accounting admitted "
-                f"this batch ({e}); the two accountings disagree: please report this") from e
-        if self._stats_writer is not None:   # observability on: one stats() call per step
+                f"this batch ({e}); the two accountings disagree: please report this"
+            ) from e
+        if self._stats_writer is not None:  # observability on: one stats() call per step
             stats = cache.stats()
             self._vattention_peak_mapped = max(self._vattention_peak_mapped, stats["bytes_mapped"])
-            self._vattention_peak_mappings = max(self._vattention_peak_mappings,
-                                                 stats["mappings"])
+            self._vattention_peak_mappings = max(self._vattention_peak_mappings, stats["mappings"])
         cache.prefetch(expected)
         self._vattention_batch = BatchSlots(slots, past)
         return result
@@ -222,16 +249,19 @@ class VAttentionRunnerMixin:
     # ---- observability and shutdown -----------------------------------------------------------
     def vattention_stats(self) -> Dict:
         """``KVCache.stats()`` plus ``max_active_slots`` and what vLLM itself allocated for KV."""
-        stats = dict(self._vattention.stats())
-        stats.update(max_active_slots=self._vattention_slots.peak,
-                     requests_served=self._vattention_slots.served,
-                     preemptions=self._vattention_preemptions,
-                     peak_bytes_mapped_at_step=self._vattention_peak_mapped,
-                     peak_mappings_at_step=self._vattention_peak_mappings,
-                     layout=self._vattention.config.layout,
-                     block_size=self._vattention_block_size,
-                     vllm_kv_buffer_bytes=sum(t.numel() * t.element_size()
-                                              for t in self.kv_caches))
+        cache = self._vattention
+        assert cache is not None  # the stats writer runs only while the cache is open
+        stats: Dict[str, Any] = dict(cache.stats())
+        stats.update(
+            max_active_slots=self._vattention_slots.peak,
+            requests_served=self._vattention_slots.served,
+            preemptions=self._vattention_preemptions,
+            peak_bytes_mapped_at_step=self._vattention_peak_mapped,
+            peak_mappings_at_step=self._vattention_peak_mappings,
+            layout=cache.config.layout,
+            block_size=self._vattention_block_size,
+            vllm_kv_buffer_bytes=sum(t.numel() * t.element_size() for t in self.kv_caches),
+        )
         return stats
 
     def close_vattention(self) -> None:

@@ -1,10 +1,10 @@
 """The plugin's environment variables and the vLLM versions it supports."""
 
-ENV_ENABLE = "VATTENTION_VLLM"                          # "1": the plugin is on
-ENV_STATS = "VATTENTION_VLLM_STATS"                     # path of each worker's stats JSON
-ENV_LAYOUT = "VATTENTION_VLLM_LAYOUT"                   # "auto" (default), "mega" or "layer"
-ENV_ALLOW_UNTESTED = "VATTENTION_VLLM_ALLOW_UNTESTED"   # "1": run on an untested vLLM
-ENV_V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"              # vLLM's own switch; the plugin sets "0"
+ENV_ENABLE = "VATTENTION_VLLM"  # "1": the plugin is on
+ENV_STATS = "VATTENTION_VLLM_STATS"  # path of each worker's stats JSON
+ENV_LAYOUT = "VATTENTION_VLLM_LAYOUT"  # "auto" (default), "mega" or "layer"
+ENV_ALLOW_UNTESTED = "VATTENTION_VLLM_ALLOW_UNTESTED"  # "1": run on an untested vLLM
+ENV_V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"  # vLLM's own switch; the plugin sets "0"
 
 # vllm_config.additional_config key: the layout the front end chose (and aligned blocks for).
 LAYOUT_KEY = "vattention_layout"

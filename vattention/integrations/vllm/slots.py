@@ -34,9 +34,9 @@ class RequestSlots:
     def __init__(self, cache: KVCache) -> None:
         self._cache = cache
         self._slots: Dict[str, int] = {}
-        self._table: Dict[str, int] = {}   # request id -> blocks its table names
-        self.peak = 0          # most slots held at once
-        self.served = 0        # slots handed out (a resumed request counts again)
+        self._table: Dict[str, int] = {}  # request id -> blocks its table names
+        self.peak = 0  # most slots held at once
+        self.served = 0  # slots handed out (a resumed request counts again)
 
     @property
     def held(self) -> int:

@@ -18,8 +18,12 @@ from vllm.v1.worker.gpu_worker import Worker
 
 from .runner import VAttentionRunnerMixin
 
-__all__ = ["VAttentionCPUModelRunner", "VAttentionCPUWorker", "VAttentionGPUModelRunner",
-           "VAttentionGPUWorker"]
+__all__ = [
+    "VAttentionCPUModelRunner",
+    "VAttentionCPUWorker",
+    "VAttentionGPUModelRunner",
+    "VAttentionGPUWorker",
+]
 
 
 class VAttentionCPUModelRunner(VAttentionRunnerMixin, CPUModelRunner):
@@ -35,7 +39,8 @@ class _ShutdownMixin:
         runner = getattr(self, "model_runner", None)
         if isinstance(runner, VAttentionRunnerMixin):
             runner.close_vattention()
-        super().shutdown()
+        # The vLLM worker after this mixin in the MRO (mypy checks super() against object)
+        super().shutdown()  # type: ignore[misc]
 
 
 class VAttentionCPUWorker(_ShutdownMixin, CPUWorker):
@@ -50,7 +55,9 @@ class VAttentionGPUWorker(_ShutdownMixin, Worker):
     """vLLM's GPU worker running :class:`VAttentionGPUModelRunner`."""
 
     def _make_model_runner(self) -> GPUModelRunner:
-        if self.use_v2_model_runner:   # the plugin selects V1 (plugin.select_v1_runner)
-            raise RuntimeError("vattention: vLLM chose its V2 model runner although the plugin "
-                               "set VLLM_USE_V2_MODEL_RUNNER=0; please report this")
+        if self.use_v2_model_runner:  # the plugin selects V1 (plugin.select_v1_runner)
+            raise RuntimeError(
+                "vattention: vLLM chose its V2 model runner although the plugin "
+                "set VLLM_USE_V2_MODEL_RUNNER=0; please report this"
+            )
         return VAttentionGPUModelRunner(self.vllm_config, self.device)
