@@ -186,7 +186,7 @@ test:
 	  else san="FAILED (see above)"; fi; \
 	else san="skipped (no sanitizer runtimes)"; fi; \
 	set -o pipefail; $(PY) -m pytest -q 2>&1 | tee $(SAN_DIR)/pytest.log; pytest_rc=$$?; \
-	echo "make test: sanitizer runs $$san; pytest: $$(tail -n 1 $(SAN_DIR)/pytest.log | tr -d '=' | sed 's/^ *//')"; \
+	echo "make test: sanitizer runs $$san; pytest: $$(grep -E '[0-9]+ (passed|failed|errors?)' $(SAN_DIR)/pytest.log | tail -n 1 | tr -d '=' | sed 's/^ *//')"; \
 	[[ $$san != FAILED* && $$pytest_rc == 0 ]]
 
 clean:
