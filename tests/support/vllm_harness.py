@@ -182,6 +182,10 @@ class Zygote:
             self.proc.wait(timeout=30)
         except (OSError, subprocess.TimeoutExpired):
             self.proc.kill()
+        # The reader ends with the zygote's stdout; close that pipe too (else it is left to the
+        # garbage collector, which warns at exit).
+        self._reader.join(timeout=30)
+        self.proc.stdout.close()
         self._log.close()
 
 
