@@ -56,21 +56,12 @@ void BlockCoordinator::step(const std::vector<int64_t>& lens,
   gate_.settle(lock);  // the thread maps one slot at a time, so this waits for one at most
   plan_step(lens);     // checks state, lengths and windows
   tables_.validate(lens, updates);
-  const std::vector<int64_t> old_lens = slots_.raise_lengths(lens);
-  const uint64_t calls_before = parts_.driver_calls();
-  try {
+  step_transaction(lens, [&](const std::vector<int64_t>& old_lens) {
     // Windows first: the engine frees a window's blocks at the same point, and may hand them out
     // fresh in this very step (block_tables.h).
     windows_.release(lens, old_lens, stream);
     tables_.apply(lens, updates);
-  } catch (...) {
-    counters_.step_driver_calls += parts_.driver_calls() - calls_before;
-    slots_.restore_lengths(old_lens);
-    throw;
-  }
-  counters_.step_driver_calls += parts_.driver_calls() - calls_before;
-  slots_.commit(lens);
-  ++counters_.steps;
+  });
   tables_.commit(lens);
 }
 

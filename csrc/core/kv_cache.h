@@ -199,6 +199,26 @@ class KVCacheCore {
   // try_step()'s common part, under the mutex: true when every listed slot is backed and nothing
   // else is due (no page to release, no eager reclaim). Throws for bad lengths.
   bool backed_as_is(const std::vector<int64_t>& lens);
+  // A step's transaction, under the mutex: raises the listed slots' lengths to `lens` (so that
+  // trimming under pressure takes only look-ahead), runs map(old_lens), counts its driver calls
+  // as the step's, and commits the lengths; if map throws, the lengths are restored and the error
+  // goes on (map undoes its own mappings). Returns the lengths before the step.
+  template <typename Map>
+  std::vector<int64_t> step_transaction(const std::vector<int64_t>& lens, Map&& map) {
+    const std::vector<int64_t> old_lens = slots_.raise_lengths(lens);
+    const uint64_t calls_before = parts_.driver_calls();
+    try {
+      map(old_lens);
+    } catch (...) {
+      counters_.step_driver_calls += parts_.driver_calls() - calls_before;
+      slots_.restore_lengths(old_lens);
+      throw;
+    }
+    counters_.step_driver_calls += parts_.driver_calls() - calls_before;
+    slots_.commit(lens);
+    ++counters_.steps;
+    return old_lens;
+  }
 
   const CacheGeometry geo_;
   std::unique_ptr<Backend> backend_;

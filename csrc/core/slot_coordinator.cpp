@@ -85,27 +85,19 @@ void SlotCoordinator::step(const std::vector<int64_t>& lens,
     gate_.await_publish(lock);  // only this mapping: the thread may go on to other slots meanwhile
     plan = plan_step(lens);
   }
-  // New lengths first, so pages beyond them (look-ahead) are the only ones trimmed under pressure.
-  const std::vector<int64_t> old_lens = slots_.raise_lengths(lens);
-  const uint64_t calls_before = parts_.driver_calls();
-  try {
-    try {
-      grow(plan);
-    } catch (const Error& e) {
-      // Window pages no query of this step reads may cover the shortfall: release them, retry once.
-      if (e.kind() != Error::Kind::OutOfPages || windows_.release(lens, old_lens, stream) == 0)
-        throw;
-      --counters_.oom_events;  // not raised after all unless the retry fails too
-      grow(plan);
-    }
-  } catch (...) {
-    counters_.step_driver_calls += parts_.driver_calls() - calls_before;
-    slots_.restore_lengths(old_lens);
-    throw;
-  }
-  counters_.step_driver_calls += parts_.driver_calls() - calls_before;
-  slots_.commit(lens);
-  ++counters_.steps;
+  const std::vector<int64_t> old_lens =
+      step_transaction(lens, [&](const std::vector<int64_t>& old) {
+        try {
+          grow(plan);
+        } catch (const Error& e) {
+          // Window pages no query of this step reads may cover the shortfall: release them and
+          // retry once.
+          if (e.kind() != Error::Kind::OutOfPages || windows_.release(lens, old, stream) == 0)
+            throw;
+          --counters_.oom_events;  // not raised after all unless the retry fails too
+          grow(plan);
+        }
+      });
   windows_.release(lens, old_lens, stream);
 }
 
