@@ -451,6 +451,11 @@ def test_tables_need_a_cache_named_by_blocks(make):
         cache.step({a: 16}, blocks={a: (0, [1], 0)})
 
 
+def test_a_swap_budget_is_refused_on_a_block_cache(device, layout):
+    with pytest.raises(vattention.ConfigError, match="swap_budget="):
+        vattention.KVCache(_config(device, layout, num_blocks=16), swap_budget="1MB")
+
+
 @pytest.mark.parametrize("call", ["fork", "share_prefix", "swap_out", "ensure_private"])
 def test_sharing_and_swap_are_refused_on_a_block_cache(make, call):
     cache = make(num_blocks=16)
@@ -473,6 +478,23 @@ def test_running_out_maps_nothing_new(make):
     assert cache.mapped_tokens(b) == 0 and cache.seq_len(a) == 64
     cache.step({a: 64, b: 48}, blocks={b: (0, [1, 2, 5], 2)})  # hits need no new pages
     assert cache._core.check_invariants() == ""
+
+
+def test_running_out_after_replacing_a_table_leaves_the_row_backing_its_length(make):
+    # The new table cuts the row's old tail before the step runs out of pages: those tokens are
+    # named by no table any more, so the row's length becomes what it still backs (it stayed
+    # longer before, over unmapped memory).
+    cache = make(num_blocks=16, block_cache=True)
+    cache.set_memory_budget(4 * cache.config.pages_per_index * cache.config.page_bytes)
+    a = cache.alloc()
+    cache.step({a: 2 * TPP}, blocks={a: (0, [1, 2], 0)})
+    with pytest.raises(vattention.OutOfPagesError):
+        cache.step({a: 3 * TPP}, blocks={a: (0, [3, 4, 5], 0)})
+    assert cache.block_table(a) == [[3, 4, 5]]  # the tables stay recorded
+    assert cache.seq_len(a) <= cache.mapped_tokens(a)
+    assert cache._core.check_invariants() == ""
+    cache.step({a: 2 * TPP}, blocks={a: (0, [3, 4], 0)})  # the engine goes on with a new table
+    assert cache.mapped_tokens(a) >= 2 * TPP and cache._core.check_invariants() == ""
 
 
 def test_a_failed_map_undoes_every_row(layout):

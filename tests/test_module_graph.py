@@ -55,16 +55,40 @@ def _imports(tree: ast.AST, name: str, is_package: bool) -> Iterator[Tuple[ast.s
                     yield node, a.name, [(None, a.asname)]
                 else:
                     yield node, a.name, [(None, a.name.partition(".")[0])]
+        elif _string_import(node):
+            # importlib.import_module("a.b") / __import__("a.b"): an import all the same (what it
+            # binds, if anything, is an assignment's business).
+            yield node, _string_import(node), [(None, None)]
+
+
+def _string_import(node: ast.AST) -> Optional[str]:
+    """The module a call ``importlib.import_module("x")`` or ``__import__("x")`` imports."""
+    if not isinstance(node, ast.Call) or not node.args:
+        return None
+    func = node.func
+    called = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+    arg = node.args[0]
+    if called in ("import_module", "__import__") and isinstance(arg, ast.Constant):
+        return arg.value if isinstance(arg.value, str) else None
+    return None
 
 
 def import_graph():
+    """module -> the package modules it imports. ``from pkg import sub`` depends on the submodule
+    ``pkg.sub`` only (importing it runs ``pkg/__init__`` first, which is never a cycle for
+    ``pkg``'s own submodules); ``from pkg import name`` of anything else depends on ``pkg``."""
+    modules = _modules()
+    known = set(modules) | {EXTENSION}
     graph = {}
-    for name, (path, tree) in _modules().items():
+    for name, (path, tree) in modules.items():
         deps = set()
         for _, target, names in _imports(tree, name, path.name == "__init__.py"):
-            candidates = [target] + [f"{target}.{n}" for n, _ in names if n]
-            deps.update(c for c in candidates if c.startswith("vattention") and c != name)
-        graph[name] = deps
+            submodules = [f"{target}.{n}" for n, _ in names if n and f"{target}.{n}" in known]
+            others = [n for n, _ in names if n is None or f"{target}.{n}" not in known]
+            deps.update(submodules)
+            if others:
+                deps.add(target)
+        graph[name] = {d for d in deps if d.startswith("vattention") and d != name}
     return {m: {d for d in deps if d in graph} for m, deps in graph.items()}
 
 
@@ -101,10 +125,19 @@ def test_cycle_finder_finds_a_cycle():
 def test_package_modules_import_each_other_without_cycles():
     graph = import_graph()
     assert "vattention.cache" in graph and "vattention.sharing" in graph["vattention.cache"]
-    # The package __init__ re-exports submodules; submodules importing the package itself
-    # (`import vattention`) are the public-API consumers (CLI, integrations), not part of a cycle.
-    graph = {m: {d for d in deps if d != "vattention"} for m, deps in graph.items()}
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
+
+
+def test_import_graph_sees_package_imports_and_string_imports():
+    # A library module that imports the package (which imports it back) is a cycle; importing a
+    # submodule by name is not an import of the package.
+    tree = ast.parse("from . import errors\nfrom vattention import KVCache\n")
+    deps = {t for _, t, _ in _imports(tree, "vattention.example", False)}
+    assert deps == {"vattention"}
+    tree = ast.parse("import importlib\nimportlib.import_module('vattention._C')\n")
+    assert "vattention._C" in {t for _, t, _ in _imports(tree, "vattention.example", False)}
+    cycle = find_cycle({"vattention": {"vattention.cache"}, "vattention.cache": {"vattention"}})
+    assert cycle == ["vattention", "vattention.cache", "vattention"]
 
 
 # The command line dispatches to the tooling; it is the one library-side module that may.
@@ -156,6 +189,17 @@ def is_api_user(name: str) -> bool:
 
 
 _SETTERS = ("setattr", "__setattr__")
+
+
+def _is_self(node: ast.AST) -> bool:
+    """``self``, ``cls`` or ``super()``: an object of the module's own classes."""
+    if isinstance(node, ast.Name):
+        return node.id in ("self", "cls")
+    return (
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super"
+    )
+
+
 _ACCESSORS = ("getattr", "hasattr", "delattr") + _SETTERS
 
 
@@ -223,7 +267,7 @@ def private_uses(
     own = defined.get(name, set())
     others: Dict[str, List[str]] = {}
     for module, names in defined.items():
-        for n in names - own:
+        for n in names:
             if module != name:
                 others.setdefault(n, []).append(module)
     for node in ast.walk(tree):
@@ -241,7 +285,9 @@ def private_uses(
                 f"{where}: {'.'.join([owner.id, *chain, attr])} (a private name of "
                 f"module {'.'.join([bound[owner.id], *chain])})"
             )
-        elif attr in others:
+        elif attr in others and not (attr in own and not chain and _is_self(owner)):
+            # A name this module defines too is its own only on its own objects (self, cls,
+            # super()).
             found.append(f"{where}: .{attr} (private to {', '.join(sorted(others[attr]))})")
     return found
 
@@ -270,6 +316,10 @@ def test_private_use_finder_finds_every_form():
         "def f(cache):\n    return cache._core.stats()": "._core (private to vattention.cache_base",
         "def f(config):\n    return config._geometry": "._geometry (private to",
         "getattr(cache, '_core')": "._core (private to",
+        "import importlib\nimportlib.import_module('vattention._C')": "imports vattention._C",
+        # defining a name of the same spelling does not make another module's private one ours
+        "class C:\n    def __init__(self):\n        self._core = 1\n"
+        "    def f(self, cache):\n        return cache._core": "._core (private to",
     }
     for source, message in bad.items():
         uses = _uses_in(source)

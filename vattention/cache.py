@@ -175,6 +175,13 @@ class KVCache(SharingMixin, SwapMixin):
         if config.scrub:
             self._core.set_scrub(True)
         if swap_budget is not None:
+            if config.num_blocks is not None:
+                self._core.close()
+                raise ConfigError(
+                    f"swap_budget={swap_budget!r}: a cache whose pages are named by engine blocks "
+                    f"(num_blocks={config.num_blocks}) does not swap (the engine moves pages "
+                    "through its block tables); leave swap_budget unset"
+                )
             self.set_swap_budget(swap_budget)
         self._layers: Optional[List[Tuple[torch.Tensor, Optional[torch.Tensor]]]] = None
         logger.debug("KVCache %s: %d bytes virtual", config, config.virtual_bytes)
@@ -357,9 +364,11 @@ class KVCache(SharingMixin, SwapMixin):
             listed slot's table must name the page indices its length needs.
 
         Transactional: on :class:`OutOfPagesError` (attributes ``pages_needed``,
-        ``pages_available``) nothing was mapped or changed; preempt a request and retry. (With
-        engine blocks: nothing new was mapped; pages no block table names any more, such as the
-        tail of a replaced table, may have gone back to the pool.)
+        ``pages_available``) nothing was mapped and every length is as before; preempt a request
+        and retry. Pages no query can read any more may have gone back to the pool: window pages
+        the step would have released, and, with engine blocks, pages no block table names any
+        more (the updated tables stay recorded; a row whose replaced table dropped tokens its
+        old table named has its length lowered to the tokens it still backs).
 
         Examples
         --------

@@ -1,8 +1,10 @@
 """The cache's exception hierarchy, all subclasses of :class:`VAttentionError`.
 
-Every message names the bad value and the limit; every failed call leaves the cache exactly as it
-was. Exceptions raised by the C++ core carry their numbers as attributes too (for example
-``OutOfPagesError.pages_needed`` and ``.pages_available``), so callers never parse messages.
+Every message names the bad value and the limit; a failed call leaves the cache as it was (a
+failed :meth:`~vattention.KVCache.step` may still have given back pages no query can read any
+more: its docstring says which). Exceptions raised by the C++ core carry their numbers as
+attributes too (for example ``OutOfPagesError.pages_needed`` and ``.pages_available``), so callers
+never parse messages.
 
 Example
 -------

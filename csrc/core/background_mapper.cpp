@@ -98,14 +98,10 @@ bool BackgroundMapper::map_slot(int slot, int64_t target_tokens) {
   // Rule R: nothing grew or shrank the slot meanwhile; only its owner may have changed (free()).
   // A slot freed meanwhile now holds idle memory; free() queued it for eager reclamation if it
   // had pages then, else that is for now.
-  parts_.memory.publish(slot, from, to, pages);
+  parts_.memory.publish(slot, from, to, pages, calls);
   if (!s.use.active() && from == 0 && parts_.supply.policy() == ReclaimPolicy::Eager) {
     parts_.supply.queue_eager(slot);
   }
-  counters.map_calls += (to - from) * C;
-  counters.prefetch_map_calls += (to - from) * C;
-  counters.set_access_calls += static_cast<uint64_t>(geo.num_tensors());
-  counters.prefetch_driver_calls += calls;
   if (scrub) parts_.scrubber.count((to - from) * C);
   const bool keep_going = !guard_.closed();
   lock.unlock();

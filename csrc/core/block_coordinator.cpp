@@ -16,6 +16,9 @@ BlockCoordinator::~BlockCoordinator() {
     close();  // while the tables still exist: close() unmaps rows, which tells them
   } catch (...) {
   }
+  // They go with this object (kv_cache.h: the destruction contract).
+  features_.clear();
+  memory_.observe(RowObserver::none());
 }
 
 int BlockCoordinator::take_slot(const BlockIds* hits) {
@@ -56,12 +59,23 @@ void BlockCoordinator::step(const std::vector<int64_t>& lens,
   gate_.settle(lock);  // the thread maps one slot at a time, so this waits for one at most
   plan_step(lens);     // checks state, lengths and windows
   tables_.validate(lens, updates);
-  step_transaction(lens, [&](const std::vector<int64_t>& old_lens) {
-    // Windows first: the engine frees a window's blocks at the same point, and may hand them out
-    // fresh in this very step (block_tables.h).
-    windows_.release(lens, old_lens, stream);
-    tables_.apply(lens, updates);
-  });
+  try {
+    step_transaction(lens, [&](const std::vector<int64_t>& old_lens) {
+      // Windows first: the engine frees a window's blocks at the same point, and may hand them
+      // out fresh in this very step (block_tables.h).
+      windows_.release(lens, old_lens, stream);
+      tables_.apply(lens, updates);
+    });
+  } catch (...) {
+    // The tables stay recorded, and a row whose table this step replaced may have lost the tail
+    // its new table disagrees with (block_tables.h, phase 1): no table names those tokens any
+    // more, so the row's length is what it still backs.
+    for (const BlockUpdate& u : updates) {
+      slots_.limit_length(u.slot,
+                          geo_.tokens_in(slots_[static_cast<size_t>(u.slot)].pages.mapped()));
+    }
+    throw;
+  }
   tables_.commit(lens);
 }
 

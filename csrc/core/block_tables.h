@@ -22,9 +22,10 @@
 //      holders (an idle row mapping it is unmapped; an active row keeps the pages as anonymous
 //      ones: the engine released the block from that row's window before the row's own release,
 //      "detached") and marked as reusing its own old pages or missing pages;
-//   3. take_pages: every missing page, all or nothing (OutOfPages here leaves every row mapping
-//      all its table still names; what went in 1 and 2 are pages no table names any more), and
-//      the pages each new block will name;
+//   3. take_pages: every missing page, all or nothing, and the pages each new block will name.
+//      OutOfPages here leaves the new tables recorded and every row mapping all its table still
+//      names; what went in 1 and 2 are pages no table names any more (a row whose replaced table
+//      cut its tail gets its length lowered to what it still backs, by the caller);
 //   4. map_rows: maps the new indices of every row (undoing itself on a driver error);
 //   5. record_blocks: records which block is where, counts hits and reuses, scrubs fresh blocks.
 // The caller releases window pages before (the engine frees window blocks at the same point, and

@@ -18,14 +18,16 @@ namespace vattention {
 class CacheFeature {
  public:
   virtual ~CacheFeature() = default;
-  // Appends this part's entries to stats().
-  virtual void add_stats(Stats& out) const = 0;
+  // Appends this part's entries to stats() (none by default).
+  virtual void add_stats(Stats& /*out*/) const {}
   // Adds the pool references this part holds (beyond row mappings) to `seen`, and checks its own
-  // invariants: "" or a description of what is wrong.
-  virtual std::string check(std::map<PageHandle, uint32_t>& seen) const = 0;
+  // invariants: "" or a description of what is wrong. A part that holds no page has nothing to
+  // add (the default).
+  virtual std::string check(std::map<PageHandle, uint32_t>& /*seen*/) const { return ""; }
   // close(): give back what holds pages or memory, before the pool destroys every page. Returns
-  // normally or throws the first failure (close() goes on with the other parts).
-  virtual void close() = 0;
+  // normally or throws the first failure (close() goes on with the other parts). Nothing by
+  // default.
+  virtual void close() {}
 };
 
 }  // namespace vattention

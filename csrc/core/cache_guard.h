@@ -10,6 +10,7 @@
 #include <mutex>
 
 #include "core/errors.h"
+#include "core/prefetch_gate.h"
 
 namespace vattention {
 
@@ -25,6 +26,15 @@ class CacheGuard {
   // Takes the mutex, then throws Closed, or the prefetch thread's error (once).
   Lock enter() {
     Lock lock(mu_);
+    check_open();
+    rethrow_background_error();
+    return lock;
+  }
+  // The same after settling `gate` (nothing mapped or created outside the mutex any more), for
+  // calls that may unmap or pick any slot (rule R, prefetch_gate.h).
+  Lock enter_settled(PrefetchGate& gate) {
+    Lock lock(mu_);
+    gate.settle(lock);
     check_open();
     rethrow_background_error();
     return lock;

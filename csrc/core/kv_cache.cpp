@@ -266,10 +266,7 @@ void KVCacheCore::reserve(size_t bytes) {
 }
 
 size_t KVCacheCore::reclaim() {
-  Lock lock(guard_.mutex());
-  gate_.settle(lock);  // a slot freed while being mapped is reclaimed too (rule R)
-  guard_.check_open();
-  guard_.rethrow_background_error();
+  Lock lock = guard_.enter_settled(gate_);  // a slot freed while being mapped is reclaimed too
   size_t released = 0;
   for (size_t i = 0; i < slots_.size(); ++i) {
     const Slot& s = slots_[i];
@@ -286,11 +283,8 @@ size_t KVCacheCore::shrink(size_t keep_bytes) {
 }
 
 int64_t KVCacheCore::set_memory_budget(int64_t budget_bytes) {
-  Lock lock(guard_.mutex());
   // Pages in flight count against the budget and cannot be trimmed until published.
-  gate_.settle(lock);
-  guard_.check_open();
-  guard_.rethrow_background_error();
+  Lock lock = guard_.enter_settled(gate_);
   const int64_t old_budget = pool_.budget_bytes();
   pool_.set_budget(budget_bytes);
   if (budget_bytes < 0) return 0;
@@ -321,7 +315,8 @@ void KVCacheCore::set_lookahead(int64_t tokens) {
 }
 
 void KVCacheCore::set_scrub(bool on) {
-  Lock lock = guard_.enter();
+  Lock lock(guard_.mutex());
+  guard_.check_open();  // a prefetch error stays for a call that maps
   scrubber_.set_enabled(on);
 }
 

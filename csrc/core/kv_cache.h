@@ -235,6 +235,11 @@ class KVCacheCore {
   WindowRelease windows_;
   // The parts whose stats, invariants and close() the shared calls run, in this order; each
   // coordinator's constructor lists them.
+  //
+  // The destruction contract: these (and an observer given to memory_) are members of the
+  // coordinator, gone before this base's destructor runs. So each coordinator's destructor calls
+  // close() first (the base's close() then returns at once), then clears features_ and the
+  // observer; close() makes no virtual call.
   std::vector<CacheFeature*> features_;
   std::unique_ptr<Backend::CacheRegistration> registration_;  // the backend's (host: faults)
   int64_t lookahead_tokens_ = 0;

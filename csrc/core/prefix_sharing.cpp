@@ -4,20 +4,12 @@
 #include <string>
 #include <vector>
 
+#include "core/retry.h"
+
 namespace vattention {
 namespace {
 
 constexpr const char* kNotActive = "is not an active slot (call alloc() or fork() first)";
-
-// Rollback steps get one retry: leaving a row half switched would be worse than the error itself.
-template <typename F>
-void retry_once(F&& call) {
-  try {
-    call();
-  } catch (...) {
-    call();
-  }
-}
 
 }  // namespace
 

@@ -52,7 +52,6 @@ class PrefixSharing final : public CacheFeature {
   // Every page mapped more than once (or kept by a swap handle, counted in `seen` before) lies
   // inside the read-only prefix of each slot mapping it.
   std::string check(std::map<PageHandle, uint32_t>& seen) const override;
-  void close() override {}  // holds no page of its own
 
  private:
   CacheParts& parts_;

@@ -65,8 +65,6 @@ void Scrubber::scrub_columns(int slot, size_t page, const std::vector<size_t>& c
   scrubbed_pages_ += columns.size();
 }
 
-std::string Scrubber::check(std::map<PageHandle, uint32_t>& /*seen*/) const { return ""; }
-
 void Scrubber::add_stats(Stats& out) const {
   out.emplace_back("scrub", enabled_ ? 1 : 0);
   out.emplace_back("scrubbed_pages", static_cast<int64_t>(scrubbed_pages_));

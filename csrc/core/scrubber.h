@@ -55,7 +55,6 @@ class Scrubber final : public CacheFeature {
   void count(size_t pages) { scrubbed_pages_ += pages; }
 
   void add_stats(Stats& out) const override;
-  std::string check(std::map<PageHandle, uint32_t>& seen) const override;  // holds no page
   void close() override;  // frees the zero page (the caller waited for the legacy stream)
 
  private:

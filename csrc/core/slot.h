@@ -7,7 +7,7 @@
 //   SlotPages  which physical pages back the row: the mapped range [head(t), mapped) of every
 //              tensor (a sliding window moves head(t) up), the read-only prefix that other rows
 //              or swap handles may share, and the fence of the row's last free()
-//                                                                        written by SlotMemory
+//                                       written by SlotMemory (SlotTable::PagesKey is its key)
 // Every other part reads them through the accessors and changes them only by calling an
 // operation of the owner (SlotTable::activate, SlotMemory::map, ...). Which engine block a row
 // maps where is not in the record at all: BlockTables keeps those rows, privately.
@@ -81,9 +81,6 @@ class SlotPages {
   // contract (tokens are only appended past them). Every page mapped more than once lies below
   // this boundary in each row that maps it.
   size_t read_only() const { return read_only_; }
-  // The fence recorded by the row's last free(): its pages are unmapped only after it completed.
-  bool has_fence() const { return has_fence_; }
-  uint64_t fence() const { return fence_; }
 
  private:
   friend class SlotMemory;
@@ -103,6 +100,8 @@ class SlotPages {
   std::vector<size_t> head_;  // empty, or one per tensor (not all zero)
   int64_t release_at_ = std::numeric_limits<int64_t>::max();
   size_t read_only_ = 0;
+  // The fence recorded by the row's last free(): its pages are unmapped only after it completed
+  // (SlotMemory::fence_pending says whether it has).
   uint64_t fence_ = 0;
   bool has_fence_ = false;
 };

@@ -21,15 +21,12 @@ SlotCoordinator::~SlotCoordinator() {
     close();  // while this coordinator's parts still exist: they give back what they hold
   } catch (...) {
   }
+  features_.clear();  // they go with this object (kv_cache.h: the destruction contract)
 }
 
 SlotCoordinator::Lock SlotCoordinator::enter_exclusive() {
   prefetcher_->wait();
-  Lock lock(guard_.mutex());
-  gate_.settle(lock);  // another thread may have queued a prefetch since (rule R)
-  guard_.check_open();
-  guard_.rethrow_background_error();
-  return lock;
+  return guard_.enter_settled(gate_);  // another thread may have queued a prefetch since
 }
 
 int SlotCoordinator::take_slot(const BlockIds* hits) {

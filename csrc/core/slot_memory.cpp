@@ -3,18 +3,10 @@
 #include <algorithm>
 #include <vector>
 
+#include "core/retry.h"
+
 namespace vattention {
 namespace {
-
-// Undo steps get one retry: leaving a hole in a row would be worse than the error itself.
-template <typename F>
-void retry_once(F&& call) {
-  try {
-    call();
-  } catch (...) {
-    call();
-  }
-}
 
 class NoObserver final : public RowObserver {
  public:
@@ -77,11 +69,17 @@ void SlotMemory::map(int slot, size_t from, size_t to, const PageHandle* pages) 
   observer_->grown(slot, to);
 }
 
-void SlotMemory::publish(int slot, size_t from, size_t to, const std::vector<PageHandle>& pages) {
+void SlotMemory::publish(int slot, size_t from, size_t to, const std::vector<PageHandle>& pages,
+                         size_t driver_calls) {
   // Fresh pages from the pool: no holes.
   append(row(slot), from, to, pages.data(),
          std::vector<size_t>(static_cast<size_t>(geo_.num_tensors()), from));
   observer_->grown(slot, to);
+  const size_t mapped = (to - from) * geo_.columns();
+  counters_.map_calls += mapped;
+  counters_.prefetch_map_calls += mapped;
+  counters_.set_access_calls += static_cast<uint64_t>(geo_.num_tensors());
+  counters_.prefetch_driver_calls += driver_calls;
 }
 
 size_t SlotMemory::unmap_tail(int slot, size_t keep) {

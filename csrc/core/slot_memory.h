@@ -62,8 +62,10 @@ class SlotMemory {
   // unmaps what it mapped and rethrows.
   void map(int slot, size_t from, size_t to, const PageHandle* pages);
   // Appends [from, to) that the prefetch thread mapped outside the lock with `pages` (rule R,
-  // prefetch_gate.h: nothing changed the row meanwhile, so from == mapped).
-  void publish(int slot, size_t from, size_t to, const std::vector<PageHandle>& pages);
+  // prefetch_gate.h: nothing changed the row meanwhile, so from == mapped), counting its mapping
+  // as the prefetch thread's (`driver_calls`: the VMM calls it made).
+  void publish(int slot, size_t from, size_t to, const std::vector<PageHandle>& pages,
+               size_t driver_calls);
   // Unmaps page indices [keep, mapped) of `slot` and releases its references (an idle row waits
   // for its fence first). Returns the pages that reached the free list (a shared page only loses
   // a reference). On a driver error it maps back what it unmapped and rethrows, so the record
@@ -99,7 +101,7 @@ class SlotMemory {
   void sync_stream(uintptr_t stream);
 
  private:
-  SlotPages& row(int slot) { return slots_.pages_of(static_cast<size_t>(slot)); }
+  SlotPages& row(int slot) { return slots_.pages_of(static_cast<size_t>(slot), {}); }
   // Appends [from, to) with `pages` to the record (holes: kNoPage per-tensor prefixes).
   void append(SlotPages& s, size_t from, size_t to, const PageHandle* pages,
               const std::vector<size_t>& first);

@@ -146,4 +146,9 @@ void SlotTable::restore_lengths(const std::vector<int64_t>& old_lens) {
   for (size_t i = 0; i < slots_.size(); ++i) slots_[i].use.seq_len_ = old_lens[i];
 }
 
+void SlotTable::limit_length(int slot, int64_t tokens) {
+  SlotUse& u = slots_[static_cast<size_t>(slot)].use;
+  u.seq_len_ = std::min(u.seq_len_, tokens);
+}
+
 }  // namespace vattention

@@ -55,8 +55,6 @@ class SlotTable {
   int pick_fresh() const;
   std::vector<int> active() const;
 
-  uint64_t step_count() const { return step_counter_; }
-
   // ---- who holds a row (SlotUse) ------------------------------------------------------------
   // A request takes `slot` with `seq_len` tokens (alloc: 0; fork, swap-in: the tokens it brings).
   void activate(int slot, int64_t seq_len);
@@ -69,11 +67,17 @@ class SlotTable {
   // for restore_lengths() when the step fails.
   std::vector<int64_t> raise_lengths(const std::vector<int64_t>& lens);
   void restore_lengths(const std::vector<int64_t>& old_lens);
+  // Lowers `slot`'s length to at most `tokens` (a failed step that unmapped part of its row).
+  void limit_length(int slot, int64_t tokens);
+
+  // The one mutable path to a row's SlotPages: only SlotMemory, their writer, can make the key.
+  class PagesKey {
+    friend class SlotMemory;
+    PagesKey() = default;
+  };
+  SlotPages& pages_of(size_t i, PagesKey /*key*/) { return slots_[i].pages; }
 
  private:
-  friend class SlotMemory;  // the writer of SlotPages: the one mutable path to a record
-  SlotPages& pages_of(size_t i) { return slots_[i].pages; }
-
   const int64_t max_batch_;
   const int64_t max_seq_;
   std::vector<Slot> slots_;

@@ -36,7 +36,6 @@ class StagingPage final : public CacheFeature {
   bool staged() const { return staged_; }
   // Unmaps the staged page (retrying a failed unmap once) and drops its reference.
   void unstage();
-  void add_stats(Stats& /*out*/) const override {}  // nothing to report
   // The staging mapping's reference, for check_invariants(); "" or what is wrong.
   std::string check(std::map<PageHandle, uint32_t>& seen) const override;
   // Clears a mapping a failed unmap left behind (one more try; unstage() retries once itself).

@@ -54,10 +54,7 @@ class WindowRelease final : public CacheFeature {
   // alloc(): the new request starts at token 0, which a window may have released: a row with
   // released pages is unmapped whole (an idle row waits for its fence inside).
   void clear(int slot);
-  void add_stats(Stats& out) const override;
-  // Holds no page of its own: released pages go straight back to the pool.
-  std::string check(std::map<PageHandle, uint32_t>& /*seen*/) const override { return ""; }
-  void close() override {}
+  void add_stats(Stats& out) const override;  // holds no page: released pages go to the pool
 
  private:
   // Releases page indices [head(t), releasable_pages(t, first_query)) of every windowed tensor.
