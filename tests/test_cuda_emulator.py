@@ -570,6 +570,19 @@ def test_per_thread_default_stream_is_per_thread_and_blocking(bound):
     assert bound.event_query(ev) == 0 and bound.violations == 0
 
 
+def test_work_launched_from_a_thread_without_context_is_on_the_primary_context(bound):
+    # A test's own thread need not bind a context: its launches land on device 0's primary
+    # context, so the legacy stream it names is the one the library's calls (context bound) use.
+    va, _ = mapped_ok(bound)
+    unit = on_thread(lambda: (bound.thread_has_context(), bound.launch(0, va, G)))
+    assert unit[0] is False
+    ev = event_ok(bound)
+    assert bound.event_record(ev, 0) == 0
+    assert bound.event_query(ev) == E.CUDA_ERROR_NOT_READY
+    bound.complete(unit[1])
+    assert bound.event_query(ev) == 0 and bound.violations == 0
+
+
 def test_stream_and_context_synchronize_wait_for_their_work(bound):
     va, _ = mapped_ok(bound)
     b, n = bound.stream_create(nonblocking=False), bound.stream_create()

@@ -211,6 +211,11 @@ bool device_range_accessible(uintptr_t ptr, size_t bytes);
 
 // ---- streams and in-flight work (emu_stream.cpp); the caller holds the lock ----
 
+// The context streams and work of the calling thread belong to: its current context, or, on a
+// thread with none (a test's thread calling vaemu_launch; non-strict mode), device 0's primary
+// context, the one the CUDA runtime would make current.
+CUcontext stream_context();
+
 // The stream a handle names for the calling thread: 0 / CU_STREAM_LEGACY the legacy stream of the
 // current context, CU_STREAM_PER_THREAD the thread's own default stream, else a created stream. An
 // unknown handle is adopted as a foreign non-blocking stream (vaemu_set_strict_streams(0), the

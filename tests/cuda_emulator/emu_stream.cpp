@@ -51,7 +51,7 @@ Stream& new_stream(StreamKind kind, uintptr_t handle, bool blocking) {
   State& s = state();
   uint64_t id = s.next_stream_id++;
   Stream& st = s.streams[id];
-  st.info = StreamInfo{id, handle, kind, blocking, current_context()};
+  st.info = StreamInfo{id, handle, kind, blocking, stream_context()};
   return st;
 }
 
@@ -114,6 +114,11 @@ Stream* blocking_capture_beside(const Stream& legacy) {
 
 }  // namespace
 
+CUcontext stream_context() {
+  CUcontext ctx = current_context();
+  return ctx != nullptr ? ctx : reinterpret_cast<CUcontext>(&state().contexts[0]);
+}
+
 std::string describe(const StreamInfo& s) {
   char buf[96];
   const char* flavour =
@@ -126,7 +131,7 @@ std::string describe(const StreamInfo& s) {
 Stream* resolve_stream(CUstream handle, const char* caller, CUresult* err) {
   State& s = state();
   const auto h = reinterpret_cast<uintptr_t>(handle);
-  CUcontext ctx = current_context();
+  CUcontext ctx = stream_context();
   if (h == 0 || handle == CU_STREAM_LEGACY) {
     auto it = s.legacy_streams.find(ctx);
     if (it != s.legacy_streams.end()) return &s.streams.at(it->second);
@@ -366,7 +371,7 @@ CUresult cuStreamSynchronize(CUstream stream) {
 CUresult cuCtxSynchronize() {
   EMU_ENTER("cuCtxSynchronize", emu::kInit | emu::kContext);
   EMU_UNSAFE_DURING_CAPTURE();
-  return synchronize_context(call_, emu::current_context());
+  return synchronize_context(call_, emu::stream_context());
 }
 
 // CUDA 13's ABI of the same base name: the given context (NULL: the current one).
@@ -376,7 +381,7 @@ CUresult cuCtxSynchronize_v2(CUcontext ctx) {
   if (ctx != nullptr && !emu::context_live(ctx))
     return call_.violation(CUDA_ERROR_INVALID_CONTEXT, "cuCtxSynchronize_v2: %p is not live",
                            static_cast<void*>(ctx));
-  return synchronize_context(call_, ctx != nullptr ? ctx : emu::current_context());
+  return synchronize_context(call_, ctx != nullptr ? ctx : emu::stream_context());
 }
 
 // Exported as cuStreamBeginCapture_v2 (cuda.h renames it), base name cuStreamBeginCapture.
