@@ -34,10 +34,30 @@ CUDA_ERROR_NO_DEVICE = 100
 CUDA_ERROR_INVALID_DEVICE = 101
 CUDA_ERROR_INVALID_CONTEXT = 201
 CUDA_ERROR_INVALID_HANDLE = 400
+CUDA_ERROR_ILLEGAL_STATE = 401
 CUDA_ERROR_NOT_FOUND = 500
 CUDA_ERROR_NOT_READY = 600
+CUDA_ERROR_ILLEGAL_ADDRESS = 700
 CUDA_ERROR_LAUNCH_TIMEOUT = 702
+CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900
+CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901
+CUDA_ERROR_STREAM_CAPTURE_IMPLICIT = 906
+CUDA_ERROR_CAPTURED_EVENT = 907
+CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD = 908
 CUDA_ERROR_UNKNOWN = 999
+
+# Streams (cuda.h): creation flags and the special handles.
+CU_STREAM_DEFAULT = 0  # blocking: synchronizes with the legacy stream
+CU_STREAM_NON_BLOCKING = 1
+CU_STREAM_LEGACY = 1  # handle of the legacy default stream (0 names it too)
+CU_STREAM_PER_THREAD = 2  # handle of the calling thread's per-thread default stream
+# Stream capture.
+CU_STREAM_CAPTURE_MODE_GLOBAL = 0
+CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1
+CU_STREAM_CAPTURE_MODE_RELAXED = 2
+CU_STREAM_CAPTURE_STATUS_NONE = 0
+CU_STREAM_CAPTURE_STATUS_ACTIVE = 1
+CU_STREAM_CAPTURE_STATUS_INVALIDATED = 2
 
 CU_MEM_ALLOCATION_TYPE_PINNED = 1
 CU_MEM_LOCATION_TYPE_DEVICE = 1
@@ -115,6 +135,7 @@ class Emulator:
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
         u64, sz, i64 = ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int64
+        vp, ci, cu = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint
         sigs = {
             "vaemu_reset": ([], None),
             "vaemu_set_granularity": ([sz], None),
@@ -133,6 +154,30 @@ class Emulator:
             "vaemu_last_violation": ([], ctypes.c_char_p),
             "vaemu_thread_has_context": ([], ctypes.c_int),
             "vaemu_hide_symbol": ([ctypes.c_char_p], None),
+            "vaemu_set_strict_streams": ([ci], None),
+            "vaemu_set_sync_timeout_ms": ([i64], None),
+            "vaemu_primary_retains": ([ci], ci),
+            "vaemu_launch": ([vp, u64, sz, ci], u64),
+            "vaemu_complete": ([u64], None),
+            "vaemu_inflight": ([], i64),
+            "vaemu_last_memset_stream": ([], ctypes.c_size_t),
+            "vaemu_last_copy_stream": ([], ctypes.c_size_t),
+            "cuStreamCreate": ([ctypes.POINTER(vp), cu], ci),
+            "cuStreamDestroy_v2": ([vp], ci),
+            "cuStreamSynchronize": ([vp], ci),
+            "cuCtxSynchronize": ([], ci),
+            "cuCtxSynchronize_v2": ([vp], ci),
+            "cuStreamBeginCapture_v2": ([vp, ci], ci),
+            "cuStreamEndCapture": ([vp, ctypes.POINTER(vp)], ci),
+            "cuStreamIsCapturing": ([vp, ctypes.POINTER(ci)], ci),
+            "cuThreadExchangeStreamCaptureMode": ([ctypes.POINTER(ci)], ci),
+            "cuGraphDestroy": ([vp], ci),
+            "cuMemsetD8Async": ([u64, ctypes.c_ubyte, sz, vp], ci),
+            "cuMemcpyAsync": ([u64, u64, sz, vp], ci),
+            "cuMemcpyDtoHAsync_v2": ([vp, u64, sz, vp], ci),
+            "cuMemcpyHtoDAsync_v2": ([u64, vp, sz, vp], ci),
+            "cuMemHostAlloc": ([ctypes.POINTER(vp), sz, cu], ci),
+            "cuMemFreeHost": ([vp], ci),
             "cuInit": ([ctypes.c_uint], ctypes.c_int),
             "cuDeviceGet": ([ctypes.POINTER(ctypes.c_int), ctypes.c_int], ctypes.c_int),
             "cuDeviceGetCount": ([ctypes.POINTER(ctypes.c_int)], ctypes.c_int),
@@ -277,6 +322,120 @@ class Emulator:
     def thread_has_context(self) -> bool:
         return bool(self.lib.vaemu_thread_has_context())
 
+    def set_strict_streams(self, on: bool) -> None:
+        """On: a stream handle the emulation never created is a violation (default: adopted as a
+        foreign non-blocking stream)."""
+        self.lib.vaemu_set_strict_streams(int(on))
+
+    def set_sync_timeout_ms(self, ms: int) -> None:
+        """How long the synchronize calls wait before failing as a violation (default 5000)."""
+        self.lib.vaemu_set_sync_timeout_ms(int(ms))
+
+    # ---- in-flight work (calls run on the calling Python thread) ----
+    def launch(self, stream: int, va: int, nbytes: int, held: bool = True) -> int:
+        """Enqueues a "kernel" on ``stream`` reading [va, va + nbytes); held: it executes until
+        complete(id). Returns the unit's id."""
+        return int(self.lib.vaemu_launch(stream, va, nbytes, int(held)))
+
+    def complete(self, unit: int) -> None:
+        """The unit finishes executing (complete once what it depends on is)."""
+        self.lib.vaemu_complete(unit)
+
+    def inflight(self) -> int:
+        """Launched units not yet complete."""
+        return int(self.lib.vaemu_inflight())
+
+    def last_memset_stream(self) -> int:
+        return int(self.lib.vaemu_last_memset_stream())
+
+    def last_copy_stream(self) -> int:
+        return int(self.lib.vaemu_last_copy_stream())
+
+    # ---- streams and capture ----
+    def stream_create(self, nonblocking: bool = True) -> int:
+        """A new stream's handle (CU_STREAM_NON_BLOCKING, or CU_STREAM_DEFAULT: blocking)."""
+        s = ctypes.c_void_p()
+        flags = CU_STREAM_NON_BLOCKING if nonblocking else CU_STREAM_DEFAULT
+        rc = self.lib.cuStreamCreate(ctypes.byref(s), flags)
+        if rc != CUDA_SUCCESS:
+            raise RuntimeError(f"cuStreamCreate failed: {rc} ({self.last_violation()})")
+        return s.value
+
+    def stream_destroy(self, stream: int) -> int:
+        return self.lib.cuStreamDestroy_v2(stream)
+
+    def stream_synchronize(self, stream: int) -> int:
+        return self.lib.cuStreamSynchronize(stream)
+
+    def ctx_synchronize(self) -> int:
+        return self.lib.cuCtxSynchronize()
+
+    def memset_async(self, dst: int, value: int, nbytes: int, stream: int) -> int:
+        """cuMemsetD8Async."""
+        return self.lib.cuMemsetD8Async(dst, value, nbytes, stream)
+
+    def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> int:
+        """cuMemcpyAsync (device to device)."""
+        return self.lib.cuMemcpyAsync(dst, src, nbytes, stream)
+
+    def begin_capture(self, stream: int, mode: int = CU_STREAM_CAPTURE_MODE_GLOBAL) -> int:
+        return self.lib.cuStreamBeginCapture_v2(stream, mode)
+
+    def end_capture_graph(self, stream: int) -> tuple[int, int]:
+        """(CUresult, CUgraph or 0); destroy the graph with graph_destroy."""
+        g = ctypes.c_void_p()
+        rc = self.lib.cuStreamEndCapture(stream, ctypes.byref(g))
+        return rc, g.value or 0
+
+    def end_capture(self, stream: int) -> int:
+        """cuStreamEndCapture's CUresult; the graph it returns (if any) is destroyed."""
+        rc, g = self.end_capture_graph(stream)
+        if g:
+            assert self.graph_destroy(g) == CUDA_SUCCESS
+        return rc
+
+    def graph_destroy(self, graph: int) -> int:
+        return self.lib.cuGraphDestroy(graph)
+
+    def is_capturing(self, stream: int) -> tuple[int, int]:
+        """(CUresult, CU_STREAM_CAPTURE_STATUS_*)."""
+        status = ctypes.c_int(-1)
+        return self.lib.cuStreamIsCapturing(stream, ctypes.byref(status)), status.value
+
+    def exchange_capture_mode(self, mode: int) -> int:
+        """Sets this thread's capture interaction mode; returns the previous one."""
+        m = ctypes.c_int(mode)
+        rc = self.lib.cuThreadExchangeStreamCaptureMode(ctypes.byref(m))
+        if rc != CUDA_SUCCESS:
+            raise RuntimeError(f"cuThreadExchangeStreamCaptureMode failed: {rc}")
+        return m.value
+
+    # ---- contexts (per thread: these act on the calling Python thread) ----
+    def primary_retains(self, device: int = 0) -> int:
+        """Live reference count of the device's primary context."""
+        return int(self.lib.vaemu_primary_retains(device))
+
+    def retain_primary(self, device: int = 0) -> int:
+        ctx = ctypes.c_void_p()
+        rc = self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device)
+        if rc != CUDA_SUCCESS:
+            raise RuntimeError(f"cuDevicePrimaryCtxRetain failed: {rc}")
+        return ctx.value
+
+    def release_primary(self, device: int = 0) -> int:
+        return self.lib.cuDevicePrimaryCtxRelease_v2(device)
+
+    def current_context(self) -> int:
+        """This thread's current context (0: none)."""
+        ctx = ctypes.c_void_p()
+        rc = self.lib.cuCtxGetCurrent(ctypes.byref(ctx))
+        if rc != CUDA_SUCCESS:
+            raise RuntimeError(f"cuCtxGetCurrent failed: {rc}")
+        return ctx.value or 0
+
+    def set_current_context(self, ctx: int) -> int:
+        return self.lib.cuCtxSetCurrent(ctx or None)
+
     def live(self) -> dict[str, int]:
         """Everything that must be back to zero when no cache/backend is alive."""
         names = (
@@ -287,6 +446,8 @@ class Emulator:
             "context_refs",
             "bytes_in_use",
             "live_host_allocs",
+            "live_streams",
+            "live_graphs",
         )
         return {n: self.counter(n) for n in names}
 

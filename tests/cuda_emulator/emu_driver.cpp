@@ -1,10 +1,10 @@
 // EMULATION, TEST-ONLY: initialisation, devices, primary contexts, events, error strings and the
 // cuGetProcAddress table of the strict CUDA driver emulation.
 //
-// Events model in-flight GPU work: while the test holds the emulated GPU busy (vaemu_set_gpu_busy),
-// an event recorded stays not-ready until the test clears the flag, so a test can prove that an
-// unmap deferred behind an event really waits for it.
-#include <chrono>
+// Events model in-flight GPU work: an event waits for the work units (emu_stream.cpp) a unit
+// launched on its stream would wait for, and, while the test holds the emulated GPU busy
+// (vaemu_set_gpu_busy), an event recorded then stays not-ready until the test clears the flag, so
+// a test can prove that an unmap deferred behind an event really waits for it.
 #include <cstring>
 
 #include "emu_state.h"
@@ -13,11 +13,9 @@ namespace {
 
 using emu::state;
 
-constexpr auto kSyncTimeout = std::chrono::seconds(5);
-
 bool event_ready(const emu::Event& e) {
   const emu::State& s = state();
-  return !(e.pending && s.gpu_busy && e.epoch == s.busy_epoch);
+  return !(e.pending && s.gpu_busy && e.epoch == s.busy_epoch) && emu::all_complete(e.waits);
 }
 
 struct ErrorText {
@@ -47,6 +45,19 @@ const ErrorText kErrors[] = {
      "an illegal memory access was encountered (CUDA emulation)"},
     {CUDA_ERROR_LAUNCH_TIMEOUT, "CUDA_ERROR_LAUNCH_TIMEOUT",
      "the launch timed out and was terminated (CUDA emulation)"},
+    {CUDA_ERROR_ILLEGAL_STATE, "CUDA_ERROR_ILLEGAL_STATE",
+     "the operation cannot be performed in the present state (CUDA emulation)"},
+    {CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+     "operation not permitted when stream is capturing (CUDA emulation)"},
+    {CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
+     "operation failed due to a previous error during capture (CUDA emulation)"},
+    {CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT",
+     "operation would make the legacy stream depend on a capturing blocking stream (CUDA "
+     "emulation)"},
+    {CUDA_ERROR_CAPTURED_EVENT, "CUDA_ERROR_CAPTURED_EVENT",
+     "operation not permitted on an event last recorded in a capturing stream (CUDA emulation)"},
+    {CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD, "CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD",
+     "attempt to terminate a thread-local capture sequence from another thread (CUDA emulation)"},
     {CUDA_ERROR_NOT_PERMITTED, "CUDA_ERROR_NOT_PERMITTED",
      "operation not permitted (CUDA emulation)"},
     {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED",
@@ -163,41 +174,69 @@ CUresult cuEventCreate(CUevent* event, unsigned int flags) {
   return CUDA_SUCCESS;
 }
 
+// The event waits for what a unit launched on `stream` now would wait for (emu_stream.cpp), and,
+// if the emulated GPU is busy, for the busy flag to clear. On a capturing stream it is captured.
 CUresult cuEventRecord(CUevent event, CUstream stream) {
   EMU_ENTER("cuEventRecord", emu::kInit | emu::kContext);
-  // One emulated GPU: all work is "in flight" together; the stream is only remembered.
   auto* e = reinterpret_cast<emu::Event*>(event);
   if (!state().events.count(e))
     return call_.violation(CUDA_ERROR_INVALID_HANDLE, "cuEventRecord: unknown event %p",
                            static_cast<void*>(event));
+  emu::StreamOp op = emu::begin_stream_op(stream, "cuEventRecord");
+  if (op.result != CUDA_SUCCESS) return op.result;
   state().last_event_stream = reinterpret_cast<uintptr_t>(stream);
   e->recorded = true;
+  if (op.captured) {
+    e->captured = true;  // a node of the graph being captured; it never completes by itself
+    return CUDA_SUCCESS;
+  }
+  e->captured = false;
   e->pending = state().gpu_busy;
   e->epoch = state().busy_epoch;
+  // One unit standing for the record keeps later work on blocking streams ordered after what it
+  // waited for, when it is on the legacy stream (see emu_stream.cpp).
+  const uint64_t marker = emu::enqueue_behind(op.stream->info, {}, "event record");
+  e->waits.clear();
+  if (marker != 0) e->waits.push_back(marker);
   return CUDA_SUCCESS;
 }
 
 CUresult cuEventQuery(CUevent event) {
   EMU_ENTER("cuEventQuery", emu::kInit | emu::kContext);
+  EMU_UNSAFE_DURING_CAPTURE();
   auto* e = reinterpret_cast<emu::Event*>(event);
   if (!state().events.count(e))
     return call_.violation(CUDA_ERROR_INVALID_HANDLE, "cuEventQuery: unknown event %p",
                            static_cast<void*>(event));
+  if (e->captured)
+    return call_.violation(CUDA_ERROR_CAPTURED_EVENT,
+                           "cuEventQuery on an event last recorded inside a stream capture");
   return event_ready(*e) ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
 }
 
 CUresult cuEventSynchronize(CUevent event) {
   EMU_ENTER("cuEventSynchronize", emu::kInit | emu::kContext);
+  EMU_UNSAFE_DURING_CAPTURE();
   auto* e = reinterpret_cast<emu::Event*>(event);
   if (!state().events.count(e))
     return call_.violation(CUDA_ERROR_INVALID_HANDLE, "cuEventSynchronize: unknown event %p",
                            static_cast<void*>(event));
-  // A test that never clears the busy flag would hang a real program forever; fail loudly instead.
-  if (!state().gpu_idle.wait_for(call_.lock(), kSyncTimeout,
-                                 [&] { return !state().events.count(e) || event_ready(*e); }))
+  if (e->captured)
+    return call_.violation(CUDA_ERROR_CAPTURED_EVENT,
+                           "cuEventSynchronize on an event last recorded inside a stream capture");
+  // A test that never completes its work would hang a real program forever; fail loudly instead.
+  const std::vector<uint64_t> waits = e->waits;
+  if (!state().work_changed.wait_for(call_.lock(), state().sync_timeout,
+                                     [&] { return !state().events.count(e) || event_ready(*e); })) {
+    const long long ms = static_cast<long long>(state().sync_timeout.count());
+    if (!emu::all_complete(waits))
+      return call_.violation(CUDA_ERROR_LAUNCH_TIMEOUT,
+                             "cuEventSynchronize waited %lld ms: work the event waits for never "
+                             "completed (vaemu_complete was not called)",
+                             ms);
     return call_.violation(CUDA_ERROR_LAUNCH_TIMEOUT,
-                           "cuEventSynchronize waited %llds: the emulated GPU stayed busy",
-                           (long long)kSyncTimeout.count());
+                           "cuEventSynchronize waited %lld ms: the emulated GPU stayed busy", ms);
+  }
   return CUDA_SUCCESS;
 }
 
@@ -209,14 +248,6 @@ CUresult cuEventDestroy(CUevent event) {
     return call_.violation(CUDA_ERROR_INVALID_HANDLE, "cuEventDestroy: unknown event %p",
                            static_cast<void*>(event));
   delete e;  // legal while pending: the driver frees it once the work completes
-  return CUDA_SUCCESS;
-}
-
-CUresult cuStreamSynchronize(CUstream stream) {
-  EMU_ENTER("cuStreamSynchronize", emu::kInit | emu::kContext);
-  (void)stream;
-  if (!state().gpu_idle.wait_for(call_.lock(), kSyncTimeout, [] { return !state().gpu_busy; }))
-    return call_.violation(CUDA_ERROR_LAUNCH_TIMEOUT, "cuStreamSynchronize: GPU stayed busy");
   return CUDA_SUCCESS;
 }
 
@@ -254,7 +285,9 @@ struct ProcEntry {
   void* fn;
 };
 
-// Only what the backend uses; anything else is "not found", as for an unsupported symbol.
+// Only what the backend and the tests use; anything else is "not found", as for an unsupported
+// symbol. A base name with several ABIs has one row per ABI: a lookup gets the newest ABI not newer
+// than the version asked for (cuCtxSynchronize: (void) since 2.0, (CUcontext) since 13.0).
 const ProcEntry kProcs[] = {
     {"cuInit", 2000, reinterpret_cast<void*>(&cuInit)},
     {"cuDriverGetVersion", 2020, reinterpret_cast<void*>(&cuDriverGetVersion)},
@@ -280,6 +313,17 @@ const ProcEntry kProcs[] = {
     {"cuEventSynchronize", 2000, reinterpret_cast<void*>(&cuEventSynchronize)},
     {"cuEventDestroy", 4000, reinterpret_cast<void*>(&cuEventDestroy_v2)},
     {"cuStreamSynchronize", 2000, reinterpret_cast<void*>(&cuStreamSynchronize)},
+    {"cuStreamCreate", 2000, reinterpret_cast<void*>(&cuStreamCreate)},
+    {"cuStreamDestroy", 4000, reinterpret_cast<void*>(&cuStreamDestroy_v2)},
+    {"cuCtxSynchronize", 2000, reinterpret_cast<void*>(&cuCtxSynchronize)},
+    {"cuCtxSynchronize", 13000, reinterpret_cast<void*>(&cuCtxSynchronize_v2)},
+    {"cuStreamBeginCapture", 10010, reinterpret_cast<void*>(&cuStreamBeginCapture_v2)},
+    {"cuStreamEndCapture", 10000, reinterpret_cast<void*>(&cuStreamEndCapture)},
+    {"cuStreamIsCapturing", 10000, reinterpret_cast<void*>(&cuStreamIsCapturing)},
+    {"cuThreadExchangeStreamCaptureMode", 10010,
+     reinterpret_cast<void*>(&cuThreadExchangeStreamCaptureMode)},
+    {"cuGraphDestroy", 10000, reinterpret_cast<void*>(&cuGraphDestroy)},
+    {"cuMemsetD8Async", 3020, reinterpret_cast<void*>(&cuMemsetD8Async)},
     {"cuMemcpyAsync", 4000, reinterpret_cast<void*>(&cuMemcpyAsync)},
     {"cuMemcpyDtoDAsync", 3020, reinterpret_cast<void*>(&cuMemcpyDtoDAsync_v2)},
     {"cuMemcpyDtoHAsync", 3020, reinterpret_cast<void*>(&cuMemcpyDtoHAsync_v2)},
@@ -296,17 +340,21 @@ CUresult lookup(const char* symbol, void** pfn, int cuda_version,
   if (symbol == nullptr || pfn == nullptr) return CUDA_ERROR_INVALID_VALUE;
   if (cuda_version > emu::kDriverVersion) return CUDA_ERROR_INVALID_VALUE;  // documented rule
   *pfn = nullptr;
+  const ProcEntry* best = nullptr;
+  bool known = false;
   for (const auto& p : kProcs) {
     if (std::strcmp(p.name, symbol) != 0 || state().hidden_symbols.count(symbol)) continue;
-    if (cuda_version < p.since) {
-      if (status) *status = CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT;
-      return CUDA_SUCCESS;  // documented: success with a NULL pointer
-    }
-    *pfn = p.fn;
-    if (status) *status = CU_GET_PROC_ADDRESS_SUCCESS;
-    return CUDA_SUCCESS;
+    known = true;
+    if (cuda_version >= p.since && (best == nullptr || p.since > best->since)) best = &p;
   }
-  if (status) *status = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+  if (best != nullptr) {
+    *pfn = best->fn;
+    if (status) *status = CU_GET_PROC_ADDRESS_SUCCESS;
+  } else if (status) {
+    // documented: success with a NULL pointer either way
+    *status =
+        known ? CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT : CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+  }
   return CUDA_SUCCESS;
 }
 

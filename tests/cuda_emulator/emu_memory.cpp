@@ -61,7 +61,19 @@ std::vector<std::map<uintptr_t, emu::Mapping>::iterator> exact_mappings(uintptr_
   return run;
 }
 
-void free_handle_memory(std::unordered_map<uint64_t, emu::Handle>::iterator it) {
+// Frees the memory of a released handle whose last mapping is gone. Freeing memory that work not
+// yet complete reads is a violation (counted unless the caller already counted one for this call);
+// the memory goes all the same, as on a GPU, where the kernel would then fault.
+void free_handle_memory(Call& call, std::unordered_map<uint64_t, emu::Handle>::iterator it,
+                        bool already_counted) {
+  if (auto* u = emu::unit_using_handle(it->first); u != nullptr && !already_counted) {
+    call.violation(CUDA_ERROR_INVALID_VALUE,
+                   "%s frees the memory of handle 0x%llx that in-flight work on stream %s (unit "
+                   "%llu, %s) may still read",
+                   call.name(), static_cast<unsigned long long>(it->first),
+                   emu::describe(u->second.stream).c_str(),
+                   static_cast<unsigned long long>(u->first), u->second.what.c_str());
+  }
   close(it->second.fd);
   state().bytes_in_use -= it->second.size;
   state().handles.erase(it);
@@ -101,6 +113,7 @@ CUresult cuMemGetAllocationGranularity(size_t* granularity, const CUmemAllocatio
 CUresult cuMemAddressReserve(CUdeviceptr* ptr, size_t size, size_t alignment, CUdeviceptr addr,
                              unsigned long long flags) {
   EMU_ENTER("cuMemAddressReserve", emu::kInit | emu::kContext);
+  EMU_UNSAFE_DURING_CAPTURE();
   (void)addr;  // a hint only; the driver may ignore it, and so do we
   size_t g = state().granularity;
   if (ptr == nullptr)
@@ -132,6 +145,7 @@ CUresult cuMemAddressReserve(CUdeviceptr* ptr, size_t size, size_t alignment, CU
 
 CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
   EMU_ENTER("cuMemAddressFree", emu::kInit | emu::kContext);
+  EMU_UNSAFE_DURING_CAPTURE();
   auto& rs = state().reservations;
   auto it = rs.find(ptr);
   if (it == rs.end() || it->second.size != size)
@@ -150,6 +164,7 @@ CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
 CUresult cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size,
                      const CUmemAllocationProp* prop, unsigned long long flags) {
   EMU_ENTER("cuMemCreate", emu::kInit | emu::kContext);
+  EMU_UNSAFE_DURING_CAPTURE();
   emu::State& s = state();
   if (handle == nullptr)
     return call_.violation(CUDA_ERROR_INVALID_VALUE, "cuMemCreate: handle NULL");
@@ -177,6 +192,7 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size,
 
 CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
   EMU_ENTER("cuMemRelease", emu::kInit | emu::kContext);
+  EMU_UNSAFE_DURING_CAPTURE();
   auto& hs = state().handles;
   auto it = hs.find(handle);
   if (it == hs.end() || it->second.released)
@@ -184,13 +200,14 @@ CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
                            "cuMemRelease(0x%llx): unknown handle or released twice",
                            (unsigned long long)handle);
   it->second.released = true;
-  if (it->second.mappings == 0) free_handle_memory(it);  // else freed at the last cuMemUnmap
+  if (it->second.mappings == 0) free_handle_memory(call_, it, false);  // else at the last unmap
   return CUDA_SUCCESS;
 }
 
 CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
                   unsigned long long flags) {
   EMU_ENTER("cuMemMap", emu::kInit | emu::kContext);
+  EMU_UNSAFE_DURING_CAPTURE();
   emu::State& s = state();
   size_t g = s.granularity;
   unsigned long long p = ptr;
@@ -227,6 +244,7 @@ CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAlloc
 
 CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
   EMU_ENTER("cuMemUnmap", emu::kInit | emu::kContext);
+  EMU_UNSAFE_DURING_CAPTURE();
   emu::State& s = state();
   size_t g = s.granularity;
   unsigned long long p = ptr;
@@ -240,6 +258,20 @@ CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
                            "cuMemUnmap(0x%llx, %zu) must cover whole mappings exactly (no split, "
                            "no hole)",
                            p, size);
+  // Work not yet complete that reads the range: a violation, but the unmap happens (the driver
+  // does not wait for kernels; on a GPU the kernel would fault).
+  const auto* reader = emu::unit_reading(ptr, size);
+  if (reader != nullptr) {
+    emu::Range r = reader->second.ranges.front();
+    for (const emu::Range& each : reader->second.ranges)
+      if (each.start < ptr + size && ptr < each.start + each.bytes) r = each;
+    call_.violation(CUDA_ERROR_INVALID_VALUE,
+                    "unmapping [0x%llx, 0x%llx) that in-flight work on stream %s may still read "
+                    "(unit %llu, %s, reads from 0x%llx, %zu bytes)",
+                    p, p + size, emu::describe(reader->second.stream).c_str(),
+                    static_cast<unsigned long long>(reader->first), reader->second.what.c_str(),
+                    static_cast<unsigned long long>(r.start), r.bytes);
+  }
   // Back to reserved-but-unmapped: anonymous PROT_NONE over the whole range.
   void* got = mmap(reinterpret_cast<void*>(ptr), size, PROT_NONE,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
@@ -247,7 +279,7 @@ CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
   for (auto& m : run) {
     auto h = s.handles.find(m->second.handle);
     if (h != s.handles.end() && --h->second.mappings == 0 && h->second.released) {
-      free_handle_memory(h);
+      free_handle_memory(call_, h, reader != nullptr);
     }
     s.mappings.erase(m);
   }
@@ -256,6 +288,7 @@ CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
 
 CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc, size_t count) {
   EMU_ENTER("cuMemSetAccess", emu::kInit | emu::kContext);
+  EMU_UNSAFE_DURING_CAPTURE();
   emu::State& s = state();
   unsigned long long p = ptr;
   if (desc == nullptr || count == 0)

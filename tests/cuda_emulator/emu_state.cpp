@@ -5,6 +5,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdarg>
 #include <cstdio>
@@ -26,6 +27,24 @@ State& state() {
 CUcontext& current_context() {
   thread_local CUcontext current = nullptr;
   return current;
+}
+
+uint64_t thread_token() {
+  static std::atomic<uint64_t> next{1};
+  thread_local const uint64_t token = next++;
+  return token;
+}
+
+CUstreamCaptureMode& thread_capture_mode() {
+  struct Mode {
+    uint64_t generation = 0;
+    CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_GLOBAL;
+  };
+  thread_local Mode m;
+  if (m.generation != state().capture_generation) {
+    m = Mode{state().capture_generation, CU_STREAM_CAPTURE_MODE_GLOBAL};  // the driver's default
+  }
+  return m.mode;
 }
 
 // Sleeping overshoots by the kernel's timer slack (~50-60 us), far more than a 1.45 us cuMemMap:
@@ -90,17 +109,50 @@ Call::Call(const char* name, unsigned needs) : name_(name), lock_(state().mu) {
   }
 }
 
-CUresult Call::violation(CUresult code, const char* fmt, ...) {
+namespace {
+
+CUresult vviolation(CUresult code, const char* fmt, va_list ap) {
   char buf[512];
-  va_list ap;
-  va_start(ap, fmt);
   vsnprintf(buf, sizeof buf, fmt, ap);
-  va_end(ap);
   State& s = state();
   s.violations++;
   s.last_violation = buf;
   if (getenv("VAEMU_VERBOSE")) fprintf(stderr, "[cuda emulation] rule violation: %s\n", buf);
   return code;
+}
+
+}  // namespace
+
+CUresult violation(CUresult code, const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  CUresult r = vviolation(code, fmt, ap);
+  va_end(ap);
+  return r;
+}
+
+CUresult Call::violation(CUresult code, const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  CUresult r = vviolation(code, fmt, ap);
+  va_end(ap);
+  return r;
+}
+
+bool device_range_accessible(uintptr_t ptr, size_t bytes) {
+  auto& ms = state().mappings;
+  uintptr_t at = ptr;
+  const uintptr_t end = ptr + bytes;
+  auto it = ms.upper_bound(at);
+  if (it == ms.begin()) return false;
+  --it;
+  while (at < end) {
+    if (it == ms.end() || it->first > at || it->first + it->second.size <= at) return false;
+    if (!it->second.accessible) return false;
+    at = it->first + it->second.size;
+    ++it;
+  }
+  return true;
 }
 
 void free_all_locked() {
@@ -115,6 +167,14 @@ void free_all_locked() {
   s.handles.clear();
   s.events.clear();
   s.bytes_in_use = 0;
+  s.streams.clear();
+  s.stream_handles.clear();
+  s.destroyed_streams.clear();
+  s.legacy_streams.clear();
+  s.per_thread_streams.clear();
+  s.active_captures = 0;
+  s.graphs.clear();
+  s.units.clear();
 }
 
 }  // namespace emu
@@ -136,11 +196,16 @@ void vaemu_reset() {
   s.device_count = 1;
   s.vmm_supported = 1;
   s.strict_context = true;
+  s.strict_streams = false;
+  s.sync_timeout = std::chrono::milliseconds(5000);
   s.initialized = false;
   for (int i = 0; i < emu::kMaxDevices; i++) s.contexts[i] = emu::PrimaryContext{i, 0};
   s.gpu_busy = false;
   s.last_event_stream = 0;
-  s.gpu_idle.notify_all();
+  s.last_copy_stream = 0;
+  s.last_memset_stream = 0;
+  s.capture_generation++;  // every thread's capture mode is GLOBAL again
+  s.work_changed.notify_all();
   s.calls.clear();
   s.faults.clear();
   s.latency_ns.clear();
@@ -176,6 +241,21 @@ void vaemu_set_vmm_supported(int yes) {
 void vaemu_set_strict_context(int on) {
   std::lock_guard<std::mutex> lock(state().mu);
   state().strict_context = on != 0;
+}
+
+// 1: a stream handle the emulation never created (nor 0, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD)
+// is a violation (CUDA_ERROR_INVALID_HANDLE). 0 (default): it is adopted as a foreign
+// non-blocking stream, as tests that pass made-up handles for other libraries' streams need.
+void vaemu_set_strict_streams(int on) {
+  std::lock_guard<std::mutex> lock(state().mu);
+  state().strict_streams = on != 0;
+}
+
+// How long cuEventSynchronize / cuStreamSynchronize / cuCtxSynchronize wait before they fail with
+// a violation (CUDA_ERROR_LAUNCH_TIMEOUT) instead of hanging (default 5000 ms).
+void vaemu_set_sync_timeout_ms(int64_t ms) {
+  std::lock_guard<std::mutex> lock(state().mu);
+  state().sync_timeout = std::chrono::milliseconds(ms < 0 ? 0 : ms);
 }
 
 // The nth call (1 = the next one) of `entry` (base name, e.g. "cuMemMap") returns `result` without
@@ -231,12 +311,13 @@ void vaemu_set_gpu_busy(int busy) {
   emu::State& s = state();
   if (busy && !s.gpu_busy) s.busy_epoch++;
   s.gpu_busy = busy != 0;
-  if (!s.gpu_busy) s.gpu_idle.notify_all();
+  if (!s.gpu_busy) s.work_changed.notify_all();
 }
 
 // Calls of an entry point by base name, or one of: live_handles, live_mappings,
-// live_reservations, live_events, context_refs, bytes_in_use, violations, accessible_mappings,
-// last_event_stream.
+// live_reservations, live_events, live_host_allocs, live_streams (created, not destroyed),
+// live_graphs, active_captures, inflight (as vaemu_inflight), context_refs, bytes_in_use,
+// violations, accessible_mappings, last_event_stream, last_copy_stream, last_memset_stream.
 int64_t vaemu_counter(const char* name) {
   std::lock_guard<std::mutex> lock(state().mu);
   emu::State& s = state();
@@ -249,6 +330,20 @@ int64_t vaemu_counter(const char* name) {
   if (n == "bytes_in_use") return static_cast<int64_t>(s.bytes_in_use);
   if (n == "violations") return s.violations;
   if (n == "last_event_stream") return static_cast<int64_t>(s.last_event_stream);
+  if (n == "last_copy_stream") return static_cast<int64_t>(s.last_copy_stream);
+  if (n == "last_memset_stream") return static_cast<int64_t>(s.last_memset_stream);
+  if (n == "live_graphs") return static_cast<int64_t>(s.graphs.size());
+  if (n == "active_captures") return s.active_captures;
+  if (n == "live_streams") {
+    int64_t k = 0;
+    for (auto& [id, st] : s.streams) k += st.info.kind == emu::StreamKind::Created ? 1 : 0;
+    return k;
+  }
+  if (n == "inflight") {
+    int64_t k = 0;
+    for (auto& [id, u] : s.units) k += u.kernel ? 1 : 0;
+    return k;
+  }
   if (n == "context_refs") {
     int64_t refs = 0;
     for (auto& c : s.contexts) refs += c.refcount;
@@ -269,6 +364,14 @@ const char* vaemu_last_violation() {
   std::lock_guard<std::mutex> lock(state().mu);
   copy = state().last_violation;
   return copy.c_str();
+}
+
+// Live reference count of the device's primary context (cuDevicePrimaryCtxRetain - Release);
+// -1 for an ordinal that is not an emulated device.
+int vaemu_primary_retains(int device) {
+  std::lock_guard<std::mutex> lock(state().mu);
+  if (device < 0 || device >= emu::kMaxDevices) return -1;
+  return state().contexts[device].refcount;
 }
 
 // 1 when the calling thread's current context is a live primary context.
