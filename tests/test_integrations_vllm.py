@@ -372,6 +372,7 @@ def test_slots_freed_and_vllm_buffer_never_allocated(runs):
     assert stats["layout"] == "layer"  # auto on the CPU, sizes this small
     assert stats["tokens_per_page"] == BLOCK  # one page index holds one vLLM block
     assert stats["engine_blocks"] > 0  # pages named by vLLM's block ids
+    assert stats["attention_kernel"] == "vattention cpu_attention"
 
 
 def test_mapped_bytes_follow_live_tokens_not_max_model_len(runs):
@@ -520,6 +521,7 @@ def test_vllms_cuda_platform_config_code_keeps_the_plugins_config(runs):
     assert result["attention_backend"].endswith("FLASH_ATTN")
     assert result["cudagraph_mode"] == "PIECEWISE"
     assert result["block_size"] % result["requested_block_size"] == 0
+    assert result["block_size"] % 16 == 0  # FA2's paged kernel reads the rows in such blocks
     assert result["block_size_in_worker"] == result["block_size"]  # not reset to 16
 
 

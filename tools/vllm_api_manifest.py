@@ -12,6 +12,7 @@ CUDA platform config code on the CPU build.
 W = "vllm.v1.worker"
 BACKEND = "vllm.v1.attention.backend"
 CONFIG = "vllm.config"
+FA = "vllm.vllm_flash_attn"
 
 MANIFEST = [
     # ---- plugin.py: activation, version check, config hook ---------------------------------
@@ -242,6 +243,55 @@ MANIFEST = [
     ("assigned", "vllm.model_executor.layers.attention.attention", "_k_scale_float"),
     ("assigned", "vllm.model_executor.layers.attention.attention", "_v_scale_float"),
     ("class", BACKEND, "MultipleOf"),
+    # ---- flash.py: the CUDA path through vLLM's own FlashAttention -------------------------------
+    # the one varlen call: the parameters flash.paged_attention passes (by keyword)
+    (
+        "function",
+        FA,
+        "flash_attn_varlen_func",
+        [
+            "q",
+            "k",
+            "v",
+            "max_seqlen_q",
+            "cu_seqlens_q",
+            "max_seqlen_k",
+            "seqused_k=",
+            "softmax_scale=",
+            "causal=",
+            "window_size=",
+            "block_table=",
+            "out=",
+            "q_descale=",
+            "k_descale=",
+            "v_descale=",
+            "fa_version=",
+        ],
+    ),
+    ("name", FA, "is_fa_version_supported"),
+    ("function", f"{FA}.flash_attn_interface", "is_fa_version_supported", ["fa_version"]),
+    ("function", "vllm.v1.attention.backends.fa_utils", "get_flash_attn_version", []),
+    # the K/V write before it, on the blocked view (vLLM's FLASH_ATTN backend's own op)
+    (
+        "function",
+        "vllm._custom_ops",
+        "reshape_and_cache_flash",
+        [
+            "key",
+            "value",
+            "key_cache",
+            "value_cache",
+            "slot_mapping",
+            "kv_cache_dtype",
+            "k_scale",
+            "v_scale",
+        ],
+    ),
+    # fp8 on FA3: the impl asks the layer to quantize queries; the layer's scale tensors
+    ("attribute", BACKEND, "AttentionImpl.supports_quant_query_input"),
+    ("literal", "vllm.model_executor.layers.attention.attention", "_q_scale"),
+    ("literal", "vllm.model_executor.layers.attention.attention", "_k_scale"),
+    ("literal", "vllm.model_executor.layers.attention.attention", "_v_scale"),
     # ---- vllm_run.py and the tests: the offline API -------------------------------------------
     ("class", "vllm.entrypoints.llm", "LLM"),
     ("method", "vllm.entrypoints.llm", "LLM.generate", ["self", "prompts", "sampling_params"]),

@@ -1,17 +1,28 @@
 """The attention backend vLLM runs when the plugin is on: dense per-layer caches, no block table.
 
 vLLM calls :meth:`VAttentionImpl.forward` once per layer with the step's new ``key``/``value`` rows
-and queries. The layer's K and V are one vattention tensor each, ``[max_num_seqs, max_model_len,
-kv_heads, head_dim]``, whose pages the runner mapped with ``KVCache.step()`` before the forward.
-The whole batch (decode rows and prefill chunks together, vLLM's varlen layout) goes through one
-attention call with FlashAttention's ``flash_attn_with_kvcache`` semantics: each request's new K/V
-are appended in place at ``[past, past + new)`` of its row (``cache_batch_idx`` = its slot), and its
-queries attend causally over its row, with the layer's sliding window and fp8 scales. On the CPU
-that is vattention's native kernel (:func:`vattention.attention.cpu_attention`, writing into
-vLLM's output buffer); on CUDA FlashAttention through
-:func:`vattention.integrations.flash_attn.flash_attn_with_kvcache` (one varlen call with
-FlashAttention 3, else one batched decode call and one call per prefill chunk). No kernel reads a
-position at or beyond a request's length, so nothing unmapped is touched.
+and queries. The layer's K and V are one vattention tensor each, ``[max_num_seqs, max_seq,
+kv_heads, head_dim]`` (``max_seq``: ``max_model_len`` rounded up to whole blocks), whose pages the
+runner mapped with ``KVCache.step()`` before the forward. The whole batch (decode rows and prefill
+chunks together, vLLM's varlen layout) goes through one attention call: each request's new K/V
+are written at ``[past, past + new)`` of its row (its slot), and its queries attend causally over
+its row, with the layer's sliding window and fp8 scales.
+
+* CPU: vattention's native kernel (:func:`vattention.attention.cpu_attention`, with
+  ``flash_attn_with_kvcache``'s semantics: ``cache_batch_idx`` = slots), writing into vLLM's
+  output buffer.
+* CUDA (:class:`VAttentionFlashBackend`): the kernel is chosen once per process when the first
+  layer is built (:func:`.flash.select_cuda_kernel`). vLLM's own FlashAttention,
+  ``vllm.vllm_flash_attn`` (in every CUDA wheel), first: its ``flash_attn_varlen_func`` reads
+  each row as a block table over a blocked view of the dense tensor, after vLLM's
+  ``reshape_and_cache_flash`` wrote the new K/V (:mod:`.flash`). Else the ``flash-attn``
+  package, as before: ``flash_attn_with_kvcache`` (one varlen call with FlashAttention 3, else
+  one batched decode call and one call per prefill chunk). Neither: refused at start-up. The
+  CUDA path was read from vLLM 0.32.0's and 0.33.0's wheel sources and tested on the CPU with a
+  torch stand-in for the kernel; it never ran on a GPU.
+
+No kernel reads a position at or beyond a request's length, and the block tables keep the paged
+kernel off a sliding window's released pages, so nothing unmapped is touched.
 
 ``forward_includes_kv_cache_update = True`` tells vLLM not to write K/V into a block buffer of its
 own (there is none: the runner binds empty placeholders).
@@ -20,8 +31,7 @@ own (there is none: the runner binds empty placeholders).
 from __future__ import annotations
 
 import dataclasses
-import inspect
-from typing import TYPE_CHECKING, Callable, ClassVar, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, List, Optional
 
 import torch
 from vllm.v1.attention.backend import (
@@ -35,6 +45,14 @@ from vllm.v1.attention.backend import (
 
 from ...attention import cpu_attention
 from .. import flash_attn as fa
+from .flash import (
+    CudaKernel,
+    FlashBatch,
+    QKVScales,
+    layer_blocks,
+    paged_attention,
+    select_cuda_kernel,
+)
 from .kv_layout import FP8_DTYPES
 from .prefix_hint import SharedPrefixMemo
 
@@ -45,6 +63,8 @@ __all__ = [
     "VAttentionBackend",
     "VAttentionCPUBackend",
     "VAttentionFlashBackend",
+    "VAttentionFlashImpl",
+    "VAttentionFlashMetadataBuilder",
     "VAttentionImpl",
     "VAttentionMetadata",
     "VAttentionMetadataBuilder",
@@ -67,6 +87,8 @@ class VAttentionMetadata:
     # CPU with prefix caching: rows sharing cached blocks (the kernel's prefix hint), else None
     prefix_groups: Optional[torch.Tensor] = None
     prefix_lens: Optional[torch.Tensor] = None
+    # CUDA with vLLM's FlashAttention: the step's block tables and cache slots, else None
+    flash: Optional[FlashBatch] = None
 
 
 class VAttentionMetadataBuilder(AttentionMetadataBuilder[VAttentionMetadata]):
@@ -140,9 +162,41 @@ class VAttentionCPUMetadataBuilder(VAttentionMetadataBuilder):
         return m
 
 
+class VAttentionFlashMetadataBuilder(VAttentionMetadataBuilder):
+    """CUDA: with vLLM's FlashAttention, also the step's :class:`.flash.FlashBatch` (block tables
+    over the slots' rows, the new tokens' cache slots), built once per step on the device for
+    the group's layers."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.paged = select_cuda_kernel().paged
+        self.block_size = int(kv_cache_spec.block_size)  # one page of the cache (kv_layout)
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> VAttentionMetadata:
+        m = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        if self.paged:
+            starts = m.query_start
+            m.flash = FlashBatch.build(
+                cu_seqlens_q=m.cu_seqlens_q,
+                slots=m.cache_batch_idx,
+                past=m.cache_seqlens,
+                query_lens=[b - a for a, b in zip(starts, starts[1:])],
+                past_lens=m.past,
+                block_size=self.block_size,
+            )
+        return m
+
+
 class VAttentionImpl(AttentionImpl):
     """Causal decoder self-attention over each request's contiguous row of the vattention cache,
     with the layer's sliding window and fp8 K/V scales."""
+
+    kernel: Optional[CudaKernel] = None  # CUDA: chosen when the layer is built (the Flash impl)
 
     def __init__(
         self,
@@ -176,6 +230,7 @@ class VAttentionImpl(AttentionImpl):
         self.scale = float(scale)
         # vLLM's window W: a query at p reads keys (p - W, p]; FlashAttention's (W - 1, 0).
         self.window_size = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
+        self.kv_cache_dtype = kv_cache_dtype
         self.fp8 = kv_cache_dtype != "auto"
         self.kv_sharing_target_layer_name = None
 
@@ -197,30 +252,10 @@ class VAttentionImpl(AttentionImpl):
             return output
         m = attn_metadata
         n = m.num_actual_tokens
-        k_cache, v_cache = layer.vattention_kv
-        scales = {}
-        if self.fp8:  # vLLM's per-tensor scales (1.0 unless the checkpoint brings its own)
-            scales = dict(k_descale=layer._k_scale_float, v_descale=layer._v_scale_float)
-        if query.is_cuda and not _flash_varlen():
-            _per_row(self, query[:n], key[:n], value[:n], k_cache, v_cache, m, output, scales)
-            return output
         if query.device.type != "cpu":
-            output[:n] = fa.flash_attn_with_kvcache(
-                query[:n],
-                k_cache,
-                v_cache,
-                k=key[:n],
-                v=value[:n],
-                cache_seqlens=m.cache_seqlens,
-                cache_batch_idx=m.cache_batch_idx,
-                cu_seqlens_q=m.cu_seqlens_q,
-                max_seqlen_q=m.max_query_len,
-                softmax_scale=self.scale,
-                causal=True,
-                window_size=self.window_size,
-                **scales,
-            )
+            self._forward_cuda(layer, query[:n], key[:n], value[:n], m, output[:n])
             return output
+        k_cache, v_cache = layer.vattention_kv
         # CPU: the kernel writes straight into vLLM's output buffer (no new tensor, no copy)
         cpu_attention(
             query[:n],
@@ -237,19 +272,65 @@ class VAttentionImpl(AttentionImpl):
             out=output[:n].view(query[:n].shape),
             prefix_groups=m.prefix_groups,
             prefix_lens=m.prefix_lens,
-            **scales,
+            **self._float_scales(layer),
         )
         return output
 
+    def _float_scales(self, layer) -> dict:
+        """vLLM's per-tensor fp8 scales as floats (1.0 unless the checkpoint brings its own)."""
+        if not self.fp8:
+            return {}
+        return dict(k_descale=layer._k_scale_float, v_descale=layer._v_scale_float)
 
-def _flash_varlen() -> bool:
-    """Does the installed flash-attn take varlen queries with a dense cache (FlashAttention 3)?"""
-    kernel = fa.flash_kernel()
-    return kernel is not None and "cu_seqlens_q" in inspect.signature(kernel).parameters
+    def _forward_cuda(self, layer, query, key, value, m: VAttentionMetadata, output) -> None:
+        """vLLM's FlashAttention over the blocked rows, else flash-attn as before (the tensors
+        are the step's ``num_actual_tokens`` rows)."""
+        kernel = self.kernel or select_cuda_kernel()
+        if kernel.paged:
+            if m.flash is None:
+                raise RuntimeError(
+                    "vattention: vLLM's FlashAttention needs VAttentionFlashMetadataBuilder's "
+                    "block tables (the FLASH_ATTN backend's builder)"
+                )
+            paged_attention(
+                kernel,
+                query,
+                key,
+                value,
+                layer_blocks(layer, m.flash.block_size),
+                m.flash,
+                output.view(query.shape),  # vLLM's buffer, written in place (as on the CPU)
+                softmax_scale=self.scale,
+                window_size=self.window_size,
+                kv_cache_dtype=self.kv_cache_dtype,
+                scales=QKVScales(layer._q_scale, layer._k_scale, layer._v_scale),
+            )
+            return
+        k_cache, v_cache = layer.vattention_kv
+        scales = self._float_scales(layer)
+        if not kernel.kvcache_varlen:
+            _per_row(self, query, key, value, k_cache, v_cache, m, output, scales)
+            return
+        output[:] = fa.flash_attn_with_kvcache(
+            query,
+            k_cache,
+            v_cache,
+            k=key,
+            v=value,
+            cache_seqlens=m.cache_seqlens,
+            cache_batch_idx=m.cache_batch_idx,
+            cu_seqlens_q=m.cu_seqlens_q,
+            max_seqlen_q=m.max_query_len,
+            softmax_scale=self.scale,
+            causal=True,
+            window_size=self.window_size,
+            **scales,
+        )
 
 
 def _per_row(impl: VAttentionImpl, query, key, value, k_cache, v_cache, m, output, scales):
-    """FlashAttention 2 on CUDA: one batched call for the decode rows, one per prefill chunk."""
+    """FlashAttention 2 (flash-attn) on CUDA: one batched call for the decode rows, one per
+    prefill chunk."""
     d = m.num_decodes
     common = dict(softmax_scale=impl.scale, causal=True, window_size=impl.window_size, **scales)
     if d:
@@ -275,6 +356,19 @@ def _per_row(impl: VAttentionImpl, query, key, value, k_cache, v_cache, m, outpu
             cache_batch_idx=m.cache_batch_idx[row : row + 1],
             **common,
         ).squeeze(0)
+
+
+class VAttentionFlashImpl(VAttentionImpl):
+    """:class:`VAttentionImpl` on CUDA. Building the first layer chooses the process's kernel
+    (:func:`.flash.select_cuda_kernel`, logged once); each layer then refuses what that kernel
+    cannot run, and with an fp8 cache on FlashAttention 3 asks vLLM's layer to quantize the
+    queries (``supports_quant_query_input``, as vLLM's FLASH_ATTN backend does)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.kernel = select_cuda_kernel()
+        self.kernel.check_layer(self.head_size, self.kv_cache_dtype)
+        self.supports_quant_query_input = self.kernel.quantizes_query(self.kv_cache_dtype)
 
 
 class VAttentionBackend(AttentionBackend):
@@ -338,3 +432,11 @@ class VAttentionFlashBackend(VAttentionBackend):
     @staticmethod
     def get_name() -> str:
         return "FLASH_ATTN"
+
+    @staticmethod
+    def get_impl_cls():
+        return VAttentionFlashImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return VAttentionFlashMetadataBuilder

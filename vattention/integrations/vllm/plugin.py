@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 from typing import Any
 
 from ... import backends
 from ...errors import ConfigError
+from .flash import BLOCK_MULTIPLE
 from .kv_layout import (
     LAYOUTS,
     aligned_block_size,
@@ -219,6 +221,9 @@ def configure(vllm_config: Any, *, device_type: str) -> None:
     num_layers = model.get_num_layers(parallel)
     granularity = backends.granularity("cpu" if device_type == "cpu" else "cuda:0")
     requested = cache.block_size or type(cache).DEFAULT_BLOCK_SIZE
+    # CUDA: vLLM's FlashAttention reads a row as blocks of vLLM's block size (one page), which
+    # its FA2 kernel needs in multiples of 16 (flash.py)
+    wanted = math.lcm(requested, BLOCK_MULTIPLE) if device_type == "cuda" else requested
 
     def unit_bytes(layout: str) -> int:
         return model_unit_bytes(
@@ -238,15 +243,16 @@ def configure(vllm_config: Any, *, device_type: str) -> None:
         )
     vllm_config.additional_config[LAYOUT_KEY] = layout  # the workers build this layout
     unit = unit_bytes(layout)
-    block_size = aligned_block_size(requested, unit, granularity)
+    block_size = aligned_block_size(wanted, unit, granularity)
     if block_size != requested:
         logger.warning(
             "vattention: block size %d -> %d tokens so that one %s-layout page "
-            "(a multiple of %d bytes) holds one block",
+            "(a multiple of %d bytes) holds one block%s",
             requested,
             block_size,
             layout,
             granularity,
+            f" of a multiple of {BLOCK_MULTIPLE} tokens" if wanted != requested else "",
         )
     if device_type == "cpu" and not cache.user_specified_block_size:
         # Mapping a page of whole 2 MB huge pages costs one page-table entry per 2 MB, and

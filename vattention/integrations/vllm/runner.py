@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 import torch
 
 from ... import KVCache, OutOfPagesError
+from .flash import selected_kernel
 from .kv_layout import kv_cache_dtype, kv_layout
 from .plugin import layout_from_env
 from .settings import ENV_STATS, LAYOUT_KEY
@@ -96,7 +97,9 @@ class VAttentionRunnerMixin:
         self.close_vattention()  # vLLM sizes the KV cache twice with CUDA graphs (profiling)
         config = kv.cache_config(
             max_batch_size=self.max_num_reqs,
-            max_seq_len=self.max_model_len,
+            # Rows of whole blocks: a row is padded to whole pages (blocks) anyway, and CUDA's
+            # paged kernel reads the last slot's last block through a view of this tensor.
+            max_seq_len=-(-self.max_model_len // kv.block_size) * kv.block_size,
             device="cpu" if self.device.type == "cpu" else f"cuda:{self.device.index or 0}",
             block_cache=bool(self.cache_config.enable_prefix_caching),
         )
@@ -260,9 +263,17 @@ class VAttentionRunnerMixin:
             peak_mappings_at_step=self._vattention_peak_mappings,
             layout=cache.config.layout,
             block_size=self._vattention_block_size,
+            attention_kernel=self._attention_kernel(),
             vllm_kv_buffer_bytes=sum(t.numel() * t.element_size() for t in self.kv_caches),
         )
         return stats
+
+    def _attention_kernel(self) -> str:
+        """The kernel attention runs: the CPU one, or the CUDA choice of this process."""
+        if self.device.type == "cpu":
+            return "vattention cpu_attention"
+        kernel = selected_kernel()
+        return kernel.label if kernel is not None else "not chosen yet"
 
     def close_vattention(self) -> None:
         """Free every slot still held, write the final stats, close the cache. Idempotent.
