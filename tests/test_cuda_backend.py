@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import initialize
 from test_stateful import CacheMachine
@@ -100,7 +101,7 @@ def test_out_of_device_memory_is_out_of_pages_and_changes_nothing(emu):
 # ---- contexts and fences ------------------------------------------------------------------------
 
 
-def test_threads_without_context_are_bound_by_the_backend(emu):
+def test_threads_without_context_keep_none_after_a_backend_call(emu):
     backend = vattention._C.Backend("cuda:0", PAGE)
     seen = {}
 
@@ -113,8 +114,70 @@ def test_threads_without_context_are_bound_by_the_backend(emu):
     t = threading.Thread(target=worker)
     t.start()
     t.join()
-    assert seen == {"before": False, "after": True}
+    assert seen == {"before": False, "after": False}
     backend = None  # drop it (worker() shares the variable: `del` reads as F821)
+
+
+def test_every_call_leaves_the_callers_context_as_it_found_it(emu):
+    # torch reads the current device from the thread's current context: a cache on cuda:0 must
+    # not move a thread working on cuda:1 (or one with no context yet) to cuda:0.
+    emu.set_device_count(2)
+    assert emu.lib.cuInit(0) == E.CUDA_SUCCESS  # what torch (or any CUDA user) did first
+    ctx1 = emu.retain_primary(1)
+    try:
+        for before in (ctx1, 0):
+            emu.set_current_context(before)
+            cache = make(lookahead_tokens=64)
+            assert emu.current_context() == before, "the constructor changed the context"
+            slot = cache.alloc()
+            cache.step({slot: 300})
+            cache.prefetch({slot: 600})
+            cache.wait()
+            cache.stats()
+            cache.free(slot)
+            cache.reclaim()
+            assert emu.current_context() == before, "a call left the cache's context current"
+            cache.close()
+            del cache
+            assert emu.current_context() == before, "close() left the cache's context current"
+    finally:
+        emu.set_current_context(0)
+        emu.release_primary(1)
+
+
+def test_the_prefetch_thread_does_not_invalidate_a_global_capture(emu):
+    # torch.cuda.graph captures in global mode: a VMM call from any thread in global mode fails
+    # and invalidates the capture. The prefetch thread maps pages whenever work is queued.
+    with make(lookahead_tokens=0) as cache:
+        tpp = cache.config.tokens_per_page
+        slot = cache.alloc()
+        cache.step({slot: 1})
+        ctx = emu.retain_primary(0)
+        emu.set_current_context(ctx)
+        stream = emu.stream_create(nonblocking=True)
+        try:
+            assert emu.begin_capture(stream, E.CU_STREAM_CAPTURE_MODE_GLOBAL) == E.CUDA_SUCCESS
+            cache.prefetch({slot: 8 * tpp})  # the thread maps while this thread captures
+            cache.wait()
+            assert emu.end_capture(stream) == E.CUDA_SUCCESS, emu.last_violation()
+            assert cache.stats()["prefetch_map_calls"] > 0
+        finally:
+            emu.stream_destroy(stream)
+            emu.set_current_context(0)
+            emu.release_primary(0)
+
+
+def test_caches_share_one_retain_of_the_primary_context(emu):
+    # Retaining makes the context where nobody holds it (torch has not initialised CUDA): one
+    # retain per process, not one per cache.
+    retains = emu.counter("cuDevicePrimaryCtxRetain")
+    for _ in range(3):
+        make().close()
+    caches = [make(), make()]
+    assert emu.counter("cuDevicePrimaryCtxRetain") - retains == 1
+    assert emu.primary_retains(0) == 1
+    for cache in caches:
+        cache.close()
 
 
 def test_prefetch_thread_maps_under_strict_context(emu):
@@ -162,13 +225,116 @@ def test_deferred_unmap_waits_for_the_free_event(emu):
         assert cache.stats()["fence_waits"] == 1
 
 
+def _as_torch_would(emu):
+    """This thread as an engine's: CUDA initialised, device 0's primary context current (what
+    torch does before any stream exists). Returns the context, for _done()."""
+    assert emu.lib.cuInit(0) == E.CUDA_SUCCESS
+    ctx = emu.retain_primary(0)
+    emu.set_current_context(ctx)
+    return ctx
+
+
+def _done(emu, ctx):
+    emu.set_current_context(0)
+    emu.release_primary(0)
+
+
+def _pretend_torch_stream(monkeypatch, stream):
+    """Makes vattention.streams see ``stream`` as torch's current CUDA stream (CI's torch is a CPU
+    build: the emulation's streams are its only CUDA streams)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream(stream))
+
+
+class _Stream:
+    def __init__(self, handle):
+        self.cuda_stream = handle
+
+
+def test_a_page_outlives_a_kernel_on_the_callers_stream_when_its_slot_is_freed(emu, monkeypatch):
+    # Engines run their models on non-blocking streams (vLLM's worker sets one current), which
+    # the legacy default stream does not wait for: free() must fence on the caller's stream.
+    ctx = _as_torch_would(emu)
+    stream = emu.stream_create(nonblocking=True)
+    _pretend_torch_stream(monkeypatch, stream)
+    try:
+        with make() as cache:
+            slot = cache.alloc()
+            cache.step({slot: 100})
+            k, _ = cache.host_alias(0)
+            row = k[slot, :100]
+            kernel = emu.launch(stream, row.data_ptr(), row.numel() * row.element_size())
+            cache.free(slot)  # names no stream: torch's current one
+            unmaps = emu.counter("cuMemUnmap")
+            t, result = _reclaim_in_thread(cache)
+            time.sleep(0.2)
+            assert t.is_alive(), "the slot's pages were unmapped under a running kernel"
+            assert emu.counter("cuMemUnmap") == unmaps
+            emu.complete(kernel)
+            t.join(5)
+            assert result.get("pages", 0) > 0
+    finally:
+        emu.stream_destroy(stream)
+        _done(emu, ctx)
+
+
+def test_scrubbing_zeroes_on_the_callers_stream_and_the_prefetch_thread_on_its_own(
+    emu, monkeypatch
+):
+    ctx = _as_torch_would(emu)
+    stream = emu.stream_create(nonblocking=True)
+    _pretend_torch_stream(monkeypatch, stream)
+    try:
+        with make(scrub=True, lookahead_tokens=0) as cache:
+            tpp = cache.config.tokens_per_page
+            slot = cache.alloc()  # the caller's stream: the new request's kernels follow there
+            cache.step({slot: 100})
+            assert emu.counter("cuMemsetD8Async") > 0 and emu.last_memset_stream() == stream
+            assert emu.counter("cuMemcpyHtoDAsync") == 0  # no copy of a zero page on stream 0
+            memsets = emu.counter("cuMemsetD8Async")
+            cache.prefetch({slot: 4 * tpp})
+            cache.wait()
+            assert emu.counter("cuMemsetD8Async") > memsets
+            assert emu.last_memset_stream() not in (0, stream)  # the scrubber's own stream
+            k, _ = cache.host_alias(0)
+            assert not k[slot, 100 : 4 * tpp].any()
+    finally:
+        emu.stream_destroy(stream)
+        _done(emu, ctx)
+
+
+def test_close_waits_for_kernels_on_every_stream(emu):
+    ctx = _as_torch_would(emu)
+    stream = emu.stream_create(nonblocking=True)
+    try:
+        cache = make()
+        slot = cache.alloc()
+        cache.step({slot: 100})
+        k, _ = cache.host_alias(0)
+        row = k[slot, :100]
+        kernel = emu.launch(stream, row.data_ptr(), row.numel() * row.element_size())
+        del k, row
+        t = threading.Thread(target=cache.close)
+        t.start()
+        time.sleep(0.2)
+        assert t.is_alive(), "close() unmapped a row a kernel on another stream still reads"
+        emu.complete(kernel)
+        t.join(5)
+        assert cache.closed
+        del cache
+    finally:
+        emu.stream_destroy(stream)
+        _done(emu, ctx)
+
+
 def test_free_records_its_fence_on_the_callers_stream(emu):
     with make() as cache:
         a, b = cache.alloc(), cache.alloc()
         cache.step({a: 10, b: 10})
         cache.free(a, stream=0x5EED)
         assert emu.counter("last_event_stream") == 0x5EED
-        cache.free(b)  # default: the legacy default stream, handle 0
+        cache.free(b)  # default: torch's current stream; a CPU torch has none: handle 0
         assert emu.counter("last_event_stream") == 0
 
 

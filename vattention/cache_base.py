@@ -10,8 +10,9 @@ another's privates.
 from __future__ import annotations
 
 from . import _C
-from .arguments import as_slot
+from .arguments import as_slot, as_stream
 from .config import KVCacheConfig
+from .streams import current_stream
 
 __all__ = ["CacheBase"]
 
@@ -29,3 +30,8 @@ class CacheBase:
     def _slot(self, value, name: str = "slot") -> int:
         """``value`` as a slot index of this cache (typed errors naming ``name`` and the range)."""
         return as_slot(value, self._config.max_batch_size, name)
+
+    def _stream(self, stream) -> int:
+        """``stream`` as a driver handle; None: the caller's current torch stream on this cache's
+        device (:func:`vattention.streams.current_stream`)."""
+        return current_stream(self._config.device) if stream is None else as_stream(stream)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .arguments import as_stream as _stream, as_tokens
+from .arguments import as_tokens
 from .cache_base import CacheBase
 
 __all__ = ["SharingMixin"]
@@ -61,7 +61,7 @@ class SharingMixin(CacheBase):
         (1000, 2)
         """
         n = as_tokens(num_tokens, "num_tokens", self._config.max_seq_len, none_as=-1)
-        return self._core.fork(self._slot(src_slot, "src_slot"), n, _stream(stream))
+        return self._core.fork(self._slot(src_slot, "src_slot"), n, self._stream(stream))
 
     def share_prefix(self, src_slot: int, dst_slot: int, num_tokens: int, *, stream=None) -> None:
         """Make ``dst_slot``'s first ``num_tokens`` tokens those of ``src_slot`` (prefix reuse).
@@ -73,7 +73,10 @@ class SharingMixin(CacheBase):
         """
         n = as_tokens(num_tokens, "num_tokens", self._config.max_seq_len)
         self._core.share_prefix(
-            self._slot(src_slot, "src_slot"), self._slot(dst_slot, "dst_slot"), n, _stream(stream)
+            self._slot(src_slot, "src_slot"),
+            self._slot(dst_slot, "dst_slot"),
+            n,
+            self._stream(stream),
         )
 
     def ensure_private(self, slot: int, start_token: int, *, stream=None) -> int:
@@ -84,4 +87,4 @@ class SharingMixin(CacheBase):
         :class:`OutOfPagesError`. ``0 <= start_token <= seq_len(slot)``.
         """
         start = as_tokens(start_token, "start_token", self._config.max_seq_len)
-        return self._core.ensure_private(self._slot(slot), start, _stream(stream))
+        return self._core.ensure_private(self._slot(slot), start, self._stream(stream))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from .arguments import as_handle, as_stream as _stream
+from .arguments import as_handle
 from .cache_base import CacheBase
 from .config import Size, parse_size
 
@@ -46,7 +46,7 @@ class SwapMixin(CacheBase):
         ...     cache.seq_len(slot)
         300
         """
-        return self._core.swap_out(self._slot(slot), _stream(stream))
+        return self._core.swap_out(self._slot(slot), self._stream(stream))
 
     def swap_in(self, handle: int, *, stream=None) -> int:
         """Restore a handle from :meth:`swap_out` into a slot (maybe another); returns the slot.
@@ -55,7 +55,7 @@ class SwapMixin(CacheBase):
         is consumed. Raises :class:`OutOfPagesError` or :class:`InvalidSlotError` (no slot free,
         unknown handle) with nothing changed.
         """
-        return self._core.swap_in(as_handle(handle), _stream(stream))
+        return self._core.swap_in(as_handle(handle), self._stream(stream))
 
     def swap_drop(self, handle: int) -> None:
         """Discard a swapped-out slot: its host memory and device references are released."""

@@ -82,8 +82,11 @@ class Backend {
   // Unmap [va, va + bytes), which must cover whole mappings; the range stays reserved.
   virtual void unmap(uintptr_t va, size_t bytes) = 0;
 
-  // Make the calling thread able to call this backend (CUDA: make the primary context current).
-  // Called by every thread, including the prefetch thread, before its first backend call.
+  // Binds a thread the cache owns (the prefetch thread) to this backend, once, before its first
+  // call. CUDA: makes the device's primary context current for good and puts the thread in
+  // relaxed stream-capture mode, so its driver calls never invalidate a CUDA graph another thread
+  // captures. Every other backend call leaves the calling thread's current context as it found it
+  // (a caller's thread is never bound).
   virtual void bind_thread() = 0;
 
   // Stream-ordered fences for deferred unmapping: unmapping is not stream-ordered, so a page a
@@ -94,6 +97,14 @@ class Backend {
   virtual bool fence_done(uint64_t fence) = 0;
   virtual void fence_wait(uint64_t fence) = 0;
   virtual void fence_release(uint64_t fence) = 0;
+  // Waits until every piece of work queued on the device so far, on any stream, has finished
+  // (close(): kernels may still read any row).
+  virtual void synchronize() = 0;
+  // A stream of the backend's own that orders after nothing else (CUDA: non-blocking), for work
+  // the cache queues outside any caller's stream (the prefetch thread's zeroing); 0 where work
+  // is synchronous (host).
+  virtual uintptr_t create_stream() = 0;
+  virtual void destroy_stream(uintptr_t stream) = 0;
 
   // Called by the cache's close() after every page is destroyed: give back whatever still holds
   // physical memory or OS resources for pages (host: the memfd arenas' descriptors). No page is
@@ -123,6 +134,8 @@ class Backend {
   virtual void copy_to_host(void* dst, uintptr_t src, size_t bytes, uintptr_t stream) = 0;
   // Host buffer src (from alloc_host()) into device range [dst, dst + bytes).
   virtual void copy_from_host(uintptr_t dst, const void* src, size_t bytes, uintptr_t stream) = 0;
+  // Zeroes device range [va, va + bytes) (mapped with access), ordered on `stream`.
+  virtual void zero(uintptr_t va, size_t bytes, uintptr_t stream) = 0;
   // Host staging memory for swap (CUDA: page-locked, so the copies above are true asynchronous
   // DMA). alloc_host returns nullptr when the allocation fails; free_host is called from
   // destructors and should not throw.

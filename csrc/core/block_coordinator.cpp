@@ -21,7 +21,7 @@ BlockCoordinator::~BlockCoordinator() {
   memory_.observe(RowObserver::none());
 }
 
-int BlockCoordinator::take_slot(const BlockIds* hits) {
+int BlockCoordinator::take_slot(const BlockIds* hits, uintptr_t /*stream*/) {
   if (hits != nullptr) tables_.validate_hits(*hits);
   supply_.drain_eager();
   const int slot = hits == nullptr
@@ -64,7 +64,7 @@ void BlockCoordinator::step(const std::vector<int64_t>& lens,
       // Windows first: the engine frees a window's blocks at the same point, and may hand them
       // out fresh in this very step (block_tables.h).
       windows_.release(lens, old_lens, stream);
-      tables_.apply(lens, updates);
+      tables_.apply(lens, updates, stream);
     });
   } catch (...) {
     // The tables stay recorded, and a row whose table this step replaced may have lost the tail

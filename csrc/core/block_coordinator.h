@@ -42,7 +42,7 @@ class BlockCoordinator final : public KVCacheCore {
   void set_swap_budget(int64_t budget_bytes) override;
 
  private:
-  int take_slot(const BlockIds* hits) override;
+  int take_slot(const BlockIds* hits, uintptr_t stream) override;
   size_t pages_beyond_rows() const override;
   // Takes the mutex as every call does, then throws Config for `call` (fork, swap_in, ...).
   [[noreturn]] void refuse(const char* call) const;

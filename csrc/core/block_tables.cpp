@@ -182,6 +182,7 @@ struct BlockTables::StepPlan {
   size_t missing = 0;          // pages no block has yet
   std::unordered_map<int64_t, std::vector<PageHandle>> planned;  // new block -> its pages
   std::unordered_set<int64_t> taken;  // new blocks whose filler's row is mapped (phase 4)
+  uintptr_t stream = 0;  // the step's: zeroing is ordered on it
 };
 
 BlockTables::BlockTables(CacheParts& parts, int64_t num_blocks, bool cache)
@@ -283,8 +284,10 @@ size_t BlockTables::kept_hits(int slot, const std::vector<std::vector<int64_t>>&
 
 // ---- a step with tables ------------------------------------------------------------------------
 
-void BlockTables::apply(const std::vector<int64_t>& lens, const std::vector<BlockUpdate>& updates) {
+void BlockTables::apply(const std::vector<int64_t>& lens, const std::vector<BlockUpdate>& updates,
+                        uintptr_t stream) {
   StepPlan plan;
+  plan.stream = stream;
   record_tables(updates, plan);
   plan_rows(lens, plan);
   take_pages(plan);
@@ -345,7 +348,7 @@ void BlockTables::record_tables(const std::vector<BlockUpdate>& updates, StepPla
   }
 }
 
-void BlockTables::adopt_anonymous(int slot) {
+void BlockTables::adopt_anonymous(int slot, uintptr_t stream) {
   Row& r = rows_[static_cast<size_t>(slot)];
   const std::vector<PageHandle>& handles = parts_.slots[static_cast<size_t>(slot)].pages.handles();
   const size_t C = parts_.geo.columns();
@@ -364,7 +367,7 @@ void BlockTables::adopt_anonymous(int slot) {
       pages_.mapped(b);
       r.blocks[p * groups_ + g] = b;
       pages_.count_adopted();
-      parts_.scrubber.scrub_columns(slot, p, columns_[g]);
+      parts_.scrubber.scrub_columns(slot, p, columns_[g], stream);
     }
   }
 }
@@ -399,7 +402,7 @@ void BlockTables::plan_rows(const std::vector<int64_t>& lens, StepPlan& plan) {
   for (size_t i = 0; i < lens.size(); ++i) {
     if (lens[i] == SlotTable::kUnlisted) continue;
     const int slot = static_cast<int>(i);
-    adopt_anonymous(slot);
+    adopt_anonymous(slot, plan.stream);
     const Row& r = rows_[i];
     const size_t mapped = parts_.slots[i].pages.mapped();
     const size_t to = parts_.geo.pages_for(lens[i]);
@@ -517,14 +520,14 @@ void BlockTables::record_blocks(const StepPlan& plan) {
           } else {
             pages_.assign(b, plan.planned.at(b));
           }
-          parts_.scrubber.scrub_columns(row.slot, p, columns_[g]);
+          parts_.scrubber.scrub_columns(row.slot, p, columns_[g], plan.stream);
         }
         pages_.mapped(b);
       }
     }
   }
   for (const StepPlan::Index& k : plan.kept_fresh) {
-    parts_.scrubber.scrub_columns(k.slot, k.page, columns_[k.group]);
+    parts_.scrubber.scrub_columns(k.slot, k.page, columns_[k.group], plan.stream);
   }
 }
 

@@ -65,8 +65,10 @@ class BlockTables final : public CacheFeature, public RowObserver {
   // page index its length needs). Throws (Config, InvalidSlot, SequenceTooLong) naming the bad
   // value; changes nothing.
   void validate(const std::vector<int64_t>& lens, const std::vector<BlockUpdate>& updates) const;
-  // The five phases above for the listed rows (validate() first). Throws OutOfPages/Driver: see 3.
-  void apply(const std::vector<int64_t>& lens, const std::vector<BlockUpdate>& updates);
+  // The five phases above for the listed rows (validate() first); zeroing (scrub on) is ordered
+  // on `stream`. Throws OutOfPages/Driver: see 3.
+  void apply(const std::vector<int64_t>& lens, const std::vector<BlockUpdate>& updates,
+             uintptr_t stream);
   // After a successful step: a row's full page indices are read-only (the engine never rewrites
   // tokens below a row's length), which is what lets two rows map one block.
   void commit(const std::vector<int64_t>& lens);
@@ -117,7 +119,7 @@ class BlockTables final : public CacheFeature, public RowObserver {
   // Phase 1 for one update: the first page index whose mapping disagrees with the new table.
   size_t first_disagreement(const BlockUpdate& u) const;
   // Phase 2 for one row: fresh ids whose index the row maps with anonymous pages adopt them.
-  void adopt_anonymous(int slot);
+  void adopt_anonymous(int slot, uintptr_t stream);
   // Phase 2: fresh id b leaves its earlier holders (except row `slot` at page `page`, group
   // `group`).
   void free_fresh(int64_t b, int slot, size_t page, size_t group);

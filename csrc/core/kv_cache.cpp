@@ -26,7 +26,6 @@ const std::unique_ptr<Backend>& matching(const std::unique_ptr<Backend>& backend
                                          " differs from the backend's " +
                                          std::to_string(backend->page_bytes()));
   }
-  backend->bind_thread();
   return backend;
 }
 
@@ -91,7 +90,7 @@ bool KVCacheCore::closed() const {
 
 // ---- slots --------------------------------------------------------------------------------------
 
-int KVCacheCore::alloc(const BlockIds* hits) {
+int KVCacheCore::alloc(const BlockIds* hits, uintptr_t stream) {
   Lock lock = guard_.enter();
   // A slot freed while the prefetch thread maps it is a candidate here, and its new owner may
   // unmap (take_slot) or map below the range in flight: let that mapping publish first.
@@ -102,7 +101,7 @@ int KVCacheCore::alloc(const BlockIds* hits) {
     guard_.rethrow_background_error();
   }
   // Before the fence goes: the mode may unmap what the new request must not inherit.
-  const int slot = take_slot(hits);
+  const int slot = take_slot(hits, stream);
   // The new owner's writes are ordered after the old owner's reads on the same stream; the fence
   // only guards unmapping, which this slot no longer faces.
   memory_.forget_fence(slot);
@@ -489,9 +488,9 @@ void KVCacheCore::close() {
   if (registration_) registration_->mark_closed();
   std::exception_ptr first;
   try {
-    // Kernels may still read active slots: wait for the legacy default stream (which orders after
-    // all blocking streams) before unmapping anything. The host backend has nothing in flight.
-    memory_.sync_stream(0);
+    // Kernels may still read any row, on any stream: wait for all of the device's work before
+    // unmapping anything. The host backend has nothing in flight.
+    backend_->synchronize();
   } catch (...) {
     first = std::current_exception();
   }

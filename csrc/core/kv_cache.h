@@ -104,9 +104,10 @@ class KVCacheCore {
   // ---- slots and steps ---------------------------------------------------------------------
   // Returns a slot for a new request: an idle slot holding the most pages, else a free one.
   // With `hits` (engine blocks: the request's leading cache hits), the idle slot whose row
-  // already maps the longest run of them comes first. Throws InvalidSlot when every slot is
-  // active, Config for bad hits or hits on a cache whose slots own their pages (nothing changed).
-  int alloc(const BlockIds* hits = nullptr);
+  // already maps the longest run of them comes first. Work it queues (zeroing with scrub on) is
+  // ordered on `stream`. Throws InvalidSlot when every slot is active, Config for bad hits or
+  // hits on a cache whose slots own their pages (nothing changed).
+  int alloc(const BlockIds* hits = nullptr, uintptr_t stream = 0);
   // Ends the request in `slot`. Records a fence on `stream` (0 = legacy default stream) so the
   // slot's pages are unmapped only after work already queued there has finished.
   void free(int slot, uintptr_t stream);
@@ -191,7 +192,7 @@ class KVCacheCore {
   // alloc(), per mode: checks `hits` (Config, nothing changed), picks the slot for a new request
   // and drops what its previous request left that the new one must not inherit (it may unmap; an
   // idle slot's fence is waited for inside). alloc() then hands the slot over.
-  virtual int take_slot(const BlockIds* hits) = 0;
+  virtual int take_slot(const BlockIds* hits, uintptr_t stream) = 0;
   // Pages this cache may hold beyond what its rows map (engine blocks kept for a prefix cache).
   virtual size_t pages_beyond_rows() const = 0;
   // Checks state and `lens`, and lists the slots whose pages must grow for them.

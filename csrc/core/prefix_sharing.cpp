@@ -83,7 +83,7 @@ void PrefixSharing::share(int src, int dst, int64_t num_tokens, uintptr_t stream
   }
   if (partial_bytes > 0) {
     try {
-      parts_.scrubber.scrub(dst, full, need);  // the fresh page: zeros past the copied prefix
+      parts_.scrubber.scrub(dst, full, need, stream);  // the fresh page: zeros past the prefix
       for (int t = 0; t < T; ++t) {
         parts_.backend.copy(parts_.mapper.page_va(t, dst, full),
                             parts_.mapper.page_va(t, src, full), partial_bytes * geo.index_pages(t),

@@ -1,66 +1,54 @@
 #include "core/scrubber.h"
 
-#include <cstring>
-#include <string>
-
-#include "core/errors.h"
-
 namespace vattention {
-namespace {
-
-bool host_memory(const Backend& backend) { return backend.device().dl_device_type == 1; }
-
-}  // namespace
 
 Scrubber::Scrubber(Backend& backend, const CacheGeometry& geometry, const SlotMapper& mapper)
     : backend_(backend), geo_(geometry), mapper_(mapper) {}
 
-Scrubber::~Scrubber() { close(); }
+Scrubber::~Scrubber() {
+  try {
+    close();
+  } catch (...) {
+    // A destructor must not throw; at worst the stream leaks.
+  }
+}
 
-void Scrubber::scrub(int slot, size_t from, size_t to) {
+void Scrubber::scrub(int slot, size_t from, size_t to, uintptr_t stream) {
   if (!enabled_ || to <= from) return;
-  prepare();
-  zero(slot, from, to);
+  zero_on(slot, from, to, stream);
   scrubbed_pages_ += (to - from) * geo_.columns();
 }
 
 void Scrubber::prepare() {
-  if (!enabled_ || host_memory(backend_) || zero_block_ != nullptr) return;
-  const size_t P = geo_.page_bytes;
-  zero_block_ = backend_.alloc_host(P);
-  if (zero_block_ == nullptr) {
-    throw Error(Error::Kind::Driver, "scrub: could not allocate " + std::to_string(P) +
-                                         " bytes of host memory for the zero page")
-        .with("call", std::string("alloc_host"))
-        .with("bytes", static_cast<int64_t>(P));
-  }
-  std::memset(zero_block_, 0, P);
+  if (!enabled_ || own_stream_ready_) return;
+  own_stream_ = backend_.create_stream();
+  own_stream_ready_ = true;
 }
 
 void Scrubber::zero(int slot, size_t from, size_t to) const {
-  const size_t P = geo_.page_bytes;
+  zero_on(slot, from, to, own_stream_);
+  // Visible to other streams' kernels only once done: wait for it before the range is published.
+  const uint64_t fence = backend_.record_fence(own_stream_);
+  try {
+    backend_.fence_wait(fence);
+  } catch (...) {
+    backend_.fence_release(fence);
+    throw;
+  }
+  backend_.fence_release(fence);
+}
+
+void Scrubber::zero_on(int slot, size_t from, size_t to, uintptr_t stream) const {
   for (int t = 0; t < geo_.num_tensors(); ++t) {
-    const uintptr_t va = mapper_.page_va(t, slot, from);
-    const size_t pages = (to - from) * geo_.index_pages(t);
-    if (host_memory(backend_)) {
-      std::memset(reinterpret_cast<void*>(va), 0, pages * P);
-    } else {
-      for (size_t p = 0; p < pages; ++p) backend_.copy_from_host(va + p * P, zero_block_, P, 0);
-    }
+    backend_.zero(mapper_.page_va(t, slot, from), (to - from) * geo_.index_bytes(t), stream);
   }
 }
 
-void Scrubber::scrub_columns(int slot, size_t page, const std::vector<size_t>& columns) {
+void Scrubber::scrub_columns(int slot, size_t page, const std::vector<size_t>& columns,
+                             uintptr_t stream) {
   if (!enabled_ || columns.empty()) return;
-  prepare();
-  const size_t P = geo_.page_bytes;
   for (size_t c : columns) {
-    const uintptr_t va = mapper_.column_va(c, slot, page);
-    if (host_memory(backend_)) {
-      std::memset(reinterpret_cast<void*>(va), 0, P);
-    } else {
-      backend_.copy_from_host(va, zero_block_, P, 0);
-    }
+    backend_.zero(mapper_.column_va(c, slot, page), geo_.page_bytes, stream);
   }
   scrubbed_pages_ += columns.size();
 }
@@ -71,9 +59,9 @@ void Scrubber::add_stats(Stats& out) const {
 }
 
 void Scrubber::close() {
-  if (zero_block_ == nullptr) return;
-  backend_.free_host(zero_block_);
-  zero_block_ = nullptr;
+  if (!own_stream_ready_) return;
+  own_stream_ready_ = false;
+  backend_.destroy_stream(own_stream_);  // the cache synchronized the device first
 }
 
 }  // namespace vattention

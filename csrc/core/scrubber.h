@@ -12,10 +12,12 @@
 // not cleared in alloc(): its pages belong to blocks the engine may still hit in its prefix
 // cache; a block's pages are cleared when the engine hands the block out fresh to a row
 // (BlockTables), which covers everything a new request can read. Pages overwritten whole (swap-in's
-// and ensure_private's copies) are not zeroed first. Host memory is cleared with memset; device
-// memory with copies from a page of zeros in host memory (Backend::copy_from_host on the legacy
-// default stream, which orders before later work on blocking streams; the cache's close() waits for
-// that stream before the zeros go, in close()).
+// and ensure_private's copies) are not zeroed first.
+//
+// How: Backend::zero (host: memset; CUDA: cuMemsetD8Async) on the stream of the call that hands
+// the page out, so it is ordered before the new owner's kernels on that stream; the prefetch
+// thread has no caller's stream, so it zeroes on a stream of the scrubber's own and waits for it
+// before publishing.
 #pragma once
 
 #include <cstddef>
@@ -34,35 +36,40 @@ namespace vattention {
 class Scrubber final : public CacheFeature {
  public:
   Scrubber(Backend& backend, const CacheGeometry& geometry, const SlotMapper& mapper);
-  ~Scrubber() override;  // frees the zero page
+  ~Scrubber() override;  // destroys its own stream
   Scrubber(const Scrubber&) = delete;
   Scrubber& operator=(const Scrubber&) = delete;
 
   bool enabled() const { return enabled_; }
   void set_enabled(bool on) { enabled_ = on; }
   // With scrub on: zeroes page indices [from, to) of `slot` in every tensor (mapped, with access)
-  // and counts them. Throws DriverError (nothing zeroed) if the zero page cannot be allocated.
-  void scrub(int slot, size_t from, size_t to);
-  // With scrub on and device memory: allocates the page of zeros. Throws DriverError.
+  // on `stream` and counts them.
+  void scrub(int slot, size_t from, size_t to, uintptr_t stream);
+  // With scrub on: makes the scrubber's own stream (under the cache mutex, before zero()).
   void prepare();
-  // Zeroes [from, to) of `slot` in every tensor without counting; touches nothing but the zero
-  // page (prepare() first), so it may run without the cache mutex on a range its caller alone maps.
+  // Zeroes [from, to) of `slot` in every tensor on the scrubber's own stream and waits for it,
+  // without counting; touches no cache state (prepare() first), so it may run without the cache
+  // mutex on a range its caller alone maps.
   void zero(int slot, size_t from, size_t to) const;
   // With scrub on: zeroes the pages of `columns` at page index `page` of `slot` (an engine block's
-  // fresh pages; a cache hit's pages beside them keep their content) and counts them.
-  void scrub_columns(int slot, size_t page, const std::vector<size_t>& columns);
+  // fresh pages; a cache hit's pages beside them keep their content) on `stream`; counts them.
+  void scrub_columns(int slot, size_t page, const std::vector<size_t>& columns, uintptr_t stream);
   // Counts pages zeroed by zero() (under the mutex).
   void count(size_t pages) { scrubbed_pages_ += pages; }
 
   void add_stats(Stats& out) const override;
-  void close() override;  // frees the zero page (the caller waited for the legacy stream)
+  void close() override;  // destroys its own stream (the cache synchronized the device first)
 
  private:
   Backend& backend_;
   const CacheGeometry& geo_;
   const SlotMapper& mapper_;
+  // Zeroes [from, to) of `slot` in every tensor on `stream`.
+  void zero_on(int slot, size_t from, size_t to, uintptr_t stream) const;
+
   bool enabled_ = false;
-  void* zero_block_ = nullptr;  // device backends: page_bytes of zeros (alloc_host)
+  uintptr_t own_stream_ = 0;  // prepare(): the prefetch thread's zeroing stream
+  bool own_stream_ready_ = false;
   uint64_t scrubbed_pages_ = 0;
 };
 

@@ -29,7 +29,7 @@ SlotCoordinator::Lock SlotCoordinator::enter_exclusive() {
   return guard_.enter_settled(gate_);  // another thread may have queued a prefetch since
 }
 
-int SlotCoordinator::take_slot(const BlockIds* hits) {
+int SlotCoordinator::take_slot(const BlockIds* hits, uintptr_t stream) {
   if (hits != nullptr) {
     throw Error(Error::Kind::Config,
                 "alloc(hits=...) needs a cache whose pages are named by engine blocks: create it "
@@ -41,7 +41,7 @@ int SlotCoordinator::take_slot(const BlockIds* hits) {
   // still reads, then zeros over what the new request inherits.
   windows_.clear(slot);
   sharing_.clear(slot);
-  scrubber_.scrub(slot, 0, slots_[static_cast<size_t>(slot)].pages.mapped());
+  scrubber_.scrub(slot, 0, slots_[static_cast<size_t>(slot)].pages.mapped(), stream);
   return slot;
 }
 
@@ -85,20 +85,20 @@ void SlotCoordinator::step(const std::vector<int64_t>& lens,
   const std::vector<int64_t> old_lens =
       step_transaction(lens, [&](const std::vector<int64_t>& old) {
         try {
-          grow(plan);
+          grow(plan, stream);
         } catch (const Error& e) {
           // Window pages no query of this step reads may cover the shortfall: release them and
           // retry once.
           if (e.kind() != Error::Kind::OutOfPages || windows_.release(lens, old, stream) == 0)
             throw;
           --counters_.oom_events;  // not raised after all unless the retry fails too
-          grow(plan);
+          grow(plan, stream);
         }
       });
   windows_.release(lens, old_lens, stream);
 }
 
-void SlotCoordinator::grow(const std::vector<Growth>& plan) {
+void SlotCoordinator::grow(const std::vector<Growth>& plan, uintptr_t stream) {
   const size_t C = geo_.columns();
   size_t need = 0;
   for (const Growth& g : plan) need += (g.to - g.from) * C;
@@ -117,7 +117,7 @@ void SlotCoordinator::grow(const std::vector<Growth>& plan) {
       memory_.map(g.slot, g.from, g.to, pages.data() + used);
       used += (g.to - g.from) * C;
       ++done;
-      scrubber_.scrub(g.slot, g.from, g.to);  // a failure unmaps this slot's growth too
+      scrubber_.scrub(g.slot, g.from, g.to, stream);  // a failure unmaps this growth too
     }
   } catch (...) {
     for (size_t k = 0; k < done; ++k) {

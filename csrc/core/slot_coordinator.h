@@ -39,13 +39,14 @@ class SlotCoordinator final : public KVCacheCore {
   void set_swap_budget(int64_t budget_bytes) override;
 
  private:
-  int take_slot(const BlockIds* hits) override;
+  int take_slot(const BlockIds* hits, uintptr_t stream) override;
   size_t pages_beyond_rows() const override { return 0; }
   // The prologue of calls that may map, unmap or pick any slot: joins queued prefetch work and
   // settles the flight (rule R), then takes the mutex as every call does.
   Lock enter_exclusive();
-  // Maps the growth plan (all or nothing). Throws OutOfPages/Driver with state unchanged.
-  void grow(const std::vector<Growth>& plan);
+  // Maps the growth plan (all or nothing), zeroing on `stream` with scrub on. Throws
+  // OutOfPages/Driver with state unchanged.
+  void grow(const std::vector<Growth>& plan, uintptr_t stream);
 
   StagingPage staging_;
   PrefixSharing sharing_;

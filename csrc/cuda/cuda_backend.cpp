@@ -6,10 +6,10 @@
 // unmap -> cuMemUnmap, destroy_page -> cuMemRelease, release_va -> cuMemAddressFree.
 //
 // Contexts: the driver's VMM and event calls act on the calling thread's current context. The
-// backend retains the device's primary context for its lifetime (the same context the CUDA runtime
-// and torch use) and every call makes it current for its duration (ScopedContext), so a thread
-// that never touched CUDA (the prefetch thread) works, and a thread working on another device gets
-// its own context back afterwards.
+// device's primary context (the one the CUDA runtime and torch use) is retained once per process
+// (PrimaryContexts), and every call makes it current for its duration and then puts the caller's
+// own back, none included (ScopedContext): the caller's current device never moves. The prefetch
+// thread, the cache's own, is bound for good (bind_thread), in relaxed capture mode.
 //
 // Fences: unmapping is not stream-ordered (a cuMemUnmap under a running kernel makes it fault), so
 // the cache records an event on free() and unmaps only after the event completed. Events are
@@ -75,26 +75,73 @@ CUmemAllocationProp page_prop(int ordinal) {
   return prop;
 }
 
-// Holds one reference on the device's primary context (RAII; released in the destructor).
+// One retain of each device's primary context for the whole process: retaining makes the context
+// if nobody holds it (torch has not initialised CUDA, say), which costs a context creation, so a
+// retain per cache would pay that for every cache. Backends acquire the context here and let go
+// of it without releasing it; release_unused() gives back the contexts no backend uses (tests
+// that reset an emulated driver between cases).
+class PrimaryContexts {
+ public:
+  static CUcontext acquire(const DriverApi& api, CUdevice dev) {
+    std::lock_guard<std::mutex> lock(mu());
+    Entry& e = entries()[dev];
+    if (e.ctx == nullptr) {
+      check(api.cuDevicePrimaryCtxRetain(&e.ctx, dev), "cuDevicePrimaryCtxRetain",
+            {{"ordinal", uint64_t(dev)}});
+    }
+    ++e.users;
+    return e.ctx;
+  }
+  static void let_go(CUdevice dev) {
+    std::lock_guard<std::mutex> lock(mu());
+    --entries()[dev].users;
+  }
+  static size_t release_unused(const DriverApi& api) {
+    std::lock_guard<std::mutex> lock(mu());
+    size_t released = 0;
+    for (auto& [dev, e] : entries()) {
+      if (e.ctx == nullptr || e.users > 0) continue;
+      api.cuDevicePrimaryCtxRelease(dev);  // nothing to do on failure
+      e.ctx = nullptr;
+      ++released;
+    }
+    return released;
+  }
+
+ private:
+  struct Entry {
+    CUcontext ctx = nullptr;
+    int users = 0;
+  };
+  static std::mutex& mu() {
+    static std::mutex m;
+    return m;
+  }
+  static std::unordered_map<CUdevice, Entry>& entries() {
+    static std::unordered_map<CUdevice, Entry> e;
+    return e;
+  }
+};
+
+// A backend's use of the device's primary context (RAII over PrimaryContexts).
 class PrimaryContext {
  public:
-  PrimaryContext(const DriverApi& api, CUdevice dev) : api_(api), dev_(dev) {
-    check(api_.cuDevicePrimaryCtxRetain(&ctx_, dev_), "cuDevicePrimaryCtxRetain",
-          {{"ordinal", uint64_t(dev_)}});
-  }
-  ~PrimaryContext() { api_.cuDevicePrimaryCtxRelease(dev_); }  // nothing to do on failure
+  PrimaryContext(const DriverApi& api, CUdevice dev)
+      : dev_(dev), ctx_(PrimaryContexts::acquire(api, dev)) {}
+  ~PrimaryContext() { PrimaryContexts::let_go(dev_); }
   PrimaryContext(const PrimaryContext&) = delete;
   PrimaryContext& operator=(const PrimaryContext&) = delete;
   CUcontext get() const { return ctx_; }
 
  private:
-  const DriverApi& api_;
   CUdevice dev_;
-  CUcontext ctx_ = nullptr;
+  CUcontext ctx_;
 };
 
-// Makes ctx current on this thread for one backend call. A thread with no context keeps ours
-// afterwards (as the CUDA runtime binds lazily); a thread with another context gets it back.
+// Makes ctx current on this thread for one backend call and puts the thread's own context back
+// afterwards, none included: a library call must not move the caller's current device (torch
+// reads it from the current context). A thread already on ctx (the prefetch thread, bound for
+// good) costs one query.
 class ScopedContext {
  public:
   ScopedContext(const DriverApi& api, CUcontext ctx) {
@@ -102,10 +149,8 @@ class ScopedContext {
     check(api.cuCtxGetCurrent(&prev), "cuCtxGetCurrent");
     if (prev == ctx) return;
     check(api.cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
-    if (prev != nullptr) {
-      restore_api_ = &api;
-      prev_ = prev;
-    }
+    restore_api_ = &api;
+    prev_ = prev;
   }
   ~ScopedContext() {
     if (restore_api_) restore_api_->cuCtxSetCurrent(prev_);
@@ -263,6 +308,12 @@ class CudaBackend final : public Backend {
     CUcontext current = nullptr;
     check(api_.cuCtxGetCurrent(&current), "cuCtxGetCurrent");
     if (current != ctx_.get()) check(api_.cuCtxSetCurrent(ctx_.get()), "cuCtxSetCurrent");
+    // Under a global-mode capture on another thread (torch.cuda.graph's default), a VMM call or
+    // event query from a thread in global mode fails and invalidates that capture; in relaxed mode
+    // this thread's calls are allowed and leave it alone. Its mapping is not stream work: a graph
+    // captured meanwhile does not depend on it.
+    CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+    check(api_.cuThreadExchangeStreamCaptureMode(&mode), "cuThreadExchangeStreamCaptureMode");
   }
 
   uint64_t record_fence(uintptr_t stream) override {
@@ -312,6 +363,31 @@ class CudaBackend final : public Backend {
     check(api_.cuEventDestroy(ev), "cuEventDestroy", {{"event", reinterpret_cast<uintptr_t>(ev)}});
     std::lock_guard<std::mutex> lock(fences_mu_);
     fences_.erase(fence);
+  }
+
+  void synchronize() override {
+    ScopedContext sc(api_, ctx_.get());
+    check(api_.cuCtxSynchronize(), "cuCtxSynchronize");
+  }
+
+  uintptr_t create_stream() override {
+    ScopedContext sc(api_, ctx_.get());
+    CUstream stream = nullptr;
+    check(api_.cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    return reinterpret_cast<uintptr_t>(stream);
+  }
+
+  void destroy_stream(uintptr_t stream) override {
+    if (stream == 0) return;
+    ScopedContext sc(api_, ctx_.get());
+    check(api_.cuStreamDestroy(reinterpret_cast<CUstream>(stream)), "cuStreamDestroy",
+          {{"stream", stream}});
+  }
+
+  void zero(uintptr_t va, size_t bytes, uintptr_t stream) override {
+    ScopedContext sc(api_, ctx_.get());
+    check(api_.cuMemsetD8Async(va, 0, bytes, reinterpret_cast<CUstream>(stream)), "cuMemsetD8Async",
+          {{"va", va}, {"bytes", bytes}, {"stream", stream}});
   }
 
   // Pages created and not yet destroyed. A page destroyed while still mapped keeps its memory until
@@ -372,6 +448,11 @@ class CudaBackend final : public Backend {
 
 std::unique_ptr<Backend> make_cuda_backend(int ordinal, size_t page_bytes) {
   return std::make_unique<CudaBackend>(ordinal, page_bytes);
+}
+
+size_t release_unused_primary_contexts() {
+  const std::string why = cuda::driver_unavailable_reason();
+  return why.empty() ? PrimaryContexts::release_unused(cuda::driver()) : 0;
 }
 
 std::string cuda_unavailable_reason() {

@@ -23,6 +23,11 @@ std::unique_ptr<Backend> make_cuda_backend(int ordinal, size_t page_bytes);
 // "" when a CUDA backend could be built on device 0 here, else the reason. Never throws.
 std::string cuda_unavailable_reason();
 
+// Releases the process's retains of primary contexts that no backend uses any more (they are
+// otherwise held for the process's life: see cuda_backend.cpp). Returns how many. For tests that
+// reset an emulated driver between cases; never throws.
+size_t release_unused_primary_contexts();
+
 }  // namespace vattention
 
 #endif  // VATTENTION_WITH_CUDA

@@ -24,35 +24,40 @@ namespace vattention::cuda {
 
 // X(name, pinned CUDA version): the version that introduced the ABI declared in cuda.h for that
 // base name (cuda.h maps e.g. cuEventDestroy to cuEventDestroy_v2, introduced in 4.0).
-#define VATTENTION_CUDA_DRIVER_ENTRIES(X) \
-  X(cuInit, 2000)                         \
-  X(cuDriverGetVersion, 2020)             \
-  X(cuDeviceGet, 2000)                    \
-  X(cuDeviceGetCount, 2000)               \
-  X(cuDeviceGetAttribute, 2000)           \
-  X(cuDevicePrimaryCtxRetain, 7000)       \
-  X(cuDevicePrimaryCtxRelease, 11000)     \
-  X(cuCtxSetCurrent, 4000)                \
-  X(cuCtxGetCurrent, 4000)                \
-  X(cuMemGetAllocationGranularity, 10020) \
-  X(cuMemAddressReserve, 10020)           \
-  X(cuMemAddressFree, 10020)              \
-  X(cuMemCreate, 10020)                   \
-  X(cuMemRelease, 10020)                  \
-  X(cuMemMap, 10020)                      \
-  X(cuMemUnmap, 10020)                    \
-  X(cuMemSetAccess, 10020)                \
-  X(cuEventCreate, 2000)                  \
-  X(cuEventRecord, 2000)                  \
-  X(cuEventQuery, 2000)                   \
-  X(cuEventSynchronize, 2000)             \
-  X(cuEventDestroy, 4000)                 \
-  X(cuMemcpyAsync, 4000)                  \
-  X(cuMemcpyDtoHAsync, 3020)              \
-  X(cuMemcpyHtoDAsync, 3020)              \
-  X(cuMemHostAlloc, 2020)                 \
-  X(cuMemFreeHost, 2000)                  \
-  X(cuGetErrorString, 6000)               \
+#define VATTENTION_CUDA_DRIVER_ENTRIES(X)     \
+  X(cuInit, 2000)                             \
+  X(cuDriverGetVersion, 2020)                 \
+  X(cuDeviceGet, 2000)                        \
+  X(cuDeviceGetCount, 2000)                   \
+  X(cuDeviceGetAttribute, 2000)               \
+  X(cuDevicePrimaryCtxRetain, 7000)           \
+  X(cuDevicePrimaryCtxRelease, 11000)         \
+  X(cuCtxSetCurrent, 4000)                    \
+  X(cuCtxGetCurrent, 4000)                    \
+  X(cuMemGetAllocationGranularity, 10020)     \
+  X(cuMemAddressReserve, 10020)               \
+  X(cuMemAddressFree, 10020)                  \
+  X(cuMemCreate, 10020)                       \
+  X(cuMemRelease, 10020)                      \
+  X(cuMemMap, 10020)                          \
+  X(cuMemUnmap, 10020)                        \
+  X(cuMemSetAccess, 10020)                    \
+  X(cuEventCreate, 2000)                      \
+  X(cuEventRecord, 2000)                      \
+  X(cuEventQuery, 2000)                       \
+  X(cuEventSynchronize, 2000)                 \
+  X(cuEventDestroy, 4000)                     \
+  X(cuMemcpyAsync, 4000)                      \
+  X(cuMemcpyDtoHAsync, 3020)                  \
+  X(cuMemcpyHtoDAsync, 3020)                  \
+  X(cuMemHostAlloc, 2020)                     \
+  X(cuMemFreeHost, 2000)                      \
+  X(cuMemsetD8Async, 3020)                    \
+  X(cuStreamCreate, 2000)                     \
+  X(cuStreamDestroy, 4000)                    \
+  X(cuCtxSynchronize, 2000)                   \
+  X(cuThreadExchangeStreamCaptureMode, 10010) \
+  X(cuGetErrorString, 6000)                   \
   X(cuGetErrorName, 6000)
 
 // Function pointers, one per entry above, typed from cuda.h's own declarations (decltype only:

@@ -404,6 +404,10 @@ void HostBackend::copy_from_host(uintptr_t dst, const void* src, size_t bytes,
   std::memcpy(reinterpret_cast<void*>(dst), src, bytes);
 }
 
+void HostBackend::zero(uintptr_t va, size_t bytes, uintptr_t /*stream*/) {
+  std::memset(reinterpret_cast<void*>(va), 0, bytes);
+}
+
 void* HostBackend::alloc_host(size_t bytes) { return std::malloc(bytes); }
 
 void HostBackend::free_host(void* ptr) { std::free(ptr); }

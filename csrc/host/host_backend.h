@@ -62,6 +62,9 @@ class HostBackend final : public Backend {
   bool fence_done(uint64_t /*fence*/) override { return true; }
   void fence_wait(uint64_t /*fence*/) override {}
   void fence_release(uint64_t /*fence*/) override {}
+  void synchronize() override {}
+  uintptr_t create_stream() override { return 0; }
+  void destroy_stream(uintptr_t /*stream*/) override {}
   // The fault report (fault_report.h): a SIGSEGV/SIGBUS in the cache's tensors names the cache,
   // tensor, slot and token instead of dying silently.
   std::unique_ptr<CacheRegistration> register_cache(const CacheGeometry& geometry,
@@ -70,6 +73,7 @@ class HostBackend final : public Backend {
   void copy(uintptr_t dst, uintptr_t src, size_t bytes, uintptr_t stream) override;
   void copy_to_host(void* dst, uintptr_t src, size_t bytes, uintptr_t stream) override;
   void copy_from_host(uintptr_t dst, const void* src, size_t bytes, uintptr_t stream) override;
+  void zero(uintptr_t va, size_t bytes, uintptr_t stream) override;
   void* alloc_host(size_t bytes) override;
   void free_host(void* ptr) override;
 

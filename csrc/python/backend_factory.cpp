@@ -51,4 +51,12 @@ std::string backend_unavailable_reason(const std::string& kind) {
   return "unknown backend " + kind;
 }
 
+size_t release_unused_contexts() {
+#ifdef VATTENTION_WITH_CUDA
+  return release_unused_primary_contexts();
+#else
+  return 0;
+#endif
+}
+
 }  // namespace vattention

@@ -17,4 +17,8 @@ std::unique_ptr<Backend> make_backend(const std::string& device, size_t page_byt
 // Why a backend is (un)available, for `python -m vattention info`: "" when it is available.
 std::string backend_unavailable_reason(const std::string& kind);
 
+// Releases the CUDA primary contexts no backend uses any more (0 without the CUDA backend): see
+// cuda/cuda_backend.h. Tests call it before resetting the emulated driver.
+size_t release_unused_contexts();
+
 }  // namespace vattention

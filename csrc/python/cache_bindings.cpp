@@ -265,12 +265,12 @@ void bind_cache(py::module_& m) {
       .def_property_readonly("geometry", &KVCacheCore::geometry)
       .def(
           "alloc",
-          [](KVCacheCore& core, py::handle hits) {
-            if (hits.is_none()) return core.alloc();
+          [](KVCacheCore& core, py::handle hits, uintptr_t stream) {
+            if (hits.is_none()) return core.alloc(nullptr, stream);
             const auto ids = parse_block_ids(hits, core.geometry().num_groups(), "hits");
-            return core.alloc(&ids);
+            return core.alloc(&ids, stream);
           },
-          py::arg("hits") = py::none())
+          py::arg("hits") = py::none(), py::arg("stream") = 0)
       .def("free", &KVCacheCore::free, py::arg("slot"), py::arg("stream") = 0,
            py::call_guard<py::gil_scoped_release>())
       .def(

@@ -68,6 +68,9 @@ PYBIND11_MODULE(_C, m) {
         return backend->granularity();
       },
       py::arg("device"), "Minimum page size in bytes of the backend for `device`.");
+  m.def("release_unused_contexts", &vattention::release_unused_contexts,
+        "Test hook: release the CUDA primary contexts no cache uses (they are held for the "
+        "process's life otherwise). Returns how many.");
   m.def("host_huge_unit", &vattention::HostBackend::huge_unit,
         "Host pages whose size is a multiple of this are 2 MB huge pages of the OS (0: none).");
   m.def("host_mapping_limit", &vattention::HostBackend::mapping_limit,

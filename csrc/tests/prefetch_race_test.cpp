@@ -78,6 +78,12 @@ class GatedBackend final : public Backend {
   bool fence_done(uint64_t fence) override { return inner_.fence_done(fence); }
   void fence_wait(uint64_t fence) override { inner_.fence_wait(fence); }
   void fence_release(uint64_t fence) override { inner_.fence_release(fence); }
+  void synchronize() override { inner_.synchronize(); }
+  uintptr_t create_stream() override { return inner_.create_stream(); }
+  void destroy_stream(uintptr_t stream) override { inner_.destroy_stream(stream); }
+  void zero(uintptr_t va, size_t bytes, uintptr_t stream) override {
+    inner_.zero(va, bytes, stream);
+  }
   void release_physical() noexcept override { inner_.release_physical(); }
   int64_t committed_bytes() const override { return inner_.committed_bytes(); }
   int64_t huge_page_bytes() const override { return inner_.huge_page_bytes(); }

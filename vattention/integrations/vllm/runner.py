@@ -172,7 +172,7 @@ class VAttentionRunnerMixin:
         self._stats_writer = StatsWriter(stats_path(base, rank, world), self.vattention_stats)
 
     # ---- per step -----------------------------------------------------------------------------
-    def _block_updates(self, scheduler_output) -> Dict[int, tuple]:
+    def _block_updates(self, scheduler_output, stream: Any) -> Dict[int, tuple]:
         """This step's table updates, {slot: (start, ids per group, cached)}."""
         slots, bs = self._vattention_slots, self._vattention_block_size
         if scheduler_output.kv_cache_block_copies:
@@ -185,7 +185,7 @@ class VAttentionRunnerMixin:
             ids = _ids(new.block_ids)
             hits = new.num_computed_tokens // bs
             slots.replace_table(new.req_id, len(ids[0]))
-            updates[slots.slot_for(new.req_id, _hits(ids, hits))] = (0, ids, hits)
+            updates[slots.slot_for(new.req_id, _hits(ids, hits), stream)] = (0, ids, hits)
         cached = scheduler_output.scheduled_cached_reqs
         resumed = cached.resumed_req_ids or ()
         for i, req_id in enumerate(cached.req_ids):
@@ -195,7 +195,7 @@ class VAttentionRunnerMixin:
             ids = _ids(new_ids)
             if req_id in resumed:  # its table is replaced, hits (recomputed prefix) first
                 hits = cached.num_computed_tokens[i] // bs
-                slot = slots.slot_for(req_id, _hits(ids, hits))
+                slot = slots.slot_for(req_id, _hits(ids, hits), stream)
                 slots.replace_table(req_id, len(ids[0]))
                 updates[slot] = (0, ids, hits)
                 continue
@@ -209,16 +209,17 @@ class VAttentionRunnerMixin:
         # super(): vLLM's runner after this mixin in the MRO (mypy checks it against object)
         if cache is None:
             return super()._update_states(scheduler_output)  # type: ignore[misc]
+        stream = self._engine_stream()
         preempted = scheduler_output.preempted_req_ids or set()
         self._vattention_preemptions += len(preempted)
-        self._vattention_slots.release(scheduler_output.finished_req_ids | preempted)
-        updates = self._block_updates(scheduler_output)
+        self._vattention_slots.release(scheduler_output.finished_req_ids | preempted, stream)
+        updates = self._block_updates(scheduler_output, stream)
         result = super()._update_states(scheduler_output)  # type: ignore[misc]
 
         scheduled = scheduler_output.num_scheduled_tokens
         slots, past, lens, expected = [], [], {}, {}
         for req_id in self.input_batch.req_ids[: self.input_batch.num_reqs]:
-            slot = self._vattention_slots.slot_for(req_id)
+            slot = self._vattention_slots.slot_for(req_id, stream=stream)
             state = self.requests[req_id]
             computed = state.num_computed_tokens
             length = computed + scheduled[req_id]
@@ -230,7 +231,7 @@ class VAttentionRunnerMixin:
             nxt = min(known, length + scheduled[req_id]) if length < known else length + 1
             expected[slot] = min(self.max_model_len, nxt)
         try:
-            cache.step(lens, blocks=updates or None)
+            cache.step(lens, blocks=updates or None, stream=stream)
         except OutOfPagesError as e:
             raise RuntimeError(
                 "vattention: the page pool ran dry although vLLM's block accounting admitted "
@@ -268,6 +269,17 @@ class VAttentionRunnerMixin:
         )
         return stats
 
+    def _engine_stream(self) -> Any:
+        """Where vLLM queues this worker's model, for the cache's fences and zeroing: on CUDA
+        vLLM's own stream (its worker makes a non-blocking stream current, which the legacy
+        default stream does not wait for: ``vllm.utils.torch_utils.current_stream``, which makes
+        it on first use as vLLM's runner would); None on the CPU (nothing is asynchronous)."""
+        if self.device.type == "cpu":
+            return None
+        from vllm.utils.torch_utils import current_stream
+
+        return current_stream()
+
     def _attention_kernel(self) -> str:
         """The kernel attention runs: the CPU one, or the CUDA choice of this process."""
         if self.device.type == "cpu":
@@ -284,7 +296,7 @@ class VAttentionRunnerMixin:
         cache = self._vattention
         if cache is None:
             return
-        held = self._vattention_slots.release_all()
+        held = self._vattention_slots.release_all(self._engine_stream())
         if self._stats_writer is not None:
             final = self.vattention_stats()
             final["slots_released_at_shutdown"] = held

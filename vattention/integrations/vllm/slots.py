@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 from ... import KVCache
 
@@ -43,12 +43,15 @@ class RequestSlots:
         """Slots held now."""
         return len(self._slots)
 
-    def slot_for(self, req_id: str, hits: Optional[List[List[int]]] = None) -> int:
+    def slot_for(
+        self, req_id: str, hits: Optional[List[List[int]]] = None, stream: Any = None
+    ) -> int:
         """The request's slot, allocated on its first call (``hits``: its leading prefix-cache
-        hits per group, so that a row still mapping them is preferred: :meth:`KVCache.alloc`)."""
+        hits per group, so that a row still mapping them is preferred: :meth:`KVCache.alloc`;
+        ``stream``: where the engine runs its model, as :meth:`KVCache.alloc` takes it)."""
         slot = self._slots.get(req_id)
         if slot is None:
-            slot = self._slots[req_id] = self._cache.alloc(hits=hits)
+            slot = self._slots[req_id] = self._cache.alloc(hits=hits, stream=stream)
             self.served += 1
             self.peak = max(self.peak, len(self._slots))
         return slot
@@ -63,16 +66,17 @@ class RequestSlots:
         """The request's table is a new one of ``blocks`` blocks (new or resumed requests)."""
         self._table[req_id] = blocks
 
-    def release(self, req_ids: Iterable[str]) -> None:
-        """Free the slots of these requests (ids that hold none are ignored)."""
+    def release(self, req_ids: Iterable[str], stream: Any = None) -> None:
+        """Free the slots of these requests (ids that hold none are ignored), fencing on
+        ``stream``, where the engine's kernels that read them run (:meth:`KVCache.free`)."""
         for req_id in req_ids:
             self._table.pop(req_id, None)
             slot = self._slots.pop(req_id, None)
             if slot is not None:
-                self._cache.free(slot)
+                self._cache.free(slot, stream=stream)
 
-    def release_all(self) -> int:
+    def release_all(self, stream: Any = None) -> int:
         """Free every slot still held; return how many there were."""
         held = len(self._slots)
-        self.release(list(self._slots))
+        self.release(list(self._slots), stream)
         return held

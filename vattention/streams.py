@@ -1,0 +1,50 @@
+"""Which CUDA stream a cache orders its work on: the caller's current torch stream, by default.
+
+A cache call that may unmap pages a kernel still reads (``free``, a ``step`` that releases window
+pages), or that copies or zeroes pages (``fork``, swap, scrubbing), orders that work behind a fence
+on a stream: unmapping is not stream-ordered on CUDA, so the fence must follow the kernels that
+really read the pages. Serving engines run their models on streams of their own (vLLM sets a
+non-blocking stream current for its worker), which the legacy default stream does not wait for;
+so when a call names no stream, the cache takes the stream torch says is current on its device,
+the one the caller's kernels are queued on.
+
+Examples
+--------
+>>> from vattention import streams
+>>> streams.current_stream("cpu")   # host memory: nothing is asynchronous, handle 0
+0
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+
+__all__ = ["current_stream"]
+
+
+def current_stream(device: Union[str, torch.device]) -> int:
+    """The driver handle of the caller's current torch stream on ``device``, for a cache call.
+
+    Parameters
+    ----------
+    device : str or torch.device
+        The cache's device (``KVCacheConfig.device``).
+
+    Returns
+    -------
+    int
+        ``torch.cuda.current_stream(device).cuda_stream`` for a CUDA device once torch has
+        initialised CUDA in this process; else 0, the legacy default stream (a process that has
+        queued no CUDA work through torch has nothing else to order after).
+
+    Examples
+    --------
+    >>> current_stream("cpu")
+    0
+    """
+    dev = torch.device(device)
+    if dev.type != "cuda" or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return 0
+    return int(torch.cuda.current_stream(dev).cuda_stream)
