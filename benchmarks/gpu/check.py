@@ -4,15 +4,16 @@
     GPU_CHECK_EMULATED=1 make gpu-check    # the same on the CUDA driver EMULATION (CI)
 
 Environment: GPU_CHECK_BUDGET (seconds for everything, build included; default 480),
-GPU_CHECK_OUT (default gpu-check/), GPU_CHECK_EMULATED=1, OUT (a second folder for the report:
-the GPU machine's).
+GPU_CHECK_OUT (default gpu-check/), GPU_CHECK_EMULATED=1, GPU_CHECK_PARTS (a comma list: only
+those parts), OUT (a second folder for the report: the GPU machine's).
 
 It builds vattention._C for the running interpreter (build.py: no pip, no network), then runs
 the parts in order of value, each in a process of its own with what is left of the budget (less
 a reserve for the report). A part that runs out of time is "cut" (what it finished is kept), a
 failing part does not stop the others. It writes gpu-check.json, gpu-check.md and
-gpu-check-logs.txt and prints the markdown. Exit status: 0 when no part failed, 1 when one did,
-2 when there is no GPU to run on (real mode) or the build failed.
+gpu-check-logs.txt and prints the markdown, also when the build failed or there is no GPU.
+Exit status: 0 when no part failed, 1 when one did, 2 when there is no GPU to run on (real mode;
+one line on stderr says why) or the build failed.
 
 On the emulation every line of the report says "emulated": its figures describe host memory and
 the emulation, never a GPU.
@@ -447,30 +448,33 @@ def main() -> int:
     seconds = round(time.monotonic() - t0, 1)
     build_info = {"status": "ok" if ok else "failed", "line": line, "seconds": seconds}
     runner.say(f"build: {line}")
-    if not ok:
-        print(f"gpu-check: {line}", file=sys.stderr)
-        return 2
-    info = probe(runner.env)
-    if not emulated and (info.get("cuda_backend") != "available" or "device" not in info):
+    info = probe(runner.env) if ok else {}
+    stop = "" if ok else f"the build failed: {line}"
+    if ok and not emulated and (info.get("cuda_backend") != "available" or "device" not in info):
         backend = info.get("cuda_backend")
         why = backend if backend != "available" else "torch sees no GPU"
+        stop = f"no GPU to run on ({why})"
         print(
-            f"gpu-check: no GPU to run on ({why}); GPU_CHECK_EMULATED=1 make gpu-check runs "
-            "the check on the CUDA driver emulation",
+            f"gpu-check: {stop}; GPU_CHECK_EMULATED=1 make gpu-check runs the check on the CUDA "
+            "driver emulation",
             file=sys.stderr,
         )
-        return 2
     results = []
     for part in PARTS:
         if only and part.name not in only:
             continue
-        runner.say(f"{part.name} ...")
-        res = runner.run(part)
-        runner.say(f"{part.name}: {res.status} {res.why} ({res.seconds} s)".replace("  ", " "))
+        if stop:  # reported all the same: the device tool brings the report and logs back
+            res = Result(part.name, part.title, why=stop.split(":")[0].split(" (")[0])
+        else:
+            runner.say(f"{part.name} ...")
+            res = runner.run(part)
+            runner.say(f"{part.name}: {res.status} {res.why} ({res.seconds} s)".replace("  ", " "))
         results.append(res)
     failed = [r.name for r in results if r.status == "failed"]
     cut = [r.name for r in results if r.status == "cut"]
     overall = f"FAILED: {', '.join(failed)}" if failed else "no part failed"
+    if stop:
+        overall = f"NOT RUN: {stop}"
     if cut:
         overall += f"; cut by the budget: {', '.join(cut)}"
     env_words = " ".join(
@@ -495,7 +499,7 @@ def main() -> int:
     written = write(out, report, md)
     print(md, end="")
     print(f"wrote {', '.join(str(p) for p in written)}")
-    return 1 if failed else 0
+    return 2 if stop else 1 if failed else 0
 
 
 if __name__ == "__main__":
