@@ -19,7 +19,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.vllm-stamp
 VLLM_PLUGIN_STAMP := $(VLLM_VENV)/.plugin-stamp
 
-.PHONY: all build demo test test-deps sanitize sanitize-build lint format clean vllm
+.PHONY: all build demo test test-deps sanitize sanitize-build lint format clean vllm gpu-check
 
 CXX ?= g++
 SAN_DIR := build-sanitize
@@ -55,6 +55,7 @@ $(BUILD_STAMP): $(DEPS_STAMP) $(CORE_SOURCES)
 	@echo "make: building vattention._C in place (core, backends, CPU attention kernels; minutes on 2 cores)"
 	rm -rf build
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	$(PY) benchmarks/gpu/build.py --record
 	touch $@
 
 build: $(BUILD_STAMP)
@@ -79,6 +80,21 @@ vllm: build $(VLLM_PLUGIN_STAMP)
 
 demo: build
 	$(PY) -m vattention demo
+
+# vattention on a GPU in one offline command (docs/cuda.md, "The GPU check"): builds vattention._C
+# in place for $(PYTHON) (default python3; no venv, no pip, no download), then runs the checks
+# under GPU_CHECK_BUDGET seconds and writes GPU_CHECK_OUT (default gpu-check/). With
+# GPU_CHECK_EMULATED=1 the same runs on the CUDA driver emulation, by default with $(PY).
+ifeq ($(origin PYTHON),file)
+GPU_CHECK_PY = $(if $(filter-out 0,$(GPU_CHECK_EMULATED)),$(PY),python3)
+else
+GPU_CHECK_PY = $(PYTHON)
+endif
+
+gpu-check:
+	@command -v "$(GPU_CHECK_PY)" >/dev/null || { echo "make gpu-check: no $(GPU_CHECK_PY)" \
+	  "(GPU_CHECK_EMULATED=1 uses $(PY): make build first, or give PYTHON=)" >&2; exit 2; }
+	@"$(GPU_CHECK_PY)" benchmarks/gpu/check.py
 
 # The C++ tests under ThreadSanitizer and AddressSanitizer/UBSan: the core and the host backend
 # are compiled once per sanitizer, each test links them. Any report fails the run (halt_on_error,

@@ -38,6 +38,17 @@ if cuda_include and folder("cuda") and os.environ.get("VATTENTION_NO_CUDA") != "
     include_dirs.append(cuda_include)
     macros.append(("VATTENTION_WITH_CUDA", "1"))
 
+# VATTENTION_CPU_KERNELS=generic: leave the CPU attention kernel's AVX-512 variants out (about half
+# of the build's compile time; the kernel then runs its AVX2 or generic code), for builds that will
+# not run the CPU kernel, such as `make gpu-check`'s. The AVX2 variant is still compiled:
+# csrc/attention/isa_avx2.cpp has no VATTENTION_SKIP_AVX2 guard yet (isa_avx512.cpp shows the one
+# it needs); the macro is defined here so that the guard takes effect once it exists.
+cpu_kernels = os.environ.get("VATTENTION_CPU_KERNELS", "all")
+if cpu_kernels == "generic":
+    macros += [(f"VATTENTION_SKIP_{isa}", "1") for isa in ("AVX512", "AVX512BF16", "AVX2")]
+elif cpu_kernels != "all":
+    raise SystemExit(f"VATTENTION_CPU_KERNELS={cpu_kernels!r}: expected 'all' or 'generic'")
+
 # VATTENTION_EXT=none: register the package (e.g. the vLLM plugin's entry point in a second venv)
 # without compiling; the editable install then uses the extension already built in place.
 ext_modules = (

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Callable
 
 import torch
 
@@ -41,8 +42,13 @@ def run(
     dims: dict | None = None,
     lookahead_tokens: int | None = None,
     floor: bool = False,
+    compute: Callable[[], None] | None = None,
 ):
-    """One decode loop; floor=True keeps every length fixed (step() never maps: its bare cost)."""
+    """One decode loop; floor=True keeps every length fixed (step() never maps: its bare cost).
+
+    ``compute`` stands for the model's work between steps (default: sleep ``gap_s``; the GPU
+    check passes a real kernel and waits for it).
+    """
     cfg = vattention.KVCacheConfig(
         **(dims or SHAPES[(layout, page)]),
         max_batch_size=slots,
@@ -70,7 +76,10 @@ def run(
                 cache.prefetch(
                     {s: n + 1 for s, n in lens.items()}, lookahead_tokens=lookahead_tokens
                 )
-            time.sleep(gap_s)
+            if compute is None:
+                time.sleep(gap_s)
+            else:
+                compute()
         stats = cache.stats()
     blocked.sort()
     return {

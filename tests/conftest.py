@@ -15,7 +15,7 @@ import torch
 
 import vattention
 
-from support.cuda_setup import CUDA_MODE, CUDA_REASON, GPU_MIN_PAGE, cuda_emu
+from support.cuda_setup import CUDA_MODE, CUDA_REASON, GPU_LIKE, cuda_emu, skip_below_gpu_pages
 
 # The emulation-only tests' `emu` fixture (test_cuda_backend.py, test_cuda_faults.py,
 # test_prefetch_races.py): a plugin, so that no test module imports a fixture by name.
@@ -26,8 +26,34 @@ LAYOUTS = ["layer", "mega"]
 PAGE_SIZES = ["64KB", "2MB"]
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--cuda-cases",
+        action="store_true",
+        help="run only the cases of the `device` fixture's cuda parameter that need no emulation "
+        "hook: the CUDA-backend tests a real GPU runs (make gpu-check's first part)",
+    )
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a real NVIDIA GPU and driver")
+    config.addinivalue_line(
+        "markers",
+        "not_on_gpu(reason): the cuda case cannot run on a real GPU for a harness reason (pages "
+        "below 2 MB, CPU reads of device memory); skipped where the cuda device "
+        "is a GPU's or the emulation runs at a GPU's 2 MB granularity (docs/cuda.md lists them)",
+    )
+
+
+def _device_param(item):
+    callspec = getattr(item, "callspec", None)
+    return callspec.params.get("device") if callspec else None
+
+
+def _cuda_case(item) -> bool:
+    """A case of the `device` fixture's cuda parameter that does not drive the emulation itself
+    (the `emu` fixture: fault injection, counters), so it runs on a real driver as well."""
+    return _device_param(item) == "cuda" and "emu" not in item.fixturenames
 
 
 # Test modules whose slow subprocess work starts in the background when collection selects
@@ -42,6 +68,14 @@ def _background(item) -> bool:
 
 def pytest_collection_modifyitems(config, items):
     items.sort(key=_background)  # stable: the rest keep their order, those modules go last
+    if config.getoption("cuda_cases"):
+        config.hook.pytest_deselected(items=[i for i in items if not _cuda_case(i)])
+        items[:] = [i for i in items if _cuda_case(i)]
+    if GPU_LIKE:
+        for item in items:
+            mark = item.get_closest_marker("not_on_gpu")
+            if mark is not None and _device_param(item) == "cuda":
+                item.add_marker(pytest.mark.skip(reason=f"not on a GPU: {mark.args[0]}"))
     if _have_gpu():
         return
     skip = pytest.mark.skip(reason="needs a real NVIDIA GPU and driver (none on this machine)")
@@ -130,9 +164,7 @@ def make_cache(device, layout, page_size):
         memory_budget=None,
         **kwargs,
     ):
-        if CUDA_MODE == "gpu" and device.startswith("cuda"):
-            if vattention.config.parse_size(kwargs.get("page_size", page_size)) < GPU_MIN_PAGE:
-                pytest.skip("real GPUs need pages of at least 2 MB (VMM granularity)")
+        skip_below_gpu_pages(device, kwargs.get("page_size", page_size))
         cfg = vattention.KVCacheConfig(
             num_layers=num_layers,
             num_kv_heads=num_kv_heads,

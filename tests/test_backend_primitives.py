@@ -13,7 +13,7 @@ import pytest
 
 import vattention
 
-from support.cuda_setup import CUDA_MODE
+from support.cuda_setup import CUDA_MODE, skip_below_gpu_pages
 
 C = vattention._C
 
@@ -36,8 +36,7 @@ class _Holder:
 
 @pytest.fixture
 def backend(device, page_size):
-    if CUDA_MODE == "gpu" and device.startswith("cuda") and page_size == "64KB":
-        pytest.skip("real GPUs need pages of at least 2 MB (VMM granularity)")
+    skip_below_gpu_pages(device, page_size)
     holder = _Holder(C.Backend(device, vattention.config.parse_size(page_size)))
     yield holder
     holder.__dict__.pop("backend")

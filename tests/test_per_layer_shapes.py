@@ -13,6 +13,7 @@ import torch
 
 import vattention
 
+from support.cuda_setup import skip_below_gpu_pages
 from support.helpers import PAGE_STATE_KEYS, check_pattern, kv_views
 from support.share_helpers import bits, fast_fill
 
@@ -38,6 +39,7 @@ def make(device, page_size):
             layout="layer",
         )
         args.update(kwargs)
+        skip_below_gpu_pages(device, args["page_size"])
         cache = vattention.KVCache(vattention.KVCacheConfig(**args), memory_budget=memory_budget)
         caches.append(cache)
         return cache

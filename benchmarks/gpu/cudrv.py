@@ -97,3 +97,9 @@ class Driver:
 
     def unmap(self, va: int, nbytes: int) -> None:
         self._check(self.lib.cuMemUnmap(va, nbytes), "cuMemUnmap")
+
+    def current_context(self) -> int:
+        """cuCtxGetCurrent: a call that does nothing, to time what ctypes adds to each call."""
+        ctx = ctypes.c_void_p()
+        self._check(self.lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+        return ctx.value or 0

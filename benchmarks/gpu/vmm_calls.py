@@ -1,5 +1,5 @@
 """Per-call latency of cuMemCreate / cuMemMap / cuMemSetAccess / cuMemUnmap / cuMemRelease, by
-page size."""
+page size, through ctypes (``call_floor_us`` is what a call that does nothing costs that way)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,17 @@ from cudrv import Driver
 MB = 1 << 20
 
 
-def measure(page_sizes_mb=(2, 4, 8, 16, 32, 64), total_mb: int = 1024) -> list[dict]:
-    """One row per page size: mean microseconds per call over total_mb of pages."""
-    drv = Driver()
+def call_floor_us(drv: Driver, calls: int = 2000) -> float:
+    """Microseconds per cuCtxGetCurrent: ctypes' share of every figure below."""
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        drv.current_context()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def measure(page_sizes_mb=(2, 32), total_mb: int = 512, drv: Driver | None = None) -> list[dict]:
+    """One row per page size: mean microseconds per call over total_mb of pages (at least 4)."""
+    drv = drv or Driver()
     rows = []
     for size_mb in page_sizes_mb:
         size = size_mb * MB

@@ -1,4 +1,4 @@
-"""The vLLM plugin on a real GPU (GPU kit): greedy tokens equal stock vLLM's, at vLLM's defaults.
+"""The vLLM plugin on a real GPU (GPU only): greedy tokens equal stock vLLM's, at vLLM's defaults.
 
 Needs a GPU, vLLM 0.32.x or 0.33.x (GPU build) and flash-attn in the running Python; skips
 otherwise. Each engine runs in a process of its own (the plugin is switched on per process), as in

@@ -1,0 +1,354 @@
+"""The measuring parts of the GPU check, each run by check.py in a process of its own:
+
+    python benchmarks/gpu/parts.py NAME LOG [--emulated]
+
+NAME is vmm, attention or prefetch. Each appends JSON lines to LOG as it goes (a part the check
+stops at its time limit still reports what it measured): ``{"kind": "row", ...figures}`` or
+``{"kind": "note", "text": ...}``. With --emulated, the CUDA backend is the driver EMULATION
+(VATTENTION_LIBCUDA, set by check.py) and torch is the CPU build: the emulated analogue runs, whose
+figures describe host memory and the emulation, never a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path[:0] = [str(HERE), str(ROOT / "benchmarks"), str(ROOT / "tests" / "cuda_emulator")]
+
+MB = 1 << 20
+GB = 1 << 30
+# The per-call costs docs/cuda.md and the core's comments quote, measured on an A100 with 2 MB
+# pages (microseconds); none is quoted for cuMemRelease.
+A100_US = {"create": 193.0, "map": 1.45, "set_access": 36.0, "unmap": 25.6, "release": None}
+# Llama-3-8B's KV shape: 32 layers, 8 KV heads of 128.
+LLAMA3_8B = dict(num_layers=32, num_kv_heads=8, head_dim=128)
+
+Emit = Callable[..., None]
+
+
+def vmm(emit: Emit, emulated: bool) -> None:
+    """Per-call driver latency by page size, beside the A100 figures; then the throughput of
+    step() mapping a batch's rows (pages pre-created, and created inside step())."""
+    import vmm_calls
+    from cudrv import Driver
+
+    drv = Driver()
+    emit(kind="note", text=f"ctypes call floor (cuCtxGetCurrent): {call_floor(drv):.2f} us/call")
+    total = 32 if emulated else 512
+    for row in vmm_calls.measure(page_sizes_mb=(2, 32), total_mb=total, drv=drv):
+        if row["page_MB"] == 2:
+            a100 = ("n/a" if v is None else f"{v:g}" for v in A100_US.values())
+            row["A100_2MB_us"] = " / ".join(a100)
+        emit(kind="row", **row)
+    for row in mapping_throughput(total_bytes=(64 * MB if emulated else GB)):
+        emit(kind="row", **row)
+
+
+def call_floor(drv: Any) -> float:
+    import vmm_calls
+
+    return vmm_calls.call_floor_us(drv)
+
+
+def mapping_throughput(total_bytes: int) -> list[dict]:
+    import torch
+
+    import vattention
+
+    rows = []
+    slots, layers = 8, 8
+    token_bytes = 2 * layers * 8 * 128 * 2  # K and V, bf16
+    tokens = max(1024, total_bytes // (slots * token_bytes) // 1024 * 1024)
+    for pre_created in (True, False):
+        cfg = vattention.KVCacheConfig(
+            num_layers=layers,
+            num_kv_heads=8,
+            head_dim=128,
+            max_batch_size=slots,
+            max_seq_len=tokens,
+            dtype=torch.bfloat16,
+            device="cuda:0",
+            page_size="2MB",
+        )
+        with vattention.KVCache(cfg) as cache:
+            rows_ = [cache.alloc() for _ in range(slots)]
+            if pre_created:
+                cache.reserve(cfg.pages_for_tokens(tokens) * slots * cfg.page_bytes)
+            before = cache.stats()
+            t0 = time.perf_counter()
+            for n in range(512, tokens + 1, 512):
+                cache.step({s: n for s in rows_})
+            elapsed = time.perf_counter() - t0
+            after = cache.stats()
+        mapped = after["bytes_mapped"] - before["bytes_mapped"]
+        rows.append(
+            {
+                "step() mapping": "pages pre-created" if pre_created else "pages created in step()",
+                "GB": round(mapped / GB, 2),
+                "map_calls": after["map_calls"] - before["map_calls"],
+                "set_access_calls": after["set_access_calls"] - before["set_access_calls"],
+                "GB_per_s": round(mapped / GB / elapsed, 2),
+            }
+        )
+    return rows
+
+
+def _median_ms(fn: Callable[[], Any], reps: int) -> float:
+    """Median milliseconds of one call on the GPU (CUDA events), after a warm-up."""
+    import torch
+
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _kernels(emit: Emit) -> dict[str, Callable]:
+    """name -> fn(q, k, v) over [B, L, H, D] caches (as the cache holds them); only those here."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def sdpa_flash(q, k, v):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            )
+
+    kernels: dict[str, Callable] = {"sdpa-flash": sdpa_flash}
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        flex = torch.compile(flex_attention)
+        kernels["flex_attention"] = lambda q, k, v: flex(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        )
+    except Exception as e:  # an old torch, no Triton
+        emit(kind="note", text=f"flex_attention unavailable: {type(e).__name__}: {e}"[:200])
+    for name, module in (("flash-attn", "flash_attn"), ("vllm-flash-attn", "vllm.vllm_flash_attn")):
+        try:
+            fa = __import__(module, fromlist=["flash_attn_with_kvcache"]).flash_attn_with_kvcache
+        except Exception as e:  # not installed (the usual case), or a broken install
+            emit(kind="note", text=f"{name}: not run ({type(e).__name__}: {e})"[:200])
+            continue
+        kernels[name] = lambda q, k, v, fa=fa: fa(q, k, v, causal=True)
+    return kernels
+
+
+def attention(emit: Emit, emulated: bool) -> None:
+    """Attention over the virtual cache against a contiguous copy of the same data: equal
+    outputs (bit for bit) and the time ratio, decode and prefill, bf16."""
+    if emulated:
+        attention_emulated(emit)
+        return
+    import torch
+
+    import vattention
+
+    kernels = _kernels(emit)
+    for batch, seq in ((8, 16384), (64, 4096)):
+        if batch == 64:  # flex_attention compiles once per shape: one batch of it is enough
+            kernels.pop("flex_attention", None)
+        cfg = vattention.KVCacheConfig(
+            num_layers=1,
+            num_kv_heads=8,
+            head_dim=128,
+            max_batch_size=batch,
+            max_seq_len=seq,
+            dtype=torch.bfloat16,
+            device="cuda:0",
+            page_size="2MB",
+        )
+        with vattention.KVCache(cfg) as cache:
+            cache.step({cache.alloc(): seq for _ in range(batch)})
+            k, v = cache.layer(0)
+            k.normal_()
+            v.normal_()
+            _compare(emit, kernels, k, v, batch, seq)
+        torch.cuda.empty_cache()
+
+
+def _compare(emit: Emit, kernels: dict[str, Callable], k: Any, v: Any, batch: int, seq: int):
+    import torch
+
+    # Same shape and strides in ordinary (cudaMalloc) memory: only the memory differs.
+    kc, vc = k.clone(), v.clone()
+    for phase, q_len in (("decode", 1), ("prefill", 512)):
+        q = torch.randn(batch, q_len, 8, 128, device="cuda", dtype=torch.bfloat16)
+        for name, fn in kernels.items():
+            case = {"kernel": name, "phase": phase, "batch": batch, "context": seq}
+            try:
+                equal = torch.equal(fn(q, k, v), fn(q, kc, vc))
+                t_virtual = _median_ms(lambda: fn(q, k, v), 20)
+                t_contig = _median_ms(lambda: fn(q, kc, vc), 20)
+            except Exception as e:  # one kernel's refusal must not lose the others
+                emit(kind="row", **case, error=f"{type(e).__name__}: {e}"[:200])
+                continue
+            emit(
+                kind="row",
+                **case,
+                equal=equal,
+                contiguous_ms=round(t_contig, 4),
+                virtual_over_contiguous=round(t_virtual / t_contig, 3),
+            )
+
+
+def attention_emulated(emit: Emit) -> None:
+    """CPU SDPA over host_alias views of the emulated device memory against a contiguous copy:
+    checks the plumbing (export, strides, mapped rows); its times are a CPU's."""
+    import torch
+
+    import vattention
+
+    emit(kind="note", text="flex_attention, flash-attn, vLLM's FlashAttention: need a GPU")
+    batch, seq = 4, 1024
+    cfg = vattention.KVCacheConfig(
+        num_layers=1,
+        num_kv_heads=8,
+        head_dim=64,
+        max_batch_size=batch,
+        max_seq_len=seq,
+        dtype=torch.bfloat16,
+        device="cuda:0",
+        page_size="2MB",
+    )
+    with vattention.KVCache(cfg) as cache:
+        cache.step({cache.alloc(): seq for _ in range(batch)})
+        k, v = cache.host_alias(0)
+        assert v is not None
+        k.normal_()
+        v.normal_()
+        kc, vc = k.clone(), v.clone()
+
+        def sdpa(q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            )
+
+        for phase, q_len in (("decode", 1), ("prefill", 64)):
+            q = torch.randn(batch, q_len, 8, 64, dtype=torch.bfloat16)
+            equal = torch.equal(sdpa(q, k, v), sdpa(q, kc, vc))
+            t = {}
+            for name, args in (("virtual", (q, k, v)), ("contiguous", (q, kc, vc))):
+                t0 = time.perf_counter()
+                for _ in range(5):
+                    sdpa(*args)
+                t[name] = (time.perf_counter() - t0) / 5
+            emit(
+                kind="row",
+                kernel="sdpa (CPU, host_alias)",
+                phase=phase,
+                batch=batch,
+                context=seq,
+                equal=equal,
+                virtual_over_contiguous=round(t["virtual"] / t["contiguous"], 3),
+            )
+
+
+def prefetch(emit: Emit, emulated: bool) -> None:
+    """How long step() blocks per decode iteration with the prefetch thread mapping behind the
+    model's work, over how long it blocks without: the blocking ratio (target <= 0.1)."""
+    import bench_prefetch
+
+    emit(kind="note", text="blocking_ratio: mean step() time with prefetch / without (target 0.1)")
+    if emulated:
+        compute, dims, slots, iterations, gap = _emulated_compute(emit)
+    else:
+        compute, dims, slots, iterations, gap = _gpu_compute(emit)
+    for layout in ("layer", "mega"):
+        kw: dict[str, Any] = dict(
+            iterations=iterations,
+            gap_s=gap,
+            slots=slots,
+            device="cuda:0",
+            dims=dims,
+            lookahead_tokens=16,
+            compute=compute,
+        )
+        base = bench_prefetch.run(layout, "2MB", False, **kw)
+        pf = bench_prefetch.run(layout, "2MB", True, **kw)
+        emit(
+            kind="row",
+            layout=layout,
+            page="2MB",
+            tokens_per_page=base["tokens_per_page"],
+            no_prefetch_us=f"{base['mean'] * 1e6:.1f} / {base['p99'] * 1e6:.1f}",
+            prefetch_us=f"{pf['mean'] * 1e6:.1f} / {pf['p99'] * 1e6:.1f}",
+            blocking_ratio=round(pf["mean"] / base["mean"], 3),
+            calls_per_step_in_step=pf["step_calls"],
+            calls_per_step_by_thread=pf["prefetch_calls"],
+        )
+
+
+def _gpu_compute(emit: Emit):
+    """A real kernel on the current stream between steps (torch.cuda._sleep spins the GPU for a
+    number of its clock cycles, calibrated here to 2 ms), waited for as a decode loop waits for
+    its logits: the prefetch thread's driver calls run while the GPU works."""
+    import torch
+
+    torch.cuda.init()
+    probe = 50_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(probe)  # warm-up
+    start.record()
+    torch.cuda._sleep(probe)
+    end.record()
+    end.synchronize()
+    cycles = int(probe / start.elapsed_time(end) * 2.0)
+    emit(kind="note", text=f"compute between steps: torch.cuda._sleep({cycles}) = ~2 ms of GPU")
+
+    def compute() -> None:
+        torch.cuda._sleep(cycles)
+        torch.cuda.current_stream().synchronize()
+
+    return compute, LLAMA3_8B, 64, 300, 0.002
+
+
+def _emulated_compute(emit: Emit):
+    """The emulation holds each entry point for the A100 cost; a host sleep stands in for the
+    kernel (the emulated GPU runs nothing). Fewer layers and slots: each page is a host fd."""
+    import emu
+    from bench_prefetch_cuda_emulated import A100_LATENCY_US_PER_2MB
+
+    em = emu.Emulator.load()
+    em.set_device_memory_bytes(80 << 30)
+    for entry, us in A100_LATENCY_US_PER_2MB.items():
+        em.set_latency_ns(entry, round(us * 1000))
+    emit(
+        kind="note",
+        text="A100 per-call latencies held by the emulation; a 2 ms host sleep stands in for "
+        "the kernel; 8 layers x 32 KV heads x 128 (256 tokens a page), 8 slots, 100 steps",
+    )
+    return None, dict(num_layers=8, num_kv_heads=32, head_dim=128), 8, 100, 0.002
+
+
+PARTS = {"vmm": vmm, "attention": attention, "prefetch": prefetch}
+
+
+def main(argv: list[str]) -> int:
+    name, log = argv[1], Path(argv[2])
+    emulated = "--emulated" in argv[3:]
+
+    def emit(**line: Any) -> None:
+        with log.open("a") as f:
+            f.write(json.dumps(line, default=str) + "\n")
+
+    PARTS[name](emit, emulated)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
