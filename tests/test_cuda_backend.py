@@ -225,20 +225,6 @@ def test_deferred_unmap_waits_for_the_free_event(emu):
         assert cache.stats()["fence_waits"] == 1
 
 
-def _as_torch_would(emu):
-    """This thread as an engine's: CUDA initialised, device 0's primary context current (what
-    torch does before any stream exists). Returns the context, for _done()."""
-    assert emu.lib.cuInit(0) == E.CUDA_SUCCESS
-    ctx = emu.retain_primary(0)
-    emu.set_current_context(ctx)
-    return ctx
-
-
-def _done(emu, ctx):
-    emu.set_current_context(0)
-    emu.release_primary(0)
-
-
 def _pretend_torch_stream(monkeypatch, stream):
     """Makes vattention.streams see ``stream`` as torch's current CUDA stream (CI's torch is a CPU
     build: the emulation's streams are its only CUDA streams)."""
@@ -252,10 +238,11 @@ class _Stream:
         self.cuda_stream = handle
 
 
-def test_a_page_outlives_a_kernel_on_the_callers_stream_when_its_slot_is_freed(emu, monkeypatch):
+def test_a_page_outlives_a_kernel_on_the_callers_stream_when_its_slot_is_freed(
+    emu, engine, monkeypatch
+):
     # Engines run their models on non-blocking streams (vLLM's worker sets one current), which
     # the legacy default stream does not wait for: free() must fence on the caller's stream.
-    ctx = _as_torch_would(emu)
     stream = emu.stream_create(nonblocking=True)
     _pretend_torch_stream(monkeypatch, stream)
     try:
@@ -276,13 +263,11 @@ def test_a_page_outlives_a_kernel_on_the_callers_stream_when_its_slot_is_freed(e
             assert result.get("pages", 0) > 0
     finally:
         emu.stream_destroy(stream)
-        _done(emu, ctx)
 
 
 def test_scrubbing_zeroes_on_the_callers_stream_and_the_prefetch_thread_on_its_own(
-    emu, monkeypatch
+    emu, engine, monkeypatch
 ):
-    ctx = _as_torch_would(emu)
     stream = emu.stream_create(nonblocking=True)
     _pretend_torch_stream(monkeypatch, stream)
     try:
@@ -301,11 +286,9 @@ def test_scrubbing_zeroes_on_the_callers_stream_and_the_prefetch_thread_on_its_o
             assert not k[slot, 100 : 4 * tpp].any()
     finally:
         emu.stream_destroy(stream)
-        _done(emu, ctx)
 
 
-def test_close_waits_for_kernels_on_every_stream(emu):
-    ctx = _as_torch_would(emu)
+def test_close_waits_for_kernels_on_every_stream(emu, engine):
     stream = emu.stream_create(nonblocking=True)
     try:
         cache = make()
@@ -325,7 +308,6 @@ def test_close_waits_for_kernels_on_every_stream(emu):
         del cache
     finally:
         emu.stream_destroy(stream)
-        _done(emu, ctx)
 
 
 def test_free_records_its_fence_on_the_callers_stream(emu):

@@ -37,7 +37,7 @@ def _row_range(cache: vattention.KVCache, slot: int, tokens: int) -> tuple[int, 
 
 
 @pytest.mark.parametrize("take", ["reclaim", "budget"])
-def test_a_kernel_in_flight_on_a_nonblocking_stream_outlives_its_slots_free(emu, take):
+def test_a_kernel_in_flight_on_a_nonblocking_stream_outlives_its_slots_free(emu, engine, take):
     page = E.SUITE_GRANULARITY
     probe = make(page_size=page, max_batch_size=2, max_seq_len=TOKENS)
     pages = probe.config.pages_for_tokens(TOKENS)
@@ -83,14 +83,7 @@ def test_a_kernel_in_flight_on_a_nonblocking_stream_outlives_its_slots_free(emu,
 
 
 @pytest.mark.checks_own_cleanup  # on failure the violation is the finding; cleaned up below
-@pytest.mark.xfail(
-    reason="the prefetch thread makes its VMM calls in the GLOBAL capture mode, which the driver "
-    "forbids while another thread captures in GLOBAL mode: the capture is invalidated. Expected "
-    "to pass once the prefetch thread is capture-safe (being changed in csrc/).",
-    strict=False,
-    raises=AssertionError,  # what the finding raises; a broken setup raises something else
-)
-def test_a_global_capture_beside_the_prefetch_thread_is_not_invalidated(emu):
+def test_a_global_capture_beside_the_prefetch_thread_is_not_invalidated(emu, engine):
     cache = make(page_size=E.SUITE_GRANULARITY, max_batch_size=4, max_seq_len=TOKENS)
     stream = emu.stream_create(nonblocking=True)
     capturing = False

@@ -12,7 +12,7 @@
 #endif
 #include "attention/plan.h"
 
-#if defined(__x86_64__)
+#if defined(__x86_64__) && !defined(VATTENTION_SKIP_AVX2)
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace vattention {
@@ -29,7 +29,9 @@ bool avx2_compiled() { return true; }
 }  // namespace attention
 }  // namespace vattention
 #pragma GCC pop_options
-#else  // not x86-64: the generic kernels stand in
+#else
+// Not x86-64, or a build that leaves these kernels out (VATTENTION_SKIP_AVX2: a build that will
+// not run the CPU kernel, such as `make gpu-check`'s): the generic kernels stand in.
 namespace vattention {
 namespace attention {
 KernelTable kernels_avx2() { return kernels_generic(); }

@@ -7,6 +7,7 @@ Passing these tests is evidence, not proof, that the backend is right on a GPU (
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import pytest
@@ -85,3 +86,25 @@ def make(layout="layer", **kw):
     budget = kw.pop("memory_budget", None)
     args.update(kw)
     return vattention.KVCache(vattention.KVCacheConfig(**args), memory_budget=budget)
+
+
+@contextlib.contextmanager
+def engine_thread(em):
+    """This thread as an engine's: CUDA initialised and device 0's primary context current, as
+    torch leaves it before any stream exists (a cache puts back whatever a thread had, so the
+    thread needs its own context for the streams and captures a test makes)."""
+    assert em.lib.cuInit(0) == E.CUDA_SUCCESS
+    ctx = em.retain_primary(0)
+    em.set_current_context(ctx)
+    try:
+        yield ctx
+    finally:
+        em.set_current_context(0)
+        em.release_primary(0)
+
+
+@pytest.fixture
+def engine(emu):
+    """engine_thread() for one test (before the emu fixture's leak check)."""
+    with engine_thread(emu) as ctx:
+        yield ctx
