@@ -3,9 +3,10 @@
 `make gpu-check`'s first step, for a machine that has CUDA and torch and nothing else (the GPU
 machine lent to a session has no network): ``python setup.py build_ext --inplace`` with every
 core, the CPU attention kernel's AVX-512 and AVX2 variants left out
-(VATTENTION_CPU_KERNELS=generic: the GPU check never runs them), and ``cuda.h`` found as setup.py looks for it, plus nvcc's
-installation. Skipped when the extension for this interpreter was built from the same sources:
-a stamp under build/gpu-check/ holds a hash of what the build reads.
+(VATTENTION_CPU_KERNELS=generic: the GPU check never runs them), and ``cuda.h`` found as
+setup.py looks for it, plus nvcc's installation. Skipped when the extension for this
+interpreter was built from the same sources: a stamp under build/gpu-check/ holds a hash of what
+the build reads.
 
     python benchmarks/gpu/build.py            # build if needed; prints one line
     python benchmarks/gpu/build.py --record   # the extension was just built (make build): stamp it
