@@ -33,6 +33,7 @@ import pytest
         "vattention.swap",
         "vattention.backends",
         "vattention.streams",
+        "vattention.pool_ledger",
         "vattention.attention",
         "vattention.attention.kernel",
         "vattention.attention.reference",
