@@ -36,7 +36,8 @@ def _run(args, cwd=None, timeout=120):
         (["bench", "vllm", "--help"], "usage: python -m vattention bench vllm [-h]"),
         (["demo", "--help"], "usage: python -m vattention demo [-h]"),
         (["info", "--help"], "usage: python -m vattention info [-h]"),
-        (["--help"], "usage: python -m vattention [-h] {info,demo,bench}"),
+        (["pool", "--help"], "usage: python -m vattention pool [-h]"),
+        (["--help"], "usage: python -m vattention [-h] {info,demo,bench,pool}"),
     ],
 )
 def test_each_command_prints_its_own_usage(args, usage, capsys):
@@ -52,7 +53,7 @@ def test_each_command_prints_its_own_usage(args, usage, capsys):
 def test_python_dash_m_runs_the_command_line():
     proc = _run(["vattention", "--help"])
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("usage: python -m vattention [-h] {info,demo,bench}")
+    assert proc.stdout.startswith("usage: python -m vattention [-h] {info,demo,bench,pool}")
 
 
 def test_unknown_command_is_a_usage_error(capsys):

@@ -27,6 +27,7 @@ import pytest
         "vattention.bench.progress",
         "vattention.bench.sizing",
         "vattention.bench.allocators",
+        "vattention.bench.pools",
         "vattention.config",
         "vattention.cache",
         "vattention.sharing",

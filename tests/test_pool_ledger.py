@@ -2,7 +2,7 @@
 
 Grants are whole under a lock every process takes; a process killed anywhere (mid-grant
 included) gives its bytes back without anyone's help; nothing a dead process leaves behind makes
-the budget look smaller.
+the budget look smaller; ``python -m vattention pool`` lists pools and changes budgets.
 
 Other processes are forked (multiprocessing's "fork" context: no interpreter start, no torch
 import); a forked child of a process that holds a ledger does not keep that ledger's entry alive,
@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from vattention import pool_ledger
+from vattention.__main__ import main as cli_main
 from vattention.errors import ArgumentTypeError, CacheClosedError, ConfigError
 from vattention.pool_ledger import (
     PAUSE_POINTS,
@@ -546,3 +547,71 @@ def test_lock_and_stray_files_of_a_gone_pool_are_removed_by_a_listing(pool_dir):
     (pool_dir / "gone.77.aa.engine").write_bytes(b"x")
     (pool_dir / "gone.99999999.tmp").write_bytes(b"{")
     assert list_pools(str(pool_dir)) == [] and list(pool_dir.iterdir()) == []
+
+
+# ---- the command line ---------------------------------------------------------------------------
+
+
+def _pool_cli(directory, *args):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), VATTENTION_POOL_DIR=str(directory))
+    return subprocess.run(
+        [sys.executable, "-m", "vattention", "pool", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+
+
+def test_cli_lists_pools_as_text_and_json(pool_dir):
+    with join(pool_dir, "kv", 8 << 30, model="llama-8b", max_bytes=6 << 30, device="cuda:0") as a:
+        a.try_grow(3 << 30)
+        a.report(live=2 << 30, cached=1 << 30, headroom=0)
+        text = _pool_cli(pool_dir)
+        assert text.returncode == 0, text.stderr
+        assert "pool kv on cuda:0: budget 8GB, held 3GB by 1 engine" in text.stdout
+        row = next(line.split() for line in text.stdout.splitlines() if str(os.getpid()) in line)
+        assert row[:7] == [str(os.getpid()), "llama-8b", "3GB", "2GB", "1GB", "0B", "6GB"]
+        listing = _pool_cli(pool_dir, "--json")
+        assert listing.returncode == 0, listing.stderr
+        data = json.loads(listing.stdout)
+        (pool,) = data["pools"]
+        assert data["directory"] == str(pool_dir)
+        assert (pool["name"], pool["budget_bytes"], pool["held"]) == ("kv", 8 << 30, 3 << 30)
+        assert pool["engines"][0]["pid"] == os.getpid()
+        assert pool["engines"][0]["cached"] == 1 << 30
+
+
+def test_cli_budget_change_reaches_a_live_engine(pool_dir):
+    with join(pool_dir, "kv", 1024 * MiB, max_bytes=1024 * MiB) as a:
+        a.try_grow(768 * MiB)
+        proc = _pool_cli(pool_dir, "kv", "--budget", "512MiB")
+        assert proc.returncode == 0, proc.stderr
+        assert "pool kv on cpu: budget 512MB, held 768MB by 1 engine" in proc.stdout
+        assert "over budget by 256MB" in proc.stdout
+        assert a.budget_bytes == 512 * MiB and a.over_budget() == 256 * MiB
+
+
+def test_cli_unknown_pool_is_exit_status_2(pool_dir):
+    with join(pool_dir, "kv"):
+        proc = _pool_cli(pool_dir, "nope", "--budget", "1GiB")
+    assert proc.returncode == 2
+    assert f"error: no pool named 'nope' in {pool_dir} (pools there: kv)" in proc.stderr
+
+
+def test_cli_usage_errors_in_process(pool_dir, capsys, monkeypatch):
+    monkeypatch.setenv("VATTENTION_POOL_DIR", str(pool_dir))
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["pool", "--budget", "1GiB"])
+    assert exit_.value.code == 2 and "--budget needs the pool's NAME" in capsys.readouterr().err
+    assert cli_main(["pool"]) == 0 and capsys.readouterr().out == f"no pools in {pool_dir}\n"
+    with join(pool_dir, "kv"), join(pool_dir, "other"):
+        assert cli_main(["pool", "kv"]) == 0
+        out = capsys.readouterr().out
+        assert "pool kv on cpu" in out and "pool other" not in out
+        assert cli_main(["pool", "missing"]) == 2
+        assert "no pool named 'missing'" in capsys.readouterr().err
+        assert cli_main(["pool", "kv", "--budget", "lots"]) == 2
+        assert "--budget='lots' is not a size" in capsys.readouterr().err
+        assert cli_main(["pool", "bad/name", "--budget", "1"]) == 2
+        assert "is not valid" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Command line: ``python -m vattention {info,demo,bench}``."""
+"""Command line: ``python -m vattention {info,demo,bench,pool}``."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def _info() -> int:
     return 0
 
 
-COMMANDS = ("info", "demo", "bench")
+COMMANDS = ("info", "demo", "bench", "pool")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -51,6 +51,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .bench.demo import main as demo_main
 
         return demo_main(rest)
+    if command == "pool":
+        from .bench.pools import main as pool_main
+
+        return pool_main(rest)
     try:
         from .bench.cli import main as bench_main
     except ImportError:
