@@ -82,6 +82,26 @@ QWEN_REQUESTS = [(220, 90), (180, 100), (250, 70), (150, 110), (200, 80), (240, 
 PREFIXES = [prompt(300, 900 + i) for i in range(3)]  # three system prompts, 300 tokens each
 PREFIX_REQUESTS = [(p, 10 + 7 * i) for i in range(4) for p in range(3)]  # (prompt, own tokens)
 WINDOW = 64
+ELASTIC_PREFIX = prompt(896, 1400)
+ELASTIC_CAP = 2 << 20  # VATTENTION_VLLM_PREFIX_CACHE_BYTES of the elastic workload: 16 blocks
+# Two engines on one 12 MiB pool, eager, bursts of 6 requests needing 70% of it; with the kill
+# phase; the static split of the plugin for the tokens (stock's split is the benchmark's).
+ELASTIC_BENCH_ARGS = [
+    "--budget",
+    "12MiB",
+    "--prompt",
+    "240",
+    "--output",
+    "16",
+    "--max-model-len",
+    "512",
+    "--config",
+    "pool",
+    "--config",
+    "static-plugin",
+    "--kill",
+    "--enforce-eager",
+]
 WINDOWED = ("mistral-window", "gemma3", "qwen2-window")
 # Engine arguments the plugin must refuse at start-up, and the option its message must name.
 FAIL_FAST = [
@@ -301,6 +321,43 @@ def _start_scenarios(started: dict) -> None:
                 ],
             },
         )
+    # Memory follows live tokens at the defaults: a 256 MiB budget, a warm-up and 16 requests
+    # behind one 896-token prompt; live rows need at most ~16 MiB. The plugin's run keeps at
+    # most 2 MiB of cached blocks (16 blocks: the prompt's 7 and the most recent others).
+    elastic = {
+        "model": models["llama"],
+        "engine": _eager(max_model_len=1024, max_num_seqs=16, kv_cache_memory_bytes=256 << 20),
+        "requests": [{"prompt_token_ids": prompt(40, 1500), "sampling": greedy(8)}]
+        + [
+            {
+                "prompt_token_ids": ELASTIC_PREFIX + prompt(20 + 3 * i, 1600 + i),
+                "sampling": greedy(16),
+            }
+            for i in range(16)
+        ],
+    }
+    _pair(
+        started,
+        "elastic",
+        workdir,
+        elastic,
+        zygote,
+        plugin_env={"VATTENTION_VLLM_PREFIX_CACHE_BYTES": str(ELASTIC_CAP)},
+    )
+    started["bench-elastic"] = Inline(
+        [
+            "-m",
+            "vattention",
+            "bench",
+            "elastic",
+            *ELASTIC_BENCH_ARGS,
+            "--json",
+            str(workdir / "bench-elastic.json"),
+        ],
+        workdir,
+        "bench-elastic",
+        plugin=False,
+    )
     _pair(
         started,
         "fp8",
@@ -403,14 +460,50 @@ def test_prefix_cache_hits_map_the_cached_pages_once(runs):
     own_blocks = sum(-(-(300 + n + 8) // BLOCK) - 2 for _, n in PREFIX_REQUESTS)
     one_copy = 3 * 2 + own_blocks
     assert 0 < stats["blocks_with_pages"] <= one_copy
-    # With prefix caching the pool is the whole budget from start-up on (as stock vLLM's
-    # buffer), and no step had to create a page.
-    assert (
-        stats["pages_created"]
-        == stats["pages_total"]
-        == stats["memory_budget"] // stats["page_bytes"]
-    )
+    # No start-up reserve: pages are created as vLLM's scheduler grants blocks, far below the
+    # budget (16 MiB) for this workload's ~1.5 MiB of rows.
+    assert 0 < stats["pages_created"] * stats["page_bytes"] <= (16 << 20) // 2
     assert stats["bytes_saved_by_sharing"] >= 0 and stats["oom_events"] == 0
+
+
+def test_memory_follows_live_tokens_and_a_bounded_prefix_cache(runs):
+    stock, plugin = runs["elastic-stock"].result(), runs["elastic-plugin"].result()
+    assert plugin["tokens"] == stock["tokens"]
+    stats = plugin["vattention_stats"]
+    budget, page = 256 << 20, stats["page_bytes"]
+    assert stats["memory_budget"] <= budget  # the most it may hold; it holds far less:
+    assert stats["pages_created"] * page <= budget // 2, stats["pages_created"] * page
+    # After the last request the engine holds at most the cache cap plus the headroom.
+    elastic = stats["elastic"]
+    assert stats["pages_total"] * page <= ELASTIC_CAP + elastic["headroom_target_bytes"]
+    assert elastic["cached_bytes"] <= ELASTIC_CAP and elastic["live_bytes"] == 0
+    # The prompt's 7 whole blocks stay cached (most recently used): every request after the
+    # first wave hits them, zero copy.
+    assert stats["block_hits"] >= 7
+    assert stats["blocks_released"] > 0 and stats["oom_events"] == 0
+
+
+def test_two_engines_share_one_pool_and_a_killed_engine_gives_its_share_back(runs):
+    rc, out = runs["bench-elastic"].wait()
+    assert rc == 0, out[-4000:]
+    assert "| pool | all at once |" in out and "| static-plugin | engine 0 alone |" in out
+    report = json.loads((runs["workdir"] / "bench-elastic.json").read_text())
+    pool = report["results"]["pool"]
+    budget = 12 << 20
+    checks = pool["checks"]
+    assert checks["samples"] > 20 and checks["most_held"] <= budget
+    assert pool["tokens_equal_static_plugin"][0] == pool["tokens_equal_static_plugin"][1] > 0
+    phases = pool["phases"]
+    # every request of both bursts at once completed, no engine raised
+    both = phases["all at once"]
+    assert sorted(both["answers"]) == ["0", "1"]
+    assert all(len(a["end"]) == len(a["ttft"]) > 0 for a in both["answers"].values())
+    # the survivor of a SIGKILL admits a burst of 60% of the budget within seconds, and the
+    # pool lists one engine
+    big = phases["kill: survivor's big burst"]
+    assert big["engines_listed"] == 1 and big["seconds_after_kill"] < 60
+    assert big["summary"]["ttft_p99"] < 30
+    assert pool["engines_left_in_pool"] == 0  # the survivor left at its shutdown
 
 
 def test_tight_budget_preempts_and_tokens_still_match(runs):

@@ -155,6 +155,48 @@ def test_layout_env_is_checked(monkeypatch):
     assert plugin.layout_from_env() == "auto"
 
 
+@pytest.mark.parametrize("layout", ["mega", "layer"])
+def test_a_blocks_bytes_are_its_pages_in_every_tensor_of_its_group(layout):
+    kv = kv_layout.kv_layout(_kv((_spec(), ["a", "b", "c"])), torch.float32, layout)
+    cfg = kv.cache_config(max_batch_size=4, max_seq_len=1280, device="cpu", block_cache=True)
+    assert (
+        kv.block_bytes() * kv.num_blocks == kv.memory_budget(cfg) == 10 * 2 * 3 * 128 * 2 * 32 * 4
+    )
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_the_elastic_scheduler_is_named_by_vllms_own_setting(async_scheduling):
+    config = NS(scheduler_cls=None, async_scheduling=async_scheduling)
+    plugin._elastic_scheduler(config)
+    assert config.scheduler_cls == (
+        plugin.ASYNC_SCHEDULER if async_scheduling else plugin.SCHEDULER
+    )
+    plugin._elastic_scheduler(config)  # a config checked twice keeps it
+    assert config.scheduler_cls.startswith("vattention.integrations.vllm.scheduler.")
+    custom = NS(scheduler_cls="mine.Scheduler", async_scheduling=async_scheduling)
+    with pytest.raises(vattention.ConfigError, match=r"custom scheduler class \(mine.Scheduler\)"):
+        plugin._elastic_scheduler(custom)
+    assert custom.scheduler_cls == "mine.Scheduler"
+
+
+def test_memory_settings_are_checked_at_start_up(monkeypatch):
+    for name in ("VATTENTION_VLLM_POOL", "VATTENTION_VLLM_POOL_BYTES"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("VATTENTION_VLLM_PREFIX_CACHE_BYTES", "lots")
+    with pytest.raises(vattention.ConfigError, match="VATTENTION_VLLM_PREFIX_CACHE_BYTES"):
+        plugin._check_memory_settings()
+    monkeypatch.setenv("VATTENTION_VLLM_PREFIX_CACHE_BYTES", "64MiB")
+    plugin._check_memory_settings()
+    monkeypatch.setenv("VATTENTION_VLLM_POOL", "shared")
+    with pytest.raises(vattention.ConfigError, match="needs VATTENTION_VLLM_POOL_BYTES"):
+        plugin._check_memory_settings()
+    monkeypatch.setenv("VATTENTION_VLLM_POOL_BYTES", "-3")
+    with pytest.raises(vattention.ConfigError, match="VATTENTION_VLLM_POOL_BYTES"):
+        plugin._check_memory_settings()
+    monkeypatch.setenv("VATTENTION_VLLM_POOL_BYTES", "8GiB")
+    plugin._check_memory_settings()
+
+
 def test_cpu_auto_layout_is_layer_only_while_its_mappings_fit_half_the_limit(caplog):
     # bench vllm's small model: 16 seqs x 32 blocks x 2 x 4 layers = 4096 mappings
     caplog.set_level("INFO", logger=plugin.logger.name)

@@ -125,9 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--check", action="store_true", help="check allocator invariants at every step (slower)"
     )
     mem.add_argument("--quiet", action="store_true", help="no progress bar")
+    from .elastic_bench import add_parser as add_elastic_parser
     from .vllm_bench import add_parser as add_vllm_parser
 
     add_vllm_parser(sub)
+    add_elastic_parser(sub)
     return parser
 
 
@@ -197,6 +199,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             from .vllm_bench import run as run_vllm
 
             return run_vllm(args)
+        if args.benchmark == "elastic":
+            from .elastic_bench import run as run_elastic
+
+            return run_elastic(args)
     except (ValueError, RuntimeError, ImportError) as exc:
         wants_real = any(n.startswith("vattention-") for n in getattr(args, "allocators", []))
         hint = ""

@@ -117,6 +117,90 @@ def serve(spec: Dict[str, Any]) -> int:
     return 0
 
 
+def serve_bursts(spec: Dict[str, Any]) -> int:
+    """``--bursts``: one engine, one burst per stdin line, answered with per-request timings.
+
+    A burst is ``{"requests": [...], "arrivals": [s, ...], "start_at": time.time() value}``:
+    request i is added ``arrivals[i]`` seconds after ``start_at`` (engines of one benchmark share
+    that clock), and the engine is stepped here (``LLMEngine.step``) so that each request's first
+    token and completion are timed as they happen. The answer holds, per request, TTFT and the
+    end (seconds from its arrival, from ``start_at``), its tokens, and the burst's preemptions.
+    """
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    sys.stdout.flush()
+    answer = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    import vllm
+
+    llm = vllm.LLM(model=spec["model"], **spec.get("engine", {}))
+    engine = llm.llm_engine
+    preemptions = _count_preemptions(llm)
+    print(json.dumps({"ready": True, "pid": os.getpid()}), file=answer, flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command.get("quit"):
+            break
+        requests, arrivals = command["requests"], command["arrivals"]
+        start = float(command["start_at"])
+        order = sorted(range(len(requests)), key=lambda i: arrivals[i])
+        first: Dict[int, float] = {}
+        end: Dict[int, float] = {}
+        tokens: Dict[int, List[int]] = {}
+        preempted_before = preemptions()
+        while len(end) < len(requests):
+            now = time.time() - start
+            while order and arrivals[order[0]] <= now:
+                i = order.pop(0)
+                engine.add_request(
+                    str(i),
+                    {"prompt_token_ids": requests[i]["prompt_token_ids"]},
+                    vllm.SamplingParams(**requests[i].get("sampling", {})),
+                )
+            if not engine.has_unfinished_requests():
+                time.sleep(max(0.0, min(0.05, arrivals[order[0]] - now)) if order else 0.001)
+                continue
+            for out in engine.step():
+                i, at = int(out.request_id), time.time() - start
+                if i not in first and out.outputs and out.outputs[0].token_ids:
+                    first[i] = at
+                if out.finished:
+                    end[i] = at
+                    tokens[i] = list(out.outputs[0].token_ids)
+        print(
+            json.dumps(
+                {
+                    "ttft": [first[i] - arrivals[i] for i in range(len(requests))],
+                    "end": [end[i] for i in range(len(requests))],
+                    "tokens": [tokens[i] for i in range(len(requests))],
+                    "preemptions": preemptions() - preempted_before,
+                }
+            ),
+            file=answer,
+            flush=True,
+        )
+    _shutdown(llm)
+    return 0
+
+
+def _count_preemptions(llm):
+    """Count the requests the scheduler preempts (its outputs' ``preempted_req_ids``), stock and
+    plugin alike; the engine must run in this process."""
+    core = llm.llm_engine.engine_core.engine_core
+    scheduler = core.scheduler
+    count = [0]
+    schedule = scheduler.schedule
+
+    def counted(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        count[0] += len(getattr(out, "preempted_req_ids", None) or ())
+        return out
+
+    scheduler.schedule = counted
+    return lambda: count[0]
+
+
 def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -174,13 +258,14 @@ def hf_greedy(model_path: str, requests: List[Dict[str, Any]]) -> List[List[int]
 
 def main(argv: List[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) == 2 and argv[0] == "--serve":
+    if len(argv) == 2 and argv[0] in ("--serve", "--bursts"):
         with open(argv[1]) as f:
-            return serve(json.load(f))
+            return (serve if argv[0] == "--serve" else serve_bursts)(json.load(f))
     if len(argv) != 2:
         print(
             "usage: python -m vattention.bench.vllm_run SPEC.json OUT.json\n"
-            "       python -m vattention.bench.vllm_run --serve SPEC.json",
+            "       python -m vattention.bench.vllm_run --serve SPEC.json\n"
+            "       python -m vattention.bench.vllm_run --bursts SPEC.json",
             file=sys.stderr,
         )
         return 2

@@ -7,9 +7,12 @@ at vLLM's defaults (prefix caching on, its KV cache groups, ``--kv-cache-dtype``
 
 * skip vLLM's KV buffer and hold every layer's K and V in one ``KVCache`` sized from vLLM's config
   (``max_num_seqs`` slots of ``max_model_len`` tokens, the KV memory vLLM would have allocated as
-  the physical memory budget), whose pages vLLM's block ids name: a request's row maps its block
+  the most it may hold), whose pages vLLM's block ids name: a request's row maps its block
   table in order, a prefix-cache hit maps the cached block's pages again (zero copy), a sliding
   window's released blocks leave the row;
+* run vLLM's scheduler with an elastic block pool (``scheduler_cls``): a block has pages only
+  while it is in use or kept in a bounded prefix cache, and admission follows what memory (the
+  engine's own, or a pool shared with other engines) can back;
 * give each request a slot when it is first scheduled and take it back when it finishes, is
   aborted or is preempted; call ``step()`` with the step's lengths and block tables before every
   forward, ``prefetch()`` with the next step's lengths;
@@ -30,6 +33,13 @@ Environment
     Cache layout (default ``auto``: ``layer`` for hybrid models; for models whose layers share
     one KV spec, ``mega`` on CUDA (two mappings per block instead of two per layer) and on the
     CPU ``layer`` where its mappings fit within half of the host backend's limit, else ``mega``).
+``VATTENTION_VLLM_PREFIX_CACHE_BYTES=<size>``
+    The most memory that free, cached blocks (vLLM's prefix cache) keep (default: 16,384 tokens'
+    worth, at most an eighth of the engine's KV memory). Beyond it the least recently used lose
+    their pages and leave vLLM's prefix-cache index in the same step.
+``VATTENTION_VLLM_POOL=<name>``, ``VATTENTION_VLLM_POOL_BYTES=<size>``
+    Engines (processes) naming the same pool draw on one KV budget on their device; the first
+    engine's ``VATTENTION_VLLM_POOL_BYTES`` sets it. ``python -m vattention pool`` lists pools.
 ``VATTENTION_VLLM_ALLOW_UNTESTED=1``
     Run on a vLLM version other than the supported ones (at your own risk).
 """

@@ -206,6 +206,13 @@ class KVLayout:
             layer_groups=list(self.layer_groups) if self.num_groups > 1 else None,
         )
 
+    def block_bytes(self) -> int:
+        """Bytes of one vLLM block's pages in this worker's cache (every tensor of its group)."""
+        config = self.cache_config(
+            max_batch_size=1, max_seq_len=self.block_size, device="cpu", block_cache=True
+        )
+        return config.geometry.group_width * config.page_bytes
+
     def memory_budget(self, config: KVCacheConfig) -> int:
         """Bytes of the ``num_blocks`` blocks vLLM would have allocated (its widest group's)."""
         return self.num_blocks * config.geometry.group_width * config.page_bytes

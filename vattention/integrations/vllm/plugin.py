@@ -32,6 +32,7 @@ import os
 from typing import Any
 
 from ... import backends
+from ...config import parse_size
 from ...errors import ConfigError
 from .flash import BLOCK_MULTIPLE
 from .kv_layout import (
@@ -45,6 +46,9 @@ from .kv_layout import (
 from .settings import (
     ENV_ALLOW_UNTESTED,
     ENV_LAYOUT,
+    ENV_POOL,
+    ENV_POOL_BYTES,
+    ENV_PREFIX_CACHE_BYTES,
     ENV_V2_RUNNER,
     LAYOUT_KEY,
     TESTED_VLLM_VERSIONS,
@@ -59,6 +63,8 @@ GPU_WORKER = "vattention.integrations.vllm.worker.VAttentionGPUWorker"
 CPU_BACKEND = "vattention.integrations.vllm.attention.VAttentionCPUBackend"
 CUDA_BACKEND = "vattention.integrations.vllm.attention.VAttentionFlashBackend"
 _v1_selected = False  # this process set VLLM_USE_V2_MODEL_RUNNER=0 (select_v1_runner)
+SCHEDULER = "vattention.integrations.vllm.scheduler.VAttentionScheduler"
+ASYNC_SCHEDULER = "vattention.integrations.vllm.scheduler.VAttentionAsyncScheduler"
 _STOCK_WORKERS = ("auto", "vllm.v1.worker.cpu_worker.CPUWorker", "vllm.v1.worker.gpu_worker.Worker")
 
 
@@ -212,6 +218,8 @@ def configure(vllm_config: Any, *, device_type: str) -> None:
     if parallel.worker_cls not in _STOCK_WORKERS + (CPU_WORKER, GPU_WORKER):
         raise _unsupported(f"a custom worker class ({parallel.worker_cls})", "drop --worker-cls")
     parallel.worker_cls = CPU_WORKER if device_type == "cpu" else GPU_WORKER
+    _elastic_scheduler(vllm_config.scheduler_config)
+    _check_memory_settings()
     if device_type == "cuda":
         vllm_config.attention_config.backend = _flash_attn_enum()
         _piecewise_cuda_graphs(vllm_config)
@@ -325,6 +333,29 @@ def _log_v1_selection() -> None:
             "V2 is vLLM's default where Triton runs)",
             ENV_V2_RUNNER,
         )
+
+
+def _check_memory_settings() -> None:
+    """The elastic-memory variables, read by the scheduler later: bad values fail now."""
+    for name in (ENV_PREFIX_CACHE_BYTES, ENV_POOL_BYTES):
+        if os.environ.get(name):
+            parse_size(os.environ[name], name=name)
+    if os.environ.get(ENV_POOL) and not os.environ.get(ENV_POOL_BYTES):
+        raise ConfigError(
+            f"{ENV_POOL}={os.environ[ENV_POOL]!r} needs {ENV_POOL_BYTES}, the pool's budget "
+            "(bytes or a size such as '8GiB'; every engine of the pool gives the same)"
+        )
+
+
+def _elastic_scheduler(scheduler_config: Any) -> None:
+    """vLLM's scheduler (async where vLLM chose async scheduling, its default) with the elastic
+    block pool (scheduler.py), named by vLLM's own ``scheduler_cls`` setting."""
+    current = scheduler_config.scheduler_cls
+    if current not in (None, SCHEDULER, ASYNC_SCHEDULER):
+        raise _unsupported(f"a custom scheduler class ({current})", "drop --scheduler-cls")
+    scheduler_config.scheduler_cls = (
+        ASYNC_SCHEDULER if scheduler_config.async_scheduling else SCHEDULER
+    )
 
 
 def _piecewise_cuda_graphs(vllm_config: Any) -> None:

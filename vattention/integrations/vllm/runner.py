@@ -103,21 +103,14 @@ class VAttentionRunnerMixin:
             device="cpu" if self.device.type == "cpu" else f"cuda:{self.device.index or 0}",
             block_cache=bool(self.cache_config.enable_prefix_caching),
         )
+        # No pages yet: the scheduler's elastic block pool (scheduler.py) says each step which
+        # blocks keep pages and how many pages this worker may hold.
         cache = KVCache(config, memory_budget=kv.memory_budget(config))
-        if config.block_cache:
-            # With prefix caching a block keeps its pages until vLLM hands its id out fresh, and
-            # vLLM hands out every id once before it reuses any: memory reaches the budget after
-            # the first budget's worth of tokens whatever we do. Creating the pages now, as stock
-            # vLLM allocates its whole buffer now, keeps page creation out of the steps (up to
-            # tens of ms on a step that admits new requests).
-            try:
-                cache.reserve(kv.memory_budget(config))
-            except BaseException:
-                cache.close()
-                raise
         self._vattention = cache
         self._vattention_slots = RequestSlots(self._vattention)
         self._vattention_block_size = kv.block_size
+        self._vattention_block_bytes = kv.block_bytes()
+        self._vattention_elastic: Dict[str, Any] = {}  # the last step's budget, headroom, figures
         self._vattention_preemptions = 0
         self._vattention_peak_mapped = 0
         self._vattention_peak_mappings = 0
@@ -145,7 +138,7 @@ class VAttentionRunnerMixin:
             kv.block_size,
             kv.memory_budget(config),
             kv.num_blocks,
-            "created at start-up" if config.block_cache else "created as tokens arrive",
+            "created as vLLM's scheduler grants them",
             len(kv.layer_names),
             kv.num_groups,
             "on" if config.block_cache else "off",
@@ -213,6 +206,9 @@ class VAttentionRunnerMixin:
         preempted = scheduler_output.preempted_req_ids or set()
         self._vattention_preemptions += len(preempted)
         self._vattention_slots.release(scheduler_output.finished_req_ids | preempted, stream)
+        elastic = getattr(scheduler_output, "vattention_elastic", None)
+        if elastic is not None:
+            self._apply_elastic(cache, elastic, stream)
         updates = self._block_updates(scheduler_output, stream)
         result = super()._update_states(scheduler_output)  # type: ignore[misc]
 
@@ -245,6 +241,24 @@ class VAttentionRunnerMixin:
         self._vattention_batch = BatchSlots(slots, past)
         return result
 
+    def _apply_elastic(self, cache: KVCache, elastic: Any, stream: Any) -> None:
+        """The scheduler's word on this step's memory (elastic.py), before the step maps
+        anything: the released blocks' pages go, then the budget and headroom follow."""
+        if elastic.release and cache.config.block_cache:
+            cache.release_blocks(elastic.release, stream=stream)
+        last = self._vattention_elastic
+        budget = elastic.budget_blocks * self._vattention_block_bytes
+        headroom = elastic.headroom_blocks * self._vattention_block_bytes
+        if budget != last.get("budget_bytes"):
+            cache.set_memory_budget(budget)
+        if headroom != last.get("headroom_target_bytes"):
+            cache.set_headroom(headroom)
+        self._vattention_elastic = {
+            "budget_bytes": budget,
+            "headroom_target_bytes": headroom,
+            **elastic.figures,
+        }
+
     def _zero_block_ids(self, block_ids) -> None:
         # vLLM zeroes reused blocks so that its kernels never mix stale data into a partial
         # block; vattention kernels read a request's row only below its length.
@@ -266,6 +280,7 @@ class VAttentionRunnerMixin:
             block_size=self._vattention_block_size,
             attention_kernel=self._attention_kernel(),
             vllm_kv_buffer_bytes=sum(t.numel() * t.element_size() for t in self.kv_caches),
+            elastic=dict(self._vattention_elastic),
         )
         return stats
 
