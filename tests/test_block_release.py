@@ -177,8 +177,11 @@ def test_bad_ids_are_refused_with_nothing_changed(make, case):
 
 def test_release_blocks_needs_a_cache_named_by_blocks(device, layout):
     with vattention.KVCache(_config(device, layout)) as cache:
-        with pytest.raises(vattention.ConfigError, match=r"release_blocks\(\) needs .*num_blocks"):
-            cache.release_blocks([1])
+        for ids in ([1], [-1], [2**70]):
+            with pytest.raises(
+                vattention.ConfigError, match=r"release_blocks\(\) needs .*num_blocks"
+            ):
+                cache.release_blocks(ids)
     with pytest.raises(vattention.CacheClosedError):
         cache.release_blocks([1])
 

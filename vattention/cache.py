@@ -604,7 +604,12 @@ class KVCache(SharingMixin, SwapMixin):
         ([[5, 6, 7]], 1)
         """
         if isinstance(ids, torch.Tensor):
-            if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            if (
+                ids.dim() != 1
+                or ids.dtype.is_floating_point
+                or ids.dtype.is_complex
+                or ids.dtype == torch.bool
+            ):
                 raise ArgumentTypeError(
                     f"ids must be a 1-D integer tensor of block ids, got a {ids.dtype} tensor "
                     f"of shape {tuple(ids.shape)}"
@@ -616,12 +621,16 @@ class KVCache(SharingMixin, SwapMixin):
                     f"ids must be a sequence of block ids, got {type(ids).__name__}"
                 )
             values = [as_int(b, "ids[]") for b in ids]
-        blocks = self._config.num_blocks or 0
+        blocks = self._config.num_blocks
         for b in values:
-            if not -(2**63) <= b < 2**63:  # the core checks [0, num_blocks) itself
-                raise ConfigError(
-                    f"release_blocks: block {b} is outside [0, {blocks}) (num_blocks={blocks})"
-                )
+            if -(2**63) <= b < 2**63:  # the core checks [0, num_blocks) itself
+                continue
+            if blocks is None:
+                values = []  # a cache whose slots own their pages: the core refuses the call
+                break
+            raise ConfigError(
+                f"release_blocks: block {b} is outside [0, {blocks}) (num_blocks={blocks})"
+            )
         return self._core.release_blocks(values, self._stream(stream))
 
     def block_table(self, slot: int) -> List[List[int]]:
