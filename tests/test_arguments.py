@@ -284,6 +284,8 @@ CLOSED_CALLS = {
     "reclaim": lambda c: c.reclaim(),
     "shrink": lambda c: c.shrink(),
     "set_memory_budget": lambda c: c.set_memory_budget(None),
+    "set_headroom": lambda c: c.set_headroom(0),
+    "release_blocks": lambda c: c.release_blocks([0]),
     "mapped_tokens": lambda c: c.mapped_tokens(0),
     "seq_len": lambda c: c.seq_len(0),
     "window_start": lambda c: c.window_start(0, 0),

@@ -3,7 +3,8 @@
 
 - A "kernel" still reading a slot's rows on a non-blocking stream when the slot is freed on that
   stream: the pages are unmapped only once it completed (zero rule violations), whether reclaim()
-  or another slot's step() under a tight budget takes them.
+  or another slot's step() under a tight budget takes them, or release_blocks() gives back the
+  engine blocks the idle row maps (and the budget's trim destroys their pages).
 - A capture begun in the default GLOBAL mode on one thread while the prefetch thread maps pages:
   the capture must survive (the driver forbids VMM calls of other threads in GLOBAL mode unless
   they make them in a mode that allows them).
@@ -82,6 +83,49 @@ def test_a_kernel_in_flight_on_a_nonblocking_stream_outlives_its_slots_free(emu,
         assert emu.stream_destroy(side) == E.CUDA_SUCCESS
 
 
+@pytest.mark.parametrize("freed_on", ["side", "legacy"])
+def test_released_blocks_outlive_a_kernel_on_the_callers_stream(emu, engine, freed_on):
+    # An engine block's pages, read by a kernel still in flight, given back by release_blocks()
+    # and destroyed by the budget's trim: the row is unmapped, and the pages destroyed, only once
+    # the kernel completed. "legacy": the slot was freed on the legacy stream, whose fence a
+    # non-blocking stream's kernel does not hold up: the fence on release_blocks' own stream does.
+    page = E.SUITE_GRANULARITY
+    cache = make(
+        page_size=page, max_batch_size=2, max_seq_len=TOKENS, num_blocks=8, block_cache=True
+    )
+    side = emu.stream_create(nonblocking=True)
+    try:
+        a = cache.alloc()
+        cache.step({a: TOKENS}, blocks={a: (0, [1, 2, 3, 4], 0)})  # one block a page index
+        pages = cache.stats()["pages_mapped"]
+        unit = emu.launch(side, *_row_range(cache, a, TOKENS), held=True)  # reads a's rows
+        cache.free(a, stream=side if freed_on == "side" else 0)  # idle: it still maps 1-4
+        unmaps, releases = emu.counter("cuMemUnmap"), emu.counter("cuMemRelease")
+        result: dict = {}
+
+        def give_back() -> None:
+            try:
+                result["pages"] = cache.release_blocks([1, 2, 3, 4], stream=side)
+                result["over"] = cache.set_memory_budget(page)  # trims: destroys those pages
+            except Exception as e:  # pragma: no cover - surfaced by the assertion below
+                result["error"] = e
+
+        t = threading.Thread(target=give_back)
+        t.start()
+        time.sleep(0.2)
+        assert t.is_alive(), "the blocks' pages went while a kernel still read them"
+        assert emu.counter("cuMemUnmap") == unmaps
+        assert emu.counter("cuMemRelease") == releases
+        emu.complete(unit)
+        t.join(5)
+        assert result == {"pages": pages, "over": 0}
+        assert emu.counter("cuMemRelease") == releases + pages - 1  # one page stays: the budget
+        assert emu.violations == 0, emu.last_violation()
+    finally:
+        cache.close()
+        assert emu.stream_destroy(side) == E.CUDA_SUCCESS
+
+
 @pytest.mark.checks_own_cleanup  # on failure the violation is the finding; cleaned up below
 def test_a_global_capture_beside_the_prefetch_thread_is_not_invalidated(emu, engine):
     cache = make(page_size=E.SUITE_GRANULARITY, max_batch_size=4, max_seq_len=TOKENS)
@@ -116,3 +160,52 @@ def test_a_global_capture_beside_the_prefetch_thread_is_not_invalidated(emu, eng
             emu.end_capture(stream)
         cache.close()
         emu.stream_destroy(stream)
+
+
+def test_the_headroom_is_created_by_the_prefetch_thread_not_in_the_step(emu, engine):
+    # The step takes the headroom's pages; the refill's first cuMemCreate is held at a gate: the
+    # step has returned by then, having created nothing, and the thread makes the pages after.
+    page = E.SUITE_GRANULARITY
+    cache = make(page_size=page, max_batch_size=2, max_seq_len=TOKENS, num_blocks=8)
+    try:
+        per_block = cache.config.pages_per_index
+        cache.set_headroom(2 * per_block * page)
+        cache.wait()
+        assert cache.stats()["pages_free"] == 2 * per_block
+        creates = emu.counter("cuMemCreate")
+        emu.gate("cuMemCreate")
+        a = cache.alloc()
+        cache.step({a: 1}, blocks={a: (0, [3], 0)})  # one block's pages, from the free list
+        s = cache.stats()
+        assert s["step_pages_created"] == 0 and s["pages_free"] == per_block
+        emu.wait_gate_held()  # the refill, on the prefetch thread
+        assert emu.counter("cuMemCreate") == creates + 1
+        emu.gate_open()
+        cache.wait()
+        s = cache.stats()
+        assert s["pages_free"] == 2 * per_block and s["background_pages_created"] == 3 * per_block
+    finally:
+        emu.gate_open()
+        cache.close()
+
+
+def test_a_step_waits_for_one_page_of_the_refill_at_most(emu, engine):
+    # 50 ms a cuMemCreate: refilling 30 pages takes 1.5 s. A step on engine blocks that arrives
+    # meanwhile waits for the page under way (it settles), then creates its own 4 (the free list
+    # is short): a quarter of a second, not the whole refill.
+    page = E.SUITE_GRANULARITY
+    cache = make(page_size=page, max_batch_size=2, max_seq_len=TOKENS, num_blocks=8)
+    try:
+        emu.set_latency_us("cuMemCreate", 50_000)
+        cache.set_headroom(30 * page)
+        time.sleep(0.02)  # the first page is under way
+        a = cache.alloc()
+        t0 = time.monotonic()
+        cache.step({a: 1}, blocks={a: (0, [3], 0)})
+        took = time.monotonic() - t0
+        assert took < 0.75, f"the step waited {took:.2f} s for the refill"
+        cache.wait()
+        assert cache.stats()["pages_free"] == 30
+    finally:
+        emu.set_latency_us("cuMemCreate", 0)
+        cache.close()

@@ -89,6 +89,11 @@ STATE_EXEMPT = {
     "blocks_adopted",
     "blocks_reused",
     "blocks_detached",
+    "step_pages_created",
+    "step_page_create_ns",
+    "background_pages_created",
+    "background_page_create_ns",
+    "page_destroy_ns",
 }
 
 
@@ -144,6 +149,15 @@ def _idle_under_budget(cache):
     return ctx
 
 
+def _headroom_short(cache):
+    """A headroom of 3 pages whose pages went (shrink): the next call that checks refills it."""
+    ctx = _two_active(cache)
+    cache.set_headroom(3 * 64 * 1024)
+    cache.wait()
+    cache.shrink(0)
+    return ctx
+
+
 def _reclaimed(cache):
     ctx = _idle_and_active(cache)
     cache.reclaim()
@@ -194,6 +208,18 @@ def _blocks_full_and_fresh(cache):
     return {"a": a, "c": cache.alloc(), "live": [(a, 2 * TPP)]}
 
 
+def _blocks_idle_rows(cache):
+    """a runs with blocks 1, 2; b and c finished (idle, still mapping 3, 4 and 5)."""
+    a, b, c = cache.alloc(), cache.alloc(), cache.alloc()
+    cache.step(
+        {a: TPP + 10, b: 2 * TPP, c: 20},
+        blocks={a: (0, [1, 2], 0), b: (0, [3, 4], 0), c: (0, [5], 0)},
+    )
+    cache.free(b)
+    cache.free(c)
+    return {"a": a, "b": b, "c": c, "live": [(a, TPP + 10)]}
+
+
 def _blocks_idle_row(cache):
     """b finished (idle, still mapping block 3); a runs; c, another slot, is a new request."""
     ctx = _blocks_two_active(cache)
@@ -218,6 +244,12 @@ SCENARIOS = {
     "reclaim": (_idle_and_active, lambda c, x: c.reclaim()),
     "shrink": (_reclaimed, lambda c, x: c.shrink(0)),
     "set_memory_budget": (_idle_and_active, lambda c, x: c.set_memory_budget(4 * 64 * 1024)),
+    # The prefetch thread refills the headroom (a prefetch with nothing to map asks it to); its
+    # failure is raised by wait().
+    "headroom_refill": (
+        _headroom_short,
+        lambda c, x: (c.prefetch({x["a"]: TPP + 10}, lookahead_tokens=0), c.wait()),
+    ),
     "fork": (_two_active, lambda c, x: c.fork(x["a"])),
     "share_prefix": (_fresh_third, lambda c, x: c.share_prefix(x["a"], x["c"], TPP + 5)),
     "ensure_private": (_forked, lambda c, x: c.ensure_private(x["child"], 0)),
@@ -245,6 +277,9 @@ BLOCK_SCENARIOS = {
         _blocks_idle_row,
         lambda c, x: c.step({x["a"]: TPP + 10, x["c"]: 20}, blocks={x["c"]: (0, [3], 0)}),
     ),
+    # Two idle rows unmap from a released block (after a fence on the stream), the active row
+    # keeps block 2's pages.
+    "blocks_release": (_blocks_idle_rows, lambda c, x: c.release_blocks([2, 4, 5])),
 }
 # Calls whose failure is reported but need not leave the state as it was: close() closes anyway.
 NOT_TRANSACTIONAL = {"close"}
@@ -257,6 +292,7 @@ MAY_RECLAIM_UNUSED = {
     "step_reclaiming_idle",
     "share_prefix",
     "blocks_fresh_from_idle_row",
+    "blocks_release",
 }
 UNUSED_STATE = (
     "pages_mapped",

@@ -59,6 +59,54 @@ def test_rss_and_committed_memory_follow_tokens_not_max_seq_len(layout, page_siz
         assert rss_shmem_bytes() - rss0 < (1 << 20)
 
 
+def resident_bytes() -> int:
+    """This process's resident set (/proc/self/statm: file, anonymous and shared pages)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.parametrize("page_size", ["64KB", "2MB"])
+def test_released_blocks_go_back_to_the_os_when_the_budget_trims_them(page_size):
+    # An engine's blocks (block_cache: kept past their rows for its prefix cache) hold 64 MB; the
+    # scheduler releases all but one and lowers the budget to one block: the idle row's mapping
+    # goes (the process's resident set falls) and the trim punches the pages out of the memfd
+    # (what the OS holds for the cache falls), huge pages or not.
+    cfg = vattention.KVCacheConfig(
+        num_layers=2,
+        num_kv_heads=8,
+        head_dim=128,
+        max_batch_size=2,
+        max_seq_len=16384,
+        dtype=torch.bfloat16,
+        page_size=page_size,
+        num_blocks=256,
+        block_cache=True,
+    )
+    block = cfg.pages_per_index * cfg.page_bytes  # bytes of one engine block
+    n = (64 << 20) // block
+    with vattention.KVCache(cfg) as cache:
+        slot, tokens = cache.alloc(), n * cfg.tokens_per_page
+        cache.step({slot: tokens}, blocks={slot: (0, list(range(n)), 0)})
+        for layer in range(cfg.num_layers):
+            k, v = cache.layer(layer)
+            k[slot, :tokens] = 1  # resident (created and mapped) already; written all the same
+            v[slot, :tokens] = 1
+        del k, v
+        cache.free(slot)  # the row stays mapped: its blocks are kept for a hit in place
+        assert cache.stats()["committed_bytes"] == n * block
+        rss0, shmem0 = resident_bytes(), rss_shmem_bytes()
+        assert cache.release_blocks(range(1, n)) == (n - 1) * cfg.pages_per_index
+        unmapped = (n - 1) * block
+        assert shmem0 - rss_shmem_bytes() >= unmapped * 0.95  # the row's mapping went
+        assert rss0 - resident_bytes() >= unmapped * 0.95
+        assert cache.stats()["committed_bytes"] == n * block  # free pages, not yet destroyed
+        assert cache.set_memory_budget(block) == 0  # the worker's budget: the one block left
+        stats = cache.stats()
+        assert stats["pages_total"] == cfg.pages_per_index
+        assert stats["committed_bytes"] == block  # holes punched: the OS has the rest back
+        assert stats["pages_destroyed"] == (n - 1) * cfg.pages_per_index
+
+
 FAULT_SCRIPT = textwrap.dedent("""
     import sys, torch, vattention
     layout, page_size, offset = sys.argv[1], sys.argv[2], int(sys.argv[3])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -515,6 +515,36 @@ class KVCache(SharingMixin, SwapMixin):
         value = -1 if budget is None else parse_size(budget, name="memory_budget")
         return self._core.set_memory_budget(value)
 
+    def set_headroom(self, size: Size) -> None:
+        """Keep up to ``size`` bytes of created but free pages ready (rounded up to whole pages).
+
+        After every :meth:`step`, :meth:`free` and :meth:`prefetch` that leaves the pool's free
+        pages short of it, the background (prefetch) thread creates the missing ones, within the
+        memory budget, so that a step finds them free instead of creating pages on its critical
+        path (``stats()["step_pages_created"]`` counts those it still had to create). Pages are
+        never created for it inside :meth:`step`. ``0`` (the default) keeps none ahead.
+
+        Raises :class:`ConfigError` for a negative size or one beyond what the cache can ever
+        hold; nothing changes then.
+
+        Examples
+        --------
+        >>> import torch, vattention
+        >>> cfg = vattention.KVCacheConfig(num_layers=1, num_kv_heads=1, head_dim=64,
+        ...                                max_batch_size=2, max_seq_len=1024,
+        ...                                dtype=torch.float32, page_size="4KB")
+        >>> with vattention.KVCache(cfg, memory_budget="64KB") as cache:
+        ...     cache.set_headroom("16KB")                 # 4 pages ready ...
+        ...     cache.wait()                               # ... once the thread made them
+        ...     a = cache.alloc()
+        ...     cache.step({a: 32})                        # 2 page indices x 2 tensors
+        ...     cache.wait()                               # the thread refilled behind it
+        ...     s = cache.stats()
+        ...     s["pages_free"], s["step_pages_created"], s["background_pages_created"]
+        (4, 0, 8)
+        """
+        self._core.set_headroom(parse_size(size, name="headroom"))
+
     # ---- queries ------------------------------------------------------------------------------
     def mapped_tokens(self, slot: int) -> int:
         """Token positions of ``slot`` backed by physical pages."""
@@ -530,6 +560,78 @@ class KVCache(SharingMixin, SwapMixin):
         """
         index = self._layer_index(layer)
         return self._core.window_starts(self._slot(slot))[index]
+
+    def release_blocks(self, ids: Union[Iterable[int], torch.Tensor], *, stream=None) -> int:
+        """Give the pages of engine blocks back to the pool (caches created with ``num_blocks``).
+
+        Each listed block forgets its pages: an idle slot whose row still maps one (kept for a
+        prefix hit in place) unmaps its row from the first page index that does; an active slot
+        whose row maps one keeps those pages as anonymous ones (its request may still read them)
+        until it unmaps them itself; the block drops its own hold (``block_cache=True``). A page
+        nobody maps any more goes to the free list, where :meth:`set_memory_budget` and
+        :meth:`shrink` can destroy it. A later cache hit on a released block is refused
+        (:class:`ConfigError`: it holds no pages); handing its id out fresh is fine. Blocks
+        without pages are skipped, and duplicates are fine.
+
+        Parameters
+        ----------
+        ids : sequence of int, or a 1-D integer tensor
+            Block ids in ``[0, num_blocks)``; the engine's null block is not a block with pages:
+            leave it out (``-1``, the core's hole, is refused like any negative id).
+        stream : torch.cuda.Stream or int, optional
+            Unmapping is not stream-ordered on CUDA: before it unmaps a row, it waits for the
+            work queued on this stream (default: the caller's current torch stream,
+            :mod:`vattention.streams`), as well as for the slot's :meth:`free` fence.
+
+        Returns the number of pages that went back to the free list. Raises :class:`ConfigError`
+        on a cache whose slots own their pages, and for an id outside ``[0, num_blocks)`` (naming
+        it and the limit), changing nothing.
+
+        Examples
+        --------
+        >>> import torch, vattention
+        >>> cfg = vattention.KVCacheConfig(num_layers=1, num_kv_heads=1, head_dim=64,
+        ...                                max_batch_size=2, max_seq_len=1024,
+        ...                                dtype=torch.float32, page_size="4KB",
+        ...                                num_blocks=8, block_cache=True)
+        >>> with vattention.KVCache(cfg) as cache:       # a block = 16 tokens, 2 pages
+        ...     a = cache.alloc()
+        ...     cache.step({a: 40}, blocks={a: (0, [5, 6, 7], 0)})
+        ...     cache.free(a)                             # its blocks stay cached, mapped
+        ...     cache.release_blocks([6, 7])              # the scheduler evicts two of them
+        ...     cache.block_table(a), cache.stats()["blocks_with_pages"]
+        4
+        ([[5, 6, 7]], 1)
+        """
+        if isinstance(ids, torch.Tensor):
+            if (
+                ids.dim() != 1
+                or ids.dtype.is_floating_point
+                or ids.dtype.is_complex
+                or ids.dtype == torch.bool
+            ):
+                raise ArgumentTypeError(
+                    f"ids must be a 1-D integer tensor of block ids, got a {ids.dtype} tensor "
+                    f"of shape {tuple(ids.shape)}"
+                )
+            values = ids.detach().to("cpu", torch.int64).tolist()
+        else:
+            if isinstance(ids, (str, bytes, Mapping)) or not isinstance(ids, Iterable):
+                raise ArgumentTypeError(
+                    f"ids must be a sequence of block ids, got {type(ids).__name__}"
+                )
+            values = [as_int(b, "ids[]") for b in ids]
+        blocks = self._config.num_blocks
+        for b in values:
+            if -(2**63) <= b < 2**63:  # the core checks [0, num_blocks) itself
+                continue
+            if blocks is None:
+                values = []  # a cache whose slots own their pages: the core refuses the call
+                break
+            raise ConfigError(
+                f"release_blocks: block {b} is outside [0, {blocks}) (num_blocks={blocks})"
+            )
+        return self._core.release_blocks(values, self._stream(stream))
 
     def block_table(self, slot: int) -> List[List[int]]:
         """The engine block table of ``slot``: one list of block ids per KV cache group

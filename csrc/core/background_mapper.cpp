@@ -1,5 +1,6 @@
 #include "core/background_mapper.h"
 
+#include <chrono>
 #include <exception>
 
 namespace vattention {
@@ -14,6 +15,26 @@ void BackgroundMapper::run(const Prefetcher::Job& job) {
   for (size_t i = 0; i < job.size(); ++i) {
     if (job[i] == SlotTable::kUnlisted) continue;
     if (!map_slot(static_cast<int>(i), job[i])) return;
+  }
+  refill();
+}
+
+void BackgroundMapper::top_up(Lock& lock, Prefetcher& prefetcher) {
+  if (parts_.pool.free_shortfall() == 0) return;
+  lock.unlock();
+  prefetcher.request_refill();
+}
+
+void BackgroundMapper::refill() {
+  PagePool& pool = parts_.pool;
+  Lock lock(guard_.mutex());
+  // One page a round, and none while a caller waits for the thread (a step() that settles, or
+  // set_memory_budget()): it waits for one page at most, and asks for the rest when it is done.
+  while (!guard_.closed() && !guard_.failed() && !gate_.awaited() && pool.free_shortfall() > 0) {
+    const uint64_t before = pool.pages_created();
+    // No progress: the budget or the backend refused (not an error: step() raises only if its
+    // own need cannot be met).
+    if (!create_unlocked(lock, 1) || pool.pages_created() == before) return;
   }
 }
 
@@ -45,12 +66,19 @@ bool BackgroundMapper::map_slot(int slot, int64_t target_tokens) {
     const std::vector<Growth> plan = {Growth{slot, from, to}};
     const uint64_t calls_before = parts_.driver_calls();
     scrub = parts_.scrubber.enabled();
+    const uint64_t created_before = parts_.pool.pages_created();
+    const uint64_t ns_before = parts_.pool.create_ns();
+    auto count = [&] {
+      counters.prefetch_driver_calls += parts_.driver_calls() - calls_before;
+      counters.background_pages_created += parts_.pool.pages_created() - created_before;
+      counters.background_page_create_ns += parts_.pool.create_ns() - ns_before;
+    };
     try {
       if (scrub) parts_.scrubber.prepare();
       // Creates pages itself only if another caller took the ones just created.
       pages = parts_.supply.obtain((to - from) * C, plan, false);
     } catch (const Error& e) {
-      counters.prefetch_driver_calls += parts_.driver_calls() - calls_before;
+      count();
       if (e.kind() == Error::Kind::OutOfPages) {
         // Not an error yet: step() raises only if the current need cannot be met.
         counters.prefetch_shortfall_pages += (to - from) * C;
@@ -59,10 +87,11 @@ bool BackgroundMapper::map_slot(int slot, int64_t target_tokens) {
       }
       return false;
     } catch (...) {
+      count();
       record_error(std::current_exception());
       return false;
     }
-    counters.prefetch_driver_calls += parts_.driver_calls() - calls_before;
+    count();
     gate_.begin(slot, from, to, pages);
   }
   // 2. map, without the lock: rule R makes [from, to) of this slot ours alone.
@@ -122,6 +151,7 @@ bool BackgroundMapper::create_unlocked(Lock& lock, size_t n) {
   lock.unlock();
   std::vector<PageHandle> made;
   std::exception_ptr error;
+  const auto start = std::chrono::steady_clock::now();
   try {
     while (made.size() < allowed) made.push_back(parts_.backend.create_page());
   } catch (const Error& e) {
@@ -129,9 +159,14 @@ bool BackgroundMapper::create_unlocked(Lock& lock, size_t n) {
   } catch (...) {
     error = std::current_exception();
   }
+  const auto took = std::chrono::steady_clock::now() - start;
   lock.lock();
   pool.end_create(allowed, made);
-  parts_.counters.prefetch_driver_calls += made.size();
+  CacheCounters& counters = parts_.counters;
+  counters.prefetch_driver_calls += made.size();
+  counters.background_pages_created += made.size();
+  counters.background_page_create_ns +=
+      static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(took).count());
   gate_.created();
   if (error) {
     record_error(error);

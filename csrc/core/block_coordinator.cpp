@@ -77,6 +77,7 @@ void BlockCoordinator::step(const std::vector<int64_t>& lens,
     throw;
   }
   tables_.commit(lens);
+  background_.top_up(lock, *prefetcher_);
 }
 
 BlockIds BlockCoordinator::block_table(int slot) const {
@@ -84,6 +85,21 @@ BlockIds BlockCoordinator::block_table(int slot) const {
   guard_.check_open();
   slots_.validate(slot);
   return tables_.table(slot);
+}
+
+size_t BlockCoordinator::release_blocks(const std::vector<int64_t>& ids, uintptr_t stream) {
+  Lock lock = guard_.enter();
+  // A slot freed while the prefetch thread maps it is idle, and this call may unmap idle rows:
+  // let that mapping publish first (rule R). Active rows only lose block records here, below
+  // the range in flight.
+  while (gate_.flight().slot >= 0 &&
+         !slots_[static_cast<size_t>(gate_.flight().slot)].use.active()) {
+    gate_.await_publish(lock);
+    guard_.check_open();
+    guard_.rethrow_background_error();
+  }
+  tables_.validate_release(ids);
+  return tables_.release(ids, stream);
 }
 
 // ---- refused: the engine shares and moves pages through its block tables ---------------------

@@ -31,6 +31,9 @@ class BlockCoordinator final : public KVCacheCore {
   void step(const std::vector<int64_t>& lens, const std::vector<BlockUpdate>& updates,
             uintptr_t stream) override;
   BlockIds block_table(int slot) const override;
+  // Waits only when the slot the prefetch thread maps was freed meanwhile (it may unmap that
+  // row: rule R), as alloc() does; then BlockTables::release.
+  size_t release_blocks(const std::vector<int64_t>& ids, uintptr_t stream) override;
 
   // Config: the engine shares and moves pages through its block tables.
   int fork(int src, int64_t num_tokens, uintptr_t stream) override;

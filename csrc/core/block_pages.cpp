@@ -40,6 +40,8 @@ void BlockPages::add_stats(Stats& out) const {
   out.emplace_back("blocks_adopted", static_cast<int64_t>(adopted_));
   out.emplace_back("blocks_reused", static_cast<int64_t>(reused_));
   out.emplace_back("blocks_detached", static_cast<int64_t>(detached_));
+  out.emplace_back("blocks_released", static_cast<int64_t>(released_));
+  out.emplace_back("pages_released_by_blocks", static_cast<int64_t>(pages_released_));
 }
 
 std::string BlockPages::check(const std::vector<uint32_t>& counted,

@@ -9,8 +9,8 @@
 //
 // Lifetime of a block's pages: while rows map them (one pool reference per mapping, the rows'),
 // and, when caching (the engine's prefix cache may still report a hit), until the engine hands the
-// id out as a fresh block: the block then holds a reference of its own on each page. Without
-// caching the block forgets its pages with the last mapping.
+// id out as a fresh block or releases it (release_blocks): the block then holds a reference of its
+// own on each page. Without caching the block forgets its pages with the last mapping.
 //
 // BlockTables owns this part and the rows that record which block they map where; it reports
 // every mapping that comes (mapped()) and goes (unmapped()). Not thread-safe: the owning cache
@@ -64,6 +64,11 @@ class BlockPages {
   void count_adopted() { ++adopted_; }
   void count_reused() { ++reused_; }
   void count_detached() { ++detached_; }
+  // release_blocks(): `blocks` with pages were released, and `pages` reached the free list.
+  void count_released(size_t blocks, size_t pages) {
+    released_ += blocks;
+    pages_released_ += pages;
+  }
 
   void add_stats(Stats& out) const;
   // Checks each block's mapping count against `counted` (the rows' mappings of each block) and
@@ -84,6 +89,7 @@ class BlockPages {
   std::vector<Entry> entries_;
   const bool cache_;
   uint64_t hits_ = 0, hits_in_place_ = 0, adopted_ = 0, reused_ = 0, detached_ = 0;
+  uint64_t released_ = 0, pages_released_ = 0;
 };
 
 }  // namespace vattention

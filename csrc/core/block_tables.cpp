@@ -4,6 +4,7 @@
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 
 namespace vattention {
 namespace {
@@ -213,6 +214,7 @@ void BlockTables::clear(int slot) {
   Row& r = rows_[static_cast<size_t>(slot)];
   r.table.clear();
   r.fresh_from = 0;
+  r.settled = 0;
 }
 
 bool BlockTables::named(int slot, int64_t len) const {
@@ -244,6 +246,7 @@ void BlockTables::cut(int slot, size_t keep) {
     if (r.blocks[k] != kNoBlock) pages_.unmapped(r.blocks[k]);
   }
   if (r.blocks.size() > keep * groups_) r.blocks.resize(keep * groups_);
+  r.settled = std::min(r.settled, keep);
 }
 
 void BlockTables::released(int slot, int tensor, size_t from, size_t to) {
@@ -280,6 +283,72 @@ size_t BlockTables::kept_hits(int slot, const std::vector<std::vector<int64_t>>&
     }
   }
   return p;
+}
+
+// ---- release_blocks() --------------------------------------------------------------------------
+
+void BlockTables::validate_release(const std::vector<int64_t>& ids) const {
+  const int64_t N = pages_.num_blocks();
+  for (size_t k = 0; k < ids.size(); ++k) {
+    const int64_t id = ids[k];
+    if (id >= 0 && id < N) continue;
+    const std::string why =
+        id < 0 ? " is negative (-1 is the core's hole, never a block with pages: leave the "
+                 "engine's null block out)"
+               : " is outside [0, " + std::to_string(N) + ")";
+    throw Error(Error::Kind::Config, "release_blocks: block " + std::to_string(id) + " (ids[" +
+                                         std::to_string(k) + "])" + why +
+                                         " (num_blocks=" + std::to_string(N) + ")")
+        .with("block", id)
+        .with("num_blocks", N);
+  }
+}
+
+size_t BlockTables::release(const std::vector<int64_t>& ids, uintptr_t stream) {
+  std::vector<char> listed(static_cast<size_t>(pages_.num_blocks()), 0);
+  size_t blocks = 0;
+  for (int64_t b : ids) {
+    char& l = listed[static_cast<size_t>(b)];
+    if (l || !pages_.has_pages(b)) continue;
+    l = 1;
+    ++blocks;
+  }
+  if (blocks == 0) return 0;
+  auto is_listed = [&](int64_t b) { return b != kNoBlock && listed[static_cast<size_t>(b)]; };
+  // Idle rows first, the only driver calls: each unmaps from the first page index that maps a
+  // listed block (and waits for its free() fence inside).
+  std::vector<std::pair<int, size_t>> cuts;
+  for (size_t i = 0; i < rows_.size(); ++i) {
+    if (parts_.slots[i].use.active()) continue;
+    const std::vector<int64_t>& at = rows_[i].blocks;
+    const auto first = std::find_if(at.begin(), at.end(), is_listed);
+    if (first != at.end()) {
+      cuts.emplace_back(static_cast<int>(i), static_cast<size_t>(first - at.begin()) / groups_);
+    }
+  }
+  const size_t free_before = parts_.pool.free();
+  // Kernels queued on the caller's stream may still read what goes: wait for them first, as a
+  // window release does.
+  if (!cuts.empty()) parts_.memory.sync_stream(stream);
+  for (const auto& cut : cuts) parts_.memory.unmap_tail(cut.first, cut.second);
+  // Active rows keep the pages as anonymous ones: their requests may still read them.
+  for (size_t i = 0; i < rows_.size(); ++i) {
+    if (!parts_.slots[i].use.active()) continue;
+    for (int64_t& b : rows_[i].blocks) {
+      if (!is_listed(b)) continue;
+      pages_.unmapped(b);
+      pages_.count_detached();
+      b = kNoBlock;
+    }
+  }
+  for (size_t b = 0; b < listed.size(); ++b) {
+    if (listed[b] && pages_.has_pages(static_cast<int64_t>(b))) {
+      pages_.drop(static_cast<int64_t>(b));
+    }
+  }
+  const size_t released = parts_.pool.free() - free_before;
+  pages_.count_released(blocks, released);
+  return released;
 }
 
 // ---- a step with tables ------------------------------------------------------------------------
@@ -329,6 +398,7 @@ void BlockTables::record_tables(const std::vector<BlockUpdate>& updates, StepPla
       r.table[g].insert(r.table[g].end(), u.ids[g].begin(), u.ids[g].end());
     }
     if (u.cached > 0 || u.start < r.fresh_from) r.fresh_from = u.start + u.cached;
+    r.settled = std::min(r.settled, u.start);  // the entries from there on are new
     const size_t cut = first_disagreement(u);
     parts_.memory.unmap_tail(u.slot, cut);  // nothing when everything agrees
     for (size_t p = std::max(u.start, r.fresh_from); p < std::min(cut, end); ++p) {
@@ -354,7 +424,9 @@ void BlockTables::adopt_anonymous(int slot, uintptr_t stream) {
   const size_t C = parts_.geo.columns();
   const size_t named =
       std::min(parts_.slots[static_cast<size_t>(slot)].pages.mapped(), table_size(r));
-  for (size_t p = r.fresh_from; p < named; ++p) {
+  const size_t from = std::max(r.fresh_from, r.settled);
+  r.settled = std::max(r.settled, named);
+  for (size_t p = from; p < named; ++p) {
     for (size_t g = 0; g < groups_; ++g) {
       const int64_t b = r.table[g][p];
       // Kept, or released by the row's window (the engine's table keeps the stale id there).
@@ -525,6 +597,7 @@ void BlockTables::record_blocks(const StepPlan& plan) {
         pages_.mapped(b);
       }
     }
+    r.settled = std::max(r.settled, row.to);
   }
   for (const StepPlan::Index& k : plan.kept_fresh) {
     parts_.scrubber.scrub_columns(k.slot, k.page, columns_[k.group], plan.stream);
@@ -560,6 +633,7 @@ std::string BlockTables::check(std::map<PageHandle, uint32_t>& seen) const {
     if (r.blocks.size() != s.mapped() * groups_) {
       return where + "block record does not match mapped count";
     }
+    if (r.settled > s.mapped()) return where + "settled beyond what the row maps";
     for (size_t k = 0; k < r.blocks.size(); ++k) {
       const int64_t b = r.blocks[k];
       if (b == kNoBlock) continue;

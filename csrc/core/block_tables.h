@@ -17,7 +17,8 @@
 //      whose mapping disagrees with its table (a replaced table: a resumed request, or a new
 //      request in a row an earlier one left idle). What agrees stays mapped: a new request whose
 //      hits an idle row still maps (a shared system prompt) costs no map call for them;
-//   2. plan_rows: per listed row, fresh ids the row already maps anonymous pages for adopt them;
+//   2. plan_rows: per listed row, fresh ids the row already maps anonymous pages for adopt them
+//      (where its table named them after it mapped them: prefetched look-ahead);
 //      the page indices it must grow by are planned, each fresh id taken from its earlier
 //      holders (an idle row mapping it is unmapped; an active row keeps the pages as anonymous
 //      ones: the engine released the block from that row's window before the row's own release,
@@ -30,6 +31,10 @@
 //   5. record_blocks: records which block is where, counts hits and reuses, scrubs fresh blocks.
 // The caller releases window pages before (the engine frees window blocks at the same point, and
 // may hand them out fresh in this very step).
+//
+// Between steps the engine may release blocks (release()): their pages go back to the pool, so
+// that what the cache holds follows what the engine's scheduler keeps (live blocks, and cached
+// ones up to its cap).
 //
 // Not thread-safe: the owning cache serializes calls under its mutex.
 #pragma once
@@ -87,6 +92,22 @@ class BlockTables final : public CacheFeature, public RowObserver {
   // alloc(): the new request in `slot` brings its own table (the row keeps its mapping).
   void clear(int slot);
 
+  // release_blocks(): checks the ids (each in [0, num_blocks); duplicates are fine): throws
+  // Config naming the bad one and the limit, changing nothing.
+  void validate_release(const std::vector<int64_t>& ids) const;
+  // Each listed block with pages forgets them (a block without pages is skipped):
+  //   - an idle row that maps one unmaps its tail from the first page index that does (after a
+  //     fence on `stream`, and its free() fence: unmapping is not stream-ordered);
+  //   - an active row that maps one keeps the pages as anonymous ones ("detached", as when the
+  //     engine hands the id out fresh), until it unmaps them itself (window release, free);
+  //   - the block drops its own references.
+  // A page nobody maps any more goes back to the free list. Returns the pages that did (those of
+  // the listed blocks, and any other the unmapped idle tails alone held). Unmaps only idle rows,
+  // so the caller keeps the prefetch thread's slot out of them (rule R). On a driver error the
+  // row that failed maps what it did (rows before it stay unmapped: idle memory, as reclaim()
+  // would leave it) and no block forgot its pages.
+  size_t release(const std::vector<int64_t>& ids, uintptr_t stream);
+
   // RowObserver: SlotMemory mapped anonymous pages, or unmapped part of a row (the blocks there
   // lose this row's mapping).
   void grown(int slot, size_t mapped) override;
@@ -105,6 +126,11 @@ class BlockTables final : public CacheFeature, public RowObserver {
     std::vector<int64_t> blocks;  // p * groups + g: the block mapped there (kNoBlock: anonymous
                                   // pages, e.g. prefetched look-ahead, or a hole); mapped * groups
     size_t fresh_from = 0;  // table entries from here on are fresh blocks (hits before)
+    // Page indices below it were settled under the current table: they map the block it names,
+    // a hole, or pages the row kept when their block left it (detached: handed out fresh, or
+    // released). Phase 2 adopts anonymous pages from here on only, so a detached block never
+    // comes back to the row that let it go.
+    size_t settled = 0;
   };
   struct StepPlan;
   static size_t table_size(const Row& r);

@@ -19,6 +19,15 @@ CacheGeometry checked(CacheGeometry g) {
   return g;
 }
 
+// Pages a cache can ever use: its virtual tensors', plus what it may keep beyond its rows.
+size_t usable_pages(const CacheGeometry& geo, size_t beyond_rows) {
+  return geo.virtual_bytes() / geo.page_bytes + beyond_rows;
+}
+
+size_t pages_in(size_t bytes, size_t page_bytes) {  // rounded up, overflow-safe
+  return bytes / page_bytes + (bytes % page_bytes != 0 ? 1 : 0);
+}
+
 const std::unique_ptr<Backend>& matching(const std::unique_ptr<Backend>& backend,
                                          const CacheGeometry& geo) {
   if (geo.page_bytes != backend->page_bytes()) {
@@ -62,7 +71,9 @@ KVCacheCore::KVCacheCore(std::unique_ptr<Backend> backend, const CacheGeometry& 
       parts_{geo_, *backend_, mapper_, pool_, slots_, counters_, memory_, supply_, scrubber_},
       windows_(parts_),
       background_(parts_, gate_, guard_) {
-  set_lookahead(options.lookahead_tokens);
+  Tuning tuning;
+  tuning.lookahead_tokens = options.lookahead_tokens;
+  tune(tuning);
   registration_ = backend_->register_cache(geo_, mapper_.bases());
   prefetcher_ =
       std::make_unique<Prefetcher>([this](const Prefetcher::Job& job) { background_.run(job); });
@@ -120,6 +131,7 @@ void KVCacheCore::free(int slot, uintptr_t stream) {
     supply_.queue_eager(slot);
     supply_.drain_eager();
   }
+  background_.top_up(lock, *prefetcher_);
 }
 
 std::vector<Growth> KVCacheCore::plan_step(const std::vector<int64_t>& lens) {
@@ -222,8 +234,12 @@ void KVCacheCore::prefetch(const std::vector<int64_t>& lens, int64_t lookahead_t
       work = work || (s.use.active() && geo_.pages_for(job[i]) > s.pages.mapped());
     }
     // Most decode steps need no new page: waking the thread for nothing would cost a context
-    // switch per step on a machine whose cores the model's threads keep busy.
-    if (!work) return;
+    // switch per step on a machine whose cores the model's threads keep busy. A job ends with
+    // the headroom; without one, the thread is woken only when the pool is short of it.
+    if (!work) {
+      background_.top_up(lock, *prefetcher_);
+      return;
+    }
   }
   prefetcher_->submit(std::move(job));
 }
@@ -237,12 +253,12 @@ void KVCacheCore::wait() {
 
 void KVCacheCore::reserve(size_t bytes) {
   Lock lock = guard_.enter();
-  // Overflow-safe rounding up. No cache can use more pages than its virtual tensors hold, plus
-  // what it may keep beyond its rows (engine blocks cached for a prefix cache).
-  const size_t pages = bytes / geo_.page_bytes + (bytes % geo_.page_bytes != 0 ? 1 : 0);
+  // No cache can use more pages than its virtual tensors hold, plus what it may keep beyond its
+  // rows (engine blocks cached for a prefix cache).
+  const size_t pages = pages_in(bytes, geo_.page_bytes);
   const size_t mappable = geo_.virtual_bytes() / geo_.page_bytes;
   const size_t cached = pages_beyond_rows();
-  const size_t usable = mappable + cached;
+  const size_t usable = usable_pages(geo_, cached);
   if (pages > usable) {
     throw Error(Error::Kind::Config,
                 "reserve of " + std::to_string(bytes) + " bytes (" + std::to_string(pages) +
@@ -286,7 +302,10 @@ int64_t KVCacheCore::set_memory_budget(int64_t budget_bytes) {
   Lock lock = guard_.enter_settled(gate_);
   const int64_t old_budget = pool_.budget_bytes();
   pool_.set_budget(budget_bytes);
-  if (budget_bytes < 0) return 0;
+  if (budget_bytes < 0) {
+    background_.top_up(lock, *prefetcher_);
+    return 0;
+  }
   const size_t budget = static_cast<size_t>(budget_bytes);
   const size_t P = geo_.page_bytes;
   try {
@@ -301,22 +320,44 @@ int64_t KVCacheCore::set_memory_budget(int64_t budget_bytes) {
     throw;
   }
   const size_t held = pool_.total() * P;
-  return held > budget ? static_cast<int64_t>(held - budget) : 0;
+  const int64_t over = held > budget ? static_cast<int64_t>(held - budget) : 0;
+  background_.top_up(lock, *prefetcher_);  // a raised budget may allow the headroom now
+  return over;
 }
 
-void KVCacheCore::set_lookahead(int64_t tokens) {
-  if (tokens < 0) {
+void KVCacheCore::tune(const Tuning& tuning) {
+  if (tuning.lookahead_tokens && *tuning.lookahead_tokens < 0) {
     throw Error(Error::Kind::Config,
-                "lookahead_tokens=" + std::to_string(tokens) + " must be >= 0");
+                "lookahead_tokens=" + std::to_string(*tuning.lookahead_tokens) + " must be >= 0");
+  }
+  if (tuning.headroom_bytes && *tuning.headroom_bytes < 0) {
+    throw Error(Error::Kind::Config,
+                "headroom=" + std::to_string(*tuning.headroom_bytes) + " must be >= 0 bytes")
+        .with("bytes", *tuning.headroom_bytes);
   }
   Lock lock(guard_.mutex());
-  lookahead_tokens_ = tokens;
-}
-
-void KVCacheCore::set_scrub(bool on) {
-  Lock lock(guard_.mutex());
   guard_.check_open();  // a prefetch error stays for a call that maps
-  scrubber_.set_enabled(on);
+  size_t headroom_pages = 0;
+  if (tuning.headroom_bytes) {
+    const auto bytes = static_cast<size_t>(*tuning.headroom_bytes);
+    headroom_pages = pages_in(bytes, geo_.page_bytes);
+    const size_t usable = usable_pages(geo_, pages_beyond_rows());
+    if (headroom_pages > usable) {
+      throw Error(Error::Kind::Config,
+                  "headroom=" + std::to_string(bytes) + " bytes (" +
+                      std::to_string(headroom_pages) +
+                      " pages) exceeds what this cache can ever hold: " + std::to_string(usable) +
+                      " pages of " + std::to_string(geo_.page_bytes) + " bytes")
+          .with("bytes", *tuning.headroom_bytes)
+          .with("pages_possible", static_cast<int64_t>(usable));
+    }
+  }
+  if (tuning.lookahead_tokens) lookahead_tokens_ = *tuning.lookahead_tokens;
+  if (tuning.scrub) scrubber_.set_enabled(*tuning.scrub);
+  if (tuning.headroom_bytes) {
+    pool_.set_free_target(headroom_pages);
+    background_.top_up(lock, *prefetcher_);
+  }
 }
 
 // ---- queries ------------------------------------------------------------------------------------
@@ -418,6 +459,12 @@ Stats KVCacheCore::stats() const {
       {"prefetch_errors", u(counters_.prefetch_errors)},
       {"pages_created", u(pool_.pages_created())},
       {"pages_destroyed", u(pool_.pages_destroyed())},
+      {"headroom_bytes", static_cast<int64_t>(pool_.free_target()) * P},
+      {"step_pages_created", u(counters_.step_pages_created)},
+      {"step_page_create_ns", u(counters_.step_page_create_ns)},
+      {"background_pages_created", u(counters_.background_pages_created)},
+      {"background_page_create_ns", u(counters_.background_page_create_ns)},
+      {"page_destroy_ns", u(pool_.destroy_ns())},
       {"oom_events", u(counters_.oom_events)},
       {"reclaimed_pages", u(counters_.reclaimed_pages)},
       {"fence_waits", u(counters_.fence_waits)},

@@ -29,6 +29,11 @@
 // the "eager" policy. A slot freed at step N is unmapped only after the fence recorded by free()
 // has completed: unmapping is not stream-ordered on CUDA.
 //
+// Elastic memory: set_memory_budget() caps the pool (trimming free, idle and look-ahead pages),
+// release_blocks() hands the pages of the blocks an engine's scheduler evicted back to the pool,
+// and the prefetch thread keeps a headroom of free pages created (tune(): headroom_bytes) so that
+// a step takes pages instead of creating them; stats() says what creating them cost where.
+//
 // Thread-safety and lock order: every public method may be called from any thread. The guard's
 // mutex guards all state; the prefetch thread takes it per slot it maps and makes the driver calls
 // themselves without it (prefetch_gate.h). Order: Prefetcher::mu_ is never held while taking the
@@ -39,6 +44,7 @@
 #include <climits>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -87,6 +93,15 @@ struct CacheOptions {
 // One list of block ids per KV cache group (alloc's hits; kNoBlock: the engine's null block).
 using BlockIds = std::vector<std::vector<int64_t>>;
 
+// Settings a cache may change at run time (tune()); an unset one stays as it is.
+struct Tuning {
+  std::optional<int64_t> lookahead_tokens;  // prefetch beyond the lengths asked for (>= 0)
+  std::optional<bool> scrub;  // zero every page a request receives (scrubber.h)
+  // Bytes of created-but-free pages the prefetch thread keeps ready (rounded up to pages), within
+  // the memory budget; 0: none.
+  std::optional<int64_t> headroom_bytes;
+};
+
 class KVCacheCore {
  public:
   static constexpr int64_t kUnlisted = SlotTable::kUnlisted;  // "leave this slot alone" in lens
@@ -122,6 +137,11 @@ class KVCacheCore {
                     uintptr_t stream) = 0;
   // The engine's block table of `slot`, one list per KV cache group (empty without engine blocks).
   virtual BlockIds block_table(int slot) const = 0;
+  // Engine blocks only (Config on a cache whose slots own their pages): each listed block forgets
+  // its pages (block_tables.h, BlockTables::release); ids out of [0, num_blocks) throw Config with
+  // nothing changed. Unmapping waits for a fence on `stream`. Returns the pages that reached the
+  // free list.
+  virtual size_t release_blocks(const std::vector<int64_t>& ids, uintptr_t stream) = 0;
   // What step(lens), plus new requests of `new_lens` tokens each, would need and could get;
   // maps nothing, changes nothing (the same accounting step() uses).
   Capacity capacity(const std::vector<int64_t>& lens, const std::vector<int64_t>& new_lens) const;
@@ -163,9 +183,10 @@ class KVCacheCore {
   // look-ahead until under budget; returns the bytes still over it (active tokens need preemption).
   // On a driver error the old budget is restored; pages already reclaimed stay in the pool.
   int64_t set_memory_budget(int64_t budget_bytes);
-  void set_lookahead(int64_t tokens);
-  // Zero every page a request receives (scrubber.h says why and what it costs).
-  void set_scrub(bool on);
+  // Changes the settings `tuning` sets, all or nothing (Config naming a bad value). A headroom
+  // the pool lacks is created by the prefetch thread, as after every step(), free() and
+  // prefetch() that leaves the free list short of it, never inline in a step.
+  void tune(const Tuning& tuning);
 
   // ---- queries ------------------------------------------------------------------------------
   int64_t mapped_tokens(int slot) const;
@@ -202,20 +223,27 @@ class KVCacheCore {
   bool backed_as_is(const std::vector<int64_t>& lens);
   // A step's transaction, under the mutex: raises the listed slots' lengths to `lens` (so that
   // trimming under pressure takes only look-ahead), runs map(old_lens), counts its driver calls
-  // as the step's, and commits the lengths; if map throws, the lengths are restored and the error
-  // goes on (map undoes its own mappings). Returns the lengths before the step.
+  // and the pages it created as the step's, and commits the lengths; if map throws, the lengths are
+  // restored and the error goes on (map undoes its own mappings). Returns the lengths before the
+  // step.
   template <typename Map>
   std::vector<int64_t> step_transaction(const std::vector<int64_t>& lens, Map&& map) {
     const std::vector<int64_t> old_lens = slots_.raise_lengths(lens);
     const uint64_t calls_before = parts_.driver_calls();
+    const uint64_t created_before = pool_.pages_created(), ns_before = pool_.create_ns();
+    auto count = [&] {  // no other thread creates pages while the mutex is held
+      counters_.step_driver_calls += parts_.driver_calls() - calls_before;
+      counters_.step_pages_created += pool_.pages_created() - created_before;
+      counters_.step_page_create_ns += pool_.create_ns() - ns_before;
+    };
     try {
       map(old_lens);
     } catch (...) {
-      counters_.step_driver_calls += parts_.driver_calls() - calls_before;
+      count();
       slots_.restore_lengths(old_lens);
       throw;
     }
-    counters_.step_driver_calls += parts_.driver_calls() - calls_before;
+    count();
     slots_.commit(lens);
     ++counters_.steps;
     return old_lens;

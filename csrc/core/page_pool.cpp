@@ -1,6 +1,7 @@
 #include "core/page_pool.h"
 
 #include <algorithm>
+#include <chrono>
 #include <exception>
 #include <limits>
 #include <string>
@@ -8,6 +9,37 @@
 #include "core/errors.h"
 
 namespace vattention {
+
+namespace {
+
+// Adds the nanoseconds from its construction to its destruction to `total` (a throwing call too).
+class Timed {
+ public:
+  explicit Timed(uint64_t& total) : total_(total), start_(std::chrono::steady_clock::now()) {}
+  ~Timed() {
+    total_ += static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                        std::chrono::steady_clock::now() - start_)
+                                        .count());
+  }
+  Timed(const Timed&) = delete;
+  Timed& operator=(const Timed&) = delete;
+
+ private:
+  uint64_t& total_;
+  const std::chrono::steady_clock::time_point start_;
+};
+
+}  // namespace
+
+PageHandle PagePool::create_one() {
+  Timed timed(create_ns_);
+  return backend_.create_page();
+}
+
+void PagePool::destroy_one(PageHandle page) {
+  Timed timed(destroy_ns_);
+  backend_.destroy_page(page);
+}
 
 PagePool::PagePool(Backend& backend, int64_t budget_bytes)
     : backend_(backend), page_bytes_(backend.page_bytes()), budget_bytes_(budget_bytes) {}
@@ -26,7 +58,7 @@ void PagePool::destroy_all() {
   std::vector<PageHandle> failed;
   auto destroy = [&](PageHandle p, bool record) {
     try {
-      backend_.destroy_page(p);
+      destroy_one(p);
     } catch (...) {
       if (!first) first = std::current_exception();
       if (record) failed.push_back(p);
@@ -49,6 +81,11 @@ size_t PagePool::headroom() const {
   return cap > total_ + creating_ ? cap - total_ - creating_ : 0;
 }
 
+size_t PagePool::free_shortfall() const {
+  const size_t have = free_.size() + creating_;
+  return free_target_ > have ? std::min(free_target_ - have, headroom()) : 0;
+}
+
 size_t PagePool::begin_create(size_t n) {
   const size_t allowed = std::min(n, headroom());
   creating_ += allowed;
@@ -61,7 +98,7 @@ void PagePool::end_create(size_t reserved, const std::vector<PageHandle>& made) 
     ++created_;
     if (headroom() == 0) {  // the budget was lowered meanwhile
       try {
-        backend_.destroy_page(p);
+        destroy_one(p);
         ++destroyed_;
         continue;
       } catch (...) {
@@ -94,9 +131,9 @@ void PagePool::reserve(size_t num_pages) {
   std::vector<PageHandle> made;
   made.reserve(want);
   try {
-    while (made.size() < want) made.push_back(backend_.create_page());
+    while (made.size() < want) made.push_back(create_one());
   } catch (const Error& e) {
-    for (PageHandle p : made) backend_.destroy_page(p);
+    for (PageHandle p : made) destroy_one(p);
     if (e.kind() != Error::Kind::OutOfPages) throw;
     throw Error(Error::Kind::OutOfPages, "reserve of " + std::to_string(num_pages) +
                                              " pages failed: the backend refused page " +
@@ -120,7 +157,7 @@ std::vector<PageHandle> PagePool::take(size_t num_pages) {
   size_t creatable = headroom();
   try {
     while (got.size() < num_pages && creatable > 0) {
-      got.push_back(backend_.create_page());
+      got.push_back(create_one());
       ++total_;
       ++created_;
       --creatable;
@@ -145,7 +182,7 @@ void PagePool::untake(const std::vector<PageHandle>& pages, size_t num_created) 
     free_.push_back(p);
   }
   for (size_t i = 0; i < num_created && !free_.empty(); ++i) {
-    backend_.destroy_page(free_.back());
+    destroy_one(free_.back());
     free_.pop_back();
     --total_;
     ++destroyed_;
@@ -171,7 +208,7 @@ void PagePool::release(PageHandle page) {
 size_t PagePool::shrink(size_t keep_bytes) {
   size_t destroyed = 0;
   while (!free_.empty() && total_ * page_bytes_ > keep_bytes) {
-    backend_.destroy_page(free_.back());
+    destroy_one(free_.back());
     free_.pop_back();
     --total_;
     ++destroyed_;

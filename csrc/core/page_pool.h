@@ -7,6 +7,10 @@
 //
 // Every in-use page carries a reference count (one per mapping), so a page mapped at several
 // virtual addresses (prefix sharing) goes back to the free list only when its last mapping goes.
+// A free target (KVCache.set_headroom) is how many created-but-free pages the cache wants ready:
+// the prefetch thread creates what free_shortfall() says, so a step finds them in the free list.
+// The time creating and destroying pages took is counted here, where every such call is made
+// (pages created outside the lock through begin/end_create are timed by their caller).
 // Not thread-safe: the owning cache serializes calls under its mutex.
 #pragma once
 
@@ -37,6 +41,15 @@ class PagePool {
   size_t headroom() const;
   uint64_t pages_created() const { return created_; }
   uint64_t pages_destroyed() const { return destroyed_; }
+  // Nanoseconds spent in the backend's create_page() (this pool's own calls: take, reserve) and
+  // destroy_page() (every destruction).
+  uint64_t create_ns() const { return create_ns_; }
+  uint64_t destroy_ns() const { return destroy_ns_; }
+  // Free pages to keep created ahead (0: none), and how many more to create for it now: the
+  // target less the free pages and those being created, within the budget.
+  size_t free_target() const { return free_target_; }
+  void set_free_target(size_t pages) { free_target_ = pages; }
+  size_t free_shortfall() const;
   uint32_t refs(PageHandle page) const;
   // References beyond the first, over all pages: 0 when no page is held twice (mapped at two
   // places, or kept by a swap handle, the staging address or an engine block besides its
@@ -87,6 +100,13 @@ class PagePool {
   uint64_t destroyed_ = 0;
   size_t creating_ = 0;  // pages being created outside the owner's lock (begin/end_create)
   size_t extra_refs_ = 0;  // sum over in-use pages of (refs - 1)
+  uint64_t create_ns_ = 0;
+  uint64_t destroy_ns_ = 0;
+  size_t free_target_ = 0;
+
+  // The backend's create_page()/destroy_page(), timed.
+  PageHandle create_one();
+  void destroy_one(PageHandle page);
 };
 
 }  // namespace vattention

@@ -103,18 +103,35 @@ size_t PageSupply::freeable_spare(const std::vector<Growth>& plan, bool allow_tr
 
 size_t PageSupply::release_spare(size_t n, const std::vector<Growth>& plan, bool allow_trim) {
   const size_t C = geo_.columns();
-  size_t released = 0;
-  while (released < n) {
-    // Idle slots first, least recently freed first.
+  // While some page has a second reference, an idle row may hold only pages others hold too (an
+  // engine's cached blocks, kept for a prefix hit in place): unmapping it frees nothing, so such
+  // rows come last. Without one, every idle row frees what it maps.
+  const bool shared = pool_.extra_refs() > 0;
+  auto frees_alone = [&](const Slot& s) {
+    if (!shared) return true;
+    for (PageHandle h : s.pages.handles()) {
+      if (h != kNoPage && pool_.refs(h) == 1) return true;
+    }
+    return false;
+  };
+  // The idle row least recently freed (of those that free pages alone, with `alone`).
+  auto idle_victim = [&](bool alone) {
     int victim = -1;
     for (size_t i = 0; i < slots_.size(); ++i) {
       const Slot& s = slots_[i];
       if (gate_.in_flight(i)) continue;  // rule R
       if (s.state() == Slot::State::Idle &&
-          (victim < 0 || s.use.freed_at() < slots_[static_cast<size_t>(victim)].use.freed_at())) {
+          (victim < 0 || s.use.freed_at() < slots_[static_cast<size_t>(victim)].use.freed_at()) &&
+          (!alone || frees_alone(s))) {
         victim = static_cast<int>(i);
       }
     }
+    return victim;
+  };
+  size_t released = 0;
+  while (released < n) {
+    // Idle slots first, least recently freed first.
+    int victim = idle_victim(true);
     size_t keep_floor = 0;
     if (victim < 0 && allow_trim) {
       // Then look-ahead of active slots beyond their length, largest excess first.
@@ -131,6 +148,8 @@ size_t PageSupply::release_spare(size_t n, const std::vector<Growth>& plan, bool
         }
       }
     }
+    // Last, idle rows whose pages are held elsewhere too: together they may free some.
+    if (victim < 0) victim = idle_victim(false);
     if (victim < 0) break;
     const size_t mapped = slots_[static_cast<size_t>(victim)].pages.mapped();
     const size_t want = (n - released + C - 1) / C;

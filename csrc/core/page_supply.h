@@ -3,12 +3,13 @@
 //
 // Order of supply: the pool's free list, new pages within the budget, then
 // idle slots' pages (least recently freed first), then look-ahead pages of active slots beyond
-// their lengths. Nothing is taken from a slot before the whole need is known to be satisfiable,
-// so OutOfPages leaves every slot as it was. A page is reclaimable only if every reference to it
-// is a reclaimable mapping (a page another slot maps, a swap handle or an engine block keeps, is
-// not); while no page has a second reference (PagePool::extra_refs() == 0) that count is the
-// cheap sum of mapped pages. The slot in flight (prefetch_gate.h, rule R) is never shrunk and its
-// pages are never counted.
+// their lengths, then idle slots that hold only pages held elsewhere too (an engine's cached
+// blocks: unmapping such a row frees nothing by itself, and would cost a later hit in place).
+// Nothing is taken from a slot before the whole need is known to be satisfiable, so OutOfPages
+// leaves every slot as it was. A page is reclaimable only if every reference to it is a reclaimable
+// mapping (a page another slot maps, a swap handle or an engine block keeps, is not); while no page
+// has a second reference (PagePool::extra_refs() == 0) that count is the cheap sum of mapped pages.
+// The slot in flight (prefetch_gate.h, rule R) is never shrunk and its pages are never counted.
 //
 // Not thread-safe: callers hold the cache mutex.
 #pragma once
@@ -55,8 +56,9 @@ class PageSupply {
   // read-only estimate before the step (capacity()).
   size_t spare(const std::vector<Growth>& plan, bool allow_trim,
                const std::vector<int64_t>* lens = nullptr) const;
-  // Unmaps idle pages (LRU), then look-ahead (allow_trim), until n reached the free list or none
-  // is left. Returns the pages that reached it.
+  // Unmaps idle pages (LRU), then look-ahead (allow_trim), then idle rows whose every page is
+  // held elsewhere too, until n reached the free list or none is left. Returns the pages that
+  // reached it.
   size_t release_spare(size_t n, const std::vector<Growth>& plan, bool allow_trim);
   // Eager policy: a freed slot's pages go back as soon as its fence completes.
   void queue_eager(int slot) { eager_pending_.push_back(slot); }

@@ -23,13 +23,18 @@ void PrefetchGate::created() {
 }
 
 void PrefetchGate::settle(Lock& lock) {
+  if (!busy()) return;
+  ++waiters_;
   settled_.wait(lock, [this] { return !busy(); });
+  --waiters_;
 }
 
 void PrefetchGate::await_publish(Lock& lock) {
   if (!busy()) return;
   const uint64_t seen = publishes_;
+  ++waiters_;
   settled_.wait(lock, [this, seen] { return publishes_ != seen; });
+  --waiters_;
 }
 
 }  // namespace vattention

@@ -67,6 +67,9 @@ class PrefetchGate {
   bool in_flight(size_t slot) const { return flight_.slot == static_cast<int>(slot); }
   // True while the prefetch thread maps or creates pages without the mutex.
   bool busy() const { return flight_.slot >= 0 || pool_.creating() > 0; }
+  // True while a caller waits in settle() or await_publish(): the headroom's refill, which has
+  // no deadline, gives way (background_mapper.h) instead of starting another page.
+  bool awaited() const { return waiters_ > 0; }
 
   // Phase 1: [from, to) of `slot` is the prefetch thread's alone until publish().
   void begin(int slot, size_t from, size_t to, std::vector<PageHandle> pages);
@@ -85,6 +88,7 @@ class PrefetchGate {
   const PagePool& pool_;
   Flight flight_;                   // at most one slot is mapped outside the lock at a time
   uint64_t publishes_ = 0;          // flights finished (published or given back), creations
+  size_t waiters_ = 0;              // callers in settle() or await_publish()
   std::condition_variable settled_;
 };
 

@@ -11,6 +11,15 @@ void Prefetcher::submit(Job job) {
   wake_.notify_one();
 }
 
+void Prefetcher::request_refill() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stopping_ || has_pending_) return;
+  pending_.clear();
+  has_pending_ = true;
+  if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
+  wake_.notify_one();
+}
+
 void Prefetcher::wait() {
   std::unique_lock<std::mutex> lock(mu_);
   done_.wait(lock, [this] { return !has_pending_ && !running_; });

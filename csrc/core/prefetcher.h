@@ -37,6 +37,10 @@ class Prefetcher {
 
   // Queues `job` (replacing a queued one not yet started) and returns at once.
   void submit(Job job);
+  // Queues a job that lists no slot, unless one is queued already, and returns at once: the
+  // runner ends every job by topping the pool's free pages up to its headroom
+  // (background_mapper.h), so a queued job of either kind does it.
+  void request_refill();
   // Blocks until no job is queued or running. Rethrows an exception that escaped a job.
   void wait();
   // True when no job is queued or running (cheap; for the step() fast path).

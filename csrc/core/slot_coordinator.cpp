@@ -96,6 +96,7 @@ void SlotCoordinator::step(const std::vector<int64_t>& lens,
         }
       });
   windows_.release(lens, old_lens, stream);
+  background_.top_up(lock, *prefetcher_);
 }
 
 void SlotCoordinator::grow(const std::vector<Growth>& plan, uintptr_t stream) {
@@ -136,6 +137,19 @@ BlockIds SlotCoordinator::block_table(int slot) const {
   guard_.check_open();
   slots_.validate(slot);
   return {};
+}
+
+size_t SlotCoordinator::release_blocks(const std::vector<int64_t>&, uintptr_t) {
+  refuse("release_blocks");
+}
+
+void SlotCoordinator::refuse(const char* call) const {
+  Lock lock(guard_.mutex());
+  guard_.check_open();
+  throw Error(Error::Kind::Config,
+              std::string(call) +
+                  "() needs a cache whose pages are named by engine blocks: this cache's slots "
+                  "own their pages (no num_blocks); create it with KVCacheConfig(num_blocks=...)");
 }
 
 // ---- prefix sharing and swap --------------------------------------------------------------------

@@ -29,6 +29,8 @@ class SlotCoordinator final : public KVCacheCore {
   void step(const std::vector<int64_t>& lens, const std::vector<BlockUpdate>& updates,
             uintptr_t stream) override;
   BlockIds block_table(int slot) const override;  // always empty
+  // Config: there are no engine blocks to release.
+  size_t release_blocks(const std::vector<int64_t>& ids, uintptr_t stream) override;
 
   int fork(int src, int64_t num_tokens, uintptr_t stream) override;
   void share_prefix(int src, int dst, int64_t num_tokens, uintptr_t stream) override;
@@ -47,6 +49,8 @@ class SlotCoordinator final : public KVCacheCore {
   // Maps the growth plan (all or nothing), zeroing on `stream` with scrub on. Throws
   // OutOfPages/Driver with state unchanged.
   void grow(const std::vector<Growth>& plan, uintptr_t stream);
+  // Takes the mutex as every call does, then throws Config for `call` (release_blocks).
+  [[noreturn]] void refuse(const char* call) const;
 
   StagingPage staging_;
   PrefixSharing sharing_;

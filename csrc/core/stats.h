@@ -27,6 +27,13 @@ struct CacheCounters {
   uint64_t reclaimed_pages = 0;  // pages unmapped from idle slots or trimmed from active ones
   uint64_t prefetch_shortfall_pages = 0;  // pages the prefetch thread could not get
   uint64_t fence_waits = 0;  // unmaps that had to wait for a free()'s event
+  // What page creation cost where: pages step() created itself (its free list was short: on the
+  // critical path) and the nanoseconds that took; pages the prefetch thread created (for
+  // prefetch() and to keep the headroom) and its nanoseconds.
+  uint64_t step_pages_created = 0;
+  uint64_t step_page_create_ns = 0;
+  uint64_t background_pages_created = 0;
+  uint64_t background_page_create_ns = 0;
 
   // VMM driver calls so far: map, set_access, unmap here, create/destroy from the pool's counts.
   uint64_t driver_calls(uint64_t pages_created, uint64_t pages_destroyed) const {

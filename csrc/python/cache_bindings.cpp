@@ -285,6 +285,8 @@ void bind_cache(py::module_& m) {
           },
           py::arg("seq_lens"), py::arg("stream") = 0, py::arg("blocks") = py::none())
       .def("block_table", &KVCacheCore::block_table, py::arg("slot"))
+      .def("release_blocks", &KVCacheCore::release_blocks, py::arg("ids"), py::arg("stream") = 0,
+           py::call_guard<py::gil_scoped_release>())
       .def(
           "capacity",
           [](KVCacheCore& core, py::handle seq_lens, std::vector<int64_t> new_lens) {
@@ -313,8 +315,31 @@ void bind_cache(py::module_& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("set_memory_budget", &KVCacheCore::set_memory_budget, py::arg("budget_bytes"),
            py::call_guard<py::gil_scoped_release>())
-      .def("set_lookahead", &KVCacheCore::set_lookahead, py::arg("tokens"))
-      .def("set_scrub", &KVCacheCore::set_scrub, py::arg("on"))
+      .def(
+          "set_lookahead",
+          [](KVCacheCore& core, int64_t tokens) {
+            vattention::Tuning t;
+            t.lookahead_tokens = tokens;
+            core.tune(t);
+          },
+          py::arg("tokens"))
+      .def(
+          "set_scrub",
+          [](KVCacheCore& core, bool on) {
+            vattention::Tuning t;
+            t.scrub = on;
+            core.tune(t);
+          },
+          py::arg("on"))
+      .def(
+          "set_headroom",
+          [](KVCacheCore& core, int64_t bytes) {
+            vattention::Tuning t;
+            t.headroom_bytes = bytes;
+            py::gil_scoped_release nogil;  // it may wake the prefetch thread
+            core.tune(t);
+          },
+          py::arg("bytes"))
       .def("mapped_tokens", &KVCacheCore::mapped_tokens, py::arg("slot"))
       .def("seq_len", &KVCacheCore::seq_len, py::arg("slot"))
       .def("active_slots", &KVCacheCore::active_slots)

@@ -5,7 +5,9 @@
 // the prefetch thread maps look-ahead (which fresh blocks adopt) and a reader thread takes stats()
 // and check_invariants(). Every token's bytes encode the block and its generation (each fresh
 // hand-out is a new generation), so a hit that mapped the wrong pages, or a reused page written
-// while another row still reads it, is a wrong byte.
+// while another row still reads it, is a wrong byte. Elastic runs also release the blocks the
+// engine freed last (often mapped by an idle row the prefetch thread may still be mapping) and
+// set a budget each step, while the prefetch thread keeps a headroom of free pages.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -37,8 +39,8 @@ struct Request {
 
 class Engine {
  public:
-  Engine(KVCacheCore& core, bool caching, unsigned seed)
-      : core_(core), caching_(caching), rng_(seed), gen_(kBlocks, 0) {
+  Engine(KVCacheCore& core, bool caching, bool elastic, unsigned seed)
+      : core_(core), caching_(caching), elastic_(elastic), rng_(seed), gen_(kBlocks, 0) {
     for (int64_t b = 0; b < kBlocks; ++b) free_.push_back(b);
     tpp_ = static_cast<int64_t>(core.geometry().tokens_per_page());
   }
@@ -51,6 +53,7 @@ class Engine {
       std::vector<BlockUpdate> updates;
       for (Request& r : reqs_) grow(r, lens, updates);
       try {
+        if (elastic_) shed();
         core_.step(lens, updates, 0);
       } catch (const Error& e) {
         check(false, std::string("step: ") + e.what());
@@ -78,6 +81,25 @@ class Engine {
   }
   void release(int64_t b) {
     if (--refs_[b] == 0) free_.push_back(b);
+  }
+
+  // The scheduler's side of elastic memory: the two ids freed last give their pages back (a
+  // prefix they held is gone), and the budget is what the blocks with pages, a new block per row
+  // and a headroom of two blocks need.
+  void shed() {
+    std::vector<int64_t> ids(free_.rbegin(), free_.rbegin() + std::min<size_t>(2, free_.size()));
+    for (auto& p : prefixes_) {
+      for (int64_t b : ids) {
+        if (std::find(p.second.begin(), p.second.end(), b) != p.second.end()) p.second.clear();
+      }
+    }
+    core_.release_blocks(ids, 0);
+    int64_t with_pages = 0;
+    for (const auto& kv : core_.stats())
+      with_pages += kv.first == "blocks_with_pages" ? kv.second : 0;
+    const CacheGeometry& g = core_.geometry();
+    const int64_t block = static_cast<int64_t>(g.group_width() * g.page_bytes);
+    core_.set_memory_budget((with_pages + g.max_batch * (kPrefixBlocks + 2) + 2) * block);
   }
 
   void admit() {
@@ -175,6 +197,7 @@ class Engine {
 
   KVCacheCore& core_;
   const bool caching_;  // the engine's prefix caching: blocks keep their pages
+  const bool elastic_;  // release blocks and set a budget every step
   std::mt19937 rng_;
   int64_t tpp_;
   std::deque<int64_t> free_;
@@ -186,11 +209,17 @@ class Engine {
   std::vector<BlockUpdate> pending_;
 };
 
-void run(bool cache_blocks, unsigned seed) {
+void run(bool cache_blocks, bool elastic, unsigned seed) {
   CacheGeometry g = testing::small_geometry(1, 6, 1024);
   g.page_bytes = 4096;  // 32 tokens a page index: blocks fill and hit within a short test
   auto core =
       testing::host_core(g, int64_t{64} << 20, ReclaimPolicy::Deferred, kBlocks, cache_blocks);
+  if (elastic) {
+    Tuning tuning;
+    tuning.headroom_bytes = static_cast<int64_t>(2 * g.group_width() * g.page_bytes);
+    tuning.lookahead_tokens = 8;
+    core->tune(tuning);
+  }
   std::atomic<bool> done{false};
   std::thread reader([&] {
     while (!done) {
@@ -199,7 +228,7 @@ void run(bool cache_blocks, unsigned seed) {
       core->stats();
     }
   });
-  Engine(*core, cache_blocks, seed).run(400);
+  Engine(*core, cache_blocks, elastic, seed).run(400);
   done = true;
   reader.join();
   core->wait();
@@ -207,14 +236,24 @@ void run(bool cache_blocks, unsigned seed) {
   int64_t hits = 0;
   for (const auto& kv : core->stats()) hits += kv.first == "block_hits" ? kv.second : 0;
   check(!cache_blocks || hits > 0, "no cache hits: the test did not exercise them");
+  if (elastic) {
+    int64_t released = 0, background = 0;
+    for (const auto& kv : core->stats()) {
+      released += kv.first == "blocks_released" ? kv.second : 0;
+      background += kv.first == "background_pages_created" ? kv.second : 0;
+    }
+    check(released > 0 && background > 0, "the elastic run released nothing or refilled nothing");
+  }
   core->close();
 }
 
 }  // namespace
 
 int main() {
-  run(true, 1);
-  run(true, 2);
-  run(false, 3);
+  run(true, false, 1);
+  run(true, false, 2);
+  run(false, false, 3);
+  run(true, true, 4);
+  run(false, true, 5);
   return vattention::testing::report("engine block tests");
 }
