@@ -440,7 +440,9 @@ def test_mapped_bytes_follow_live_tokens_not_max_model_len(runs):
     # rows map at most their blocks (layer layout: K and V of 2 layers, 4 pages a block); cached
     # blocks are held like stock vLLM's, within its budget
     assert 0 < stats["peak_mappings_at_step"] <= stats["max_active_slots"] * blocks_per_slot * 4
-    assert stats["peak_bytes_mapped_at_step"] <= stats["memory_budget"] == 16 << 20
+    # the engine's own ledger: vLLM's KV memory less its null block, which holds no pages
+    assert stats["elastic"]["pool_budget_bytes"] == (16 << 20) - stats["page_bytes"] * 4
+    assert stats["peak_bytes_mapped_at_step"] <= 16 << 20
     assert result["max_concurrency"] == stats["max_active_slots"]
 
 
@@ -471,8 +473,8 @@ def test_memory_follows_live_tokens_and_a_bounded_prefix_cache(runs):
     assert plugin["tokens"] == stock["tokens"]
     stats = plugin["vattention_stats"]
     budget, page = 256 << 20, stats["page_bytes"]
-    assert stats["memory_budget"] <= budget  # the most it may hold; it holds far less:
-    assert stats["pages_created"] * page <= budget // 2, stats["pages_created"] * page
+    assert stats["elastic"]["pool_budget_bytes"] <= budget  # the most it may hold; it holds
+    assert stats["pages_created"] * page <= budget // 2, stats["pages_created"] * page  # less
     # After the last request the engine holds at most the cache cap plus the headroom.
     elastic = stats["elastic"]
     assert stats["pages_total"] * page <= ELASTIC_CAP + elastic["headroom_target_bytes"]
@@ -512,8 +514,9 @@ def test_tight_budget_preempts_and_tokens_still_match(runs):
     assert stats["preemptions"] > 0, "the budget was meant to force vLLM to preempt"
     assert plugin["tokens"] == stock["tokens"]
     assert [t[0] for t in plugin["tokens"]] == plugin["hf_tokens"]
-    assert stats["memory_budget"] == 1 << 20  # exactly the KV memory vLLM was given
-    assert stats["peak_bytes_mapped_at_step"] <= stats["memory_budget"]
+    # the KV memory vLLM was given, less its null block (8 blocks of 128 KiB)
+    assert stats["elastic"]["pool_budget_bytes"] == 7 * (128 << 10)
+    assert stats["peak_bytes_mapped_at_step"] <= 7 * (128 << 10)
     assert stats["oom_events"] == 0 and stats["active_slots"] == 0
     assert stats["max_active_slots"] == plugin["max_concurrency"] <= 4
 
@@ -590,8 +593,16 @@ def test_startup_log_lines(runs):
     lines = [line for line in log if "vattention KV cache:" in line]
     assert len(lines) == 1 and "INFO" in lines[0]
     assert "4 slots x 1024 tokens, layout layer, page 32768 bytes" in lines[0]
-    assert "budget 16777216 bytes (128 blocks, created at start-up)" in lines[0]
+    assert "budget 16777216 bytes (128 blocks, created as vLLM's scheduler grants them)" in lines[0]
     assert "prefix caching on" in lines[0]
+    # the scheduler's: its own ledger (127 blocks: vLLM's null block holds no pages), the cap
+    # (an eighth of the budget: 15 blocks) and the headroom (a 32nd of it: 3 blocks)
+    elastic = [line for line in log if "vattention: elastic KV memory" in line]
+    assert len(elastic) == 1 and "INFO" in elastic[0]
+    assert (
+        "from this engine's own 16646144 bytes; a block's pages 131072 bytes; prefix cache kept "
+        "up to 15 blocks (1966080 bytes, the default), 3 blocks created ahead" in elastic[0]
+    ), elastic[0]
     # auto's choice on the CPU, with its reason: 4 seqs x 8 blocks x 2 layers x K,V
     assert any(
         "vattention: layout layer: at most 128 page mappings" in line and "INFO" in line

@@ -168,6 +168,7 @@ def serve_bursts(spec: Dict[str, Any]) -> int:
                 if out.finished:
                     end[i] = at
                     tokens[i] = list(out.outputs[0].token_ids)
+        _idle(llm)
         print(
             json.dumps(
                 {
@@ -230,8 +231,21 @@ def _track_running(llm):
     return lambda: peak[0]
 
 
+def _idle(llm) -> None:
+    """In this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) ``generate()`` returns with the last
+    finished requests not yet told to the workers; vLLM's engine loop (its own process, the
+    default) runs that one more step before it idles. So does this: the engine is then as idle
+    as a served one (with the plugin: its cache capped, its headroom trimmed)."""
+    engine = getattr(llm, "llm_engine", None)
+    core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
+    if core is not None and core.scheduler.has_requests():
+        engine.step()
+
+
 def _shutdown(llm) -> None:
-    """Shut the engine down now so that workers write their final statistics."""
+    """Shut the engine down now (an idle one, :func:`_idle`) so that workers write their final
+    statistics."""
+    _idle(llm)
     engine = getattr(llm, "llm_engine", None)
     core = getattr(engine, "engine_core", None)
     if core is not None and hasattr(core, "shutdown"):
