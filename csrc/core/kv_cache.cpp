@@ -298,6 +298,17 @@ size_t KVCacheCore::shrink(size_t keep_bytes) {
 }
 
 int64_t KVCacheCore::set_memory_budget(int64_t budget_bytes) {
+  {
+    // Nothing to trim (no budget, or room for every page held and being created): no wait for
+    // the prefetch thread's job. An engine whose scheduler grants pages raises it most steps.
+    Lock lock = guard_.enter();
+    const size_t need = (pool_.total() + pool_.creating()) * geo_.page_bytes;
+    if (budget_bytes < 0 || need <= static_cast<size_t>(budget_bytes)) {
+      pool_.set_budget(budget_bytes);
+      background_.top_up(lock, *prefetcher_);
+      return 0;
+    }
+  }
   // Pages in flight count against the budget and cannot be trimmed until published.
   Lock lock = guard_.enter_settled(gate_);
   const int64_t old_budget = pool_.budget_bytes();

@@ -117,6 +117,20 @@ def case_new_pages_before_evicting_cached_blocks_then_lru():
     assert ledger.held == 10 * BB
 
 
+def case_outside_schedule_the_blocks_taken_are_granted_when_taken():
+    pool, ledger = make(max_blocks=5, headroom=0)
+    assert pool.get_num_free_blocks() == 5 and ledger.held == 0  # a peek, no grant
+    blocks = pool.get_new_blocks(5)
+    assert len(blocks) == 5 and ledger.held == 5 * BB
+    assert pool.get_num_free_blocks() == 0
+    try:
+        pool.get_new_blocks(1)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("a block beyond the budget was handed out")
+
+
 def case_a_hit_on_a_cached_block_takes_no_grant():
     pool, ledger = make(cap=8, headroom=0)
     _, blocks = step(pool, lambda: alloc(pool, 3))

@@ -126,7 +126,14 @@ class ElasticBlockPool(BlockPool):
     def get_new_blocks(self, num_blocks: int) -> list:
         if num_blocks > self.get_num_free_blocks():
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
-        fresh = min(num_blocks, self._reserve, len(self._unbacked))
+        # New pages before evicting cached blocks: grant more if the reserve is short (outside
+        # schedule() the count above was only a peek, so this grant is what backs the blocks).
+        wanted = min(num_blocks, len(self._unbacked))
+        if self._reserve < wanted:
+            self._top_up(wanted, force=True)
+        fresh = min(wanted, self._reserve)
+        if num_blocks - fresh > self.free_block_queue.num_free_blocks:
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         ret = [self.blocks[self._unbacked.popleft()] for _ in range(fresh)]
         self._reserve -= fresh
         self._backed += fresh
