@@ -30,9 +30,10 @@ import sys
 import tempfile
 import threading
 import time
-from typing import IO, Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from ..integrations.vllm.settings import ENV_ENABLE, ENV_POOL, ENV_POOL_BYTES
+from .vllm_bench import Engine
 
 __all__ = ["add_parser", "run", "burst_requests", "percentile", "CONFIGS"]
 
@@ -124,38 +125,15 @@ def percentile(values: List[float], q: float) -> float:
     return ordered[int(k)]
 
 
-class BurstEngine:
+class BurstEngine(Engine):
     """One engine process (``vllm_run --bursts``), in a process group of its own."""
 
     def __init__(self, name: str, spec: Dict, env: Dict[str, str], workdir: str) -> None:
-        self.name = name
         spec_file = os.path.join(workdir, f"{name}.spec.json")
         with open(spec_file, "w") as f:
             json.dump(spec, f)
-        self.log_file = os.path.join(workdir, f"{name}.log")
-        self._log = open(self.log_file, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vattention.bench.vllm_run", "--bursts", spec_file],
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            text=True,
-            start_new_session=True,
-        )
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self._stdin: IO[str] = self.proc.stdin
-        self._stdout: IO[str] = self.proc.stdout
+        super().__init__(name, spec_file, workdir, mode="--bursts", env=env, new_session=True)
         self.pid = 0
-
-    def answer(self) -> Dict:
-        line = self._stdout.readline()
-        if not line:
-            self.proc.wait()
-            with open(self.log_file) as f:
-                tail = f.read()[-3000:]
-            raise RuntimeError(f"engine {self.name} exited {self.proc.returncode}:\n{tail}")
-        return json.loads(line)
 
     def ready(self) -> None:
         self.pid = self.answer()["pid"]
@@ -170,14 +148,11 @@ class BurstEngine:
         self.proc.wait()
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self._stdin.write(json.dumps({"quit": True}) + "\n")
-                self._stdin.close()
-                self.proc.wait(timeout=120)
-            except (BrokenPipeError, subprocess.TimeoutExpired):
-                self.kill()
-        self._log.close()
+        try:
+            super().close()
+        except (BrokenPipeError, subprocess.TimeoutExpired):
+            self.kill()
+            self._log.close()
 
 
 class HeldSampler:

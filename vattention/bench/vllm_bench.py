@@ -218,27 +218,40 @@ def engine_env(name: str, environ, stats_file: str) -> Dict[str, str]:
 
 
 class Engine:
-    """One engine process (``vllm_run --serve``): started, warmed up, then driven by lines."""
+    """One engine process (``vllm_run --serve``, or its other line-driven ``mode``):
+    started, warmed up, then driven by lines. ``env``: the process's environment (default:
+    :func:`engine_env` of ``name``); ``new_session``: a process group of its own."""
 
-    def __init__(self, name: str, spec_file: str, workdir: str) -> None:
+    def __init__(
+        self,
+        name: str,
+        spec_file: str,
+        workdir: str,
+        *,
+        mode: str = "--serve",
+        env: Optional[Dict[str, str]] = None,
+        new_session: bool = False,
+    ) -> None:
         self.name = name
         self.stats_file = os.path.join(workdir, "stats.json")
-        env = engine_env(name, os.environ, self.stats_file)
+        if env is None:
+            env = engine_env(name, os.environ, self.stats_file)
         self.log_file = os.path.join(workdir, f"{name}.log")
         self._log = open(self.log_file, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vattention.bench.vllm_run", "--serve", spec_file],
+            [sys.executable, "-m", "vattention.bench.vllm_run", mode, spec_file],
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
             text=True,
+            start_new_session=new_session,
         )
         assert self.proc.stdin is not None and self.proc.stdout is not None  # both are pipes
         self._stdin: IO[str] = self.proc.stdin
         self._stdout: IO[str] = self.proc.stdout
 
-    def _answer(self) -> Dict:
+    def answer(self) -> Dict:
         line = self._stdout.readline()
         if not line:
             self.proc.wait()
@@ -250,12 +263,12 @@ class Engine:
         return json.loads(line)
 
     def ready(self) -> None:
-        assert self._answer().get("ready")
+        assert self.answer().get("ready")
 
     def generate(self, requests: List[Dict]) -> Dict:
         self._stdin.write(json.dumps({"requests": requests}) + "\n")
         self._stdin.flush()
-        return self._answer()
+        return self.answer()
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -69,19 +69,26 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
     return result
 
 
-def serve(spec: Dict[str, Any]) -> int:
-    """``--serve``: one engine, one workload per stdin line; 0 after a clean quit."""
+def _line_driven_engine(spec: Dict[str, Any]):
+    """The engine of ``spec`` in this process, and the stream its answers go to: the real
+    stdout. vLLM, torch and native code print, to Python's ``sys.stdout`` or straight to file
+    descriptor 1, so fd 1 becomes stderr for all of them."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    # Only the answers go to the real stdout: vLLM, torch and native code print, to Python's
-    # sys.stdout or straight to file descriptor 1, so fd 1 becomes stderr for all of them.
     sys.stdout.flush()
     answer = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     import vllm
 
-    llm = vllm.LLM(model=spec["model"], **spec.get("engine", {}))
+    return vllm.LLM(model=spec["model"], **spec.get("engine", {})), answer
+
+
+def serve(spec: Dict[str, Any]) -> int:
+    """``--serve``: one engine, one workload per stdin line; 0 after a clean quit."""
+    import vllm
+
+    llm, answer = _line_driven_engine(spec)
     peak = _track_running(llm)
     print(
         json.dumps({"ready": True, "plugin": os.environ.get("VATTENTION_VLLM") == "1"}),
@@ -126,15 +133,9 @@ def serve_bursts(spec: Dict[str, Any]) -> int:
     token and completion are timed as they happen. The answer holds, per request, TTFT and the
     end (seconds from its arrival, from ``start_at``), its tokens, and the burst's preemptions.
     """
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    sys.stdout.flush()
-    answer = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
     import vllm
 
-    llm = vllm.LLM(model=spec["model"], **spec.get("engine", {}))
+    llm, answer = _line_driven_engine(spec)
     engine = llm.llm_engine
     preemptions = _count_preemptions(llm)
     print(json.dumps({"ready": True, "pid": os.getpid()}), file=answer, flush=True)
@@ -238,7 +239,7 @@ def _idle(llm) -> None:
     as a served one (with the plugin: its cache capped, its headroom trimmed)."""
     engine = getattr(llm, "llm_engine", None)
     core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
-    if core is not None and core.scheduler.has_requests():
+    if engine is not None and core is not None and core.scheduler.has_requests():
         engine.step()
 
 

@@ -124,7 +124,7 @@ class _ElasticScheduling:
     _elastic: Optional[ElasticBlockPool] = None
 
     def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        super().__init__(*args, **kwargs)
         self._install_elastic_pool()
 
     def _install_elastic_pool(self) -> None:
