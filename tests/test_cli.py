@@ -31,7 +31,7 @@ def _run(args, cwd=None, timeout=120):
 @pytest.mark.parametrize(
     "args,usage",
     [
-        (["bench", "--help"], "usage: python -m vattention bench [-h] {memory,vllm}"),
+        (["bench", "--help"], "usage: python -m vattention bench [-h] {memory,vllm,elastic}"),
         (["bench", "memory", "--help"], "usage: python -m vattention bench memory [-h]"),
         (["bench", "vllm", "--help"], "usage: python -m vattention bench vllm [-h]"),
         (["demo", "--help"], "usage: python -m vattention demo [-h]"),

