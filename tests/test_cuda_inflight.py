@@ -4,7 +4,10 @@
 - A "kernel" still reading a slot's rows on a non-blocking stream when the slot is freed on that
   stream: the pages are unmapped only once it completed (zero rule violations), whether reclaim()
   or another slot's step() under a tight budget takes them, or release_blocks() gives back the
-  engine blocks the idle row maps (and the budget's trim destroys their pages).
+  engine blocks the idle row maps (and the budget's trim destroys their pages). Also when alloc()
+  hands the freed row to a new request: its first step's table that differs from what the row
+  maps (from page index 0, or after hits), or a trim of the look-ahead it inherited, unmaps only
+  once the kernel completed; a table that agrees costs no event query.
 - A capture begun in the default GLOBAL mode on one thread while the prefetch thread maps pages:
   the capture must survive (the driver forbids VMM calls of other threads in GLOBAL mode unless
   they make them in a mode that allows them).
@@ -120,6 +123,156 @@ def test_released_blocks_outlive_a_kernel_on_the_callers_stream(emu, engine, fre
         t.join(5)
         assert result == {"pages": pages, "over": 0}
         assert emu.counter("cuMemRelease") == releases + pages - 1  # one page stays: the budget
+        assert emu.violations == 0, emu.last_violation()
+    finally:
+        cache.close()
+        assert emu.stream_destroy(side) == E.CUDA_SUCCESS
+
+
+def _step_in_thread(cache: vattention.KVCache, *args, **kw) -> tuple[threading.Thread, dict]:
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            cache.step(*args, **kw)
+            result["ok"] = True
+        except Exception as e:  # pragma: no cover - surfaced by the caller's assertion
+            result["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, result
+
+
+@pytest.mark.parametrize("hits", [0, 2])
+def test_a_reused_rows_old_blocks_outlive_a_kernel_when_the_new_table_differs(emu, engine, hits):
+    # free() fences on the kernel's stream and the row keeps its blocks mapped (idle, for a hit in
+    # place); alloc() hands that row to a new request whose table agrees with it on `hits` page
+    # indices and differs after them. Its first step unmaps the rest, on the legacy stream (which
+    # does not wait for a non-blocking one): only once the old request's kernel completed.
+    page = E.SUITE_GRANULARITY
+    cache = make(
+        page_size=page, max_batch_size=2, max_seq_len=TOKENS, num_blocks=16, block_cache=True
+    )
+    side = emu.stream_create(nonblocking=True)
+    try:
+        per_index = cache.config.pages_per_index
+        a = cache.alloc()
+        cache.step({a: TOKENS}, blocks={a: (0, [1, 2, 3, 4], 0)})  # one block a page index
+        k, v = cache.host_alias(0)
+        assert v is not None
+        k[a].normal_()
+        v[a].normal_()
+        want = (k[a].clone(), v[a].clone())
+        unit = emu.launch(side, *_row_range(cache, a, TOKENS), held=True)  # reads a's rows
+        cache.free(a, stream=side)
+        table = [1, 2, 3, 4][:hits] + [5, 6, 7, 8][hits:]
+        b = cache.alloc(hits=table[:hits] if hits else None)
+        assert b == a  # the idle row, its blocks still mapped
+        unmaps = emu.counter("cuMemUnmap")
+        t, result = _step_in_thread(cache, {b: TOKENS}, blocks={b: (0, table, hits)}, stream=0)
+        try:
+            time.sleep(0.2)
+            assert emu.violations == 0, emu.last_violation()
+            assert t.is_alive(), "the new table's step unmapped the old blocks under a kernel"
+            assert emu.counter("cuMemUnmap") == unmaps
+            assert torch.equal(k[a], want[0]) and torch.equal(v[a], want[1])
+        finally:
+            emu.complete(unit)
+            t.join(5)
+        assert result == {"ok": True}
+        assert emu.violations == 0, emu.last_violation()
+        assert cache.stats()["fence_waits"] == 1
+        assert cache.block_table(b) == [table]
+        hit = hits * TOKENS // 4  # the hits' tokens: the old blocks' pages, mapped in place
+        assert torch.equal(k[b, :hit], want[0][:hit]) and torch.equal(v[b, :hit], want[1][:hit])
+        # The old blocks' pages are the pool's again: those no row maps go back at once (the
+        # hits stay with b, detached), and another request's step takes them instead of new ones.
+        assert cache.release_blocks([1, 2, 3, 4], stream=side) == (4 - hits) * per_index
+        cache.wait()
+        created = cache.stats()["pages_created"]
+        c = cache.alloc()
+        cache.step({c: TOKENS}, blocks={c: (0, [9, 10, 11, 12], 0)})
+        assert cache.stats()["pages_created"] - created == hits * per_index
+        assert cache._core.check_invariants() == ""
+        assert emu.violations == 0, emu.last_violation()
+    finally:
+        cache.close()
+        assert emu.stream_destroy(side) == E.CUDA_SUCCESS
+
+
+def test_a_reused_rows_fence_costs_nothing_until_the_row_unmaps(emu, engine):
+    # The fence alloc() leaves with the row costs nothing while nothing is unmapped: a new request
+    # hitting every block the row maps steps at once, with no event query, under the kernel. Its
+    # own free() on the legacy stream (done at once: it does not wait for a non-blocking stream)
+    # keeps the first fence, still pending: a third request's table that differs waits for it.
+    page = E.SUITE_GRANULARITY
+    cache = make(
+        page_size=page, max_batch_size=2, max_seq_len=TOKENS, num_blocks=16, block_cache=True
+    )
+    side = emu.stream_create(nonblocking=True)
+    try:
+        a = cache.alloc()
+        cache.step({a: TOKENS}, blocks={a: (0, [1, 2, 3, 4], 0)})
+        unit = emu.launch(side, *_row_range(cache, a, TOKENS), held=True)  # reads a's rows
+        cache.free(a, stream=side)
+        b = cache.alloc(hits=[1, 2, 3, 4])
+        assert b == a
+        calls = {n: emu.counter(n) for n in ("cuEventQuery", "cuEventSynchronize", "cuMemUnmap")}
+        cache.step({b: TOKENS}, blocks={b: (0, [1, 2, 3, 4], 4)})
+        cache.step({b: TOKENS})
+        assert {n: emu.counter(n) for n in calls} == calls
+        cache.free(b, stream=0)
+        c = cache.alloc()
+        assert c == a
+        t, result = _step_in_thread(cache, {c: TOKENS}, blocks={c: (0, [5, 6, 7, 8], 0)})
+        try:
+            time.sleep(0.2)
+            assert emu.violations == 0, emu.last_violation()
+            assert t.is_alive(), "the third request's step unmapped the blocks under a kernel"
+            assert emu.counter("cuMemUnmap") == calls["cuMemUnmap"]
+        finally:
+            emu.complete(unit)
+            t.join(5)
+        assert result == {"ok": True}
+        assert cache.stats()["fence_waits"] == 1
+        assert cache._core.check_invariants() == ""
+        assert emu.violations == 0, emu.last_violation()
+    finally:
+        cache.close()
+        assert emu.stream_destroy(side) == E.CUDA_SUCCESS
+
+
+def test_a_reused_slots_inherited_pages_outlive_a_kernel_when_trimmed(emu, engine):
+    # Pages owned by slots: the new request in a freed row inherits its pages as look-ahead
+    # (length 0), which a step of another slot under a one-slot budget trims: only once the old
+    # request's kernel completed.
+    page = E.SUITE_GRANULARITY
+    probe = make(page_size=page, max_batch_size=2, max_seq_len=TOKENS)
+    pages = probe.config.pages_for_tokens(TOKENS)
+    probe.close()
+    cache = make(page_size=page, max_batch_size=2, max_seq_len=TOKENS, memory_budget=pages * page)
+    side = emu.stream_create(nonblocking=True)
+    try:
+        a, b = cache.alloc(), cache.alloc()
+        cache.step({a: TOKENS})
+        unit = emu.launch(side, *_row_range(cache, a, TOKENS), held=True)  # reads a's rows
+        cache.free(a, stream=side)
+        assert cache.alloc() == a  # the idle row, pages and all
+        unmaps = emu.counter("cuMemUnmap")
+        t, result = _step_in_thread(cache, {b: TOKENS})  # takes the new request's look-ahead
+        try:
+            time.sleep(0.2)
+            assert emu.violations == 0, emu.last_violation()
+            assert t.is_alive(), "the trim unmapped the inherited pages under a kernel"
+            assert emu.counter("cuMemUnmap") == unmaps
+        finally:
+            emu.complete(unit)
+            t.join(5)
+        assert result == {"ok": True}
+        assert cache.stats()["fence_waits"] == 1
+        assert cache.mapped_tokens(b) == TOKENS and cache.mapped_tokens(a) == 0
+        assert cache._core.check_invariants() == ""
         assert emu.violations == 0, emu.last_violation()
     finally:
         cache.close()

@@ -29,8 +29,9 @@ int BlockCoordinator::take_slot(const BlockIds* hits, uintptr_t /*stream*/) {
                        : slots_.pick_for_alloc([&](int i) { return tables_.kept_hits(i, *hits); });
   // The new request starts at token 0, which a window may have released; it brings its own
   // table, and its first step keeps what of the row agrees with it (a hit on the blocks an idle
-  // row still maps costs no map call). The row is not scrubbed: its pages belong to blocks the
-  // engine may still hit; a block's pages are when it is handed out fresh.
+  // row still maps costs no map call) and unmaps the rest after the free() fence the row keeps.
+  // The row is not scrubbed: its pages belong to blocks the engine may still hit; a block's pages
+  // are when it is handed out fresh.
   windows_.clear(slot);
   tables_.clear(slot);
   return slot;

@@ -400,7 +400,9 @@ void BlockTables::record_tables(const std::vector<BlockUpdate>& updates, StepPla
     if (u.cached > 0 || u.start < r.fresh_from) r.fresh_from = u.start + u.cached;
     r.settled = std::min(r.settled, u.start);  // the entries from there on are new
     const size_t cut = first_disagreement(u);
-    parts_.memory.unmap_tail(u.slot, cut);  // nothing when everything agrees
+    // Nothing when everything agrees; else after the free() fence of the request that left the
+    // row (slot_memory.h): its last kernels may still read the tail.
+    parts_.memory.unmap_tail(u.slot, cut);
     for (size_t p = std::max(u.start, r.fresh_from); p < std::min(cut, end); ++p) {
       for (size_t g = 0; g < groups_; ++g) {
         if (r.table[g][p] != kNoBlock && r.blocks[p * groups_ + g] == r.table[g][p]) {

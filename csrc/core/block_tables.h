@@ -15,8 +15,10 @@
 // A step with tables (apply) runs five phases over one StepPlan:
 //   1. record_tables: records the new tables; each row unmaps its tail from the first page index
 //      whose mapping disagrees with its table (a replaced table: a resumed request, or a new
-//      request in a row an earlier one left idle). What agrees stays mapped: a new request whose
-//      hits an idle row still maps (a shared system prompt) costs no map call for them;
+//      request in a row an earlier one left idle; the unmapping waits for the fence the earlier
+//      request's free() recorded, which alloc() left with the row). What agrees stays mapped: a
+//      new request whose hits an idle row still maps (a shared system prompt) costs no map call
+//      for them;
 //   2. plan_rows: per listed row, fresh ids the row already maps anonymous pages for adopt them
 //      (where its table named them after it mapped them: prefetched look-ahead);
 //      the page indices it must grow by are planned, each fresh id taken from its earlier

@@ -111,11 +111,12 @@ int KVCacheCore::alloc(const BlockIds* hits, uintptr_t stream) {
     guard_.check_open();
     guard_.rethrow_background_error();
   }
-  // Before the fence goes: the mode may unmap what the new request must not inherit.
+  // The mode may unmap what the new request must not inherit (waiting for the free() fence).
   const int slot = take_slot(hits, stream);
-  // The new owner's writes are ordered after the old owner's reads on the same stream; the fence
-  // only guards unmapping, which this slot no longer faces.
-  memory_.forget_fence(slot);
+  // The fence stays with the row: the new request inherits what the row still maps, which the old
+  // request's last kernels may still read, and a later unmapping of it (a block table that
+  // disagrees, a trim of look-ahead, a window) waits for the fence as an idle row's would
+  // (slot_memory.h). Mapping, and a step that unmaps nothing, never look at it.
   slots_.activate(slot, 0);
   return slot;
 }

@@ -26,8 +26,9 @@
 // Reclamation: free() keeps a slot's pages mapped ("idle"); alloc() prefers idle slots that hold
 // pages, so a new request inherits mapped memory for free. Pages of idle slots go back to the pool
 // only when another slot needs them (least recently freed first), on reclaim(), or at once under
-// the "eager" policy. A slot freed at step N is unmapped only after the fence recorded by free()
-// has completed: unmapping is not stream-ordered on CUDA.
+// the "eager" policy. What a slot maps when free() runs is unmapped only after the fence free()
+// recorded has completed, also once alloc() handed the slot to a new request: unmapping is not
+// stream-ordered on CUDA.
 //
 // Elastic memory: set_memory_budget() caps the pool (trimming free, idle and look-ahead pages),
 // release_blocks() hands the pages of the blocks an engine's scheduler evicted back to the pool,
@@ -212,7 +213,7 @@ class KVCacheCore {
               const CacheOptions& options);
   // alloc(), per mode: checks `hits` (Config, nothing changed), picks the slot for a new request
   // and drops what its previous request left that the new one must not inherit (it may unmap; an
-  // idle slot's fence is waited for inside). alloc() then hands the slot over.
+  // idle slot's fence is waited for inside). alloc() then hands the slot over, fence and all.
   virtual int take_slot(const BlockIds* hits, uintptr_t stream) = 0;
   // Pages this cache may hold beyond what its rows map (engine blocks kept for a prefix cache).
   virtual size_t pages_beyond_rows() const = 0;

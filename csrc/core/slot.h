@@ -6,7 +6,8 @@
 //              and eviction read                                         written by SlotTable
 //   SlotPages  which physical pages back the row: the mapped range [head(t), mapped) of every
 //              tensor (a sliding window moves head(t) up), the read-only prefix that other rows
-//              or swap handles may share, and the fence of the row's last free()
+//              or swap handles may share, and the fences of the row's free()s that guard
+//              its unmapping
 //                                       written by SlotMemory (SlotTable::PagesKey is its key)
 // Every other part reads them through the accessors and changes them only by calling an
 // operation of the owner (SlotTable::activate, SlotMemory::map, ...). Which engine block a row
@@ -100,10 +101,11 @@ class SlotPages {
   std::vector<size_t> head_;  // empty, or one per tensor (not all zero)
   int64_t release_at_ = std::numeric_limits<int64_t>::max();
   size_t read_only_ = 0;
-  // The fence recorded by the row's last free(): its pages are unmapped only after it completed
-  // (SlotMemory::fence_pending says whether it has).
-  uint64_t fence_ = 0;
-  bool has_fence_ = false;
+  // The fences recorded by the row's free()s whose pages it may still map: none of those pages is
+  // unmapped before they completed, also after alloc() handed the row to a new request (the old
+  // request's last kernels may still read them). Dropped by the first unmapping of the row, which
+  // waits for them, or by free() once complete (SlotMemory::fence_pending says whether they are).
+  std::vector<uint64_t> fences_;
 };
 
 struct Slot {

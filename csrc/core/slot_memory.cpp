@@ -87,7 +87,8 @@ size_t SlotMemory::unmap_tail(int slot, size_t keep) {
   if (keep >= s.mapped_) return 0;
   const int T = geo_.num_tensors();
   const size_t C = geo_.columns();
-  if (!slots_[static_cast<size_t>(slot)].use.active()) wait_fence(slot);
+  // Idle or active: a row alloc() handed to a new request still maps the old request's pages.
+  wait_fence(slot);
   // Tensor t maps [max(keep, head(t)), mapped): released window pages are not unmapped again.
   auto begin = [&](int t) { return std::max(keep, s.head(static_cast<size_t>(t))); };
   int t = 0;
@@ -136,6 +137,7 @@ void SlotMemory::release_front(int slot, int tensor, size_t to) {
   const size_t t = static_cast<size_t>(tensor);
   const size_t from = s.head(t);
   if (to <= from) return;
+  wait_fence(slot);
   mapper_.unmap_run(tensor, slot, from, to);
   ++counters_.unmap_calls;
   const size_t C = geo_.columns();
@@ -158,6 +160,7 @@ PageHandle SlotMemory::replace_page(int slot, size_t k, PageHandle page) {
   const size_t C = geo_.columns(), P = geo_.page_bytes;
   const uintptr_t va = mapper_.column_va(k % C, slot, k / C);
   const PageHandle old = s.handles_[k];
+  wait_fence(slot);
   backend_.unmap(va, P);  // on failure nothing changed: `old` is still mapped at va
   ++counters_.unmap_calls;
   bool mapped = false;
@@ -205,31 +208,52 @@ std::string SlotMemory::check_read_only(const std::map<PageHandle, uint32_t>& se
 void SlotMemory::fence_on_free(int slot, uintptr_t stream) {
   SlotPages& s = row(slot);
   if (s.mapped_ == 0) return;
-  s.fence_ = backend_.record_fence(stream);  // may throw: before any state change
-  s.has_fence_ = true;
+  const uint64_t fence = backend_.record_fence(stream);  // may throw: before any state change
+  // Older fences (the row was reused before an unmapping waited for them): those that completed
+  // guard nothing any more. One that cannot be polled or released now stays, as if pending.
+  size_t kept = 0;
+  for (const uint64_t old : s.fences_) {
+    bool done = false;
+    try {
+      if (backend_.fence_done(old)) {
+        backend_.fence_release(old);
+        done = true;
+      }
+    } catch (...) {
+    }
+    if (!done) s.fences_[kept++] = old;
+  }
+  s.fences_.resize(kept);
+  s.fences_.push_back(fence);  // no allocation after the row's first free(): the capacity stays
 }
 
 bool SlotMemory::fence_pending(int slot) const {
-  const SlotPages& s = slots_[static_cast<size_t>(slot)].pages;
-  return s.has_fence_ && !backend_.fence_done(s.fence_);
+  for (uint64_t fence : slots_[static_cast<size_t>(slot)].pages.fences_) {
+    if (!backend_.fence_done(fence)) return true;
+  }
+  return false;
 }
 
 void SlotMemory::wait_fence(int slot) {
   SlotPages& s = row(slot);
-  if (!s.has_fence_) return;
-  if (!backend_.fence_done(s.fence_)) {
-    ++counters_.fence_waits;
-    backend_.fence_wait(s.fence_);
+  if (s.fences_.empty()) return;  // the common case: no event query
+  bool waited = false;
+  for (uint64_t fence : s.fences_) {
+    if (backend_.fence_done(fence)) continue;
+    if (!waited) ++counters_.fence_waits;  // one unmapping that had to wait
+    waited = true;
+    backend_.fence_wait(fence);  // on failure the row keeps its fences: nothing is unmapped
   }
-  backend_.fence_release(s.fence_);
-  s.has_fence_ = false;
+  forget_fence(slot);
 }
 
 void SlotMemory::forget_fence(int slot) {
   SlotPages& s = row(slot);
-  if (!s.has_fence_) return;
-  backend_.fence_release(s.fence_);
-  s.has_fence_ = false;
+  // From the back, so a failed release leaves the fences not yet released with the row.
+  while (!s.fences_.empty()) {
+    backend_.fence_release(s.fences_.back());
+    s.fences_.pop_back();
+  }
 }
 
 void SlotMemory::sync_stream(uintptr_t stream) {

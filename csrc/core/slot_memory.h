@@ -5,8 +5,12 @@
 // thread's publish, reclamation, windows, fork, swap, engine block tables, close) goes through
 // these few calls, so the record, the references and the driver-call counters can only change
 // together. It is the only writer of SlotPages (slot.h): the mapped range, the window head, the
-// read-only prefix and the free() fence. Unmapping is not stream-ordered: an idle row's pages are
-// unmapped only after the fence its free() recorded has completed (wait_fence).
+// read-only prefix and the free() fences. Unmapping is not stream-ordered: a row's pages are
+// unmapped only after the fence its free() recorded has completed (wait_fence). The fence stays
+// with the row when alloc() hands it to a new request, which inherits the old request's mappings
+// while that request's last kernels may still read them: every unmapping of the row (unmap_tail,
+// release_front, replace_page) waits for it first, idle or active, and drops it. A row without a
+// fence costs no event query.
 //
 // A record kept beside the rows (an engine's block rows, block_tables.h) follows every unmapping
 // through a RowObserver, so these calls need not know about it.
@@ -66,17 +70,19 @@ class SlotMemory {
   // as the prefetch thread's (`driver_calls`: the VMM calls it made).
   void publish(int slot, size_t from, size_t to, const std::vector<PageHandle>& pages,
                size_t driver_calls);
-  // Unmaps page indices [keep, mapped) of `slot` and releases its references (an idle row waits
-  // for its fence first). Returns the pages that reached the free list (a shared page only loses
-  // a reference). On a driver error it maps back what it unmapped and rethrows, so the record
+  // Unmaps page indices [keep, mapped) of `slot` and releases its references (a row with a free()
+  // fence waits for it first). Returns the pages that reached the free list (a shared page only
+  // loses a reference). On a driver error it maps back what it unmapped and rethrows, so the record
   // stays true.
   size_t unmap_tail(int slot, size_t keep);
   // A window moves tensor t's head up to `to`: unmaps [head(t), to) of it with one call and
-  // releases those pages. The caller waited for the kernels that may still read them.
+  // releases those pages. The caller waited for the kernels of this step's stream that may still
+  // read them; a row with a free() fence waits for it too.
   void release_front(int slot, int tensor, size_t to);
   // Maps `page` (a reference the caller took, which the mapping keeps) at handle index k of
   // `slot` in place of the page there, whose reference it releases and which it returns. On a
-  // driver error the old page is mapped again (each call retried once) and nothing changed.
+  // driver error the old page is mapped again (each call retried once) and nothing changed. A row
+  // with a free() fence waits for it first.
   PageHandle replace_page(int slot, size_t k, PageHandle page);
 
   // ---- the read-only prefix -------------------------------------------------------------------
@@ -88,13 +94,17 @@ class SlotMemory {
   std::string check_read_only(const std::map<PageHandle, uint32_t>& seen) const;
 
   // ---- fences ---------------------------------------------------------------------------------
-  // free(): records a fence on `stream` when the row maps pages, before the row goes idle.
+  // free(): records a fence on `stream` when the row maps pages, before the row goes idle, and
+  // drops the row's older fences that completed (a row reused before its fence was waited for
+  // keeps the earlier one while it is pending: its pages may still be mapped).
   void fence_on_free(int slot, uintptr_t stream);
-  // True while the fence of `slot`'s last free() has not completed.
+  // True while some fence of the row's free()s has not completed.
   bool fence_pending(int slot) const;
-  // Waits for (and drops) the fence free() recorded on the row, counting a real wait.
+  // Waits for (and drops) the fences free() recorded on the row, counting a real wait; nothing
+  // (no event query) when it has none.
   void wait_fence(int slot);
-  // Drops the row's fence without waiting (its new owner's work is ordered after the old one's).
+  // Drops the row's fences without waiting (the row maps nothing they guard any more, or the
+  // caller waited for all of the device's work).
   void forget_fence(int slot);
   // Records a fence on `stream` and waits for it: copies queued there are done, and no kernel
   // queued before still reads what the caller is about to unmap.
