@@ -10,9 +10,9 @@ tensor of the block's group. So:
 * ``page_bytes = block_size x unit_bytes`` (``unit_bytes``: one token's bytes in one tensor, the
   gcd over tensors with per-layer shapes), and the block size must make that a multiple of the
   backend's mapping granularity (:func:`aligned_block_size`; the plugin sets it at start-up);
-* the memory vLLM would have allocated, ``num_blocks`` blocks of its widest group, is the page
-  pool's budget; with prefix caching a block keeps its pages until vLLM hands its id out fresh,
-  which vLLM's own accounting bounds by ``num_blocks``.
+* the memory vLLM would have allocated, ``num_blocks`` blocks of its widest group, is the most
+  the cache may hold; which blocks have pages, and how many pages a step may hold, the
+  scheduler's elastic block pool decides (elastic.py).
 
 This module reads vLLM's objects by their attributes only (no vLLM import), so it is tested without
 vLLM.

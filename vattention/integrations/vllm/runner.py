@@ -7,15 +7,17 @@ things:
 * ``initialize_kv_cache_tensors``: instead of allocating vLLM's KV buffer it builds a
   :class:`vattention.KVCache` whose pages vLLM's block ids name (:mod:`.kv_layout`: one page index
   per vLLM block, every KV cache group its own table, the blocks vLLM would have allocated as the
-  budget), gives every attention layer its dense K/V tensors (``layer.vattention_kv``), hands the
-  attention metadata builders the step's batch, and binds empty placeholders where vLLM expects
-  its buffer;
+  most it may hold; no page yet), gives every attention layer its dense K/V tensors
+  (``layer.vattention_kv``), hands the attention metadata builders the step's batch, and binds
+  empty placeholders where vLLM expects its buffer;
 * ``_update_states`` (the start of every step): frees the slots of finished, aborted and
-  preempted requests, gives each new (or resumed) request a slot (the idle one whose row still
-  maps its prefix-cache hits, if any: no map call for them), turns the step's block ids into
-  table updates (a new or resumed request's whole table, its prefix-cache hits first; a running
-  request's appended blocks), calls ``KVCache.step()`` with every scheduled request's length and
-  table update, and ``prefetch()`` with its expected length after the next step;
+  preempted requests, applies the scheduler's word on memory (the blocks whose pages go, the
+  page budget and headroom: scheduler.py, elastic.py), gives each new (or resumed) request a
+  slot (the idle one whose row still maps its prefix-cache hits, if any: no map call for them),
+  turns the step's block ids into table updates (a new or resumed request's whole table, its
+  prefix-cache hits first; a running request's appended blocks), calls ``KVCache.step()`` with
+  every scheduled request's length and table update, and ``prefetch()`` with its expected length
+  after the next step;
 * ``_zero_block_ids``: nothing to zero; kernels read a request only below its length.
 
 vLLM's scheduler stays the admission authority (which request runs, which block it gets, which
