@@ -21,6 +21,7 @@ import pytest
         "vattention.integrations.vllm.stats_writer",
         "vattention.integrations.vllm.slots",
         "vattention.bench.tiny_models",
+        "vattention.bench.model_presets",
         "vattention.bench.vllm_bench",
         "vattention.bench.workload",
         "vattention.bench.traces",

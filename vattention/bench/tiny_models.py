@@ -7,14 +7,18 @@ anything. The tokenizer is a word-level one over ``w0 w1 ...``; prompts are toke
 ``initializer_range`` defaults to 0.1 rather than transformers' 0.02: with 0.02 the top-2 logit
 gaps of a random model are ~1e-3, so token-equality tests between attention kernels would flip on
 rounding noise.
+
+The shape arguments default to the tiny models' (fp32, intermediate size twice the hidden size,
+the family's rope theta, no biases, untied embeddings); ``bench vllm``'s presets
+(:mod:`vattention.bench.model_presets`) set them to real architectures'.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Dict
+from typing import Any, Dict, Mapping, Optional
 
-__all__ = ["FAMILIES", "build_tiny_model"]
+__all__ = ["DTYPES", "FAMILIES", "build_tiny_model"]
 
 # The decoder families the vLLM plugin is tested with: Llama, Qwen2 and Mistral, and with sliding
 # windows Mistral (every layer), Gemma 3 (local and global layers alternating: two KV cache
@@ -22,6 +26,9 @@ __all__ = ["FAMILIES", "build_tiny_model"]
 FAMILIES = ("llama", "qwen2", "mistral", "mistral-window", "gemma3", "qwen2-window")
 
 SPECIAL = ("<unk>", "<s>", "</s>")
+
+# The dtypes a model can be saved in (torch's names, as config.json and vLLM's `dtype` spell them).
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def build_tiny_model(
@@ -38,11 +45,24 @@ def build_tiny_model(
     initializer_range: float = 0.1,
     window: int = 64,
     seed: int = 0,
+    intermediate_size: Optional[int] = None,
+    dtype: str = "float32",
+    rope_theta: Optional[float] = None,
+    rope_scaling: Optional[Mapping[str, Any]] = None,
+    rms_norm_eps: Optional[float] = None,
+    attention_bias: bool = False,
+    tie_word_embeddings: bool = False,
 ) -> str:
     """Write a random ``family`` model and its tokenizer to ``path``; return ``path``.
 
     Idempotent: an existing ``config.json`` at ``path`` is kept as it is. ``window``: the sliding
-    window, in tokens, of the windowed families.
+    window, in tokens, of the windowed families. ``intermediate_size``: the MLP's (default: twice
+    ``hidden_size``). ``dtype``: the weights' and the config's dtype, one of :data:`DTYPES`; the
+    weights are drawn in fp32 either way (the same values, rounded), so a model differs from its
+    fp32 twin by rounding only. ``rope_theta``, ``rope_scaling``, ``rms_norm_eps``: the config
+    class's defaults when None. ``attention_bias``: biases on q, k, v and o (Llama's flag; Qwen2
+    has q, k, v biases whatever it says). ``tie_word_embeddings``: the output layer is the
+    embedding (no ``lm_head`` weight is saved).
 
     Examples
     --------
@@ -57,6 +77,13 @@ def build_tiny_model(
 
     if family not in FAMILIES:
         raise ValueError(f"family={family!r} must be one of {FAMILIES}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} must be one of {DTYPES}")
+    if attention_bias and family not in ("llama", "qwen2", "qwen2-window"):
+        raise ValueError(
+            f"attention_bias=True: family={family!r} has no such option (llama has it; qwen2's "
+            "q, k, v biases are always there)"
+        )
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     vocab: Dict[str, int] = {tok: i for i, tok in enumerate(SPECIAL)}
@@ -70,7 +97,7 @@ def build_tiny_model(
     common: Dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
+        intermediate_size=2 * hidden_size if intermediate_size is None else intermediate_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
@@ -79,12 +106,20 @@ def build_tiny_model(
         initializer_range=initializer_range,
         bos_token_id=1,
         eos_token_id=2,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
     )
+    # Left out when not given, so that the config class keeps its own default; rope_scaling copied
+    # (transformers folds rope_theta into the dict it is given).
+    optional = dict(
+        rope_theta=rope_theta,
+        rope_scaling=None if rope_scaling is None else dict(rope_scaling),
+        rms_norm_eps=rms_norm_eps,
+    )
+    common.update({k: v for k, v in optional.items() if v is not None})
     config: transformers.PretrainedConfig
     model_cls: type[transformers.PreTrainedModel]
     if family == "llama":
-        config = transformers.LlamaConfig(**common)
+        config = transformers.LlamaConfig(**common, attention_bias=attention_bias)
         model_cls = transformers.LlamaForCausalLM
     elif family in ("qwen2", "qwen2-window"):
         windowed = family == "qwen2-window"
@@ -113,7 +148,8 @@ def build_tiny_model(
     model = model_cls(config)  # type: ignore[arg-type]
     # transformers' PreTrainedModel.to is wrapped with functools.wraps(torch.nn.Module.to), which
     # types it as the unbound function: mypy takes the dtype for `self`.
-    model = model.to(torch.float32)  # type: ignore[arg-type]
+    torch_dtype: torch.dtype = getattr(torch, dtype)
+    model = model.to(torch_dtype)  # type: ignore[arg-type]
     os.makedirs(path, exist_ok=True)
     fast.save_pretrained(path)
     model.save_pretrained(path)  # config.json last-but-one: its presence marks a complete model

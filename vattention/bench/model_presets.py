@@ -1,0 +1,290 @@
+"""Named model shapes for ``bench vllm --model``: real architectures with random weights.
+
+A preset is a real checkpoint's architecture as its ``config.json`` gives it: the layer count,
+hidden and intermediate sizes, attention heads, KV heads, head size, rope theta (and scaling),
+norm epsilon, q/k/v biases and tied embeddings, in the checkpoint's dtype (bfloat16). Attention,
+the MLP and the KV cache are the real model's size. What is not real: the weights are random
+(:func:`~vattention.bench.tiny_models.build_tiny_model`'s initializer), and the vocabulary is the
+tiny models' 512 words instead of the checkpoint's 128,256 or 151,936, so that the tokenizer and
+the embedding stay small. With the real vocabulary the output layer would be about a fifth
+(Llama-3.2-1B: 263M of 1.24B weights) to over a quarter (Qwen2.5-0.5B: 136M of 494M) of a decode
+step's matmul work; here it is negligible, so a step spends a larger share in attention and the
+MLP than the real model's would. The shapes are the checkpoints' published ``config.json``.
+
+``gqa4-bf16`` is not a released model: a Llama of 8 layers, hidden 1024, 16 heads / 4 KV heads
+x 64 in bfloat16, the shape of an earlier measurement, kept so that old and new figures compare.
+
+>>> p = PRESETS["qwen2.5-0.5b"]
+>>> p.architecture, p.num_layers, p.num_heads, p.num_kv_heads, p.head_dim, p.gqa_group
+('Qwen2ForCausalLM', 24, 14, 2, 64, 7)
+>>> p.qkv_bias, p.tie_word_embeddings, p.dtype
+(True, True, 'bfloat16')
+>>> p.with_layers(2).shape().split(", ")[:3]
+['Qwen2ForCausalLM', '2 of its 24 layers', 'hidden 896']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Dict, List, Mapping, Optional
+
+__all__ = ["PRESETS", "VOCAB_SIZE", "ModelPreset", "get_preset"]
+
+# The tiny models' vocabulary (build_tiny_model's default; bench vllm draws token ids below it).
+VOCAB_SIZE = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelPreset:
+    """One model shape to build with random weights (see the module docstring).
+
+    ``family``: :func:`~vattention.bench.tiny_models.build_tiny_model`'s. ``source``: the
+    checkpoint whose ``config.json`` the shape is from (None: a made-up shape). ``real_vocab_size``:
+    that checkpoint's vocabulary, which the preset scales to :data:`VOCAB_SIZE`.
+    ``max_positions``: the checkpoint's ``max_position_embeddings`` (None: as many as the run needs,
+    at least 4096, like the tiny models). ``full_layers``: the preset's own layer count when
+    :meth:`with_layers` cut it. None in a rope or norm field: the config class's default.
+    """
+
+    name: str
+    family: str
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    rope_theta: Optional[float] = None
+    rope_scaling: Optional[Mapping[str, Any]] = dataclasses.field(default=None, hash=False)
+    rms_norm_eps: Optional[float] = None
+    max_positions: Optional[int] = None
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    source: Optional[str] = None
+    real_vocab_size: Optional[int] = None
+    full_layers: Optional[int] = None
+
+    @property
+    def gqa_group(self) -> int:
+        """Query heads per KV head."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether q, k and v have biases: Llama's flag, always in Qwen2."""
+        return self.attention_bias or self.family.startswith("qwen2")
+
+    def with_layers(self, num_layers: int) -> ModelPreset:
+        """The same shape with ``num_layers`` layers (quick checks; the widths stay real)."""
+        if not 1 <= num_layers <= (self.full_layers or self.num_layers):
+            raise ValueError(
+                f"num_layers={num_layers}: {self.name} has 1 to "
+                f"{self.full_layers or self.num_layers} layers"
+            )
+        return dataclasses.replace(
+            self, num_layers=num_layers, full_layers=self.full_layers or self.num_layers
+        )
+
+    def shape(self) -> str:
+        """The architecture in one line (the benchmark's header, ``--help``)."""
+        layers = (
+            f"{self.num_layers} of its {self.full_layers} layers"
+            if self.full_layers not in (None, self.num_layers)
+            else f"{self.num_layers} layers"
+        )
+        parts = [
+            self.architecture,
+            layers,
+            f"hidden {self.hidden_size}",
+            f"intermediate {self.intermediate_size}",
+            f"{self.num_heads} heads / {self.num_kv_heads} KV heads x {self.head_dim} "
+            f"(GQA group {self.gqa_group})",
+        ]
+        if self.qkv_bias:
+            parts.append("qkv bias")
+        if self.tie_word_embeddings:
+            parts.append("tied embeddings")
+        if self.rope_theta is not None:
+            scaling = self.rope_scaling.get("rope_type") if self.rope_scaling else None
+            parts.append(
+                f"rope theta {self.rope_theta:.0f}" + (f" ({scaling} scaling)" if scaling else "")
+            )
+        return ", ".join(parts + [self.dtype])
+
+    def provenance(self) -> str:
+        """What is real and what is not, in one clause."""
+        vocab = f"vocabulary scaled to {VOCAB_SIZE}"
+        if self.real_vocab_size:
+            vocab += f" (real: {self.real_vocab_size})"
+        source = f"the shape of {self.source}; " if self.source else ""
+        return f"{source}random weights, {vocab}"
+
+    def summary(self) -> Dict[str, Any]:
+        """The shape as the benchmark's JSON records it."""
+        return {
+            **{k: v for k, v in dataclasses.asdict(self).items() if k != "rope_scaling"},
+            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
+            "gqa_group": self.gqa_group,
+            "qkv_bias": self.qkv_bias,
+            "vocab_size": VOCAB_SIZE,
+            "vocab_scaled": True,
+            "weights": "random",
+        }
+
+    def build(self, path: str, max_positions: int = 4096, seed: int = 0) -> str:
+        """Write the model to ``path`` (kept if already there) and return ``path``;
+        ``max_positions`` applies where the preset has none of its own."""
+        from .tiny_models import build_tiny_model
+
+        return build_tiny_model(
+            path,
+            self.family,
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            vocab_size=VOCAB_SIZE,
+            max_positions=self.max_positions or max_positions,
+            dtype=self.dtype,
+            rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling,
+            rms_norm_eps=self.rms_norm_eps,
+            attention_bias=self.attention_bias,
+            tie_word_embeddings=self.tie_word_embeddings,
+            seed=seed,
+        )
+
+    def expected_config(self) -> Dict[str, Any]:
+        """The ``config.json`` fields a model built from this preset has (those it sets)."""
+        expected: Dict[str, Any] = {
+            "architectures": [self.architecture],
+            "num_hidden_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "vocab_size": VOCAB_SIZE,
+        }
+        optional = {
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_positions,
+        }
+        expected.update({k: v for k, v in optional.items() if v is not None})
+        if self.family == "llama":
+            expected["attention_bias"] = self.attention_bias
+        return expected
+
+    def mismatches(self, path: str) -> List[str]:
+        """How the model at ``path`` differs from this preset: ``field: found X, expected Y``
+        for each field of :meth:`expected_config` (empty when it is this preset's model)."""
+        found = read_config(path)
+        return [
+            f"{k}: found {found.get(k)!r}, expected {v!r}"
+            for k, v in self.expected_config().items()
+            if found.get(k) != v
+        ]
+
+
+def read_config(path: str) -> Dict[str, Any]:
+    """``path``'s ``config.json``, with ``rope_theta`` and ``dtype`` where transformers 5 and 4
+    each put them (in ``rope_parameters``; ``torch_dtype``)."""
+    with open(os.path.join(path, "config.json")) as f:
+        config: Dict[str, Any] = json.load(f)
+    if config.get("rope_theta") is None:
+        config["rope_theta"] = (config.get("rope_parameters") or {}).get("rope_theta")
+    config["dtype"] = config.get("dtype") or config.get("torch_dtype")
+    return config
+
+
+# meta-llama/Llama-3.2-1B's config.json; its rope_scaling block as it is there.
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+PRESETS: Dict[str, ModelPreset] = {
+    p.name: p
+    for p in (
+        ModelPreset(
+            name="llama-3.2-1b",
+            family="llama",
+            architecture="LlamaForCausalLM",
+            num_layers=16,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=64,
+            dtype="bfloat16",
+            rope_theta=500000.0,
+            rope_scaling=_LLAMA3_ROPE,
+            rms_norm_eps=1e-5,
+            max_positions=131072,
+            tie_word_embeddings=True,
+            source="meta-llama/Llama-3.2-1B",
+            real_vocab_size=128256,
+        ),
+        # Qwen/Qwen2.5-0.5B's config.json. Its sliding_window (32768) is left out: the checkpoint
+        # has use_sliding_window false, so every layer attends to the whole row either way.
+        ModelPreset(
+            name="qwen2.5-0.5b",
+            family="qwen2",
+            architecture="Qwen2ForCausalLM",
+            num_layers=24,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_heads=14,
+            num_kv_heads=2,
+            head_dim=64,
+            dtype="bfloat16",
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            max_positions=32768,
+            tie_word_embeddings=True,
+            source="Qwen/Qwen2.5-0.5B",
+            real_vocab_size=151936,
+        ),
+        # Not a released model: an earlier measurement's GQA-4 bf16 Llama; 8 layers and an
+        # intermediate size of 2.75x hidden (Llama-2's ratio) complete the shape.
+        ModelPreset(
+            name="gqa4-bf16",
+            family="llama",
+            architecture="LlamaForCausalLM",
+            num_layers=8,
+            hidden_size=1024,
+            intermediate_size=2816,
+            num_heads=16,
+            num_kv_heads=4,
+            head_dim=64,
+            dtype="bfloat16",
+        ),
+    )
+}
+
+
+def get_preset(name: str) -> ModelPreset:
+    """The preset called ``name``; ``ValueError`` naming the presets if there is none.
+
+    >>> get_preset("gqa4-bf16").gqa_group
+    4
+    >>> get_preset("llama-7b")
+    Traceback (most recent call last):
+    ...
+    ValueError: model preset 'llama-7b' is not one of ('llama-3.2-1b', 'qwen2.5-0.5b', 'gqa4-bf16')
+    """
+    if name not in PRESETS:
+        raise ValueError(f"model preset {name!r} is not one of {tuple(PRESETS)}")
+    return PRESETS[name]
