@@ -32,6 +32,7 @@ budget; the defaults' compiled mode is covered by those four.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pathlib
@@ -143,6 +144,36 @@ BENCH_ARGS = [
     "64MB",
     "--enforce-eager",
 ]
+
+
+# `bench vllm --model`: a real architecture's shape in bf16 (Qwen2.5-0.5B's widths, q/k/v biases,
+# tied embeddings), cut to 2 of its 24 layers, on a few short requests; eager like BENCH_ARGS (the
+# compiled bf16 path starts the same engines; running it here would double this run's time).
+PRESET_BENCH_ARGS = [
+    "--model",
+    "qwen2.5-0.5b",
+    "--num-layers",
+    "2",
+    "--workload",
+    "sharegpt",
+    "--num-requests",
+    "4",
+    "--length-scale",
+    "0.1",
+    "--repetitions",
+    "1",
+    "--max-model-len",
+    "512",
+    "--kv-memory",
+    "32MB",
+    "--enforce-eager",
+]
+PRESET_HEADER = (
+    "preset 'qwen2.5-0.5b' (Qwen2ForCausalLM, 2 of its 24 layers, hidden 896, intermediate "
+    "4864, 14 heads / 2 KV heads x 64 (GQA group 7), qkv bias, tied embeddings, rope theta "
+    "1000000, bfloat16; the shape of Qwen/Qwen2.5-0.5B; random weights, vocabulary scaled to 512 "
+    "(real: 151936))"
+)
 
 
 def _sizes(**kw):
@@ -275,6 +306,20 @@ def _start_scenarios(started: dict) -> None:
                 plugin=False,
                 VATTENTION_VLLM_LAYOUT="mega",
             ),  # handed to the plugin's engine only
+            "bench-preset": Inline(
+                [
+                    "-m",
+                    "vattention",
+                    "bench",
+                    "vllm",
+                    *PRESET_BENCH_ARGS,
+                    "--json",
+                    str(workdir / "bench-preset.json"),
+                ],
+                workdir,
+                "bench-preset",
+                plugin=False,
+            ),
             # two CPU workers (processes), each with a KVCache for its one KV head
             "llama-tp2": Scenario(
                 "llama-tp2",
@@ -669,6 +714,44 @@ def test_bench_vllm_alternates_both_engines_and_compares_tokens(runs, workdir):
     # (63 of 64 requests hit them in a run here; at least half must)
     assert result["plugin_stats"]["block_hits"] >= 2 * 32 * (768 // BLOCK)
     assert result["plugin_stats"]["oom_events"] == 0
+
+
+def test_bench_vllm_serves_a_bf16_preset_and_reports_tokens(runs, workdir):
+    """Both engines serve the preset in bf16 and generate every requested token. Their greedy
+    tokens may differ at bf16 near-ties: reported in the JSON, never the exit status (fp32 runs,
+    above, still fail on any difference)."""
+    from vattention.bench.vllm_bench import make_workload
+
+    rc, out = runs["bench-preset"].wait()
+    assert rc == 0, out[-3000:]
+    assert PRESET_HEADER in out, out[-3000:]
+    assert "tokens: bfloat16, so differences are reported" in out
+    result = json.loads((workdir / "bench-preset.json").read_text())
+    model = result["model"]
+    assert model["name"] == "qwen2.5-0.5b" and model["architecture"] == "Qwen2ForCausalLM"
+    assert (model["num_layers"], model["full_layers"], model["hidden_size"]) == (2, 24, 896)
+    assert (model["num_heads"], model["num_kv_heads"], model["head_dim"]) == (14, 2, 64)
+    assert model["gqa_group"] == 7 and model["dtype"] == "bfloat16"
+    assert model["qkv_bias"] and model["tie_word_embeddings"]
+    assert model["weights"] == "random" and model["vocab_scaled"] and model["vocab_size"] == 512
+    assert result["token_check"] == "reported only"
+    res = result["results"]["sharegpt"]
+    requests = make_workload(
+        "sharegpt",
+        0,
+        argparse.Namespace(num_requests=4, length_scale=0.1, max_model_len=512, seed=0),
+    )
+    wanted = sum(r["sampling"]["max_tokens"] for r in requests)  # EOS ignored: every one comes
+    assert res["generated_tokens"] == {"stock": [wanted, wanted], "vattention": [wanted, wanted]}
+    same, total = res["identical_requests"]
+    assert total == 2 * len(requests) and 0 <= same <= total
+    assert min(res["rounds"]["stock"] + res["rounds"]["vattention"]) > 0
+    logs = pathlib.Path(re.search(r"logs in ([^\s;]+)", out).group(1))
+    for engine in ("stock", "vattention"):
+        assert "dtype=torch.bfloat16" in (logs / f"{engine}.log").read_text()
+    # the plugin's cache holds bf16: a 128-token page of one layer, 2 KV heads x 64, 2 bytes each
+    stats = result["plugin_stats"]
+    assert stats["layout"] == "layer" and stats["page_bytes"] == 128 * 2 * 64 * 2
 
 
 def fail_fast_code(model: str) -> str:
