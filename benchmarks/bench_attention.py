@@ -25,14 +25,18 @@ bfloat16, one query token each, caches in a vattention ``KVCache`` (layer layout
 * **Same strides, ordinary memory**: the native kernel over ``torch.empty_strided`` tensors with
   the cache tensors' shape and strides: the cost of virtual memory itself (target 1.00 +- 0.03).
 
-Prefill rows: one request, a causal chunk of 2048 tokens (no past) and of 512 tokens after 1536
-cached, 32 query heads over 8 KV heads x 128: the kernel against torch SDPA with ``is_causal`` /
-``causal_lower_right`` (GQA via ``enable_gqa``), K/V as strided views of the cache row.
+Prefill rows: one request, a causal prompt of 2048 tokens (no past) and a chunk of 512 tokens after
+1536 cached (chunked prefill), GQA 1, 4 and 8 over 8 KV heads x 128 and the two preset shapes
+(Llama-3.2-1B's 32 / 8 x 64, Qwen2.5-0.5B's 14 / 2 x 64), float32 and bfloat16: the kernel
+against vLLM's op (same K/V in its paged layout, query_start_loc / seq_lens of the chunk) and
+torch SDPA with ``is_causal`` / ``causal_lower_right`` (GQA via ``enable_gqa``), K/V as strided
+views of the cache row.
 
 Every figure is the min (and median) of interleaved rounds (A B B A ...) after a warm-up, with
 outputs checked against the reference. Run on an idle machine; the load is printed.
 
-    python benchmarks/bench_attention.py [--threads 2] [--rounds 6]
+    python benchmarks/bench_attention.py [--threads 2] [--rounds 6] [--skip-decode | --skip-prefill]
+        [--isa avx512bf16,avx2]
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 import vattention  # noqa: E402
+from vattention import _C  # noqa: E402
 from vattention.integrations import flash_attn as fa  # noqa: E402
 
 from _timing import compare_min_median  # noqa: E402
@@ -62,26 +67,27 @@ def vllm_ops():
     return ops, ""
 
 
-def vllm_decode(ops, k_rows, v_rows, q, block_size=128):
-    """A call of vLLM's CPU attention op on k_rows/v_rows [N, S, HKV, D] copied into its layout."""
-    n, s, hkv, d = k_rows.shape
-    blocks = n * s // block_size
-    kv = torch.zeros(blocks, hkv, 2 * block_size, d, dtype=k_rows.dtype)
+def vllm_paged(ops, k, v, block_size=128):
+    """k, v [tokens, kv_heads, d] (tokens a multiple of block_size) written into vLLM's CPU layout
+    ([blocks, kv_heads, block_size, d] for K and for V) by its own ``cpu_attn_reshape_and_cache``;
+    returns (key_cache, value_cache), block i holding tokens [i * block_size, ...)."""
+    tokens, hkv, d = k.shape
+    kv = torch.zeros(tokens // block_size, hkv, 2 * block_size, d, dtype=k.dtype)
     key_cache, value_cache = kv.chunk(2, dim=2)
-    isa = "vec"  # no AMX here; "vec" is what CPU_ATTN picks for these dtypes and block size
+    isa = "vec"  # what CPU_ATTN picks without AMX for these dtypes and a 32-multiple block size
     ops.cpu_attn_reshape_and_cache(
-        k_rows.reshape(n * s, hkv, d),
-        v_rows.reshape(n * s, hkv, d),
-        key_cache,
-        value_cache,
-        torch.arange(n * s),
-        isa,
+        k.contiguous(), v.contiguous(), key_cache, value_cache, torch.arange(tokens), isa
     )
-    block_table = torch.arange(blocks, dtype=torch.int32).view(n, s // block_size)
-    qsl = torch.arange(n + 1, dtype=torch.int32)
-    seq_lens = torch.full((n,), s, dtype=torch.int32)
+    return key_cache, value_cache
+
+
+def vllm_call(ops, q, key_cache, value_cache, block_table, qsl, seq_lens):
+    """A call of vLLM's CPU attention op (what CPU_ATTN's forward runs): q [tokens, heads, d] of
+    requests at query_start_loc qsl, each attending causally to seq_lens keys of its block table
+    (a prompt's chunk after cached tokens when seq_lens exceeds its query count)."""
+    hkv, d = key_cache.shape[1], key_cache.shape[3]
     meta = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=n,
+        num_reqs=seq_lens.numel(),
         num_heads=q.shape[1],
         num_kv_heads=hkv,
         head_dim=d,
@@ -90,7 +96,7 @@ def vllm_decode(ops, k_rows, v_rows, q, block_size=128):
         query_start_loc=qsl,
         causal=True,
         sliding_window_size=-1,
-        isa=isa,
+        isa="vec",
         enable_kv_split=False,
     )
     out = torch.empty_like(q)
@@ -115,6 +121,18 @@ def vllm_decode(ops, k_rows, v_rows, q, block_size=128):
         return out
 
     return call
+
+
+def vllm_decode(ops, k_rows, v_rows, q, block_size=128):
+    """A call of vLLM's CPU attention op on k_rows/v_rows [N, S, HKV, D] copied into its layout."""
+    n, s, hkv, d = k_rows.shape
+    key_cache, value_cache = vllm_paged(
+        ops, k_rows.reshape(n * s, hkv, d), v_rows.reshape(n * s, hkv, d), block_size
+    )
+    block_table = torch.arange(n * s // block_size, dtype=torch.int32).view(n, s // block_size)
+    qsl = torch.arange(n + 1, dtype=torch.int32)
+    seq_lens = torch.full((n,), s, dtype=torch.int32)
+    return vllm_call(ops, q, key_cache, value_cache, block_table, qsl, seq_lens)
 
 
 def fmt(t):
@@ -231,48 +249,78 @@ def decode_rows(args, ops, why_no_vllm):
     print()
 
 
-def prefill_rows(args):
+PREFILL_SHAPES = ((8, 8, 128), (32, 8, 128), (64, 8, 128), (32, 8, 64), (14, 2, 64))
+PREFILL_CHUNKS = ((2048, 0), (512, 1536))
+
+
+def prefill_rows(args, ops, why_no_vllm):
     from torch.nn.attention.bias import causal_lower_right
 
-    groups = 4
+    print("### Prefill: one request, causal; a whole prompt, or a chunk after cached tokens\n")
     print(
-        f"### Prefill: one request, {HKV * groups} query heads over {HKV} KV heads x {D}, causal\n"
+        "Shapes: query heads / KV heads x head_dim (GQA 1, 4 and 8 at 8 KV heads x 128; "
+        "Llama-3.2-1B's 32 / 8 x 64; Qwen2.5-0.5B's 14 / 2 x 64). GFLOP/s: 4 d FLOPs per "
+        "(query head, visible key) over the kernel's min time.\n"
     )
+    vcol = "vLLM op ms" if ops else "vLLM op"
     print(
-        "| dtype | chunk | cached before | kernel ms min (median) | torch SDPA ms | kernel vs SDPA "
-        "| kernel GFLOP/s |"
+        f"| dtype | heads / KV x d | chunk | cached before | kernel ms min (median) | {vcol} "
+        "| kernel vs vLLM | torch SDPA ms | kernel vs SDPA | kernel GFLOP/s |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for dtype in (torch.float32, torch.bfloat16):
-        for chunk, past in ((2048, 0), (512, 1536)):
-            total = past + chunk
-            gen = torch.Generator().manual_seed(1)
-            kc = torch.randn(1, total + 16, HKV, D, generator=gen).to(dtype)
-            vc = torch.randn(1, total + 16, HKV, D, generator=gen).to(dtype)
-            q = torch.randn(1, chunk, HKV * groups, D, generator=gen).to(dtype)
+        for heads, hkv, d in PREFILL_SHAPES:
+            for chunk, past in PREFILL_CHUNKS:
+                total = past + chunk
+                gen = torch.Generator().manual_seed(1)
+                kc = torch.randn(1, total + 16, hkv, d, generator=gen).to(dtype)
+                vc = torch.randn(1, total + 16, hkv, d, generator=gen).to(dtype)
+                q = torch.randn(1, chunk, heads, d, generator=gen).to(dtype)
 
-            def kernel():
-                return fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=total, causal=True)
+                def kernel(q=q, kc=kc, vc=vc, total=total):
+                    return fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=total, causal=True)
 
-            qh = q[0].transpose(0, 1)[None]
-            kh, vh = kc[0, :total].transpose(0, 1)[None], vc[0, :total].transpose(0, 1)[None]
-            mask = None if past == 0 else causal_lower_right(chunk, total)
+                qh = q[0].transpose(0, 1)[None]
+                kh = kc[0, :total].transpose(0, 1)[None]
+                vh = vc[0, :total].transpose(0, 1)[None]
+                mask = None if past == 0 else causal_lower_right(chunk, total)
 
-            def sdpa():
-                return F.scaled_dot_product_attention(
-                    qh, kh, vh, attn_mask=mask, is_causal=past == 0, enable_gqa=True
+                def sdpa(qh=qh, kh=kh, vh=vh, mask=mask, past=past):
+                    return F.scaled_dot_product_attention(
+                        qh, kh, vh, attn_mask=mask, is_causal=past == 0, enable_gqa=True
+                    )
+
+                tol = 2e-5 if dtype == torch.float32 else 2e-2
+                got = kernel()[0]
+                torch.testing.assert_close(
+                    got.float(), sdpa()[0].transpose(0, 1).float(), atol=tol, rtol=tol
                 )
-
-            tol = 2e-5 if dtype == torch.float32 else 2e-2
-            torch.testing.assert_close(
-                kernel()[0].float(), sdpa()[0].transpose(0, 1).float(), atol=tol, rtol=tol
-            )
-            t = compare_min_median({"kernel": kernel, "sdpa": sdpa}, calls=1, rounds=args.rounds)
-            flops = 4 * D * HKV * groups * (chunk * past + chunk * (chunk + 1) / 2)
-            print(
-                f"| {str(dtype)[6:]} | {chunk} | {past} | {fmt(t['kernel'])} | {fmt(t['sdpa'])} | "
-                f"{t['sdpa'][0] / t['kernel'][0]:.2f}x | {flops / t['kernel'][0] / 1e9:.0f} |"
-            )
+                cands = {"kernel": kernel, "sdpa": sdpa}
+                if ops:
+                    key_cache, value_cache = vllm_paged(ops, kc[0, :total], vc[0, :total])
+                    call = vllm_call(
+                        ops,
+                        q[0].contiguous(),
+                        key_cache,
+                        value_cache,
+                        torch.arange(total // 128, dtype=torch.int32)[None],
+                        torch.tensor([0, chunk], dtype=torch.int32),
+                        torch.tensor([total], dtype=torch.int32),
+                    )
+                    torch.testing.assert_close(call().float(), got.float(), atol=tol, rtol=tol)
+                    cands["vllm"] = call
+                t = compare_min_median(cands, calls=1, rounds=args.rounds)
+                flops = 4 * d * heads * (chunk * past + chunk * (chunk + 1) / 2)
+                vllm_cell, vllm_ratio = why_no_vllm or "not run", "-"
+                if ops:
+                    vllm_cell = fmt(t["vllm"])
+                    vllm_ratio = f"{t['vllm'][0] / t['kernel'][0]:.2f}x"
+                print(
+                    f"| {str(dtype)[6:]} | {heads} / {hkv} x {d} | {chunk} | {past} | "
+                    f"{fmt(t['kernel'])} | {vllm_cell} | {vllm_ratio} | {fmt(t['sdpa'])} | "
+                    f"{t['sdpa'][0] / t['kernel'][0]:.2f}x | "
+                    f"{flops / t['kernel'][0] / 1e9:.0f} |"
+                )
     print()
 
 
@@ -286,6 +334,13 @@ def main() -> None:
     )
     parser.add_argument("--calls", type=int, default=2, help="calls per timed sample")
     parser.add_argument("--skip-prefill", action="store_true")
+    parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument(
+        "--isa",
+        default="",
+        help="comma-separated kernel instruction sets to run in turn (avx512bf16, avx512, avx2, "
+        "generic; default: the best this CPU runs); the tables name each",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ops, why = vllm_ops()
@@ -297,9 +352,16 @@ def main() -> None:
         + ("" if ops else f"; vLLM op not run ({why}): run with the vLLM venv")
         + "\n"
     )
-    decode_rows(args, ops, "" if ops else "n/a")
-    if not args.skip_prefill:
-        prefill_rows(args)
+    for isa in args.isa.split(",") if args.isa else [""]:
+        if not _C.set_attention_kernel_isa(isa):
+            print(f"## kernel ISA {isa}: this CPU cannot run it, skipped\n")
+            continue
+        print(f"## kernel ISA {fa.kernel_isa()}\n")
+        if not args.skip_decode:
+            decode_rows(args, ops, "" if ops else "n/a")
+        if not args.skip_prefill:
+            prefill_rows(args, ops, "" if ops else "n/a")
+    _C.set_attention_kernel_isa("")
     load = os.getloadavg()
     print(f"load average at end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
 

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_attention import vllm_ops  # noqa: E402
+from bench_attention import vllm_call, vllm_ops, vllm_paged  # noqa: E402
 
 from vattention.integrations import flash_attn as fa  # noqa: E402
 
@@ -50,51 +50,7 @@ def check(a, b) -> None:
 
 def paged(ops, k, v):
     """k, v [tokens, kv_heads, d] written into vLLM's CPU layout; (key_cache, value_cache)."""
-    tokens, hkv, d = k.shape
-    kv = torch.zeros(tokens // BLOCK, hkv, 2 * BLOCK, d, dtype=k.dtype)
-    kc, vc = kv.chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(
-        k.contiguous(), v.contiguous(), kc, vc, torch.arange(tokens), "vec"
-    )
-    return kc, vc
-
-
-def vllm_call(ops, q, kc, vc, block_table, qsl, seq_lens, hkv, d):
-    meta = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=seq_lens.numel(),
-        num_heads=q.shape[1],
-        num_kv_heads=hkv,
-        head_dim=d,
-        seq_lens=seq_lens,
-        dtype=q.dtype,
-        query_start_loc=qsl,
-        causal=True,
-        sliding_window_size=-1,
-        isa="vec",
-        enable_kv_split=False,
-    )
-    out = torch.empty_like(q)
-
-    def call():
-        ops.cpu_attention_with_kv_cache(
-            query=q,
-            key_cache=kc,
-            value_cache=vc,
-            output=out,
-            query_start_loc=qsl,
-            seq_lens=seq_lens,
-            scale=d**-0.5,
-            causal=True,
-            alibi_slopes=None,
-            sliding_window=-1,
-            block_table=block_table,
-            softcap=0.0,
-            scheduler_metadata=meta,
-            s_aux=None,
-        )
-        return out
-
-    return call
+    return vllm_paged(ops, k, v, BLOCK)
 
 
 def decode(ops, n, s, hkv, d, shared, calls):
@@ -135,8 +91,6 @@ def decode(ops, n, s, hkv, d, shared, calls):
         table,
         torch.arange(n + 1, dtype=torch.int32),
         torch.full((n,), sv, dtype=torch.int32),
-        hkv,
-        d,
     )
     lens_v = torch.full((n,), sv, dtype=torch.int32)  # the tokens vLLM's op reads
     check(
@@ -169,8 +123,6 @@ def prefill(ops, s, heads, hkv, d, calls):
         torch.arange(s // BLOCK, dtype=torch.int32)[None],
         cu,
         torch.tensor([s], dtype=torch.int32),
-        hkv,
-        d,
     )
     check(ours(), theirs())
     return compare(ours, theirs, calls)

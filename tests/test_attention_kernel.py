@@ -377,6 +377,46 @@ def test_dense_decode_tiles_over_rows_of_every_length(isa, dtype, kv_heads, d):
         check_against_reference(q, kc, vc, k, v, cache_seqlens=torch.tensor(pasts), causal=True)
 
 
+# Unit roundoff of the 16-bit formats: bf16 keeps 8 significant bits, fp16 11.
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group", [1, 2, 4, 7, 8])
+def test_16_bit_output_is_within_the_rounding_bound_of_an_fp32_reference(isa, dtype, group):
+    """The kernel's error on 16-bit caches is the rounding it must do, no more: against the fp32
+    reference on the same (exactly upcast) inputs, every output element is within
+    u * (max |v| + |out|) + 1e-5, u the format's unit roundoff. The terms: the output's own
+    rounding (u |out|), and in bf16 the probabilities, rounded to bf16 for the bf16 dot product of
+    the P V pass as GPU flash attention rounds them (a relative error u on each weight of an
+    average of V rows: at most u max |v|); scores and sums are exact products accumulated in
+    fp32 (the 1e-5). An accumulation in 16 bits, or probabilities rounded twice, breaks it:
+    decode over 3000 keys, prefill chunks, d 64 and 128, GQA 1-8."""
+    gen = torch.Generator().manual_seed(13 + group)
+    u = UNIT_ROUNDOFF[dtype]
+    for kv_heads, d in ((2, 64), (2, 128)):
+        pasts = torch.tensor([0, 1, 63, 64, 65, 700, 3000], dtype=torch.int32)
+        for lq in (1, 40):
+            kc, vc = make_caches(len(pasts), 3100, kv_heads, d, dtype, gen=gen)
+            q = torch.randn(len(pasts), lq, kv_heads * group, d, generator=gen).to(dtype)
+            # scores of a few units: peaked and flat rows both occur
+            q = (q.float() * 3 / d**0.5).to(dtype)
+            k = torch.randn(len(pasts), lq, kv_heads, d, generator=gen).to(dtype)
+            v = torch.randn(len(pasts), lq, kv_heads, d, generator=gen).to(dtype)
+            kr, vr = kc.clone(), vc.clone()
+            got = cpu_attention(q, kc, vc, k, v, cache_seqlens=pasts, causal=True).float()
+            want = reference_attention(
+                q.float(), kr, vr, k.float(), v.float(), cache_seqlens=pasts, causal=True
+            )
+            vmax = torch.maximum(vc.float().abs().amax(), v.float().abs().amax())
+            excess = (got - want).abs() - (u * (vmax + want.abs()) + 1e-5)
+            worst = excess.max().item()
+            assert worst <= 0, (
+                f"{isa} {dtype} GQA {group} d {d} lq {lq}: error exceeds the rounding bound by "
+                f"{worst:.3g} (max error {(got - want).abs().max().item():.3g}, u {u:.3g})"
+            )
+
+
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("lq", [1, 5, 12, 17, 20, 31, 33, 47, 48, 64, 65, 100])
 def test_prefill_query_blocks_of_every_row_count(isa, lq, d):
