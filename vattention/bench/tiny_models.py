@@ -38,11 +38,14 @@ def build_tiny_model(
     initializer_range: float = 0.1,
     window: int = 64,
     seed: int = 0,
+    dtype: str = "float32",
 ) -> str:
     """Write a random ``family`` model and its tokenizer to ``path``; return ``path``.
 
     Idempotent: an existing ``config.json`` at ``path`` is kept as it is. ``window``: the sliding
-    window, in tokens, of the windowed families.
+    window, in tokens, of the windowed families. ``dtype``: the torch dtype the weights are saved
+    in, also the config's (``config.json`` names it ``dtype``, transformers 5's spelling of
+    ``torch_dtype``), which vLLM's default ``dtype="auto"`` serves the model in.
 
     Examples
     --------
@@ -80,6 +83,7 @@ def build_tiny_model(
         bos_token_id=1,
         eos_token_id=2,
         tie_word_embeddings=False,
+        dtype=dtype,
     )
     config: transformers.PretrainedConfig
     model_cls: type[transformers.PreTrainedModel]
@@ -111,9 +115,11 @@ def build_tiny_model(
     torch.manual_seed(seed)
     # Each branch above pairs a model class with its own config class; mypy cannot tie the two.
     model = model_cls(config)  # type: ignore[arg-type]
+    # Drawn in float32 whatever the dtype (the same draw for every dtype), then cast.
+    weights_dtype: torch.dtype = getattr(torch, dtype)
     # transformers' PreTrainedModel.to is wrapped with functools.wraps(torch.nn.Module.to), which
     # types it as the unbound function: mypy takes the dtype for `self`.
-    model = model.to(torch.float32)  # type: ignore[arg-type]
+    model = model.to(weights_dtype)  # type: ignore[arg-type]
     os.makedirs(path, exist_ok=True)
     fast.save_pretrained(path)
     model.save_pretrained(path)  # config.json last-but-one: its presence marks a complete model
