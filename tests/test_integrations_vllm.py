@@ -24,10 +24,14 @@ Workloads (started in the background a few at a time, longest first, awaited per
   sliding windows of 64 tokens over 300-token generations: tokens equal stock vLLM's, and a
   request's windowed layers map O(window) pages.
 * ``fp8``: ``kv_cache_dtype="fp8"`` against stock vLLM's fp8 cache.
+* ``bf16``: a bf16 checkpoint with grouped-query attention (8 query heads on 2 KV heads), greedy
+  with logprobs, at vLLM's defaults: where the tokens leave stock's, stock's own two candidates
+  were a near-tie.
 
-The feature workloads other than ``llama``, the server, the docs block and the example run with
-``enforce_eager=True`` (the same for both engines), which keeps the suite's time within its
-budget; the defaults' compiled mode is covered by those four.
+The feature workloads other than ``llama`` and ``bf16``, the server, the docs block and the
+example run with ``enforce_eager=True`` (the same for both engines), which keeps the suite's time
+within its budget; the defaults' compiled mode is covered by those five (``bf16`` because its
+rounding is what it checks).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import tempfile
 import time
@@ -49,6 +54,7 @@ import pytest
 
 import vattention
 
+from support import near_ties
 from support.vllm_harness import (
     MISSING,
     ROOT,
@@ -106,6 +112,53 @@ ELASTIC_BENCH_ARGS = [
     "--enforce-eager",
 ]
 WINDOWED = ("mistral-window", "gemma3", "qwen2-window")
+# A bf16 Llama with grouped-query attention (4 query heads per KV head), served in its
+# checkpoint's dtype (vLLM's default). Its sizes and initializer_range (build_tiny_model's
+# default, given here because BF16_GAP_BOUND's reasoning rests on it) set the logits' spread.
+BF16_MODEL = dict(
+    family="llama",
+    num_layers=2,
+    hidden_size=256,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=64,
+    initializer_range=0.1,
+    dtype="bfloat16",
+)
+# Prompts of 8 to 600 tokens (decode attention over long rows), and four behind one 300-token
+# prompt, one per wave of max_num_seqs=4, so that the later ones hit the cached prefix.
+BF16_SHARED = prompt(300, 2000)
+BF16_PROMPTS = [
+    BF16_SHARED + prompt(10, 2100),
+    prompt(8, 2001),
+    prompt(40, 2002),
+    prompt(120, 2003),
+    BF16_SHARED + prompt(30, 2101),
+    prompt(250, 2004),
+    prompt(400, 2005),
+    prompt(600, 2006),
+    BF16_SHARED + prompt(50, 2102),
+    prompt(24, 2007),
+    prompt(180, 2008),
+    BF16_SHARED + prompt(70, 2103),
+]
+BF16_TOKENS = 64
+# How far apart stock's logprobs of its own greedy token and of the plugin's may be where the
+# plugin's first differs. bf16 keeps 8 significant bits: its values in [2^e, 2^(e+1)) are 2^(e-7)
+# apart (a rounding errs by at most half that: 2^-9 to 2^-8 relative). The engines run the same
+# weights and ops but attention. Both kernels keep scores, probabilities and sums in fp32 (vLLM's
+# CPU VEC path and this one) and round each output to bf16, so their outputs are the same bf16
+# value except the rare element whose fp32 sums straddle a rounding, which lands one spacing
+# away; through the projections after attention that moves a logit by a fraction of its own
+# spacing. The logits are bf16 (lm_head's output): each engine's logit of a token is then the
+# same value or one spacing away, and two tokens trade places only where stock had them at most
+# 2 spacings apart. This model's logits are about N(0, 1.6^2) (the final RMSNorm's output has
+# rms 1; lm_head's weights are N(0, 0.1^2) over 256 inputs), and the best of 512 stays below 8
+# (5 sigma), where the spacing is 2^-5. A gap of logprobs is the gap of the logits
+# (log_softmax subtracts one logsumexp from all): at most 2 x 2^-5. The premise is checked too:
+# on the same context, any token's logprob moves by at most a spacing for its logit and one for
+# the logsumexp, the same 2 x 2^-5.
+BF16_GAP_BOUND = 2 * 2**-5
 # Engine arguments the plugin must refuse at start-up, and the option its message must name.
 FAIL_FAST = [
     (
@@ -254,7 +307,9 @@ def _start_all() -> dict:
 
 def _start_scenarios(started: dict) -> None:
     workdir, zygote = started["workdir"], started["zygote"]
-    models = build_models(workdir, ["llama", "qwen2", "mistral", *WINDOWED])
+    models = build_models(
+        workdir, ["llama", "qwen2", "mistral", *WINDOWED], variants={"llama-bf16": BF16_MODEL}
+    )
     llama = {
         "model": models["llama"],
         "engine": _sizes(
@@ -344,6 +399,16 @@ def _start_scenarios(started: dict) -> None:
         }
     )
     _pair(started, "llama", workdir, llama, zygote, hf=True)
+    bf16 = {
+        "model": models["llama-bf16"],
+        # sizes only: the checkpoint's bf16, compiled mode, prefix caching, chunked prefill
+        "engine": dict(max_model_len=1024, max_num_seqs=4, kv_cache_memory_bytes=16 << 20),
+        "requests": [
+            {"prompt_token_ids": p, "sampling": dict(greedy(BF16_TOKENS), logprobs=5)}
+            for p in BF16_PROMPTS
+        ],
+    }
+    _pair(started, "bf16", workdir, bf16, zygote)
     started["cuda-config"] = Inline(
         [str(ROOT / "tests" / "support" / "vllm_cuda_config_check.py"), models["mistral"]],
         workdir,
@@ -464,6 +529,27 @@ def test_greedy_tokens_match_transformers(runs):
     plugin = runs["llama-plugin"].result()
     greedy_tokens = [t[0] for t in plugin["tokens"][1:]]
     assert greedy_tokens == plugin["hf_tokens"][1:]
+
+
+def test_bf16_tokens_leave_stocks_only_at_near_ties(runs):
+    """In bf16, greedy tokens may leave stock vLLM's where two logits were (nearly) tied; where
+    a request's first differs, stock's own logprobs there (same context) must show the plugin's
+    token among stock's two best and within BF16_GAP_BOUND of stock's. Run with ``-s`` to see
+    the gaps."""
+    stock, plugin = runs["bf16-stock"].result(), runs["bf16-plugin"].result()
+    report = near_ties.summary(stock, plugin, BF16_GAP_BOUND)
+    print(report)
+    assert [len(t[0]) for t in plugin["tokens"]] == [BF16_TOKENS] * len(BF16_PROMPTS)
+    assert plugin["vattention_stats"]["block_hits"] > 0, "the shared prompt was meant to hit"
+    # Not vacuous: the model's logits are spread, so that near-ties are the exception (a random
+    # model with a tiny initializer makes every position one).
+    median = statistics.median(near_ties.top_gaps(stock))
+    assert median >= 4 * BF16_GAP_BOUND, f"near-ties everywhere:\n{report}"
+    drift = near_ties.logprob_drift(stock, plugin)
+    assert drift <= BF16_GAP_BOUND, f"logprobs apart on the same context:\n{report}"
+    offending = [d for d in near_ties.divergences(stock, plugin) if not d.near_tie(BF16_GAP_BOUND)]
+    listed = "\n".join(d.describe() for d in offending)
+    assert not offending, f"divergences at no near-tie:\n{listed}\n{report}"
 
 
 def test_slots_freed_and_vllm_buffer_never_allocated(runs):

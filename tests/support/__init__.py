@@ -10,6 +10,7 @@ rootdir-relative "prepend" import mode, ``tests/`` has no ``__init__.py``).
 ``share_helpers``         bit-exact patterns and paged caches for the sharing and swap tests
 ``fake_kvcache``          a pure-Python stand-in for the core, for the memory benchmark's tests
 ``vllm_harness``          vLLM runs in fresh processes of the vLLM venv
+``near_ties``             where two engines' greedy tokens part, judged by the reference's logprobs
 ``compile_decode_check``  a script, run by ``test_compile.py`` in a subprocess (a compiled graph
                           that reads unmapped memory kills that process, not pytest)
 """

@@ -53,21 +53,28 @@ def vllm_env(plugin: bool, **extra: str) -> Dict[str, str]:
     return env
 
 
-def build_models(workdir: pathlib.Path, families: List[str]) -> Dict[str, str]:
-    """Tiny random models of ``families`` at ``workdir/<family>``, built in one process of the vLLM
-    venv (its transformers; one import for all)."""
+def build_models(
+    workdir: pathlib.Path,
+    families: List[str],
+    variants: Optional[Dict[str, Dict[str, Any]]] = None,
+) -> Dict[str, str]:
+    """Tiny random models of ``families`` at ``workdir/<family>``, and ``variants`` (name ->
+    ``build_tiny_model`` keywords, ``family`` among them) at ``workdir/<name>``, built in one
+    process of the vLLM venv (its transformers; one import for all)."""
+    builds = {family: {"family": family} for family in families}
+    builds.update(variants or {})
     code = (
-        "import os, sys; from vattention.bench.tiny_models import build_tiny_model\n"
-        "for family in sys.argv[2:]:\n"
-        "    build_tiny_model(os.path.join(sys.argv[1], family), family)"
+        "import json, os, sys; from vattention.bench.tiny_models import build_tiny_model\n"
+        "for name, options in json.loads(sys.argv[2]).items():\n"
+        "    build_tiny_model(os.path.join(sys.argv[1], name), **options)"
     )
     subprocess.run(
-        [str(VLLM_PYTHON), "-c", code, str(workdir), *families],
+        [str(VLLM_PYTHON), "-c", code, str(workdir), json.dumps(builds)],
         check=True,
         capture_output=True,
         timeout=300,
     )
-    return {family: str(workdir / family) for family in families}
+    return {name: str(workdir / name) for name in builds}
 
 
 class ForkedProcess:
