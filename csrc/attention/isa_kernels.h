@@ -12,9 +12,9 @@
 //   are read in address order (token by token, all heads of a token), so the hardware
 //   prefetchers stream them; P V is token-major for P = 1 and head-major with register
 //   accumulators for P >= 2 (V read in address order during the QK^T pass, see touch_token).
-//   bf16 caches on a CPU with a bf16 dot product (AVX512-BF16) take it for both products: QK^T
-//   on bf16 q and K as they are, P V on the probabilities rounded to bf16 and two tokens' V rows
-//   interleaved (pv_pairs_bf16), head-major with register accumulators for every P.
+//   bf16 caches on a CPU with a bf16 dot product (AVX512-BF16) take it for both products at P >= 2:
+//   QK^T on bf16 q and K as they are, P V on the probabilities rounded to bf16 and two tokens' V
+//   rows interleaved (pv_pairs_bf16), head-major with register accumulators, for P >= 2.
 // - prefill_item: up to 64 rows (queries x group heads of one KV head). q is packed transposed
 //   (Qt[d][row]) once per item, so vectors run along rows: S^T[key][row] = sum_d K[key][d] *
 //   Qt[d][row] is a register-blocked micro-kernel (KC keys x NV row vectors per step of d, K
@@ -98,7 +98,7 @@ struct RowMap {
 
 // Visible key ranges of the item's rows, clipped to [k_begin, k_end); rows >= n copy row 0.
 struct RowRanges {
-  int64_t kb = 0, ke = 0;          // union over the real rows
+  int64_t kb = 0, ke = 0;  // union over the real rows
   int64_t max_lo = 0, min_hi = 0;  // keys in [max_lo, min_hi) need no mask
 };
 
@@ -247,20 +247,6 @@ inline uint64_t touch_token(const T* p, int64_t heads, int64_t head_stride, int6
     for (int64_t off = 0; off < run_bytes; off += 64) sink ^= static_cast<unsigned char>(c[off]);
   }
   return sink;
-}
-
-// Prefetches (into L2 and L1) every cache line of one token's rows of `heads` heads, as
-// touch_token reads them, without the demand loads' stall.
-template <typename T>
-inline void prefetch_token(const T* p, int64_t heads, int64_t head_stride, int64_t d) {
-  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
-  const bool adjacent = head_stride == d;
-  const int64_t runs = adjacent ? 1 : heads;
-  const int64_t run_bytes = adjacent ? heads * row_bytes : row_bytes;
-  for (int64_t h = 0; h < runs; ++h) {
-    const char* c = reinterpret_cast<const char*>(p + h * head_stride);
-    for (int64_t off = 0; off < run_bytes; off += 64) __builtin_prefetch(c + off, 0, 2);
-  }
 }
 
 // Head-major P V over a block: acc[r][x0, x0 + NV * W) += sum_kk prob(kk)[r] * v[kk][x0, ...] for
@@ -421,8 +407,8 @@ inline void pv_head_all(float* acc, int64_t ald, int64_t d, const VT* v, int64_t
 // pp[j * pps + r] holds row r's probabilities of tokens 2 j, 2 j + 1 as a bf16 pair (rounded to
 // nearest even, as GPU flash attention rounds P before its P V product) and the products are
 // exact with fp32 accumulation. The fp32 path's converting loads and FMAs cost twice the
-// instructions per V element (bf16 GQA-4 decode in cache, one Zen 4 core: 22 -> 27-32 GB/s of K/V
-// with this pass and prefetch_token).
+// instructions per V element (bf16 GQA-4 decode in cache, one Zen 4 core: 22 -> 26-27 GB/s of
+// K/V).
 // acc holds each 2 W values in the interleaved order (Vec::unpermute_pairs restores it); the
 // last token of an odd nb pairs with itself at probability 0 (never reads past the block).
 template <int P, int NC, typename V = Vec>
@@ -528,35 +514,37 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
   const int64_t nh = it.kv_heads;
   const int64_t hc = HC;
   const int64_t chunks = (nh + hc - 1) / hc;
-  const int64_t kt = W / (hc * P);                 // tokens per tile
-  const int64_t tpb = (bk + kt - 1) / kt;          // tiles per block (and chunk)
-  const int64_t rows = chunks * hc * P;            // padded rows, head-major: h * P + r
+  const int64_t kt = W / (hc * P);  // tokens per tile
+  const int64_t tpb = (bk + kt - 1) / kt;  // tiles per block (and chunk)
+  const int64_t rows = chunks * hc * P;  // padded rows, head-major: h * P + r
   const int64_t nrow = (it.q_end - it.q_begin) * g;  // real rows per head, <= P
   const RowMap map{it.q_begin, g, 0};
-  float* q = scratch;                              // [rows][dp]
-  const int64_t ald = dp;                          // acc row stride
-  float* acc = q + rows * dp;                      // [rows][ald]
-  float* sc = acc + rows * ald;                    // [chunks][tpb][W]
-  float* mrun = sc + chunks * tpb * W;             // [chunks][W]
-  float* lrun = mrun + chunks * W;                 // [chunks][W]
-  float* mblk = lrun + chunks * W;                 // [chunks][W]
-  float* zero_f = mblk + chunks * W;               // [dp] zeros: a key row for padding lanes
+  float* q = scratch;  // [rows][dp]
+  const int64_t ald = dp;  // acc row stride
+  float* acc = q + rows * dp;  // [rows][ald]
+  float* sc = acc + rows * ald;  // [chunks][tpb][W]
+  float* mrun = sc + chunks * tpb * W;  // [chunks][W]
+  float* lrun = mrun + chunks * W;  // [chunks][W]
+  float* mblk = lrun + chunks * W;  // [chunks][W]
+  float* zero_f = mblk + chunks * W;  // [dp] zeros: a key row for padding lanes
   // bf16 P V (pv_pairs_bf16): a block's probabilities as bf16, token-major per chunk (token kk's
   // (head, row) lanes at kk * hc * P), then packed in pairs of tokens
   const int64_t hcp = hc * P, npairs = (bk + 1) / 2;
   bf16_t* pw = reinterpret_cast<bf16_t*>(zero_f + dp);  // [chunks][(tpb + 1) * W]
   uint32_t* pp = reinterpret_cast<uint32_t*>(zero_f + dp + chunks * (tpb + 1) * W);
-  const int64_t pp_chunk = npairs * hcp + W;            // pp: [chunks][pp_chunk]
+  const int64_t pp_chunk = npairs * hcp + W;  // pp: [chunks][pp_chunk]
   std::memset(zero_f, 0, static_cast<size_t>(dp) * sizeof(float));
   std::memset(acc, 0, static_cast<size_t>(rows * ald) * sizeof(float));
   const KT* zero = reinterpret_cast<const KT*>(zero_f);
 
   // bf16 K with a bf16 dot instruction: q stays bf16 (it is bf16: the cache's dtype is q's), in
   // rows of dq values (fits in q's area: dq * 2 bytes <= dp * 4), and the scale is applied to the
-  // scores
-  constexpr bool kDotBf16 = Vec::kBf16Dot && std::is_same<KT, bf16_t>::value;
-  // P V in bf16 pairs of tokens (pv_pairs_bf16), head-major for every P, where d is whole pairs
-  // of vectors
+  // scores. Only where rows share a KV head (P >= 2): with one row per head, widening K to fp32
+  // for the FMA tiles took 0.75 of the dot product tiles' time (bf16 GQA-1, 16 rows x 4096
+  // tokens, 8 KV heads x 128, 2 threads, Zen 4), while at GQA 4 the dot products took 0.7 of it.
+  constexpr bool kDotBf16 = Vec::kBf16Dot && std::is_same<KT, bf16_t>::value && P >= 2;
+  // P V in bf16 pairs of tokens (pv_pairs_bf16), head-major, where rows share a KV head (P >= 2;
+  // one row per head reads V in one pass, below) and d is whole pairs of vectors
   constexpr bool kPvBf16 = kDotBf16;
   const bool pv_bf16 = kPvBf16 && d % (2 * W) == 0;
   const int64_t dq = round_up(d, 2 * W);
@@ -626,14 +614,10 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t key0 = c0 + t * kt;
       const bool mask = key0 < rr.max_lo || key0 + kt > rr.min_hi;
-      // this tile's V rows, for the head-major P V pass below (never past the range's end):
-      // P >= 2 reads them in address order (touch_token); the bf16 pairs pass prefetches them
-      // instead (its arithmetic is half the fp32 pass's, and the touch's stalled loads took about
-      // a sixth of its call in cache)
-      if (pv_bf16) {
-        for (int64_t key = key0; key < std::min(rr.ke, key0 + kt); ++key)
-          prefetch_token(vbase + key * vst, nh, vsh, d);
-      } else if (P >= 2) {
+      // P >= 2: this tile's V rows, read in address order for the head-major P V pass below
+      // (never past the range's end). With the bf16 pairs pass, prefetching them instead was
+      // faster in cache but slower from DRAM (Zen 4, 16 rows x 4096 tokens, 2 threads)
+      if (P >= 2) {
         for (int64_t key = key0; key < std::min(rr.ke, key0 + kt); ++key)
           touch = touch_token(vbase + key * vst, nh, vsh, d, touch);
       }
@@ -728,7 +712,10 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
         pv_head_all<P>(acc + h * P * ald, ald, d, vbase + c0 * vst + h * vsh, vst, nb,
                        [&](int64_t kk) { return prob(kk, h); });
       }
-    } else if (dense_vpd == 4 || dense_vpd == 8) {
+    } else if ((dense_vpd == 4 || dense_vpd == 8) && HC * dense_vpd <= Vec::kRegs / 2) {
+      // every head's accumulators of a chunk in registers at once: V read in one pass (in groups
+      // of heads, each group a pass over the block's rows, 8 heads x 128 at 2 threads on the Zen 4
+      // machine took 1.3-1.5x the token-by-token time in fp32 and 1.1x in bf16)
       for (int64_t c = 0; c < chunks; ++c) {
         float* ac = acc + c * HC * d;
         const float* pt = sc + c * tpb * W;  // P = 1: token kk's HC probabilities at kk * HC
@@ -901,16 +888,16 @@ struct RowsScratch {
   float *qt, *sc, *o, *kf, *vf, *m, *l, *alpha;
   int32_t *lo, *hi;
   RowsScratch(float* scratch, int64_t d, int64_t rp, int64_t bk, int64_t dp) {
-    qt = scratch;     // [d][rp]
+    qt = scratch;  // [d][rp]
     sc = qt + d * rp;  // [bk][rp]
     o = sc + bk * rp;  // [rp][dp]
     kf = o + rp * dp;  // [bk][dp]
     vf = kf + bk * dp;  // [bk][dp]
     m = vf + bk * dp;  // [rp]
-    l = m + rp;        // [rp]
-    alpha = l + rp;    // [rp]
+    l = m + rp;  // [rp]
+    alpha = l + rp;  // [rp]
     lo = reinterpret_cast<int32_t*>(alpha + rp);  // [rp]
-    hi = lo + rp;                                 // [rp]
+    hi = lo + rp;  // [rp]
   }
 };
 
