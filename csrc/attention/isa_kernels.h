@@ -12,9 +12,10 @@
 //   are read in address order (token by token, all heads of a token), so the hardware
 //   prefetchers stream them; P V is token-major for P = 1 and head-major with register
 //   accumulators for P >= 2 (V read in address order during the QK^T pass, see touch_token).
-//   bf16 caches on a CPU with a bf16 dot product (AVX512-BF16) take it for both products at P >= 2:
-//   QK^T on bf16 q and K as they are, P V on the probabilities rounded to bf16 and two tokens' V
-//   rows interleaved (pv_pairs_bf16), head-major with register accumulators, for P >= 2.
+//   bf16 caches on a CPU with a bf16 dot product (AVX512-BF16) take it for QK^T at P >= 2, on
+//   bf16 q and K as they are. P V stays in fp32 FMAs on widened V: rounding the probabilities to
+//   bf16 for a bf16 dot product there moved logprobs past stock vLLM's by more than two bf16
+//   spacings (tests/test_integrations_vllm.py, the near-tie test), for 5-10% from DRAM.
 // - prefill_item: up to 64 rows (queries x group heads of one KV head). q is packed transposed
 //   (Qt[d][row]) once per item, so vectors run along rows: S^T[key][row] = sum_d K[key][d] *
 //   Qt[d][row] is a register-blocked micro-kernel (KC keys x NV row vectors per step of d, K
@@ -402,83 +403,6 @@ inline void pv_head_all(float* acc, int64_t ald, int64_t d, const VT* v, int64_t
   if (d % W) pv_head<P, 1>(acc + nfull * W, ald, v + nfull * W, vst, nb, prob, d % W);
 }
 
-// P V of bf16 caches with the bf16 dot product instruction (Vec::kBf16Dot), two tokens per step:
-// acc[r][0, NC * 2 W) += p[k0][r] * V[k0] + p[k1][r] * V[k1] for the P rows of one head, where
-// pp[j * pps + r] holds row r's probabilities of tokens 2 j, 2 j + 1 as a bf16 pair (rounded to
-// nearest even, as GPU flash attention rounds P before its P V product) and the products are
-// exact with fp32 accumulation. The fp32 path's converting loads and FMAs cost twice the
-// instructions per V element (bf16 GQA-4 decode in cache, one Zen 4 core: 22 -> 26-27 GB/s of
-// K/V).
-// acc holds each 2 W values in the interleaved order (Vec::unpermute_pairs restores it); the
-// last token of an odd nb pairs with itself at probability 0 (never reads past the block).
-template <int P, int NC, typename V = Vec>
-inline void pv_pairs_bf16(float* acc, int64_t ald, const bf16_t* v, int64_t vst, int64_t nb,
-                          const uint32_t* pp, int64_t pps) {
-  F o[P][2 * NC];
-  VATTN_UNROLL
-  for (int r = 0; r < P; ++r) {
-    VATTN_UNROLL
-    for (int i = 0; i < 2 * NC; ++i) o[r][i] = V::load(acc + r * ald + i * W);
-  }
-  for (int64_t k0 = 0; k0 < nb; k0 += 2) {
-    const bf16_t* v0 = v + k0 * vst;
-    const bf16_t* v1 = k0 + 1 < nb ? v0 + vst : v0;
-    I lo[NC], hi[NC];
-    VATTN_UNROLL
-    for (int c = 0; c < NC; ++c) {
-      const I a = V::load_bits(v0 + c * 2 * W), b = V::load_bits(v1 + c * 2 * W);
-      lo[c] = V::interleave_lo16(a, b);
-      hi[c] = V::interleave_hi16(a, b);
-    }
-    const uint32_t* pj = pp + (k0 / 2) * pps;
-    VATTN_UNROLL
-    for (int r = 0; r < P; ++r) {
-      const I pb = V::bcast32(pj + r);
-      VATTN_UNROLL
-      for (int c = 0; c < NC; ++c) {
-        o[r][2 * c] = V::dot_bf16_bits(o[r][2 * c], lo[c], pb);
-        o[r][2 * c + 1] = V::dot_bf16_bits(o[r][2 * c + 1], hi[c], pb);
-      }
-    }
-  }
-  VATTN_UNROLL
-  for (int r = 0; r < P; ++r) {
-    VATTN_UNROLL
-    for (int i = 0; i < 2 * NC; ++i) V::store(acc + r * ald + i * W, o[r][i]);
-  }
-}
-
-// A block's probabilities (sc_c: `tiles` tiles of W lanes, token kk's (head, row) lanes at
-// kk * hcp) as bf16 words (wc), then packed in pairs of tokens for pv_pairs_bf16: pc[j * hcp + u]
-// = (p[2 j][u], p[2 j + 1][u]). Tokens past the last tile read as probability 0 (an odd nb's
-// last pair).
-template <typename V = Vec>
-inline void pack_prob_pairs(const float* sc_c, int64_t tiles, int64_t nb, int64_t hcp, bf16_t* wc,
-                            uint32_t* pc) {
-  for (int64_t t = 0; t < tiles; ++t) V::store(wc + t * W, V::load(sc_c + t * W));
-  std::memset(static_cast<void*>(wc + tiles * W), 0, W * sizeof(bf16_t));
-  for (int64_t j = 0; 2 * j < nb; ++j)
-    V::pack_pairs(wc + 2 * j * hcp, wc + (2 * j + 1) * hcp, pc + j * hcp);
-}
-
-template <typename V = Vec>
-inline void unpermute_row(float* row, int64_t d) {
-  for (int64_t x = 0; x < d; x += 2 * W) V::unpermute_pairs(row + x);
-}
-
-// pv_pairs_bf16 over d = a whole number of 2 W values, in spans whose accumulators fit in half the
-// registers (with the interleaved V vectors beside them).
-template <int P>
-inline void pv_pairs_bf16_all(float* acc, int64_t ald, int64_t d, const bf16_t* v, int64_t vst,
-                              int64_t nb, const uint32_t* pp, int64_t pps) {
-  constexpr int kNc = 8 / P >= 4 ? 4 : (8 / P >= 1 ? 8 / P : 1);
-  const int64_t spans = d / (2 * W);
-  int64_t c = 0;
-  for (; c + kNc <= spans; c += kNc)
-    pv_pairs_bf16<P, kNc>(acc + c * 2 * W, ald, v + c * 2 * W, vst, nb, pp, pps);
-  for (; c < spans; ++c) pv_pairs_bf16<P, 1>(acc + c * 2 * W, ald, v + c * 2 * W, vst, nb, pp, pps);
-}
-
 template <typename T>
 inline const T* cache_ptr(const Operand& o, int64_t row, int64_t t, int64_t h) {
   return static_cast<const T*>(o.data) + row * o.s_batch + t * o.s_token + h * o.s_head;
@@ -527,12 +451,6 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
   float* lrun = mrun + chunks * W;  // [chunks][W]
   float* mblk = lrun + chunks * W;  // [chunks][W]
   float* zero_f = mblk + chunks * W;  // [dp] zeros: a key row for padding lanes
-  // bf16 P V (pv_pairs_bf16): a block's probabilities as bf16, token-major per chunk (token kk's
-  // (head, row) lanes at kk * hc * P), then packed in pairs of tokens
-  const int64_t hcp = hc * P, npairs = (bk + 1) / 2;
-  bf16_t* pw = reinterpret_cast<bf16_t*>(zero_f + dp);  // [chunks][(tpb + 1) * W]
-  uint32_t* pp = reinterpret_cast<uint32_t*>(zero_f + dp + chunks * (tpb + 1) * W);
-  const int64_t pp_chunk = npairs * hcp + W;  // pp: [chunks][pp_chunk]
   std::memset(zero_f, 0, static_cast<size_t>(dp) * sizeof(float));
   std::memset(acc, 0, static_cast<size_t>(rows * ald) * sizeof(float));
   const KT* zero = reinterpret_cast<const KT*>(zero_f);
@@ -543,10 +461,6 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
   // for the FMA tiles took 0.75 of the dot product tiles' time (bf16 GQA-1, 16 rows x 4096
   // tokens, 8 KV heads x 128, 2 threads, Zen 4), while at GQA 4 the dot products took 0.7 of it.
   constexpr bool kDotBf16 = Vec::kBf16Dot && std::is_same<KT, bf16_t>::value && P >= 2;
-  // P V in bf16 pairs of tokens (pv_pairs_bf16), head-major, where rows share a KV head (P >= 2;
-  // one row per head reads V in one pass, below) and d is whole pairs of vectors
-  constexpr bool kPvBf16 = kDotBf16;
-  const bool pv_bf16 = kPvBf16 && d % (2 * W) == 0;
   const int64_t dq = round_up(d, 2 * W);
   bf16_t* qb = reinterpret_cast<bf16_t*>(q);
   const F qscale = Vec::set1(s.q_scale);
@@ -615,8 +529,7 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
       const int64_t key0 = c0 + t * kt;
       const bool mask = key0 < rr.max_lo || key0 + kt > rr.min_hi;
       // P >= 2: this tile's V rows, read in address order for the head-major P V pass below
-      // (never past the range's end). With the bf16 pairs pass, prefetching them instead was
-      // faster in cache but slower from DRAM (Zen 4, 16 rows x 4096 tokens, 2 threads)
+      // (never past the range's end)
       if (P >= 2) {
         for (int64_t key = key0; key < std::min(rr.ke, key0 + kt); ++key)
           touch = touch_token(vbase + key * vst, nh, vsh, d, touch);
@@ -692,21 +605,8 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
           for (int64_t x = 0; x < dp; x += W) Vec::store(ar + x, Vec::mul(Vec::load(ar + x), f));
         }
       }
-      if constexpr (kPvBf16) {
-        if (pv_bf16)
-          pack_prob_pairs(sc + c * tpb * W, tiles, nb, hcp, pw + c * (tpb + 1) * W,
-                          pp + c * pp_chunk);
-      }
     }
-    if (pv_bf16) {
-      if constexpr (kPvBf16) {
-        for (int64_t h = 0; h < nh; ++h) {
-          pv_pairs_bf16_all<P>(acc + h * P * ald, ald, d,
-                               reinterpret_cast<const bf16_t*>(vbase) + c0 * vst + h * vsh, vst, nb,
-                               pp + (h / HC) * pp_chunk + (h % HC) * P, hcp);
-        }
-      }
-    } else if (P >= 2) {
+    if (P >= 2) {
       // head by head, acc in registers for the block: V rows come from cache (touched above)
       for (int64_t h = 0; h < nh; ++h) {
         pv_head_all<P>(acc + h * P * ald, ald, d, vbase + c0 * vst + h * vsh, vst, nb,
@@ -742,13 +642,6 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
     for (int64_t sh = hc * P; sh < W; sh *= 2)
       l = Vec::add(l, Vec::rotate(l, static_cast<int>(sh)));
     Vec::store(lrun + c * W, l);
-  }
-  if constexpr (kPvBf16) {
-    if (pv_bf16) {
-      for (int64_t h = 0; h < nh; ++h) {
-        for (int64_t r = 0; r < nrow; ++r) unpermute_row(acc + (h * P + r) * ald, d);
-      }
-    }
   }
   for (int64_t h = 0; h < nh; ++h) {
     const float* ml = mrun + (h / hc) * W + (h % hc) * P;
@@ -1077,9 +970,7 @@ inline void run_item(const Args& a, const Shape& s, const Request& rq, const Wor
 inline int64_t decode_scratch_floats(int64_t nh, int64_t p, int64_t dp, int64_t bk) {
   const int64_t hc = decode_chunk_heads(nh, p), chunks = (nh + hc - 1) / hc, kt = W / (hc * p);
   const int64_t rows = chunks * hc * p, tpb = (bk + kt - 1) / kt;
-  // q, acc, scores, m / l / block max, a zero row; the bf16 P V pass's words and pairs
-  const int64_t bf16_pv = chunks * (tpb + 1) * W + chunks * (((bk + 1) / 2) * hc * p + W);
-  return 2 * rows * dp + chunks * tpb * W + 3 * chunks * W + dp + bf16_pv;
+  return 2 * rows * dp + chunks * tpb * W + 3 * chunks * W + dp;
 }
 
 // Floats of scratch one thread needs for any item of this call.

@@ -18,32 +18,6 @@ struct Vec {
   static F dot_bf16(F acc, const bf16_t* a, I b) {
     return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a), (__m512bh)b);
   }
-  static F dot_bf16_bits(F acc, I a, I b) {
-    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
-  }
-  // The P V pass of bf16 caches in bf16 pairs of tokens (isa_kernels.h, pv_pairs_bf16): V rows of
-  // tokens k0, k1 interleaved word by word (within 128-bit lanes, as unpack does), so dword lane i
-  // of interleave_lo holds (V[k0][x], V[k1][x]) for x = 8 (i / 4) + i % 4, of interleave_hi for
-  // x = 8 (i / 4) + 4 + i % 4; unpermute_pairs puts 32 floats accumulated that way back in order.
-  static I interleave_lo16(I a, I b) { return _mm512_unpacklo_epi16(a, b); }
-  static I interleave_hi16(I a, I b) { return _mm512_unpackhi_epi16(a, b); }
-  static I bcast32(const uint32_t* p) { return _mm512_set1_epi32(static_cast<int>(*p)); }
-  // dst[i] = lo[i] | hi[i] << 16 for 16 lanes: a (p[k0], p[k1]) pair per dword.
-  static void pack_pairs(const bf16_t* lo, const bf16_t* hi, uint32_t* dst) {
-    const __m512i a =
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo)));
-    const __m512i b =
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi)));
-    _mm512_storeu_si512(dst, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
-  }
-  static void unpermute_pairs(float* p) {
-    const F lo = _mm512_loadu_ps(p), hi = _mm512_loadu_ps(p + 16);
-    const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i i1 =
-        _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-    _mm512_storeu_ps(p, _mm512_permutex2var_ps(lo, i0, hi));
-    _mm512_storeu_ps(p + 16, _mm512_permutex2var_ps(lo, i1, hi));
-  }
 #else
   static constexpr bool kBf16Dot = false;
   static I load_bits(const bf16_t* p) { return _mm512_loadu_si512(p); }
