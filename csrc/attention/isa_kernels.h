@@ -99,7 +99,7 @@ struct RowMap {
 
 // Visible key ranges of the item's rows, clipped to [k_begin, k_end); rows >= n copy row 0.
 struct RowRanges {
-  int64_t kb = 0, ke = 0;  // union over the real rows
+  int64_t kb = 0, ke = 0;          // union over the real rows
   int64_t max_lo = 0, min_hi = 0;  // keys in [max_lo, min_hi) need no mask
 };
 
@@ -438,19 +438,19 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
   const int64_t nh = it.kv_heads;
   const int64_t hc = HC;
   const int64_t chunks = (nh + hc - 1) / hc;
-  const int64_t kt = W / (hc * P);  // tokens per tile
-  const int64_t tpb = (bk + kt - 1) / kt;  // tiles per block (and chunk)
-  const int64_t rows = chunks * hc * P;  // padded rows, head-major: h * P + r
+  const int64_t kt = W / (hc * P);                 // tokens per tile
+  const int64_t tpb = (bk + kt - 1) / kt;          // tiles per block (and chunk)
+  const int64_t rows = chunks * hc * P;            // padded rows, head-major: h * P + r
   const int64_t nrow = (it.q_end - it.q_begin) * g;  // real rows per head, <= P
   const RowMap map{it.q_begin, g, 0};
-  float* q = scratch;  // [rows][dp]
-  const int64_t ald = dp;  // acc row stride
-  float* acc = q + rows * dp;  // [rows][ald]
-  float* sc = acc + rows * ald;  // [chunks][tpb][W]
-  float* mrun = sc + chunks * tpb * W;  // [chunks][W]
-  float* lrun = mrun + chunks * W;  // [chunks][W]
-  float* mblk = lrun + chunks * W;  // [chunks][W]
-  float* zero_f = mblk + chunks * W;  // [dp] zeros: a key row for padding lanes
+  float* q = scratch;                              // [rows][dp]
+  const int64_t ald = dp;                          // acc row stride
+  float* acc = q + rows * dp;                      // [rows][ald]
+  float* sc = acc + rows * ald;                    // [chunks][tpb][W]
+  float* mrun = sc + chunks * tpb * W;             // [chunks][W]
+  float* lrun = mrun + chunks * W;                 // [chunks][W]
+  float* mblk = lrun + chunks * W;                 // [chunks][W]
+  float* zero_f = mblk + chunks * W;               // [dp] zeros: a key row for padding lanes
   std::memset(zero_f, 0, static_cast<size_t>(dp) * sizeof(float));
   std::memset(acc, 0, static_cast<size_t>(rows * ald) * sizeof(float));
   const KT* zero = reinterpret_cast<const KT*>(zero_f);
@@ -781,16 +781,16 @@ struct RowsScratch {
   float *qt, *sc, *o, *kf, *vf, *m, *l, *alpha;
   int32_t *lo, *hi;
   RowsScratch(float* scratch, int64_t d, int64_t rp, int64_t bk, int64_t dp) {
-    qt = scratch;  // [d][rp]
+    qt = scratch;     // [d][rp]
     sc = qt + d * rp;  // [bk][rp]
     o = sc + bk * rp;  // [rp][dp]
     kf = o + rp * dp;  // [bk][dp]
     vf = kf + bk * dp;  // [bk][dp]
     m = vf + bk * dp;  // [rp]
-    l = m + rp;  // [rp]
-    alpha = l + rp;  // [rp]
+    l = m + rp;        // [rp]
+    alpha = l + rp;    // [rp]
     lo = reinterpret_cast<int32_t*>(alpha + rp);  // [rp]
-    hi = lo + rp;  // [rp]
+    hi = lo + rp;                                 // [rp]
   }
 };
 
