@@ -11,7 +11,8 @@
 //   of W (token, head, row) dot products is reduced at once (Vec::reduce) into W scores. K rows
 //   are read in address order (token by token, all heads of a token), so the hardware
 //   prefetchers stream them; P V is token-major for P = 1 and head-major with register
-//   accumulators for P >= 2 (V read in address order during the QK^T pass, see touch_token).
+//   accumulators for P >= 2 (the next block's K and V prefetched during each block, so that
+//   the memory reads overlap the arithmetic: see BlockPrefetch).
 //   bf16 caches on a CPU with a bf16 dot product (AVX512-BF16) take it for QK^T at P >= 2, on
 //   bf16 q and K as they are. P V stays in fp32 FMAs on widened V: rounding the probabilities to
 //   bf16 for a bf16 dot product there moved logprobs past stock vLLM's by more than two bf16
@@ -231,7 +232,8 @@ inline void pv_token(float* acc, int64_t ald, int64_t d, const float* p, const V
 }
 
 // Reads one byte of every cache line of one token's rows of `heads` heads (`head_stride` elements
-// apart), in address order, folding them into `sink` (never past the rows' last byte). Demand
+// apart), in address order, folding them into `sink` (never past the rows' last byte): the first
+// block's V, for the head-major P V pass (later blocks are prefetched, see BlockPrefetch). Demand
 // loads, not prefetches: on this project's Zen 5 machine, software prefetches of V during QK^T
 // (t0, t2 or nta hints, 1 to 32 tokens ahead) made no measurable difference and the head-major
 // P V pass stalled on V; touching the lines in address order brings them into L2 for that pass
@@ -250,12 +252,46 @@ inline uint64_t touch_token(const T* p, int64_t heads, int64_t head_stride, int6
   return sink;
 }
 
+// Software prefetch of the next block's K and V rows, spread over the current block's work
+// (step() a few lines at a time from the QK^T tiles and the P V passes). The head-major P V pass
+// (P >= 2) reads only cache, so without this the memory system idles during it and a call took
+// about the sum of its compute time and its read time: GQA-4 bf16 decode over 4k-token rows, one
+// thread, Zen 4: 27 -> 18 ms per call; two threads, where both cores share the memory bandwidth,
+// 3-10%. Lines are visited token by token, K and V at the same offset, covering the item's heads of
+// each token ([first head, last head], contiguous in every cache this project and vLLM build;
+// prefetches never fault, so the few lines past K's last head where V's head stride is larger
+// are harmless).
+struct BlockPrefetch {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t kst = 0, vst = 0;  // token strides, bytes
+  int64_t run = 0;           // bytes per token to cover
+  int64_t tokens = 0;        // tokens left, the current one included
+  int64_t off = 0;           // next line offset within the current token
+  int64_t per_step = 0;      // lines (each of K and V) per step()
+
+  inline void step() {
+    for (int64_t i = 0; i < per_step && tokens > 0; ++i) {
+      __builtin_prefetch(k + off, 0, 3);
+      __builtin_prefetch(v + off, 0, 3);
+      off += 64;
+      if (off >= run) {
+        off = 0;
+        k += kst;
+        v += vst;
+        --tokens;
+      }
+    }
+  }
+};
+
 // Head-major P V over a block: acc[r][x0, x0 + NV * W) += sum_kk prob(kk)[r] * v[kk][x0, ...] for
 // the P rows of one head, acc in registers for the whole block (V comes from cache: the QK pass
-// touched it). The last vector reads `tail` < W elements when tail > 0.
+// touched it, or the previous block prefetched it). The last vector reads `tail` < W elements
+// when tail > 0. Steps `pf` once per key.
 template <int P, int NV, typename VT, typename ProbFn>
 inline void pv_head(float* acc, int64_t ald, const VT* v, int64_t vst, int64_t nb,
-                    const ProbFn& prob, int64_t tail) {
+                    const ProbFn& prob, int64_t tail, BlockPrefetch& pf) {
   F o[P][NV];
   VATTN_UNROLL
   for (int r = 0; r < P; ++r) {
@@ -263,6 +299,7 @@ inline void pv_head(float* acc, int64_t ald, const VT* v, int64_t vst, int64_t n
     for (int i = 0; i < NV; ++i) o[r][i] = Vec::load(acc + r * ald + i * W);
   }
   for (int64_t kk = 0; kk < nb; ++kk) {
+    pf.step();
     const float* pk = prob(kk);
     const VT* vr = v + kk * vst;
     F vv[NV];
@@ -391,16 +428,27 @@ inline void pv_dense_chunk(float* acc, const float* pt, const VT* v, int64_t vst
     pv_dense<kSh, VPD>(acc + sub * VPD * W, pt + sub, HC, v + sub * VPD * W, vst, nb);
 }
 
+// Accumulator vectors of one pv_head pass in pv_head_all, and its passes over a block at d.
+template <int P>
+constexpr int pv_head_vectors() {
+  return (Vec::kRegs / 2) / P >= 8 ? 8 : ((Vec::kRegs / 2) / P >= 1 ? (Vec::kRegs / 2) / P : 1);
+}
+template <int P>
+inline int64_t pv_head_passes(int64_t d) {
+  const int64_t nfull = d / W;
+  return nfull / pv_head_vectors<P>() + nfull % pv_head_vectors<P>() + (d % W ? 1 : 0);
+}
+
 template <int P, typename VT, typename ProbFn>
 inline void pv_head_all(float* acc, int64_t ald, int64_t d, const VT* v, int64_t vst, int64_t nb,
-                        const ProbFn& prob) {
-  constexpr int kNv =
-      (Vec::kRegs / 2) / P >= 8 ? 8 : ((Vec::kRegs / 2) / P >= 1 ? (Vec::kRegs / 2) / P : 1);
+                        const ProbFn& prob, BlockPrefetch& pf) {
+  constexpr int kNv = pv_head_vectors<P>();
   const int64_t nfull = d / W;
   int64_t i = 0;
-  for (; i + kNv <= nfull; i += kNv) pv_head<P, kNv>(acc + i * W, ald, v + i * W, vst, nb, prob, 0);
-  for (; i < nfull; ++i) pv_head<P, 1>(acc + i * W, ald, v + i * W, vst, nb, prob, 0);
-  if (d % W) pv_head<P, 1>(acc + nfull * W, ald, v + nfull * W, vst, nb, prob, d % W);
+  for (; i + kNv <= nfull; i += kNv)
+    pv_head<P, kNv>(acc + i * W, ald, v + i * W, vst, nb, prob, 0, pf);
+  for (; i < nfull; ++i) pv_head<P, 1>(acc + i * W, ald, v + i * W, vst, nb, prob, 0, pf);
+  if (d % W) pv_head<P, 1>(acc + nfull * W, ald, v + nfull * W, vst, nb, prob, d % W, pf);
 }
 
 template <typename T>
@@ -524,18 +572,35 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
     const int64_t nb = std::min(bk, rr.ke - c0);
     const int64_t tiles = (nb + kt - 1) / kt;
     for (int64_t c = 0; c < chunks; ++c) Vec::store(mblk + c * W, neg_inf);
+    // P >= 2: the next block's K and V rows, prefetched over this block's QK^T tiles and P V
+    // passes (the first block's are read as the QK^T pass goes: K by its tiles, V touched)
+    BlockPrefetch pf;
+    const int64_t next = std::min(bk, rr.ke - (c0 + nb));
+    if (P >= 2 && next > 0) {
+      const int64_t es = static_cast<int64_t>(sizeof(KT));
+      pf.k = reinterpret_cast<const char*>(kbase + (c0 + nb) * kst);
+      pf.v = reinterpret_cast<const char*>(vbase + (c0 + nb) * vst);
+      pf.kst = kst * es;
+      pf.vst = vst * es;
+      pf.run = ((nh - 1) * std::max(ksh, vsh) + d) * es;
+      pf.tokens = next;
+      const int64_t lines = next * ((pf.run + 63) / 64);
+      const int64_t steps = tiles * chunks + nh * pv_head_passes<P>(d) * nb;
+      pf.per_step = (lines + steps - 1) / steps;
+    }
     // QK^T, token by token (all chunks of heads of a tile's tokens before the next tile)
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t key0 = c0 + t * kt;
       const bool mask = key0 < rr.max_lo || key0 + kt > rr.min_hi;
-      // P >= 2: this tile's V rows, read in address order for the head-major P V pass below
-      // (never past the range's end)
-      if (P >= 2) {
+      // P >= 2, first block: this tile's V rows, read in address order for the head-major P V
+      // pass below (never past the range's end)
+      if (P >= 2 && c0 == rr.kb) {
         for (int64_t key = key0; key < std::min(rr.ke, key0 + kt); ++key)
           touch = touch_token(vbase + key * vst, nh, vsh, d, touch);
       }
       const bool full_tile = dense_vpd && key0 + kt <= rr.ke;
       for (int64_t c = 0; c < chunks; ++c) {
+        pf.step();
         F sv;
         if (full_tile) {
           const KT* kc = kbase + key0 * kst + c * HC * d;
@@ -607,10 +672,11 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
       }
     }
     if (P >= 2) {
-      // head by head, acc in registers for the block: V rows come from cache (touched above)
+      // head by head, acc in registers for the block: V rows come from cache
       for (int64_t h = 0; h < nh; ++h) {
-        pv_head_all<P>(acc + h * P * ald, ald, d, vbase + c0 * vst + h * vsh, vst, nb,
-                       [&](int64_t kk) { return prob(kk, h); });
+        pv_head_all<P>(
+            acc + h * P * ald, ald, d, vbase + c0 * vst + h * vsh, vst, nb,
+            [&](int64_t kk) { return prob(kk, h); }, pf);
       }
     } else if ((dense_vpd == 4 || dense_vpd == 8) && HC * dense_vpd <= Vec::kRegs / 2) {
       // every head's accumulators of a chunk in registers at once: V read in one pass (in groups
