@@ -257,10 +257,10 @@ inline uint64_t touch_token(const T* p, int64_t heads, int64_t head_stride, int6
 // (P >= 2) reads only cache, so without this the memory system idles during it and a call took
 // about the sum of its compute time and its read time: GQA-4 bf16 decode over 4k-token rows, one
 // thread, Zen 4: 27 -> 18 ms per call; two threads, where both cores share the memory bandwidth,
-// 3-10%. Lines are visited token by token, K and V at the same offset, covering the item's heads of
-// each token ([first head, last head], contiguous in every cache this project and vLLM build;
-// prefetches never fault, so the few lines past K's last head where V's head stride is larger
-// are harmless).
+// 0-15% to 1.3-1.6x by the run (docs/benchmarks.md). Lines are visited token by token, K and V
+// at the same offset, covering the item's heads of each token ([first head, last head],
+// contiguous in every cache this project and vLLM build; prefetches never fault, so the few
+// lines past K's last head where V's head stride is larger are harmless).
 struct BlockPrefetch {
   const char* k = nullptr;
   const char* v = nullptr;
