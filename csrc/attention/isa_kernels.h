@@ -417,17 +417,6 @@ inline void pv_dense(float* acc, const float* pt, int64_t pst, const VT* v, int6
   for (int i = 0; i < kNv; ++i) Vec::store(acc + i * W, o[i]);
 }
 
-// pv_dense over the HC heads of a chunk, in groups of heads whose accumulators fit in half the
-// registers.
-template <int HC, int VPD, typename VT>
-inline void pv_dense_chunk(float* acc, const float* pt, const VT* v, int64_t vst, int64_t nb) {
-  constexpr int kFit = Vec::kRegs / 2 / VPD;
-  constexpr int kSh = HC <= kFit ? HC : (kFit >= 1 ? kFit : 1);
-  VATTN_UNROLL
-  for (int sub = 0; sub < HC; sub += kSh)
-    pv_dense<kSh, VPD>(acc + sub * VPD * W, pt + sub, HC, v + sub * VPD * W, vst, nb);
-}
-
 // Accumulator vectors of one pv_head pass in pv_head_all, and its passes over a block at d.
 template <int P>
 constexpr int pv_head_vectors() {
@@ -686,10 +675,12 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
         float* ac = acc + c * HC * d;
         const float* pt = sc + c * tpb * W;  // P = 1: token kk's HC probabilities at kk * HC
         const KT* vc = vbase + c0 * vst + c * HC * d;
-        if (dense_vpd == 4) {
-          pv_dense_chunk<HC, 4>(ac, pt, vc, vst, nb);
-        } else {
-          pv_dense_chunk<HC, 8>(ac, pt, vc, vst, nb);
+        // (only the shapes the condition above admits are instantiated)
+        if constexpr (HC * 4 <= Vec::kRegs / 2) {
+          if (dense_vpd == 4) pv_dense<HC, 4>(ac, pt, HC, vc, vst, nb);
+        }
+        if constexpr (HC * 8 <= Vec::kRegs / 2) {
+          if (dense_vpd == 8) pv_dense<HC, 8>(ac, pt, HC, vc, vst, nb);
         }
       }
     } else {
