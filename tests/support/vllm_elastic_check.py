@@ -117,6 +117,33 @@ def case_new_pages_before_evicting_cached_blocks_then_lru():
     assert ledger.held == 10 * BB
 
 
+def case_cached_blocks_beyond_the_cap_are_reused_before_new_pages():
+    pool, ledger = make(cap=2, headroom=0)
+    _, blocks = step(pool, lambda: alloc(pool, 5))
+    hashes = cache(pool, blocks)
+    pool.free_blocks(blocks)  # a request ends: 5 cached, 3 beyond the cap until settle()
+    assert ledger.held == 5 * BB
+    # the next request's 4 blocks: the 3 doomed ones (LRU first), then 1 new page; the 2 cached
+    # blocks within the cap keep their pages and their hashes
+    elastic, taken = step(pool, lambda: alloc(pool, 4))
+    assert [b.block_id for b in taken[:3]] == [b.block_id for b in blocks[:3]], taken
+    assert taken[3].block_id not in {b.block_id for b in blocks}
+    assert elastic.release == [] and elastic.budget_blocks == 4 + 2
+    for h in hashes[:3]:
+        assert pool.cached_block_hash_to_block.get_one_block(h) is None
+    for h, b in zip(hashes[3:], blocks[3:]):
+        assert pool.cached_block_hash_to_block.get_one_block(h) is b
+    assert ledger.held == 6 * BB  # one page more, none destroyed and made again
+    # fewer blocks wanted than are doomed: the oldest is reused, the rest go at settle()
+    cache(pool, taken, tag=1)
+    pool.free_blocks(taken)  # queue, oldest first: blocks[3], blocks[4], taken[0..3]
+    elastic, more = step(pool, lambda: alloc(pool, 1))
+    assert more == [blocks[3]] and more[0].block_hash is None
+    assert elastic.release == [blocks[4].block_id, taken[0].block_id, taken[1].block_id]
+    assert pool.free_block_queue.num_free_blocks == 2
+    assert ledger.held == 3 * BB  # 1 live + 2 cached; no headroom
+
+
 def case_outside_schedule_the_blocks_taken_are_granted_when_taken():
     pool, ledger = make(max_blocks=5, headroom=0)
     assert pool.get_num_free_blocks() == 5 and ledger.held == 0  # a peek, no grant

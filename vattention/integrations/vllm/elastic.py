@@ -17,8 +17,10 @@ pool (:mod:`.scheduler`) and keeps three kinds of blocks apart:
 What vLLM's scheduler sees: ``get_num_free_blocks()`` is the free backed blocks plus the unbacked
 ones the reserve can back, so admission follows what memory can really back, and a request is
 admitted only with its pages granted (the grant is taken while the scheduler checks, not after).
-``get_new_blocks()`` takes reserved unbacked blocks first (new pages within the budget keep the
-prefix cache), then the cached blocks in LRU order (evicting them, as vLLM does).
+``get_new_blocks()`` takes the cached blocks beyond the cap first (they would lose their pages at
+the end of the step: reusing them spares destroying and creating pages), then reserved unbacked
+blocks (new pages within the budget keep the prefix cache), then the other cached blocks in LRU
+order (evicting them, as vLLM does).
 
 At the end of every ``schedule()`` (:meth:`ElasticBlockPool.settle`) the pool:
 
@@ -126,18 +128,24 @@ class ElasticBlockPool(BlockPool):
     def get_new_blocks(self, num_blocks: int) -> list:
         if num_blocks > self.get_num_free_blocks():
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
-        # New pages before evicting cached blocks: grant more if the reserve is short (outside
-        # schedule() the count above was only a peek, so this grant is what backs the blocks).
-        wanted = min(num_blocks, len(self._unbacked))
+        queued = self.free_block_queue.num_free_blocks
+        # Cached blocks beyond the cap lose their pages at settle() anyway (the least recently
+        # used first, the same ones popleft_n takes): handing them out keeps their pages in use
+        # instead of destroying them and creating new ones for this request.
+        doomed = min(num_blocks, max(0, queued - self._policy.cache_cap_blocks))
+        # Then new pages before evicting cached blocks: grant more if the reserve is short
+        # (outside schedule() the count above was only a peek, so this grant backs the blocks).
+        wanted = min(num_blocks - doomed, len(self._unbacked))
         if self._reserve < wanted:
             self._top_up(wanted, force=True)
         fresh = min(wanted, self._reserve)
-        if num_blocks - fresh > self.free_block_queue.num_free_blocks:
+        if num_blocks - fresh > queued:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
-        ret = [self.blocks[self._unbacked.popleft()] for _ in range(fresh)]
+        ret = self.free_block_queue.popleft_n(doomed)
+        ret += [self.blocks[self._unbacked.popleft()] for _ in range(fresh)]
         self._reserve -= fresh
         self._backed += fresh
-        ret += self.free_block_queue.popleft_n(num_blocks - fresh)  # cached, oldest first
+        ret += self.free_block_queue.popleft_n(num_blocks - doomed - fresh)  # cached, LRU first
         if self._reuse_watchers:
             self._notify_reuse(ret)
         for block in ret:
