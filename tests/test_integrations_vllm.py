@@ -91,6 +91,7 @@ PREFIX_REQUESTS = [(p, 10 + 7 * i) for i in range(4) for p in range(3)]  # (prom
 WINDOW = 64
 ELASTIC_PREFIX = prompt(896, 1400)
 ELASTIC_CAP = 2 << 20  # VATTENTION_VLLM_PREFIX_CACHE_BYTES of the elastic workload: 16 blocks
+ELASTIC_IDLE_S = 4.0  # the elastic workload's engine idles this long before shutdown
 # Two engines on one 12 MiB pool, eager, bursts of 6 requests needing 70% of it; with the kill
 # phase; the static split of the plugin for the tokens (stock's split is the benchmark's).
 ELASTIC_BENCH_ARGS = [
@@ -439,6 +440,7 @@ def _start_scenarios(started: dict) -> None:
     elastic = {
         "model": models["llama"],
         "engine": _eager(max_model_len=1024, max_num_seqs=16, kv_cache_memory_bytes=256 << 20),
+        "idle_s": ELASTIC_IDLE_S,
         "requests": [{"prompt_token_ids": prompt(40, 1500), "sampling": greedy(8)}]
         + [
             {
@@ -608,8 +610,11 @@ def test_memory_follows_live_tokens_and_a_bounded_prefix_cache(runs):
     budget, page = 256 << 20, stats["page_bytes"]
     assert stats["elastic"]["pool_budget_bytes"] <= budget  # the most it may hold; it holds
     assert stats["pages_created"] * page <= budget // 2, stats["pages_created"] * page  # less
-    # After the last request the engine holds at most the cache cap plus the headroom.
+    # Idle for the release delay after its last request, the engine holds at most the cache cap
+    # plus the headroom (its thread applied the last step's budget: no step came to do it).
     elastic = stats["elastic"]
+    assert elastic["release_delay_s"] == 2.0 < ELASTIC_IDLE_S
+    assert elastic["applied_budget_bytes"] == elastic["budget_bytes"]
     assert stats["pages_total"] * page <= ELASTIC_CAP + elastic["headroom_target_bytes"]
     assert elastic["cached_bytes"] <= ELASTIC_CAP and elastic["live_bytes"] == 0
     # The prompt's 7 whole blocks stay cached (most recently used): every request after the

@@ -19,6 +19,7 @@ from hypothesis import given, strategies as st
 
 import vattention
 from vattention.integrations.vllm import kv_layout, plugin
+from vattention.integrations.vllm.release_delay import DelayedBudget, release_delay
 from vattention.integrations.vllm.stats_writer import StatsWriter, stats_path
 
 
@@ -195,6 +196,86 @@ def test_memory_settings_are_checked_at_start_up(monkeypatch):
         plugin._check_memory_settings()
     monkeypatch.setenv("VATTENTION_VLLM_POOL_BYTES", "8GiB")
     plugin._check_memory_settings()
+    monkeypatch.setenv("VATTENTION_VLLM_RELEASE_DELAY", "1")  # a pool releases at once
+    with pytest.raises(vattention.ConfigError, match="VATTENTION_VLLM_RELEASE_DELAY='1' with"):
+        plugin._check_memory_settings()
+    monkeypatch.delenv("VATTENTION_VLLM_POOL")
+    plugin._check_memory_settings()
+    for bad in ("soon", "-1", "nan", "inf", "3601"):
+        monkeypatch.setenv("VATTENTION_VLLM_RELEASE_DELAY", bad)
+        with pytest.raises(vattention.ConfigError, match=r"in \[0, 3600\]"):
+            plugin._check_memory_settings()
+
+
+def test_release_delay_defaults():
+    assert release_delay({}) == 2.0
+    assert release_delay({"VATTENTION_VLLM_POOL": "chat"}) == 0.0
+    pool = {"VATTENTION_VLLM_POOL": "chat"}
+    assert release_delay({**pool, "VATTENTION_VLLM_RELEASE_DELAY": "0"}) == 0
+    assert release_delay({"VATTENTION_VLLM_RELEASE_DELAY": "0.25"}) == 0.25
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_delayed_budget_rises_at_once_and_falls_after_the_delay():
+    clock, applied = _Clock(), []
+    budget = DelayedBudget(applied.append, 2.0, clock=clock)
+    try:
+        budget.set(10)
+        budget.set(30)  # a burst: raised at once
+        assert applied == [10, 30]
+        clock.now += 1.0
+        budget.set(20)  # lowered: 30 was set within the last 2 s
+        clock.now += 0.5
+        budget.set(5)
+        assert applied == [10, 30] and budget.applied == 30
+        clock.now += 0.5  # 30 leaves the window at the next look: 20 (set 1 s ago) is the most
+        budget.set(5)
+        assert applied == [10, 30, 20]
+        clock.now += 1.5  # 20 (and the first 5) left it too
+        budget.set(5)
+        assert applied == [10, 30, 20, 5]
+        budget.set(40)
+        clock.now += 0.1
+        budget.set(8)  # a lowering undone within the delay never reaches apply
+        budget.set(40)
+        assert applied == [10, 30, 20, 5, 40]
+    finally:
+        budget.close()
+
+
+def test_an_idle_worker_gets_its_lowered_budget_from_the_thread():
+    applied = []
+    budget = DelayedBudget(applied.append, 0.2)
+    try:
+        budget.set(100)
+        budget.set(10)  # the last step's: no later step comes to apply it
+        assert applied == [100]
+        deadline = time.monotonic() + 10
+        while applied[-1] != 10 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert applied == [100, 10]
+    finally:
+        budget.close()
+    budget.set(1)  # closed: nothing more is applied
+    assert applied == [100, 10]
+
+
+def test_no_delay_applies_every_budget_at_once_without_a_thread():
+    applied = []
+    budget = DelayedBudget(applied.append, 0.0)
+    for b in (5, 3, 3, 7, 1):
+        budget.set(b)
+    assert applied == [5, 3, 7, 1] and budget._thread is None
+    budget.close()
+    with pytest.raises(ValueError, match="-1"):
+        DelayedBudget(applied.append, -1)
 
 
 def test_cpu_auto_layout_is_layer_only_while_its_mappings_fit_half_the_limit(caplog):

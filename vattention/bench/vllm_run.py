@@ -5,8 +5,9 @@
 then runs one workload per JSON line read from stdin (``{"requests": [...]}``), answering each
 with one JSON line on stdout, until ``{"quit": true}`` or the end of input: ``bench vllm`` keeps a
 stock and a plugin engine alive this way and alternates them. The spec names the
-model, the engine arguments, the requests (token ids, sampling parameters) and whether to compute
-transformers' greedy tokens too. Whether the vattention plugin is on is decided by the
+model, the engine arguments, the requests (token ids, sampling parameters), whether to compute
+transformers' greedy tokens too, and ``idle_s``: seconds the engine stays up, idle, after the
+last request before it shuts down. Whether the vattention plugin is on is decided by the
 environment (``VATTENTION_VLLM=1``), as for any vLLM process: tests and ``bench vllm`` start one
 process per engine so that stock vLLM and the plugin are measured apart.
 
@@ -61,6 +62,8 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
         "peak_rss": _peak_rss(),
         "max_concurrency": peak(),
     }
+    if spec.get("idle_s"):  # the engine alive and idle before shutdown (its delayed release)
+        time.sleep(float(spec["idle_s"]))
     _shutdown(llm)
     stats_file = os.environ.get("VATTENTION_VLLM_STATS")
     if result["plugin"] and stats_file and os.path.exists(stats_file):

@@ -43,6 +43,7 @@ from .kv_layout import (
     layer_layout_mappings,
     model_unit_bytes,
 )
+from .release_delay import release_delay
 from .settings import (
     ENV_ALLOW_UNTESTED,
     ENV_LAYOUT,
@@ -345,6 +346,7 @@ def _check_memory_settings() -> None:
             f"{ENV_POOL}={os.environ[ENV_POOL]!r} needs {ENV_POOL_BYTES}, the pool's budget "
             "(bytes or a size such as '8GiB'; every engine of the pool gives the same)"
         )
+    release_delay()  # a number of seconds, and none in a pool
 
 
 def _elastic_scheduler(scheduler_config: Any) -> None:

@@ -39,6 +39,7 @@ from ... import KVCache, OutOfPagesError
 from .flash import selected_kernel
 from .kv_layout import kv_cache_dtype, kv_layout
 from .plugin import layout_from_env
+from .release_delay import DelayedBudget, release_delay
 from .settings import ENV_STATS, LAYOUT_KEY
 from .slots import RequestSlots
 from .stats_writer import StatsWriter, stats_path
@@ -74,6 +75,7 @@ class VAttentionRunnerMixin:
     _vattention: Optional[KVCache] = None
     _vattention_batch: Optional[BatchSlots] = None
     _stats_writer: Optional[StatsWriter] = None
+    _vattention_budget: Optional[DelayedBudget] = None
     if TYPE_CHECKING:
         # What the mixin uses of vLLM's model runner it goes in front of (vLLM ships no types).
         vllm_config: Any
@@ -107,8 +109,10 @@ class VAttentionRunnerMixin:
         )
         # No pages yet: the scheduler's elastic block pool (scheduler.py) says each step which
         # blocks keep pages and how many pages this worker may hold.
+        delay = release_delay()
         cache = KVCache(config, memory_budget=kv.memory_budget(config))
         self._vattention = cache
+        self._vattention_budget = DelayedBudget(cache.set_memory_budget, delay)
         self._vattention_slots = RequestSlots(self._vattention)
         self._vattention_block_size = kv.block_size
         self._vattention_block_bytes = kv.block_bytes()
@@ -251,8 +255,8 @@ class VAttentionRunnerMixin:
         last = self._vattention_elastic
         budget = elastic.budget_blocks * self._vattention_block_bytes
         headroom = elastic.headroom_blocks * self._vattention_block_bytes
-        if budget != last.get("budget_bytes"):
-            cache.set_memory_budget(budget)
+        assert self._vattention_budget is not None  # made with the cache
+        self._vattention_budget.set(budget)  # a lowered budget applies after the release delay
         if headroom != last.get("headroom_target_bytes"):
             cache.set_headroom(headroom)
         self._vattention_elastic = {
@@ -284,6 +288,11 @@ class VAttentionRunnerMixin:
             vllm_kv_buffer_bytes=sum(t.numel() * t.element_size() for t in self.kv_caches),
             elastic=dict(self._vattention_elastic),
         )
+        budget = self._vattention_budget
+        if budget is not None:  # what the cache holds to: the budget of the last delay_s
+            stats["elastic"].update(
+                applied_budget_bytes=budget.applied, release_delay_s=budget.delay_s
+            )
         return stats
 
     def _engine_stream(self) -> Any:
@@ -313,12 +322,15 @@ class VAttentionRunnerMixin:
         cache = self._vattention
         if cache is None:
             return
+        if self._vattention_budget is not None:
+            self._vattention_budget.close()  # no budget applied from now on
         held = self._vattention_slots.release_all(self._engine_stream())
         if self._stats_writer is not None:
             final = self.vattention_stats()
             final["slots_released_at_shutdown"] = held
             self._stats_writer.close(final)
             self._stats_writer = None
+        self._vattention_budget = None
         self._vattention_batch = None
         self._vattention = None
         cache.close()

@@ -11,6 +11,7 @@ __all__ = [
     "ENV_POOL",
     "ENV_POOL_BYTES",
     "ENV_PREFIX_CACHE_BYTES",
+    "ENV_RELEASE_DELAY",
     "ENV_V2_RUNNER",
     "LAYOUT_KEY",
     "TESTED_VLLM_VERSIONS",
@@ -21,6 +22,7 @@ ENV_STATS = "VATTENTION_VLLM_STATS"  # path of each worker's stats JSON
 ENV_LAYOUT = "VATTENTION_VLLM_LAYOUT"  # "auto" (default), "mega" or "layer"
 ENV_ALLOW_UNTESTED = "VATTENTION_VLLM_ALLOW_UNTESTED"  # "1": run on an untested vLLM
 ENV_PREFIX_CACHE_BYTES = "VATTENTION_VLLM_PREFIX_CACHE_BYTES"  # cached blocks kept with pages
+ENV_RELEASE_DELAY = "VATTENTION_VLLM_RELEASE_DELAY"  # seconds pages outlive a lowered budget
 ENV_V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"  # vLLM's own switch; the plugin sets "0"
 
 # vllm_config.additional_config key: the layout the front end chose (and aligned blocks for).
