@@ -12,7 +12,8 @@ things:
   empty placeholders where vLLM expects its buffer;
 * ``_update_states`` (the start of every step): frees the slots of finished, aborted and
   preempted requests, applies the scheduler's word on memory (the blocks whose pages go, the
-  page budget and headroom: scheduler.py, elastic.py), gives each new (or resumed) request a
+  page budget and headroom: scheduler.py, elastic.py; a lowered budget only after the release
+  delay, release_delay.py), gives each new (or resumed) request a
   slot (the idle one whose row still maps its prefix-cache hits, if any: no map call for them),
   turns the step's block ids into table updates (a new or resumed request's whole table, its
   prefix-cache hits first; a running request's appended blocks), calls ``KVCache.step()`` with
