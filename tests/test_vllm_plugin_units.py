@@ -267,6 +267,27 @@ def test_an_idle_worker_gets_its_lowered_budget_from_the_thread():
     assert applied == [100, 10]
 
 
+def test_a_failed_delayed_apply_is_retried_by_the_next_step():
+    applied, fail = [], [True]
+
+    def apply(b):
+        if fail[0] and b == 10:
+            raise RuntimeError("the cache is closing")
+        applied.append(b)
+
+    budget = DelayedBudget(apply, 0.05)
+    try:
+        budget.set(100)
+        budget.set(10)
+        time.sleep(0.3)  # the thread tried (and failed) to lower it; it is still alive
+        assert applied == [100] and budget.applied == 100 and budget._thread.is_alive()
+        fail[0] = False
+        budget.set(10)  # the next step's budget goes through
+        assert applied == [100, 10]
+    finally:
+        budget.close()
+
+
 def test_no_delay_applies_every_budget_at_once_without_a_thread():
     applied = []
     budget = DelayedBudget(applied.append, 0.0)

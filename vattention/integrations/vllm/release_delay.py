@@ -150,7 +150,8 @@ class DelayedBudget:
                             self._settle(self._clock())
                         except Exception:  # the cache closing under us: the next step retries
                             logger.debug("vattention: delayed budget not applied", exc_info=True)
-                            self._recent.popleft()
+                            if len(self._recent) > 1:  # not the latest: set() keeps one
+                                self._recent.popleft()
                         continue
                     self._lock.wait(wait)
                 else:
