@@ -91,7 +91,7 @@ PREFIX_REQUESTS = [(p, 10 + 7 * i) for i in range(4) for p in range(3)]  # (prom
 WINDOW = 64
 ELASTIC_PREFIX = prompt(896, 1400)
 ELASTIC_CAP = 2 << 20  # VATTENTION_VLLM_PREFIX_CACHE_BYTES of the elastic workload: 16 blocks
-ELASTIC_IDLE_S = 4.0  # the elastic workload's engine idles this long before shutdown
+ELASTIC_IDLE_S = 6.0  # the elastic workload's engine idles this long before shutdown
 # Two engines on one 12 MiB pool, eager, bursts of 6 requests needing 70% of it; with the kill
 # phase; the static split of the plugin for the tokens (stock's split is the benchmark's).
 ELASTIC_BENCH_ARGS = [

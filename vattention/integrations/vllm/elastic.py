@@ -18,7 +18,8 @@ What vLLM's scheduler sees: ``get_num_free_blocks()`` is the free backed blocks 
 ones the reserve can back, so admission follows what memory can really back, and a request is
 admitted only with its pages granted (the grant is taken while the scheduler checks, not after).
 ``get_new_blocks()`` takes the cached blocks beyond the cap first (they would lose their pages at
-the end of the step: reusing them spares destroying and creating pages), then reserved unbacked
+the end of the step: the engine takes no grant for new pages while it holds pages it is about to
+release), then reserved unbacked
 blocks (new pages within the budget keep the prefix cache), then the other cached blocks in LRU
 order (evicting them, as vLLM does).
 
@@ -130,8 +131,8 @@ class ElasticBlockPool(BlockPool):
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         queued = self.free_block_queue.num_free_blocks
         # Cached blocks beyond the cap lose their pages at settle() anyway (the least recently
-        # used first, the same ones popleft_n takes): handing them out keeps their pages in use
-        # instead of destroying them and creating new ones for this request.
+        # used first, the same ones popleft_n takes): handing them out keeps their pages with a
+        # block, so no grant for new pages is taken while this engine holds pages it would release.
         doomed = min(num_blocks, max(0, queued - self._policy.cache_cap_blocks))
         # Then new pages before evicting cached blocks: grant more if the reserve is short
         # (outside schedule() the count above was only a peek, so this grant backs the blocks).
