@@ -111,16 +111,18 @@ class DelayedBudget:
             if self._closed:
                 return
             now = self._clock()
+            waiting = len(self._recent) > 1  # the thread has a deadline, which stays or passes
             while self._recent and self._recent[-1][1] <= budget:
                 self._recent.pop()
             self._recent.append((now, budget))
             self._settle(now)
-            if len(self._recent) > 1 and self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="vattention-release-delay", daemon=True
-                )
-                self._thread.start()
-            self._lock.notify()
+            if len(self._recent) > 1 and not waiting:  # a deadline where the thread had none
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._run, name="vattention-release-delay", daemon=True
+                    )
+                    self._thread.start()
+                self._lock.notify()  # only then: most steps set the same budget, no wake-up
 
     def close(self) -> None:
         """Stop the thread; nothing is applied after this returns. Idempotent."""
