@@ -19,9 +19,8 @@ ones the reserve can back, so admission follows what memory can really back, and
 admitted only with its pages granted (the grant is taken while the scheduler checks, not after).
 ``get_new_blocks()`` takes the cached blocks beyond the cap first (they would lose their pages at
 the end of the step: the engine takes no grant for new pages while it holds pages it is about to
-release), then reserved unbacked
-blocks (new pages within the budget keep the prefix cache), then the other cached blocks in LRU
-order (evicting them, as vLLM does).
+release), then reserved unbacked blocks (new pages within the budget keep the prefix cache), then
+the other cached blocks in LRU order (evicting them, as vLLM does).
 
 At the end of every ``schedule()`` (:meth:`ElasticBlockPool.settle`) the pool:
 
