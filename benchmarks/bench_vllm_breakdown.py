@@ -1,8 +1,10 @@
 """Where one vLLM engine's time goes, component by component, on one `bench vllm` workload.
 
 One engine (stock vLLM, or vLLM with the vattention plugin) runs in this process, at vLLM's
-defaults plus sizes (1 GiB of KV, 16 sequences, max_model_len 4096, fp32). It is warmed up with two
-passes of the workload, then timed over three passes with new token ids each; the fastest pass is
+defaults plus sizes (1 GiB of KV, 16 sequences, max_model_len 4096, the model's dtype). The model
+is a `--model-size` (random Llama, fp32) or a `--model` preset (a real architecture's shape,
+bf16). It is warmed up with two passes of the workload, then timed over three passes with new
+token ids each (`--passes`; `--num-requests` as in `bench vllm`, 64 by default); the fastest pass is
 printed with the wall time spent inside each wrapped method (the engine step, the runner's parts,
 the attention forward, split into calls with a prefill chunk and decode-only calls, stock's K/V
 cache write (a separate op; the plugin's forward appends K/V inside its kernel call), and for the
@@ -11,6 +13,8 @@ the line above them. Run it once per engine, one after the other, on a quiet mac
 
     .venv-vllm/bin/python benchmarks/bench_vllm_breakdown.py stock shared-prefix small
     .venv-vllm/bin/python benchmarks/bench_vllm_breakdown.py plugin shared-prefix small
+    .venv-vllm/bin/python benchmarks/bench_vllm_breakdown.py plugin sharegpt qwen2.5-0.5b \
+        --num-requests 16
 
 `python -m vattention bench vllm` is the throughput comparison (both engines alive, alternated);
 this script explains its ratios.
@@ -29,13 +33,18 @@ from typing import Dict
 
 
 def main(argv=None) -> int:
-    from vattention.bench.vllm_bench import MODEL_SIZES, WORKLOADS
+    from vattention.bench.model_presets import PRESETS
+    from vattention.bench.vllm_bench import MODEL_SIZES, WORKLOADS, size_model
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("engine", choices=("stock", "plugin"))
     p.add_argument("workload", choices=WORKLOADS)
-    p.add_argument("model_size", choices=tuple(MODEL_SIZES))
+    p.add_argument("model", choices=tuple(MODEL_SIZES) + tuple(PRESETS))
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--passes", type=int, default=3)
     args = p.parse_args(argv)
+    if args.num_requests < 1 or args.passes < 1:
+        p.error(f"--num-requests {args.num_requests} and --passes {args.passes} must be >= 1")
     if args.engine == "plugin":
         os.environ["VATTENTION_VLLM"] = "1"
     else:
@@ -43,18 +52,11 @@ def main(argv=None) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
-    from vattention.bench.tiny_models import build_tiny_model
     from vattention.bench.vllm_bench import make_workload
 
-    layers, hidden, heads, kv_heads, head_dim = MODEL_SIZES[args.model_size]
-    model = build_tiny_model(
-        os.path.join(tempfile.gettempdir(), f"vattention-breakdown-llama-{args.model_size}"),
-        "llama",
-        num_layers=layers,
-        hidden_size=hidden,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
+    preset = PRESETS[args.model] if args.model in PRESETS else size_model(args.model)
+    model = preset.build(
+        os.path.join(tempfile.gettempdir(), f"vattention-breakdown-{preset.family}-{args.model}"),
         max_positions=4096,
     )
 
@@ -137,12 +139,14 @@ def main(argv=None) -> int:
 
     llm = vllm.LLM(
         model=model,
-        dtype="float32",
+        dtype=preset.dtype,
         max_model_len=4096,
         max_num_seqs=16,
         kv_cache_memory_bytes=1 << 30,
     )
-    ns = argparse.Namespace(num_requests=64, length_scale=0.5, max_model_len=4096, seed=0)
+    ns = argparse.Namespace(
+        num_requests=args.num_requests, length_scale=0.5, max_model_len=4096, seed=0
+    )
 
     def one_pass(round_: int):
         reqs = make_workload(args.workload, round_, ns)
@@ -155,14 +159,15 @@ def main(argv=None) -> int:
     for warm in (100, 101):  # compilation, first pages, allocator: outside the timing
         one_pass(warm)
     best = None
-    for round_ in range(3):
+    for round_ in range(args.passes):
         before = dict(spent)
         dt, tokens = one_pass(round_)
         if best is None or dt < best[0]:
             best = (dt, tokens, {k: v - before.get(k, 0.0) for k, v in spent.items()})
     dt, tokens, parts = best
     print(
-        f"{args.engine}, {args.workload}, model {args.model_size}: fastest of 3 passes "
+        f"{args.engine}, {args.workload}, model {args.model} ({preset.dtype}): fastest of "
+        f"{args.passes} passes "
         f"{dt * 1e3:.0f} ms, {tokens} tokens, {tokens / dt:.0f} tokens/s; load average "
         f"{os.getloadavg()[0]:.2f}"
     )
