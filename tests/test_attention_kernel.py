@@ -417,17 +417,20 @@ def test_16_bit_output_is_within_the_rounding_bound_of_an_fp32_reference(isa, dt
             )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("lq", [1, 5, 12, 17, 20, 31, 33, 47, 48, 64, 65, 100])
-def test_prefill_query_blocks_of_every_row_count(isa, lq, d):
+def test_prefill_query_blocks_of_every_row_count(isa, lq, d, dtype):
     """Prefill items of 1-64 rows: the register tiles (6 x 4 and 4 x 4 per 4 vectors of d with
     AVX-512, their remainders) cover every row once, nothing past the block (rows pad to a
     multiple of the vector width); key blocks (128 keys at d = 64, 64 at d = 128) end in key
-    tiles of 4, 2 and 1 (block ends, and rows ending anywhere)."""
+    tiles of 4, 2 and 1 (block ends, and rows ending anywhere). bf16 takes the bf16 dot product
+    tiles where the CPU has them (``avx512bf16``: q in pairs of d, padded rows zero)."""
     gen = torch.Generator().manual_seed(12)
-    kc, vc = make_caches(2, 400, 2, d, torch.float32, gen=gen)
-    q = torch.randn(2, lq, 2, d, generator=gen)
-    k, v = torch.randn(2, lq, 2, d, generator=gen), torch.randn(2, lq, 2, d, generator=gen)
+    kc, vc = make_caches(2, 400, 2, d, dtype, gen=gen)
+    q = torch.randn(2, lq, 2, d, generator=gen).to(dtype)
+    k = torch.randn(2, lq, 2, d, generator=gen).to(dtype)
+    v = torch.randn(2, lq, 2, d, generator=gen).to(dtype)
     check_against_reference(q, kc, vc, k, v, cache_seqlens=torch.tensor([0, 150]), causal=True)
 
 

@@ -23,7 +23,8 @@
 //   broadcast), the softmax is vertical (row max = max over keys, no horizontal reduction), and
 //   O[row][d] += P^T[key][row] * V[key][d] is a second micro-kernel (RO rows x NV vectors of d).
 //   Non-fp32 caches are converted block by block into fp32 scratch (once per block, amortized
-//   over all rows).
+//   over all rows), except bf16 K on a CPU with the bf16 dot product: QK^T then takes it on q
+//   and K as they are (Qt holds pairs of bf16 values), and the scale is applied to the scores.
 //
 // Neither kernel touches a key outside [it.k_begin, it.k_end), which the planner clipped to the
 // union of the rows' visible ranges.
@@ -713,10 +714,14 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
 // ------------------------------------------------------------------------------------------------
 // Prefill kernel.
 
-// S[kc][rv0*W + ...] = sum_d k[kc][d] * Qt[d][...] for KC keys and NV row vectors.
-template <int KC, int NV>
-inline void qk_micro(const float* qt, int64_t rp, int64_t d, const float* k, int64_t kld, float* sc,
-                     int64_t rv0) {
+// S[kc][rv0*W + ...] = sum_d k[kc][d] * Qt[d][...] for KC keys and NV row vectors, in `steps`
+// steps of d. fp32 (DOT false): Qt is fp32 [d][rp] (pre-scaled), k fp32, one value of d per FMA.
+// bf16 (DOT true): Qt is [d / 2][rp] pairs of bf16 q values (unscaled) in 32-bit lanes, k the
+// cache's bf16 rows as they are, two values of d per bf16 dot product, and the scores are scaled
+// on the way out.
+template <int KC, int NV, bool DOT>
+inline void qk_micro(const float* qt, int64_t rp, int64_t steps, const void* kp, int64_t kld,
+                     float* sc, int64_t rv0, F scale) {
   F acc[KC][NV];
   VATTN_UNROLL
   for (int c = 0; c < KC; ++c) {
@@ -724,52 +729,77 @@ inline void qk_micro(const float* qt, int64_t rp, int64_t d, const float* k, int
     for (int v = 0; v < NV; ++v) acc[c][v] = Vec::zero();
   }
   const float* qp = qt + rv0 * W;
-  for (int64_t x = 0; x < d; ++x) {
-    F qv[NV];
-    VATTN_UNROLL
-    for (int v = 0; v < NV; ++v) qv[v] = Vec::load(qp + x * rp + v * W);
-    VATTN_UNROLL
-    for (int c = 0; c < KC; ++c) {
-      const F kb = Vec::set1(k[c * kld + x]);
+  for (int64_t x = 0; x < steps; ++x) {
+    if constexpr (DOT) {
+      const bf16_t* k = static_cast<const bf16_t*>(kp);
+      I qv[NV];
       VATTN_UNROLL
-      for (int v = 0; v < NV; ++v) acc[c][v] = Vec::fmadd(kb, qv[v], acc[c][v]);
+      for (int v = 0; v < NV; ++v)
+        qv[v] = Vec::iload(reinterpret_cast<const int32_t*>(qp + x * rp + v * W));
+      VATTN_UNROLL
+      for (int c = 0; c < KC; ++c) {
+        int32_t pair;
+        std::memcpy(&pair, k + c * kld + 2 * x, sizeof(pair));
+        const I kb = Vec::iset1(pair);
+        VATTN_UNROLL
+        for (int v = 0; v < NV; ++v) acc[c][v] = Vec::dot_bf16_pairs(acc[c][v], qv[v], kb);
+      }
+    } else {
+      const float* k = static_cast<const float*>(kp);
+      F qv[NV];
+      VATTN_UNROLL
+      for (int v = 0; v < NV; ++v) qv[v] = Vec::load(qp + x * rp + v * W);
+      VATTN_UNROLL
+      for (int c = 0; c < KC; ++c) {
+        const F kb = Vec::set1(k[c * kld + x]);
+        VATTN_UNROLL
+        for (int v = 0; v < NV; ++v) acc[c][v] = Vec::fmadd(kb, qv[v], acc[c][v]);
+      }
     }
   }
   VATTN_UNROLL
   for (int c = 0; c < KC; ++c) {
     VATTN_UNROLL
-    for (int v = 0; v < NV; ++v) Vec::store(sc + c * rp + (rv0 + v) * W, acc[c][v]);
+    for (int v = 0; v < NV; ++v)
+      Vec::store(sc + c * rp + (rv0 + v) * W, DOT ? Vec::mul(acc[c][v], scale) : acc[c][v]);
   }
 }
 
-template <int NV>
-inline void qk_rows(const float* qt, int64_t rp, int64_t d, const float* k, int64_t kld, float* sc,
-                    int64_t rv0, int64_t nb) {
+template <int NV, bool DOT>
+inline void qk_rows(const float* qt, int64_t rp, int64_t steps, const void* k, int64_t kld,
+                    float* sc, int64_t rv0, int64_t nb, F scale) {
+  using KT = typename std::conditional<DOT, bf16_t, float>::type;
+  const KT* kt = static_cast<const KT*>(k);
   // KC x NV accumulators, NV q vectors and a broadcast in the registers (KC 6 with AVX-512 at
   // NV 4: 10 loads per 24 FMAs, where KC 4 took 8 per 16)
   constexpr int kFit = (Vec::kRegs - NV - 2) / NV;
   constexpr int kKc = kFit >= 8 ? 8 : (kFit >= 2 ? kFit : 1);
   int64_t c = 0;
-  for (; c + kKc <= nb; c += kKc) qk_micro<kKc, NV>(qt, rp, d, k + c * kld, kld, sc + c * rp, rv0);
+  for (; c + kKc <= nb; c += kKc)
+    qk_micro<kKc, NV, DOT>(qt, rp, steps, kt + c * kld, kld, sc + c * rp, rv0, scale);
   // the block's last keys (64 = 10 x 6 + 4) in 4s and 2s: one key at a time loads NV + 1
   // values per NV FMAs
   if constexpr (kKc > 4) {
-    for (; c + 4 <= nb; c += 4) qk_micro<4, NV>(qt, rp, d, k + c * kld, kld, sc + c * rp, rv0);
+    for (; c + 4 <= nb; c += 4)
+      qk_micro<4, NV, DOT>(qt, rp, steps, kt + c * kld, kld, sc + c * rp, rv0, scale);
   }
   if constexpr (kKc > 2) {
-    for (; c + 2 <= nb; c += 2) qk_micro<2, NV>(qt, rp, d, k + c * kld, kld, sc + c * rp, rv0);
+    for (; c + 2 <= nb; c += 2)
+      qk_micro<2, NV, DOT>(qt, rp, steps, kt + c * kld, kld, sc + c * rp, rv0, scale);
   }
-  for (; c < nb; ++c) qk_micro<1, NV>(qt, rp, d, k + c * kld, kld, sc + c * rp, rv0);
+  for (; c < nb; ++c)
+    qk_micro<1, NV, DOT>(qt, rp, steps, kt + c * kld, kld, sc + c * rp, rv0, scale);
 }
 
-inline void qk_block(const float* qt, int64_t rp, int64_t d, const float* k, int64_t kld, float* sc,
-                     int64_t nb) {
+template <bool DOT>
+inline void qk_block(const float* qt, int64_t rp, int64_t steps, const void* k, int64_t kld,
+                     float* sc, int64_t nb, F scale) {
   constexpr int kNv = Vec::kRegs >= 32 ? 4 : 2;
   const int64_t rv = rp / W;
   int64_t v = 0;
-  for (; v + kNv <= rv; v += kNv) qk_rows<kNv>(qt, rp, d, k, kld, sc, v, nb);
-  for (; v + 2 <= rv && kNv > 2; v += 2) qk_rows<2>(qt, rp, d, k, kld, sc, v, nb);
-  for (; v < rv; ++v) qk_rows<1>(qt, rp, d, k, kld, sc, v, nb);
+  for (; v + kNv <= rv; v += kNv) qk_rows<kNv, DOT>(qt, rp, steps, k, kld, sc, v, nb, scale);
+  for (; v + 2 <= rv && kNv > 2; v += 2) qk_rows<2, DOT>(qt, rp, steps, k, kld, sc, v, nb, scale);
+  for (; v < rv; ++v) qk_rows<1, DOT>(qt, rp, steps, k, kld, sc, v, nb, scale);
 }
 
 // O[r0 + r][x0 + i*W ...] += sum_kc P[kc][r0 + r] * v[kc][x0 + i*W ...] for RO rows, NV vectors.
@@ -851,41 +881,75 @@ struct RowsScratch {
   }
 };
 
+// Whether QK^T of a prefill or shared item takes the bf16 dot product (Vec::kBf16Dot): bf16 q and
+// K as they are, two values of d per instruction where the FMAs take one, and no K conversion;
+// d even, so that K's pairs never reach past a row. P V stays fp32 (see decode_item).
+template <typename KT>
+inline bool rows_dot_bf16(const Args& a) {
+  return Vec::kBf16Dot && std::is_same<KT, bf16_t>::value && a.dtype == DType::kBFloat16 &&
+         a.head_dim % 2 == 0;
+}
+
+// Stages row r's q (src, in a.dtype) for attend_rows: fp32 and scaled into w.o, or with the bf16
+// dot product (dot) as they are, in pairs, straight into its column of Qt.
+inline void stage_q_row(const Args& a, const Shape& s, const RowsScratch& w, int64_t rp, int64_t r,
+                        const void* src, bool dot) {
+  if (dot) {
+    const bf16_t* q = static_cast<const bf16_t*>(src);
+    int32_t* qt2 = reinterpret_cast<int32_t*>(w.qt);
+    for (int64_t x = 0; x < a.head_dim / 2; ++x) {
+      qt2[x * rp + r] = static_cast<int32_t>(q[2 * x].bits | (uint32_t{q[2 * x + 1].bits} << 16));
+    }
+  } else {
+    load_q_row(src, a.dtype, a.head_dim, s.q_scale, w.o + r * s.dp, s.dp);
+  }
+}
+
 // The rows' online softmax over keys [rr.kb, rr.ke) of one KV head (K and V rows at kbase,
-// vbase, s_token apart). On entry w.o holds the n real q rows (scaled, fp32) and w.lo / w.hi
-// every padded row's visible range; on return w.o, w.m, w.l hold each row's unnormalized
+// vbase, s_token apart). On entry the n real q rows are staged (stage_q_row) and w.lo / w.hi
+// hold every padded row's visible range; on return w.o, w.m, w.l hold each row's unnormalized
 // output, running max and sum.
 template <typename KT>
 void attend_rows(const Args& a, const Shape& s, const KT* kbase, const KT* vbase,
-                 const RowRanges& rr, int64_t n, int64_t rp, const RowsScratch& w) {
+                 const RowsScratch& w, const RowRanges& rr, int64_t n, int64_t rp) {
   const int64_t d = a.head_dim, dp = s.dp, bk = s.block_keys;
   float *qt = w.qt, *sc = w.sc, *o = w.o, *m = w.m, *l = w.l, *alpha = w.alpha;
-  for (int64_t r = n; r < rp; ++r)
-    std::memset(o + r * dp, 0, static_cast<size_t>(dp) * sizeof(float));
-  for (int64_t r = 0; r < rp; ++r)
-    for (int64_t x = 0; x < d; ++x) qt[x * rp + r] = o[r * dp + x];
+  const bool dot = rows_dot_bf16<KT>(a);
+  if (dot) {
+    int32_t* qt2 = reinterpret_cast<int32_t*>(qt);
+    for (int64_t x = 0; x < d / 2; ++x)
+      for (int64_t r = n; r < rp; ++r) qt2[x * rp + r] = 0;
+  } else {
+    for (int64_t r = n; r < rp; ++r)
+      std::memset(o + r * dp, 0, static_cast<size_t>(dp) * sizeof(float));
+    for (int64_t r = 0; r < rp; ++r)
+      for (int64_t x = 0; x < d; ++x) qt[x * rp + r] = o[r * dp + x];
+  }
   std::memset(o, 0, static_cast<size_t>(rp * dp) * sizeof(float));
   for (int64_t r = 0; r < rp; ++r) {
     m[r] = -HUGE_VALF;
     l[r] = 0.0f;
   }
+  const F qscale = Vec::set1(s.q_scale);
 
   const int64_t kst = a.k_cache.s_token, vst = a.v_cache.s_token;
   constexpr bool kF32 = std::is_same<KT, float>::value;
   const bool v_direct = kF32 && d % W == 0;
   for (int64_t c0 = rr.kb; c0 < rr.ke; c0 += bk) {
     const int64_t nb = std::min(bk, rr.ke - c0);
-    const float* k;
-    int64_t kld;
-    if constexpr (kF32) {
-      k = kbase + c0 * kst;
-      kld = kst;
+    if constexpr (Vec::kBf16Dot && std::is_same<KT, bf16_t>::value) {
+      if (dot) {
+        qk_block<true>(qt, rp, d / 2, kbase + c0 * kst, kst, sc, nb, qscale);
+      } else {
+        convert_rows(kbase + c0 * kst, kst, nb, d, w.kf, dp);
+        qk_block<false>(qt, rp, d, w.kf, dp, sc, nb, qscale);
+      }
+    } else if constexpr (kF32) {
+      qk_block<false>(qt, rp, d, kbase + c0 * kst, kst, sc, nb, qscale);
     } else {
       convert_rows(kbase + c0 * kst, kst, nb, d, w.kf, dp);
-      k = w.kf;
-      kld = dp;
+      qk_block<false>(qt, rp, d, w.kf, dp, sc, nb, qscale);
     }
-    qk_block(qt, rp, d, k, kld, sc, nb);
     if (c0 < rr.max_lo || c0 + nb > rr.min_hi) {
       for (int64_t kc = 0; kc < nb; ++kc) {
         const I key = Vec::iset1(static_cast<int32_t>(c0 + kc));
@@ -945,10 +1009,11 @@ void prefill_item(const Args& a, const Shape& s, const Request& rq, const WorkIt
   const int64_t rp = round_up(n, W);
   const RowsScratch w(scratch, d, rp, s.block_keys, dp);
   const RowRanges rr = row_ranges(a, rq, it, map, n, rp, w.lo, w.hi);
+  const bool dot = rows_dot_bf16<KT>(a);
   for (int64_t r = 0; r < n; ++r)
-    load_q_row(q_row(a, rq, map.query(r), map.head(r)), a.dtype, d, s.q_scale, w.o + r * dp, dp);
+    stage_q_row(a, s, w, rp, r, q_row(a, rq, map.query(r), map.head(r)), dot);
   attend_rows(a, s, cache_ptr<KT>(a.k_cache, rq.row, 0, it.kv_head),
-              cache_ptr<KT>(a.v_cache, rq.row, 0, it.kv_head), rr, n, rp, w);
+              cache_ptr<KT>(a.v_cache, rq.row, 0, it.kv_head), w, rr, n, rp);
   for (int64_t r = 0; r < n; ++r)
     emit_row(a, s, rq, map.query(r), map.head(r), w.o + r * dp, w.m[r], w.l[r], part, r);
 }
@@ -968,9 +1033,10 @@ void shared_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
   RowRanges rr;
   rr.kb = rr.max_lo = it.k_begin;
   rr.ke = rr.min_hi = it.k_end;
-  for (int64_t r = 0; r < n; ++r) load_q_row(it.rows[r].q, a.dtype, d, s.q_scale, w.o + r * dp, dp);
+  const bool dot = rows_dot_bf16<KT>(a);
+  for (int64_t r = 0; r < n; ++r) stage_q_row(a, s, w, rp, r, it.rows[r].q, dot);
   attend_rows(a, s, cache_ptr<KT>(a.k_cache, rq.row, 0, it.kv_head),
-              cache_ptr<KT>(a.v_cache, rq.row, 0, it.kv_head), rr, n, rp, w);
+              cache_ptr<KT>(a.v_cache, rq.row, 0, it.kv_head), w, rr, n, rp);
   for (int64_t r = 0; r < n; ++r) {
     const SharedRow& row = it.rows[r];
     *row.m = w.m[r];

@@ -13,6 +13,7 @@ struct Vec {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   }
   static F dot_bf16(F acc, const bf16_t*, I) { return acc; }
+  static F dot_bf16_pairs(F acc, I, I) { return acc; }
   static F zero() { return _mm256_setzero_ps(); }
   static F set1(float x) { return _mm256_set1_ps(x); }
   static F load(const float* p) { return _mm256_loadu_ps(p); }

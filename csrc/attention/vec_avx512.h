@@ -18,10 +18,14 @@ struct Vec {
   static F dot_bf16(F acc, const bf16_t* a, I b) {
     return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a), (__m512bh)b);
   }
+  static F dot_bf16_pairs(F acc, I a, I b) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+  }
 #else
   static constexpr bool kBf16Dot = false;
   static I load_bits(const bf16_t* p) { return _mm512_loadu_si512(p); }
   static F dot_bf16(F acc, const bf16_t*, I) { return acc; }
+  static F dot_bf16_pairs(F acc, I, I) { return acc; }
 #endif
 
   static F zero() { return _mm512_setzero_ps(); }

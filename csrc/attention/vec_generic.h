@@ -103,4 +103,5 @@ struct Vec {
   }
   static I load_bits(const bf16_t*) { return iset1(0); }
   static F dot_bf16(F acc, const bf16_t*, I) { return acc; }
+  static F dot_bf16_pairs(F acc, I, I) { return acc; }
 };
