@@ -969,15 +969,10 @@ void attend_rows(const Args& a, const Shape& s, const KT* kbase, const KT* vbase
   const bool v_direct = kF32 && d % W == 0;
   for (int64_t c0 = rr.kb; c0 < rr.ke; c0 += bk) {
     const int64_t nb = std::min(bk, rr.ke - c0);
-    if constexpr (Vec::kBf16Dot && std::is_same<KT, bf16_t>::value) {
-      if (dot) {
-        qk_block<true>(qt, rp, d / 2, kbase + c0 * kst, kst, sc, nb, qscale);
-      } else {
-        convert_rows(kbase + c0 * kst, kst, nb, d, w.kf, dp);
-        qk_block<false>(qt, rp, d, w.kf, dp, sc, nb, qscale);
-      }
-    } else if constexpr (kF32) {
+    if constexpr (kF32) {
       qk_block<false>(qt, rp, d, kbase + c0 * kst, kst, sc, nb, qscale);
+    } else if (dot) {  // KT is bf16_t here
+      qk_block<true>(qt, rp, d / 2, kbase + c0 * kst, kst, sc, nb, qscale);
     } else {
       convert_rows(kbase + c0 * kst, kst, nb, d, w.kf, dp);
       qk_block<false>(qt, rp, d, w.kf, dp, sc, nb, qscale);
