@@ -11,7 +11,7 @@ call per layer, all layers in turn, so each layer's K/V comes from memory as in 
 (the layers together are far larger than the L3 cache). Pages hold 128 tokens (vLLM's CPU block:
 the plugin's page is one block); K/V are random. Each candidate is warmed up, then timed over
 alternated rounds (A B C C B A ...); the table prints the time per layer, min (median), and each
-against vLLM's op. Outputs are checked against vLLM's op first.
+against vLLM's op. Every layer's outputs of the three are compared first (the same K/V in all).
 """
 
 from __future__ import annotations
@@ -37,8 +37,10 @@ from _timing import compare_min_median  # noqa: E402
 BLOCK = 128  # tokens per page: vLLM's CPU block
 
 
-def cache_views(preset, layout: str, rows: int, tokens: int, dtype, gen):
-    """A vattention cache of `layout` with `rows` rows of `tokens` random tokens; (cache, views)."""
+def cache_views(preset, layout: str, values, tokens: int, dtype):
+    """A vattention cache of `layout` whose rows hold `values` (per layer (k, v), `tokens` each);
+    (cache, per layer (k, v) views)."""
+    rows = values[0][0].shape[0]
     per_token = (preset.num_layers if layout == "mega" else 1) * preset.num_kv_heads
     page = BLOCK * per_token * preset.head_dim * dtype.itemsize
     cache = vattention.KVCache(
@@ -58,11 +60,10 @@ def cache_views(preset, layout: str, rows: int, tokens: int, dtype, gen):
         cache.alloc()
     cache.step([tokens] * rows)
     views = []
-    shape = (rows, tokens, preset.num_kv_heads, preset.head_dim)
-    for i in range(preset.num_layers):
+    for i, (kv, vv) in enumerate(values):
         k, v = cache.layer(i)
-        k[:, :tokens].copy_(torch.randn(shape, generator=gen).to(dtype))
-        v[:, :tokens].copy_(torch.randn(shape, generator=gen).to(dtype))
+        k[:, :tokens].copy_(kv)
+        v[:, :tokens].copy_(vv)
         views.append((k, v))
     return cache, views
 
@@ -78,32 +79,33 @@ def run_model(name: str, args, ops) -> None:
     def ours(views):
         return lambda: [fa.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens) for k, v in views]
 
-    caches, candidates, firsts = [], {}, {}
+    shape = (n, s, preset.num_kv_heads, preset.head_dim)
+    values = [
+        (torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
+        for _ in range(layers)
+    ]
+    caches, candidates, outputs = [], {}, {}
     for layout in ("mega", "layer"):
-        cache, views = cache_views(preset, layout, n, s, dtype, gen)
+        cache, views = cache_views(preset, layout, values, s, dtype)
         caches.append(cache)
         candidates[layout] = ours(views)
-        firsts[layout] = views[0]
+        outputs[layout] = candidates[layout]()
     if ops is not None:
         table = torch.arange(n * (s // BLOCK), dtype=torch.int32).view(n, s // BLOCK)
         qsl = torch.arange(n + 1, dtype=torch.int32)
+        flat = (n * s, preset.num_kv_heads, preset.head_dim)
         calls = []
-        for i in range(layers):
-            k, v = firsts["mega"] if i == 0 else (None, None)
-            if k is None:
-                shape = (n, s, preset.num_kv_heads, preset.head_dim)
-                k = torch.randn(shape, generator=gen).to(dtype)
-                v = torch.randn(shape, generator=gen).to(dtype)
-            flat = (n * s, preset.num_kv_heads, preset.head_dim)
-            kc, vc = vllm_paged(ops, k[:, :s].reshape(flat), v[:, :s].reshape(flat), BLOCK)
+        for k, v in values:
+            kc, vc = vllm_paged(ops, k.reshape(flat), v.reshape(flat), BLOCK)
             calls.append(vllm_call(ops, q[:, 0].contiguous(), kc, vc, table, qsl, lens))
-        # layer 0 of the mega cache holds the same K/V as vLLM's first layer
-        k0, v0 = firsts["mega"]
-        got = fa.flash_attn_with_kvcache(q, k0, v0, cache_seqlens=lens)[:, 0].float()
-        err = (got - calls[0]().float()).abs().max().item()
-        if err > 2e-2:
-            raise SystemExit(f"{name}: outputs differ from vLLM's op by {err:.3g}")
         candidates["vLLM op"] = lambda: [c() for c in calls]
+        outputs["vLLM op"] = [o.unsqueeze(1) for o in candidates["vLLM op"]()]
+    # every layer's output of each candidate against the first's (same K/V everywhere)
+    first = next(iter(outputs.values()))
+    for what, outs in outputs.items():
+        err = max((a.float() - b.float()).abs().max().item() for a, b in zip(outs, first))
+        if err > 2e-2:
+            raise SystemExit(f"{name}: {what}'s outputs differ from the others' by {err:.3g}")
     t = compare_min_median(candidates, calls=args.calls, rounds=args.rounds)
     base = t["vLLM op"][0] if "vLLM op" in t else None
     for what, (mn, med) in t.items():
