@@ -296,13 +296,15 @@ struct BlockPrefetch {
   }
 };
 
-// Head-major P V over a block: acc[r][x0, x0 + NV * W) += sum_kk prob(kk)[r] * v[kk][x0, ...] for
-// the P rows of one head, acc in registers for the whole block (V comes from cache: the QK pass
-// touched it, or the previous block prefetched it). The last vector reads `tail` < W elements
-// when tail > 0. Steps `pf` once per key.
-template <int P, int NV, typename VT, typename ProbFn>
-inline void pv_head(float* acc, int64_t ald, const VT* v, int64_t vst, int64_t nb,
-                    const ProbFn& prob, int64_t tail, BlockPrefetch& pf) {
+// Head-major P V over a block: acc[r][x0, x0 + NV * W) += sum_kk pr[kk * pst + r] * v[kk][x0, ...]
+// for the P rows of one head, acc in registers for the whole block (V comes from cache: the QK
+// pass touched it, or the previous block prefetched it). The last vector reads `tail` < W
+// elements when tail > 0. Steps `pf` once per key, on a local copy: through the reference its
+// fields went back to memory at every step.
+template <int P, int NV, typename VT>
+inline void pv_head(float* acc, int64_t ald, const VT* v, int64_t vst, int64_t nb, const float* pr,
+                    int64_t pst, int64_t tail, BlockPrefetch& pf_io) {
+  BlockPrefetch pf = pf_io;
   F o[P][NV];
   VATTN_UNROLL
   for (int r = 0; r < P; ++r) {
@@ -311,7 +313,7 @@ inline void pv_head(float* acc, int64_t ald, const VT* v, int64_t vst, int64_t n
   }
   for (int64_t kk = 0; kk < nb; ++kk) {
     pf.step();
-    const float* pk = prob(kk);
+    const float* pk = pr + kk * pst;
     const VT* vr = v + kk * vst;
     F vv[NV];
     VATTN_UNROLL
@@ -329,6 +331,7 @@ inline void pv_head(float* acc, int64_t ald, const VT* v, int64_t vst, int64_t n
     VATTN_UNROLL
     for (int i = 0; i < NV; ++i) Vec::store(acc + r * ald + i * W, o[r][i]);
   }
+  pf_io = pf;
 }
 
 // Dense decode tiles: where a chunk's heads are adjacent in the cache (head stride d, as in every
@@ -439,16 +442,16 @@ inline int64_t pv_head_passes(int64_t d) {
   return nfull / pv_head_vectors<P>() + nfull % pv_head_vectors<P>() + (d % W ? 1 : 0);
 }
 
-template <int P, typename VT, typename ProbFn>
+template <int P, typename VT>
 inline void pv_head_all(float* acc, int64_t ald, int64_t d, const VT* v, int64_t vst, int64_t nb,
-                        const ProbFn& prob, BlockPrefetch& pf) {
+                        const float* pr, int64_t pst, BlockPrefetch& pf) {
   constexpr int kNv = pv_head_vectors<P>();
   const int64_t nfull = d / W;
   int64_t i = 0;
   for (; i + kNv <= nfull; i += kNv)
-    pv_head<P, kNv>(acc + i * W, ald, v + i * W, vst, nb, prob, 0, pf);
-  for (; i < nfull; ++i) pv_head<P, 1>(acc + i * W, ald, v + i * W, vst, nb, prob, 0, pf);
-  if (d % W) pv_head<P, 1>(acc + nfull * W, ald, v + nfull * W, vst, nb, prob, d % W, pf);
+    pv_head<P, kNv>(acc + i * W, ald, v + i * W, vst, nb, pr, pst, 0, pf);
+  for (; i < nfull; ++i) pv_head<P, 1>(acc + i * W, ald, v + i * W, vst, nb, pr, pst, 0, pf);
+  if (d % W) pv_head<P, 1>(acc + nfull * W, ald, v + nfull * W, vst, nb, pr, pst, d % W, pf);
 }
 
 template <typename T>
@@ -563,7 +566,8 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
   const int64_t kst = a.k_cache.s_token, ksh = a.k_cache.s_head;
   const int64_t vst = a.v_cache.s_token, vsh = a.v_cache.s_head;
   const F neg_inf = Vec::set1(-HUGE_VALF);
-  // probabilities of (block token kk, head h): P consecutive floats
+  // probabilities of (block token kk, head h): P consecutive floats, HC * P apart from one token
+  // to the next (a tile holds kt = W / (HC * P) tokens)
   auto prob = [&](int64_t kk, int64_t h) {
     return sc + ((h / HC) * tpb + kk / kt) * W + ((kk % kt) * HC + h % HC) * P;
   };
@@ -696,9 +700,8 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
     if (P >= 2) {
       // head by head, acc in registers for the block: V rows come from cache
       for (int64_t h = 0; h < nh; ++h) {
-        pv_head_all<P>(
-            acc + h * P * ald, ald, d, vbase + c0 * vst + h * vsh, vst, nb,
-            [&](int64_t kk) { return prob(kk, h); }, pf);
+        pv_head_all<P>(acc + h * P * ald, ald, d, vbase + c0 * vst + h * vsh, vst, nb, prob(0, h),
+                       HC * P, pf);
       }
     } else if ((dense_vpd == 4 || dense_vpd == 8) && HC * dense_vpd <= Vec::kRegs / 2) {
       // every head's accumulators of a chunk in registers at once: V read in one pass (in groups
