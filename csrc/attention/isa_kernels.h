@@ -408,15 +408,18 @@ inline F qk_tile_dense_bf16(const bf16_t* q, const bf16_t* k, int64_t kst) {
 
 // One row per head (P = 1), SH adjacent heads of a dense chunk over a block, token by token:
 // acc[h][0, d) += p[kk][h] * v[kk][h][0, d), the SH * VPD accumulators in registers (pv_token
-// loads and stores them once per token), V read in address order.
+// loads and stores them once per token), V read in address order. Steps `pf` once per key (a local
+// copy, as in pv_head).
 template <int SH, int VPD, typename VT>
 inline void pv_dense(float* acc, const float* pt, int64_t pst, const VT* v, int64_t vst,
-                     int64_t nb) {
+                     int64_t nb, BlockPrefetch& pf_io) {
+  BlockPrefetch pf = pf_io;
   constexpr int kNv = SH * VPD;
   F o[kNv];
   VATTN_UNROLL
   for (int i = 0; i < kNv; ++i) o[i] = Vec::load(acc + i * W);
   for (int64_t kk = 0; kk < nb; ++kk) {
+    pf.step();
     const VT* vr = v + kk * vst;
     const float* pk = pt + kk * pst;
     VATTN_UNROLL
@@ -429,6 +432,7 @@ inline void pv_dense(float* acc, const float* pt, int64_t pst, const VT* v, int6
   }
   VATTN_UNROLL
   for (int i = 0; i < kNv; ++i) Vec::store(acc + i * W, o[i]);
+  pf_io = pf;
 }
 
 // Accumulator vectors of one pv_head pass in pv_head_all, and its passes over a block at d.
@@ -561,6 +565,9 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
                                     (vpd == 4 || vpd == 8 || (kDense16 && vpd == 16))
                                 ? vpd
                                 : 0;
+  // P = 1: P V by pv_dense, a chunk's accumulators in registers (else token by token, pv_token)
+  const bool pv_dense_chunks =
+      P == 1 && (dense_vpd == 4 || dense_vpd == 8) && HC * dense_vpd <= Vec::kRegs / 2;
   const KT* kbase = cache_ptr<KT>(a.k_cache, rq.row, 0, it.kv_head);
   const KT* vbase = cache_ptr<KT>(a.v_cache, rq.row, 0, it.kv_head);
   const int64_t kst = a.k_cache.s_token, ksh = a.k_cache.s_head;
@@ -572,17 +579,21 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
     return sc + ((h / HC) * tpb + kk / kt) * W + ((kk % kt) * HC + h % HC) * P;
   };
   uint64_t touch = 0;
-  // Scattered rows (P >= 2): the item's bytes of a token are at most half of a token stride, as
+  // Scattered rows: the item's bytes of a token are at most half of a token stride, as
   // in the mega layout, where every layer of a token shares one row, so each token's run starts
   // a new stretch that the hardware prefetchers must find again. Prefetches then go to L2
   // (prefetcht1: on the Zen 4 machine one core read 1 KB runs 16 KB apart at about 7 GB/s with
   // prefetcht0, 12-13 with prefetcht1), and the first block, which no earlier block prefetches,
   // is prefetched at once before its QK^T pass. bench_attention_layouts.py, mega, 2 threads:
   // Qwen2.5-0.5B's shape 518 -> 282 us per layer (the layer layout's 284), Llama-3.2-1B's
-  // 1778 -> 1092 (layer 878). Contiguous rows keep prefetcht0, 6-8% faster there.
+  // 1778 -> 1092 (layer 878). Contiguous rows keep prefetcht0, 6-8% faster there. With one row
+  // per head (P = 1) only scattered rows are prefetched (contiguous ones stream on their own):
+  // the decode-only calls of a long-prompt capture of the fp32 GQA-1 `small` model, replayed in a
+  // mega cache (bench_attention_replay.py, 2 threads, Zen 4), went from 0.97-1.01 of vLLM's op's
+  // time to 0.72-0.82 (prefetcht0: 1.06-1.07; the layer layout: 0.45-0.62).
   const int64_t es = static_cast<int64_t>(sizeof(KT));
   const int64_t run = ((nh - 1) * std::max(ksh, vsh) + d) * es;
-  const bool scattered = P >= 2 && (kst * es >= 2 * run || vst * es >= 2 * run);
+  const bool scattered = kst * es >= 2 * run || vst * es >= 2 * run;
   if (scattered) {
     const int64_t first = std::min(bk, rr.ke - rr.kb);
     for (int64_t t = 0; t < first; ++t) {
@@ -598,11 +609,12 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
     const int64_t nb = std::min(bk, rr.ke - c0);
     const int64_t tiles = (nb + kt - 1) / kt;
     for (int64_t c = 0; c < chunks; ++c) Vec::store(mblk + c * W, neg_inf);
-    // P >= 2: the next block's K and V rows, prefetched over this block's QK^T tiles and P V
-    // passes (the first block's are read as the QK^T pass goes: K by its tiles, V touched)
+    // P >= 2 or scattered rows: the next block's K and V rows, prefetched over this block's QK^T
+    // tiles and P V passes (the first block's are read as the QK^T pass goes, K by its tiles and V
+    // touched, or prefetched at once where scattered)
     BlockPrefetch pf;
     const int64_t next = std::min(bk, rr.ke - (c0 + nb));
-    if (P >= 2 && next > 0) {
+    if ((P >= 2 || scattered) && next > 0) {
       pf.k = reinterpret_cast<const char*>(kbase + (c0 + nb) * kst);
       pf.v = reinterpret_cast<const char*>(vbase + (c0 + nb) * vst);
       pf.kst = kst * es;
@@ -611,7 +623,11 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
       pf.tokens = next;
       pf.to_l2 = scattered;
       const int64_t lines = next * ((pf.run + 63) / 64);
-      const int64_t steps = tiles * chunks + nh * pv_head_passes<P>(d) * nb;
+      // pf.step() calls: one per QK^T tile and chunk, and one per key of each P V pass (P = 1:
+      // pv_dense per chunk, or the token-by-token loop)
+      const int64_t pv_steps =
+          P >= 2 ? nh * pv_head_passes<P>(d) * nb : (pv_dense_chunks ? chunks * nb : nb);
+      const int64_t steps = tiles * chunks + pv_steps;
       pf.per_step = (lines + steps - 1) / steps;
     }
     // QK^T, token by token (all chunks of heads of a tile's tokens before the next tile)
@@ -703,7 +719,7 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
         pv_head_all<P>(acc + h * P * ald, ald, d, vbase + c0 * vst + h * vsh, vst, nb, prob(0, h),
                        HC * P, pf);
       }
-    } else if ((dense_vpd == 4 || dense_vpd == 8) && HC * dense_vpd <= Vec::kRegs / 2) {
+    } else if (pv_dense_chunks) {
       // every head's accumulators of a chunk in registers at once: V read in one pass (in groups
       // of heads, each group a pass over the block's rows, 8 heads x 128 at 2 threads on the Zen 4
       // machine took 1.3-1.5x the token-by-token time in fp32 and 1.1x in bf16)
@@ -713,16 +729,17 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
         const KT* vc = vbase + c0 * vst + c * HC * d;
         // (only the shapes the condition above admits are instantiated)
         if constexpr (HC * 4 <= Vec::kRegs / 2) {
-          if (dense_vpd == 4) pv_dense<HC, 4>(ac, pt, HC, vc, vst, nb);
+          if (dense_vpd == 4) pv_dense<HC, 4>(ac, pt, HC, vc, vst, nb, pf);
         }
         if constexpr (HC * 8 <= Vec::kRegs / 2) {
-          if (dense_vpd == 8) pv_dense<HC, 8>(ac, pt, HC, vc, vst, nb);
+          if (dense_vpd == 8) pv_dense<HC, 8>(ac, pt, HC, vc, vst, nb, pf);
         }
       }
     } else {
       // one row per head: token by token, all heads of a token before the next, so V is read as
       // one stream the hardware prefetchers follow (two tokens at a time measured ~40% slower)
       for (int64_t kk = 0; kk < nb; ++kk) {
+        pf.step();
         const KT* vrow = vbase + (c0 + kk) * vst;
         for (int64_t h = 0; h < nh; ++h)
           pv_token<P>(acc + h * P * ald, ald, d, prob(kk, h), vrow + h * vsh);
