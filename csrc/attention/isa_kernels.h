@@ -411,8 +411,8 @@ inline F qk_tile_dense_bf16(const bf16_t* q, const bf16_t* k, int64_t kst) {
 // loads and stores them once per token), V read in address order. Steps `pf` once per key (a local
 // copy, as in pv_head).
 template <int SH, int VPD, typename VT>
-inline void pv_dense(float* acc, const float* pt, int64_t pst, const VT* v, int64_t vst,
-                     int64_t nb, BlockPrefetch& pf_io) {
+inline void pv_dense(float* acc, const float* pt, int64_t pst, const VT* v, int64_t vst, int64_t nb,
+                     BlockPrefetch& pf_io) {
   BlockPrefetch pf = pf_io;
   constexpr int kNv = SH * VPD;
   F o[kNv];
