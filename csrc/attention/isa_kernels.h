@@ -594,16 +594,23 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
   const int64_t es = static_cast<int64_t>(sizeof(KT));
   const int64_t run = ((nh - 1) * std::max(ksh, vsh) + d) * es;
   const bool scattered = kst * es >= 2 * run || vst * es >= 2 * run;
+  const int64_t lines_per_token = (run + 63) / 64;
+  // The K and V rows of `tokens` keys from `key` on (per_step left to the caller)
+  auto prefetch_from = [&](int64_t key, int64_t tokens) {
+    BlockPrefetch p;
+    p.k = reinterpret_cast<const char*>(kbase + key * kst);
+    p.v = reinterpret_cast<const char*>(vbase + key * vst);
+    p.kst = kst * es;
+    p.vst = vst * es;
+    p.run = run;
+    p.tokens = tokens;
+    p.to_l2 = scattered;
+    return p;
+  };
   if (scattered) {
-    const int64_t first = std::min(bk, rr.ke - rr.kb);
-    for (int64_t t = 0; t < first; ++t) {
-      const char* kp = reinterpret_cast<const char*>(kbase + (rr.kb + t) * kst);
-      const char* vp = reinterpret_cast<const char*>(vbase + (rr.kb + t) * vst);
-      for (int64_t off = 0; off < run; off += 64) {
-        __builtin_prefetch(kp + off, 0, 2);
-        __builtin_prefetch(vp + off, 0, 2);
-      }
-    }
+    BlockPrefetch first = prefetch_from(rr.kb, std::min(bk, rr.ke - rr.kb));
+    first.per_step = first.tokens * lines_per_token;  // all of it in one step
+    first.step();
   }
   for (int64_t c0 = rr.kb; c0 < rr.ke; c0 += bk) {
     const int64_t nb = std::min(bk, rr.ke - c0);
@@ -615,14 +622,8 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
     BlockPrefetch pf;
     const int64_t next = std::min(bk, rr.ke - (c0 + nb));
     if ((P >= 2 || scattered) && next > 0) {
-      pf.k = reinterpret_cast<const char*>(kbase + (c0 + nb) * kst);
-      pf.v = reinterpret_cast<const char*>(vbase + (c0 + nb) * vst);
-      pf.kst = kst * es;
-      pf.vst = vst * es;
-      pf.run = run;
-      pf.tokens = next;
-      pf.to_l2 = scattered;
-      const int64_t lines = next * ((pf.run + 63) / 64);
+      pf = prefetch_from(c0 + nb, next);
+      const int64_t lines = next * lines_per_token;
       // pf.step() calls: one per QK^T tile and chunk, and one per key of each P V pass (P = 1:
       // pv_dense per chunk, or the token-by-token loop)
       const int64_t pv_steps =

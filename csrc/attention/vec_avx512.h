@@ -15,12 +15,10 @@ struct Vec {
   // bf16 values (products exact, fp32 accumulation).
   static constexpr bool kBf16Dot = true;
   static I load_bits(const bf16_t* p) { return _mm512_loadu_si512(p); }
-  static F dot_bf16(F acc, const bf16_t* a, I b) {
-    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a), (__m512bh)b);
-  }
   static F dot_bf16_pairs(F acc, I a, I b) {
     return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
   }
+  static F dot_bf16(F acc, const bf16_t* a, I b) { return dot_bf16_pairs(acc, load_bits(a), b); }
 #else
   static constexpr bool kBf16Dot = false;
   static I load_bits(const bf16_t* p) { return _mm512_loadu_si512(p); }
