@@ -28,9 +28,10 @@ bfloat16, one query token each, caches in a vattention ``KVCache`` (layer layout
 Prefill rows: one request, a causal prompt of 2048 tokens (no past) and a chunk of 512 tokens after
 1536 cached (chunked prefill), GQA 1, 4 and 8 over 8 KV heads x 128 and the two preset shapes
 (Llama-3.2-1B's 32 / 8 x 64, Qwen2.5-0.5B's 14 / 2 x 64), float32 and bfloat16: the kernel
-against vLLM's op (same K/V in its paged layout, query_start_loc / seq_lens of the chunk) and
-torch SDPA with ``is_causal`` / ``causal_lower_right`` (GQA via ``enable_gqa``), K/V as strided
-views of the cache row.
+against vLLM's op (same K/V in its paged layout, query_start_loc / seq_lens of the chunk; both
+write into a preallocated output, ours through ``cpu_attention(..., out=)`` as the plugin calls
+it) and torch SDPA with ``is_causal`` / ``causal_lower_right`` (GQA via ``enable_gqa``), K/V as
+strided views of the cache row.
 
 Every figure is the min (and median) of interleaved rounds (A B B A ...) after a warm-up, with
 outputs checked against the reference. Run on an idle machine; the load is printed.
@@ -52,6 +53,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 import vattention  # noqa: E402
 from vattention import _C  # noqa: E402
+from vattention.attention import cpu_attention  # noqa: E402
 from vattention.integrations import flash_attn as fa  # noqa: E402
 
 from _timing import compare_min_median  # noqa: E402
@@ -277,8 +279,10 @@ def prefill_rows(args, ops, why_no_vllm):
                 vc = torch.randn(1, total + 16, hkv, d, generator=gen).to(dtype)
                 q = torch.randn(1, chunk, heads, d, generator=gen).to(dtype)
 
-                def kernel(q=q, kc=kc, vc=vc, total=total):
-                    return fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=total, causal=True)
+                out = torch.empty_like(q)  # the plugin's call: vLLM's output buffer, as vLLM's op
+
+                def kernel(q=q, kc=kc, vc=vc, total=total, out=out):
+                    return cpu_attention(q, kc, vc, cache_seqlens=total, causal=True, out=out)
 
                 qh = q[0].transpose(0, 1)[None]
                 kh = kc[0, :total].transpose(0, 1)[None]

@@ -91,7 +91,7 @@ PREFIX_REQUESTS = [(p, 10 + 7 * i) for i in range(4) for p in range(3)]  # (prom
 WINDOW = 64
 ELASTIC_PREFIX = prompt(896, 1400)
 ELASTIC_CAP = 2 << 20  # VATTENTION_VLLM_PREFIX_CACHE_BYTES of the elastic workload: 16 blocks
-ELASTIC_IDLE_S = 6.0  # the elastic workload's engine idles this long before shutdown
+ELASTIC_IDLE_S = 12.0  # the elastic workload's engine idles this long before shutdown
 # Two engines on one 12 MiB pool, eager, bursts of 6 requests needing 70% of it; with the kill
 # phase; the static split of the plugin for the tokens (stock's split is the benchmark's).
 ELASTIC_BENCH_ARGS = [
@@ -613,7 +613,7 @@ def test_memory_follows_live_tokens_and_a_bounded_prefix_cache(runs):
     # Idle for the release delay after its last request, the engine holds at most the cache cap
     # plus the headroom (its thread applied the last step's budget: no step came to do it).
     elastic = stats["elastic"]
-    assert elastic["release_delay_s"] == 2.0 < ELASTIC_IDLE_S
+    assert elastic["release_delay_s"] == 10.0 < ELASTIC_IDLE_S
     assert elastic["applied_budget_bytes"] == elastic["budget_bytes"]
     assert stats["pages_total"] * page <= ELASTIC_CAP + elastic["headroom_target_bytes"]
     assert elastic["cached_bytes"] <= ELASTIC_CAP and elastic["live_bytes"] == 0

@@ -208,7 +208,7 @@ def test_memory_settings_are_checked_at_start_up(monkeypatch):
 
 
 def test_release_delay_defaults():
-    assert release_delay({}) == 2.0
+    assert release_delay({}) == 10.0
     assert release_delay({"VATTENTION_VLLM_POOL": "chat"}) == 0.0
     pool = {"VATTENTION_VLLM_POOL": "chat"}
     assert release_delay({**pool, "VATTENTION_VLLM_RELEASE_DELAY": "0"}) == 0
