@@ -11,8 +11,9 @@ for a delay, so back-to-back bursts reuse it and an engine left idle still retur
 The default, 10 s, is jemalloc's ``dirty_decay_ms`` default, and it outlasts the ramp of a burst:
 chunked prefill admits a burst of long prompts over seconds, and with 2 s (the default until then)
 the pages kept from the last burst were destroyed before the later prompts of the next one
-needed them, and created again (``small``, 8 prompts of ~3k tokens: 13,816 pages created over the
-run with 2 s, 4,520 with 10 s; ``KVCache.step`` 363 -> 83 ms a pass).
+needed them, and created again (``small``, 8 prompts of ~3k tokens, one engine, passes back to
+back: 13,816 pages created over the run with 2 s, 4,464-4,688 with 10 s; ``KVCache.step``
+363-371 -> 74-90 ms a pass).
 
 :class:`DelayedBudget` applies ``max(budget set within the last delay_s)``; a thread applies the
 lower figure when the delay runs out with no step to do it (an idle engine makes none). Only
