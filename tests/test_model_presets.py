@@ -9,12 +9,13 @@ checkpoints' published ``config.json`` (docs/vllm.md lists them), not read back 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import pytest
 
 from vattention.bench import cli, vllm_bench
-from vattention.bench.model_presets import PRESETS, get_preset, read_config
+from vattention.bench.model_presets import PRESETS, get_preset, preset_from_config, read_config
 from vattention.bench.tiny_models import build_tiny_model
 
 # name -> the config.json fields of the full preset (layer count included).
@@ -193,14 +194,14 @@ def test_model_and_model_size_options():
     "argv,message",
     [
         (["--model", "qwen2.5-0.5b", "--model-size", "small"], "not allowed with argument"),
-        (["--model", "llama-7b"], "invalid choice: 'llama-7b' (choose from "),
+        (["--model", "llama-7b"], "'llama-7b' is neither a preset (llama-3.2-1b, qwen2.5-0.5b, "),
     ],
 )
 def test_model_option_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         _args(*argv)
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and message in err and "qwen2.5-0.5b" in err
+    assert exit_.value.code == 2 and message in err
 
 
 def test_help_lists_each_preset_with_its_shape(capsys):
@@ -210,6 +211,7 @@ def test_help_lists_each_preset_with_its_shape(capsys):
     assert "vocabulary scaled to 512 tokens" in out and "random weights" in out
     for preset in PRESETS.values():
         assert f"{preset.name}: {preset.shape()}" in out
+    assert "your model's shape (--model PATH): its config.json, or the folder holding it" in out
 
 
 def test_model_dir_holding_another_model_is_refused(tmp_path, one_layer_models):
@@ -235,3 +237,201 @@ def test_exit_status_fails_on_differing_tokens_in_fp32_only(dtype, identical, st
         "long-prompt": {"tokens_identical": identical},
     }
     assert vllm_bench.exit_status(results, dtype) == status
+
+
+# The checkpoints' config.json as published (meta-llama/Llama-3.2-1B, Qwen/Qwen2.5-0.5B), keys
+# the shape does not use included: what a user's --model PATH reads.
+PUBLISHED = {
+    "llama-3.2-1b": {
+        "architectures": ["LlamaForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 8192,
+        "max_position_embeddings": 131072,
+        "mlp_bias": False,
+        "model_type": "llama",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 16,
+        "num_key_value_heads": 8,
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": LLAMA3_ROPE,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.45.0.dev0",
+        "use_cache": True,
+        "vocab_size": 128256,
+    },
+    "qwen2.5-0.5b": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "eos_token_id": 151643,
+        "hidden_act": "silu",
+        "hidden_size": 896,
+        "initializer_range": 0.02,
+        "intermediate_size": 4864,
+        "max_position_embeddings": 32768,
+        "max_window_layers": 24,
+        "model_type": "qwen2",
+        "num_attention_heads": 14,
+        "num_hidden_layers": 24,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "sliding_window": 32768,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.40.1",
+        "use_cache": True,
+        "use_mrope": False,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+    },
+}
+
+
+def write_config(folder, config) -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def shape_fields(preset):
+    """A preset's fields but its name and source (where it was read from)."""
+    return {
+        k: v
+        for k, v in dataclasses.asdict(preset).items()
+        if k not in ("name", "source", "real_vocab_size")
+    }
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_a_checkpoints_config_json_reads_as_its_preset(name, tmp_path):
+    """The published config.json, as the file or its folder, gives the preset's every field;
+    transformers 5's spelling (dtype, rope_parameters holding theta and scaling) the same."""
+    folder = write_config(tmp_path / name.upper(), PUBLISHED[name])
+    want = shape_fields(PRESETS[name])
+    for path in (folder, f"{folder}/config.json"):
+        got = preset_from_config(path)
+        assert shape_fields(got) == want
+        assert (got.name, got.source) == (name.upper(), folder)
+        assert got.real_vocab_size == PUBLISHED[name]["vocab_size"]
+    v5 = {k: v for k, v in PUBLISHED[name].items() if k not in ("torch_dtype", "rope_theta")}
+    v5.pop("rope_scaling", None)
+    v5["dtype"] = "bfloat16"
+    v5["rope_parameters"] = {
+        "rope_theta": PUBLISHED[name]["rope_theta"],
+        **(PUBLISHED[name].get("rope_scaling") or {"rope_type": "default"}),
+    }
+    v5["_name_or_path"] = f"org/{name}"
+    got = preset_from_config(write_config(tmp_path / "v5", v5))
+    assert shape_fields(got) == want and (got.name, got.source) == (name, f"org/{name}")
+
+
+def test_a_config_preset_builds_the_users_shape(tmp_path):
+    """A Mistral-shaped config (no head_dim: hidden / heads; fp16) builds, with --num-layers,
+    into a model whose config.json is that shape, which --model-dir then recognizes."""
+    pytest.importorskip("transformers")
+    config = {
+        "architectures": ["MistralForCausalLM"],
+        "hidden_size": 256,
+        "intermediate_size": 704,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 6,
+        "max_position_embeddings": 8192,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-05,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float16",
+        "vocab_size": 32768,
+    }
+    folder = write_config(tmp_path / "my-model", config)
+    model, title = vllm_bench.bench_model(_args("--model", folder, "--num-layers", "2"))
+    assert title == "my-model's config.json" and model.source == folder
+    assert (model.name, model.family, model.num_layers, model.full_layers) == (
+        "my-model",
+        "mistral",
+        2,
+        6,
+    )
+    assert (model.head_dim, model.gqa_group, model.dtype) == (32, 4, "float16")
+    assert "MistralForCausalLM, 2 of its 6 layers, hidden 256" in model.shape()
+    path = model.build(str(tmp_path / "built"))
+    assert model.mismatches(path) == []
+    built = read_config(path)
+    assert (built["num_key_value_heads"], built["head_dim"], built["dtype"]) == (2, 32, "float16")
+    assert built["vocab_size"] == 512 and built.get("sliding_window") is None
+
+
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "num_hidden_layers": 2,
+}
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (
+            {"architectures": ["GPT2LMHeadModel"]},
+            "architectures=['GPT2LMHeadModel']; a shape is "
+            "read from one of ('LlamaForCausalLM', 'Qwen2ForCausalLM', 'MistralForCausalLM')",
+        ),
+        ({"architectures": None}, "architectures=None; a shape is read from one of"),
+        ({"hidden_size": None}, "hidden_size=None must be a positive integer"),
+        ({"num_hidden_layers": 0}, "num_hidden_layers=0 must be a positive integer"),
+        ({"intermediate_size": "1024"}, "intermediate_size='1024' must be a positive integer"),
+        (
+            {"num_key_value_heads": 3},
+            "num_attention_heads=8 is not a multiple of num_key_value_heads=3",
+        ),
+        (
+            {"hidden_size": 500},
+            "no head_dim, and hidden_size=500 is not a multiple of num_attention_heads=8",
+        ),
+        ({"torch_dtype": "int8"}, "dtype='int8' must be one of ('float32', 'bfloat16', 'float16')"),
+        ({"mlp_bias": True}, "mlp_bias=True; a preset's MLP has no biases"),
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": 4096}, "sliding_window=4096;"),
+        ({"architectures": ["MistralForCausalLM"], "attention_bias": True}, "Mistral has no such"),
+        (
+            {
+                "architectures": ["Qwen2ForCausalLM"],
+                "use_sliding_window": True,
+                "sliding_window": 4096,
+            },
+            "sliding_window=4096; a preset's layers attend to the whole row",
+        ),
+    ],
+)
+def test_a_config_a_preset_cannot_hold_is_refused_naming_the_field(change, message, tmp_path):
+    folder = write_config(tmp_path / "m", {**LLAMA, **change})
+    with pytest.raises(ValueError) as e:
+        preset_from_config(folder)
+    assert message in str(e.value) and str(e.value).startswith(f"config.json at {folder}: ")
+
+
+def test_an_unreadable_config_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="cannot be read"):
+        preset_from_config(str(tmp_path / "absent"))
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not JSON"):
+        preset_from_config(str(tmp_path / "bad"))
+    (tmp_path / "list").mkdir()
+    (tmp_path / "list" / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="not a JSON object"):
+        preset_from_config(str(tmp_path / "list"))

@@ -14,6 +14,9 @@ MLP than the real model's would. The shapes are the checkpoints' published ``con
 ``gqa4-bf16`` is not a released model: a Llama of 8 layers, hidden 1024, 16 heads / 4 KV heads
 x 64 in bfloat16, the shape of an earlier measurement, kept so that old and new figures compare.
 
+:func:`preset_from_config` reads the same fields from any Llama, Qwen2 or Mistral checkpoint's
+``config.json``, so that ``bench vllm --model PATH`` measures the shape a user serves.
+
 >>> p = PRESETS["qwen2.5-0.5b"]
 >>> p.architecture, p.num_layers, p.num_heads, p.num_kv_heads, p.head_dim, p.gqa_group
 ('Qwen2ForCausalLM', 24, 14, 2, 64, 7)
@@ -30,7 +33,16 @@ import json
 import os
 from typing import Any, Dict, List, Mapping, Optional
 
-__all__ = ["PRESETS", "VOCAB_SIZE", "ModelPreset", "get_preset"]
+from .tiny_models import DTYPES
+
+__all__ = [
+    "CONFIG_FAMILIES",
+    "PRESETS",
+    "VOCAB_SIZE",
+    "ModelPreset",
+    "get_preset",
+    "preset_from_config",
+]
 
 # The tiny models' vocabulary (build_tiny_model's default; bench vllm draws token ids below it).
 VOCAB_SIZE = 512
@@ -196,10 +208,13 @@ class ModelPreset:
 
 
 def read_config(path: str) -> Dict[str, Any]:
-    """``path``'s ``config.json``, with ``rope_theta`` and ``dtype`` where transformers 5 and 4
-    each put them (in ``rope_parameters``; ``torch_dtype``)."""
-    with open(os.path.join(path, "config.json")) as f:
+    """``path``'s ``config.json`` (``path``: the file, or the folder holding it), with
+    ``rope_theta`` and ``dtype`` where transformers 5 and 4 each put them (in
+    ``rope_parameters``; ``torch_dtype``)."""
+    with open(path if os.path.isfile(path) else os.path.join(path, "config.json")) as f:
         config: Dict[str, Any] = json.load(f)
+    if not isinstance(config, dict):
+        raise ValueError("not a JSON object")
     if config.get("rope_theta") is None:
         config["rope_theta"] = (config.get("rope_parameters") or {}).get("rope_theta")
     config["dtype"] = config.get("dtype") or config.get("torch_dtype")
@@ -288,3 +303,118 @@ def get_preset(name: str) -> ModelPreset:
     if name not in PRESETS:
         raise ValueError(f"model preset {name!r} is not one of {tuple(PRESETS)}")
     return PRESETS[name]
+
+
+# A checkpoint's architecture -> the family build_tiny_model builds it as: the decoders whose whole
+# shape a preset's fields hold (full attention in every layer).
+CONFIG_FAMILIES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "MistralForCausalLM": "mistral",
+}
+
+
+def preset_from_config(path: str) -> ModelPreset:
+    """The shape of the checkpoint whose ``config.json`` is ``path`` (the file, or the folder
+    holding it), as a preset: its architecture, layers, widths, heads, KV heads, head size, rope,
+    norm epsilon, biases, tied embeddings, positions and dtype (bfloat16 where it names none);
+    the weights random and the vocabulary scaled, as for every preset. ``ValueError`` naming the
+    field and its value where the shape is not one a preset can hold (another architecture, a
+    sliding window, MLP biases, heads that KV heads do not divide).
+
+    >>> import json, tempfile
+    >>> folder = tempfile.mkdtemp()
+    >>> with open(f"{folder}/config.json", "w") as f:
+    ...     json.dump({"architectures": ["MistralForCausalLM"], "_name_or_path": "org/My-7B",
+    ...                "num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336,
+    ...                "num_attention_heads": 32, "num_key_value_heads": 8,
+    ...                "sliding_window": None, "torch_dtype": "bfloat16", "vocab_size": 32768}, f)
+    >>> p = preset_from_config(folder)
+    >>> p.name, p.family, p.head_dim, p.gqa_group, p.real_vocab_size
+    ('My-7B', 'mistral', 128, 4, 32768)
+    """
+    where = f"config.json at {path}"
+    try:
+        config = read_config(path)
+    except OSError as e:
+        raise ValueError(f"{where}: cannot be read ({e.strerror or e})") from e
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not JSON ({e})") from e
+    except ValueError as e:  # read_config's: JSON, but not an object
+        raise ValueError(f"{where}: {e}") from e
+
+    architecture = (config.get("architectures") or [None])[0]
+    if architecture not in CONFIG_FAMILIES:
+        raise ValueError(
+            f"{where}: architectures={config.get('architectures')!r}; a shape is read from "
+            f"one of {tuple(CONFIG_FAMILIES)}"
+        )
+    family = CONFIG_FAMILIES[architecture]
+
+    def count(key: str, default: Optional[int] = None) -> int:
+        value = config.get(key)
+        value = default if value is None else value
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{where}: {key}={value!r} must be a positive integer")
+        return value
+
+    layers, hidden = count("num_hidden_layers"), count("hidden_size")
+    heads = count("num_attention_heads")
+    kv_heads = count("num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise ValueError(
+            f"{where}: num_attention_heads={heads} is not a multiple of "
+            f"num_key_value_heads={kv_heads}"
+        )
+    if config.get("head_dim") is None and hidden % heads:
+        raise ValueError(
+            f"{where}: no head_dim, and hidden_size={hidden} is not a multiple of "
+            f"num_attention_heads={heads}"
+        )
+    head_dim = count("head_dim", hidden // heads)
+    dtype = config.get("dtype") or "bfloat16"
+    if dtype not in DTYPES:
+        raise ValueError(f"{where}: dtype={dtype!r} must be one of {DTYPES}")
+    window = config.get("sliding_window") if family == "mistral" else None
+    if family == "qwen2" and config.get("use_sliding_window"):
+        window = config.get("sliding_window")
+    if window is not None:
+        raise ValueError(
+            f"{where}: sliding_window={window!r}; a preset's layers attend to the whole row "
+            "(the vLLM plugin serves windows, bench vllm's model builder does not)"
+        )
+    if config.get("mlp_bias"):
+        raise ValueError(f"{where}: mlp_bias=True; a preset's MLP has no biases")
+    if family == "mistral" and config.get("attention_bias"):
+        raise ValueError(f"{where}: attention_bias=True; Mistral has no such option")
+
+    rope_scaling = config.get("rope_scaling")
+    rope = config.get("rope_parameters")
+    if rope_scaling is None and isinstance(rope, dict):  # transformers 5: theta and scaling in one
+        if rope.get("rope_type") not in (None, "default"):
+            rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    folder = os.path.abspath(path if os.path.isdir(path) else os.path.dirname(path) or ".")
+    source = str(config.get("_name_or_path") or folder)
+    base = os.path.basename(source.rstrip("/"))
+    name = "".join(c if c.isalnum() or c in "._-" else "-" for c in base) or "config"
+    vocab = config.get("vocab_size")
+    return ModelPreset(
+        name=name,
+        family=family,
+        architecture=architecture,
+        num_layers=layers,
+        hidden_size=hidden,
+        intermediate_size=count("intermediate_size"),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        rope_theta=config.get("rope_theta"),
+        rope_scaling=rope_scaling,
+        rms_norm_eps=config.get("rms_norm_eps"),
+        max_positions=config.get("max_position_embeddings"),
+        attention_bias=bool(config.get("attention_bias", False)) and family == "llama",
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        source=source,
+        real_vocab_size=vocab if isinstance(vocab, int) else None,
+    )

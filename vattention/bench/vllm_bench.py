@@ -45,7 +45,13 @@ import time
 from typing import IO, Dict, List, Optional, Tuple
 
 from ..integrations.vllm.settings import ENV_ENABLE, ENV_STATS
-from .model_presets import PRESETS, VOCAB_SIZE, ModelPreset
+from .model_presets import (
+    CONFIG_FAMILIES,
+    PRESETS,
+    VOCAB_SIZE,
+    ModelPreset,
+    preset_from_config,
+)
 
 __all__ = [
     "add_parser",
@@ -103,7 +109,8 @@ def size_model(size: str) -> ModelPreset:
 
 def bench_model(args: argparse.Namespace) -> Tuple[ModelPreset, str]:
     """The model of a run (``--model`` with ``--num-layers``, or ``--model-size``) and how the
-    header names it.
+    header names it. ``--model`` is a preset's name, else a checkpoint's ``config.json`` (or its
+    folder) read by :func:`~vattention.bench.model_presets.preset_from_config`.
 
     >>> ns = argparse.Namespace(model="qwen2.5-0.5b", model_size=None, num_layers=2)
     >>> model, title = bench_model(ns)
@@ -120,12 +127,25 @@ def bench_model(args: argparse.Namespace) -> Tuple[ModelPreset, str]:
             )
         size = args.model_size or DEFAULT_SIZE
         return size_model(size), f"random Llama {size!r}"
-    if args.model not in PRESETS:
-        raise ValueError(f"--model {args.model!r} is not one of {tuple(PRESETS)}")
-    model = PRESETS[args.model]
+    if args.model in PRESETS:
+        model, title = PRESETS[args.model], f"preset {args.model!r}"
+    else:
+        model = preset_from_config(args.model)
+        title = f"{model.name}'s config.json"
     if args.num_layers is not None:
         model = model.with_layers(args.num_layers)
-    return model, f"preset {args.model!r}"
+    return model, title
+
+
+def model_arg(value: str) -> str:
+    """``--model``'s value: a preset's name, or the path of a ``config.json`` or of a folder
+    holding one (``argparse.ArgumentTypeError`` otherwise, a usage error)."""
+    if value in PRESETS or os.path.isfile(value) or os.path.isfile(f"{value}/config.json"):
+        return value
+    raise argparse.ArgumentTypeError(
+        f"{value!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json or a folder "
+        "holding one"
+    )
 
 
 def _presets_epilog() -> str:
@@ -139,6 +159,11 @@ def _presets_epilog() -> str:
         lines.append(
             f"  {name}: {preset.shape()}" + (f" ({preset.source})" if preset.source else "")
         )
+    lines.append(
+        "your model's shape (--model PATH): its config.json, or the folder holding it "
+        f"({', '.join(CONFIG_FAMILIES)}, full attention), read as the presets are: random "
+        f"weights, vocabulary scaled to {VOCAB_SIZE}, its own dtype (bf16 where it names none)"
+    )
     lines.append(
         "model sizes (--model-size NAME, default small): random Llamas in fp32, vocabulary "
         f"{VOCAB_SIZE}; attention's share of a step shrinks as they grow"
@@ -180,10 +205,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     model = p.add_mutually_exclusive_group()
     model.add_argument(
         "--model",
-        choices=tuple(PRESETS),
+        type=model_arg,
         default=None,
-        help="a real architecture's shape, bf16, random weights, vocabulary scaled to "
-        f"{VOCAB_SIZE} (listed below)",
+        metavar="PRESET|CONFIG",
+        help="a real architecture's shape, random weights, vocabulary scaled to "
+        f"{VOCAB_SIZE}: a preset (listed below, bf16) or your checkpoint's config.json (or its "
+        "folder; Llama, Qwen2 or Mistral)",
     )
     model.add_argument(
         "--model-size",
