@@ -207,11 +207,15 @@ class ModelPreset:
         ]
 
 
+def config_path(path: str) -> str:
+    """The ``config.json`` that ``path`` names: the file itself, or the one in that folder."""
+    return path if os.path.isfile(path) else os.path.join(path, "config.json")
+
+
 def read_config(path: str) -> Dict[str, Any]:
-    """``path``'s ``config.json`` (``path``: the file, or the folder holding it), with
-    ``rope_theta`` and ``dtype`` where transformers 5 and 4 each put them (in
-    ``rope_parameters``; ``torch_dtype``)."""
-    with open(path if os.path.isfile(path) else os.path.join(path, "config.json")) as f:
+    """:func:`config_path`'s file as a dict, with ``rope_theta`` and ``dtype`` where
+    transformers 5 and 4 each put them (in ``rope_parameters``; ``torch_dtype``)."""
+    with open(config_path(path)) as f:
         config: Dict[str, Any] = json.load(f)
     if not isinstance(config, dict):
         raise ValueError("not a JSON object")
@@ -375,9 +379,8 @@ def preset_from_config(path: str) -> ModelPreset:
     dtype = config.get("dtype") or "bfloat16"
     if dtype not in DTYPES:
         raise ValueError(f"{where}: dtype={dtype!r} must be one of {DTYPES}")
-    window = config.get("sliding_window") if family == "mistral" else None
-    if family == "qwen2" and config.get("use_sliding_window"):
-        window = config.get("sliding_window")
+    windowed = family == "mistral" or (family == "qwen2" and config.get("use_sliding_window"))
+    window = config.get("sliding_window") if windowed else None
     if window is not None:
         raise ValueError(
             f"{where}: sliding_window={window!r}; a preset's layers attend to the whole row "
@@ -393,7 +396,7 @@ def preset_from_config(path: str) -> ModelPreset:
     if rope_scaling is None and isinstance(rope, dict):  # transformers 5: theta and scaling in one
         if rope.get("rope_type") not in (None, "default"):
             rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-    folder = os.path.abspath(path if os.path.isdir(path) else os.path.dirname(path) or ".")
+    folder = os.path.dirname(os.path.abspath(config_path(path)))
     source = str(config.get("_name_or_path") or folder)
     base = os.path.basename(source.rstrip("/"))
     name = "".join(c if c.isalnum() or c in "._-" else "-" for c in base) or "config"

@@ -50,6 +50,7 @@ from .model_presets import (
     PRESETS,
     VOCAB_SIZE,
     ModelPreset,
+    config_path,
     preset_from_config,
 )
 
@@ -140,7 +141,7 @@ def bench_model(args: argparse.Namespace) -> Tuple[ModelPreset, str]:
 def model_arg(value: str) -> str:
     """``--model``'s value: a preset's name, or the path of a ``config.json`` or of a folder
     holding one (``argparse.ArgumentTypeError`` otherwise, a usage error)."""
-    if value in PRESETS or os.path.isfile(value) or os.path.isfile(f"{value}/config.json"):
+    if value in PRESETS or os.path.isfile(config_path(value)):
         return value
     raise argparse.ArgumentTypeError(
         f"{value!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json or a folder "
