@@ -141,6 +141,85 @@ def fmt(t):
     return f"{t[0] * 1e3:.1f} ({t[1] * 1e3:.1f})"
 
 
+def measure_decode(
+    dtype, groups, *, rounds, calls, rows=N, tokens=S, kv_heads=HKV, head_dim=D, ops=None, full=True
+):
+    """Decode calls of the native kernel over a vattention cache (``rows`` requests x ``tokens``
+    cached, one query token each, its K/V appended in the call) timed in interleaved rounds beside
+    a streaming copy and a read of as many bytes as the call's K and V rows; yields one dict per
+    GQA group of ``groups``: ``t`` (name -> (min, median) seconds per call), ``kv`` (the K/V read
+    rate, bytes/s, from the min), ``copy`` (read + write bytes/s) and ``read`` (bytes/s).
+
+    The kernel's output is first checked against torch SDPA per row (AssertionError beyond the
+    dtype's tolerance) and against the same call over ordinary memory of the same strides (equal).
+    ``full``: also time those two (``sdpa``, ``ordinary``); ``ops``: also vLLM's op (``vllm``).
+    """
+    cfg = vattention.KVCacheConfig(
+        num_layers=1,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        max_batch_size=rows,
+        max_seq_len=tokens + 1,
+        dtype=dtype,
+        page_size="2MB",
+    )
+    with vattention.KVCache(cfg) as cache:
+        slots = [cache.alloc() for _ in range(rows)]
+        cache.step({s: tokens + 1 for s in slots})
+        k_cache, v_cache = cache.layer(0)
+        gen = torch.Generator().manual_seed(0)
+        for s in slots:
+            k_cache[s, :tokens] = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(dtype)
+            v_cache[s, :tokens] = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(dtype)
+        k_ord = torch.empty_strided(k_cache.shape, k_cache.stride(), dtype=dtype)
+        v_ord = torch.empty_strided(v_cache.shape, v_cache.stride(), dtype=dtype)
+        for s in slots:
+            k_ord[s, : tokens + 1] = k_cache[s, : tokens + 1]
+            v_ord[s, : tokens + 1] = v_cache[s, : tokens + 1]
+        nbytes = 2 * rows * tokens * kv_heads * head_dim * k_cache.element_size()
+        src = torch.randn(nbytes // 4)
+        dst = torch.empty_like(src)
+        idx = torch.tensor(slots, dtype=torch.int32)
+        past = torch.full((rows,), tokens, dtype=torch.int32)
+        for group in groups:
+            q = torch.randn(rows, 1, kv_heads * group, head_dim, generator=gen).to(dtype)
+            k_new = torch.randn(rows, 1, kv_heads, head_dim, generator=gen).to(dtype)
+            v_new = torch.randn(rows, 1, kv_heads, head_dim, generator=gen).to(dtype)
+            call = dict(k=k_new, v=v_new, cache_seqlens=past, cache_batch_idx=idx, causal=True)
+
+            def kernel(kc=k_cache, vc=v_cache, q=q, call=call):
+                return fa.flash_attn_with_kvcache(q, kc, vc, **call)
+
+            def sdpa(q=q, call=call):
+                return fa.flash_attn_with_kvcache_reference(q, k_cache, v_cache, **call)
+
+            got, want = kernel(), sdpa()
+            tol = 2e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+            assert torch.equal(kernel(k_ord, v_ord), got)
+            cands = {"kernel": kernel, "copy": lambda: dst.copy_(src), "read": src.sum}
+            if full:
+                cands.update(sdpa=sdpa, ordinary=lambda kernel=kernel: kernel(k_ord, v_ord))
+            if ops:
+                k_rows = torch.stack([k_cache[s, :tokens] for s in slots])
+                v_rows = torch.stack([v_cache[s, :tokens] for s in slots])
+                vllm = vllm_decode(ops, k_rows, v_rows, q[:, 0].contiguous())
+                ref = fa.flash_attn_with_kvcache(
+                    q, k_rows, v_rows, cache_seqlens=tokens, causal=True
+                )
+                torch.testing.assert_close(vllm().float(), ref[:, 0].float(), atol=tol, rtol=tol)
+                cands["vllm"] = vllm
+            t = compare_min_median(cands, calls=calls, rounds=rounds)
+            yield {
+                "dtype": dtype,
+                "group": group,
+                "t": t,
+                "kv": nbytes / t["kernel"][0],
+                "copy": 2 * nbytes / t["copy"][0],
+                "read": nbytes / t["read"][0],
+            }
+
+
 def decode_rows(args, ops, why_no_vllm):
     print(f"### Decode: {N} requests x {S} tokens, {HKV} KV heads x {D}, one query each\n")
     print(
@@ -155,99 +234,19 @@ def decode_rows(args, ops, why_no_vllm):
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for dtype in (torch.float32, torch.bfloat16):
-        cfg = vattention.KVCacheConfig(
-            num_layers=1,
-            num_kv_heads=HKV,
-            head_dim=D,
-            max_batch_size=N,
-            max_seq_len=S + 1,
-            dtype=dtype,
-            page_size="2MB",
-        )
-        with vattention.KVCache(cfg) as cache:
-            slots = [cache.alloc() for _ in range(N)]
-            cache.step({s: S + 1 for s in slots})
-            k_cache, v_cache = cache.layer(0)
-            gen = torch.Generator().manual_seed(0)
-            for s in slots:
-                k_cache[s, :S] = torch.randn(S, HKV, D, generator=gen).to(dtype)
-                v_cache[s, :S] = torch.randn(S, HKV, D, generator=gen).to(dtype)
-            k_ord = torch.empty_strided(k_cache.shape, k_cache.stride(), dtype=dtype)
-            v_ord = torch.empty_strided(v_cache.shape, v_cache.stride(), dtype=dtype)
-            for s in slots:
-                k_ord[s, : S + 1] = k_cache[s, : S + 1]
-                v_ord[s, : S + 1] = v_cache[s, : S + 1]
-            nbytes = 2 * N * S * HKV * D * k_cache.element_size()
-            src = torch.randn(nbytes // 4)
-            dst = torch.empty_like(src)
-            idx = torch.tensor(slots, dtype=torch.int32)
-            past = torch.full((N,), S, dtype=torch.int32)
-            for group in (1, 4):
-                q = torch.randn(N, 1, HKV * group, D, generator=gen).to(dtype)
-                k_new = torch.randn(N, 1, HKV, D, generator=gen).to(dtype)
-                v_new = torch.randn(N, 1, HKV, D, generator=gen).to(dtype)
-
-                def kernel(kc=k_cache, vc=v_cache):
-                    return fa.flash_attn_with_kvcache(
-                        q,
-                        kc,
-                        vc,
-                        k_new,
-                        v_new,
-                        cache_seqlens=past,
-                        cache_batch_idx=idx,
-                        causal=True,
-                    )
-
-                def sdpa():
-                    return fa.flash_attn_with_kvcache_reference(
-                        q,
-                        k_cache,
-                        v_cache,
-                        k_new,
-                        v_new,
-                        cache_seqlens=past,
-                        cache_batch_idx=idx,
-                        causal=True,
-                    )
-
-                got, want = kernel(), sdpa()
-                tol = 2e-5 if dtype == torch.float32 else 2e-2
-                torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
-                assert torch.equal(kernel(k_ord, v_ord), got)
-                cands = {
-                    "kernel": kernel,
-                    "copy": lambda: dst.copy_(src),
-                    "read": src.sum,
-                    "sdpa": sdpa,
-                    "ordinary": lambda: kernel(k_ord, v_ord),
-                }
-                vllm_cell, vllm_ratio = why_no_vllm or "not run", "-"
-                if ops:
-                    k_rows = torch.stack([k_cache[s, :S] for s in slots])
-                    v_rows = torch.stack([v_cache[s, :S] for s in slots])
-                    call = vllm_decode(ops, k_rows, v_rows, q[:, 0].contiguous())
-                    ref = fa.flash_attn_with_kvcache(
-                        q, k_rows, v_rows, cache_seqlens=S, causal=True
-                    )
-                    torch.testing.assert_close(
-                        call().float(), ref[:, 0].float(), atol=tol, rtol=tol
-                    )
-                    cands["vllm"] = call
-                t = compare_min_median(cands, calls=args.calls, rounds=args.rounds)
-                kv = nbytes / t["kernel"][0]
-                copy = 2 * nbytes / t["copy"][0]
-                read = nbytes / t["read"][0]
-                if ops:
-                    vllm_cell = fmt(t["vllm"])
-                    vllm_ratio = f"{t['vllm'][0] / t['kernel'][0]:.2f}x"
-                print(
-                    f"| {str(dtype)[6:]} | {group} | {fmt(t['kernel'])} | {kv / 1e9:.1f} | "
-                    f"{copy / 1e9:.1f} | {read / 1e9:.1f} | {kv / copy:.2f} | {kv / read:.2f} | "
-                    f"{fmt(t['sdpa'])} | {t['sdpa'][0] / t['kernel'][0]:.1f}x | {vllm_cell} | "
-                    f"{vllm_ratio} | {fmt(t['ordinary'])} | "
-                    f"{t['kernel'][0] / t['ordinary'][0]:.3f} |"
-                )
+        for r in measure_decode(dtype, (1, 4), rounds=args.rounds, calls=args.calls, ops=ops):
+            t, kv, copy, read = r["t"], r["kv"], r["copy"], r["read"]
+            vllm_cell, vllm_ratio = why_no_vllm or "not run", "-"
+            if ops:
+                vllm_cell = fmt(t["vllm"])
+                vllm_ratio = f"{t['vllm'][0] / t['kernel'][0]:.2f}x"
+            print(
+                f"| {str(dtype)[6:]} | {r['group']} | {fmt(t['kernel'])} | {kv / 1e9:.1f} | "
+                f"{copy / 1e9:.1f} | {read / 1e9:.1f} | {kv / copy:.2f} | {kv / read:.2f} | "
+                f"{fmt(t['sdpa'])} | {t['sdpa'][0] / t['kernel'][0]:.1f}x | {vllm_cell} | "
+                f"{vllm_ratio} | {fmt(t['ordinary'])} | "
+                f"{t['kernel'][0] / t['ordinary'][0]:.3f} |"
+            )
     print()
 
 

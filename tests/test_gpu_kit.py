@@ -24,7 +24,7 @@ import pytest
 from support.cuda_testing import needs_emulation
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ["suite", "vmm", "attention", "prefetch", "graphs", "streams", "gpu-tests"]
+PARTS = ["suite", "vmm", "attention", "prefetch", "graphs", "streams", "gpu-tests", "cpu-attention"]
 
 
 def _build_module():
@@ -94,6 +94,7 @@ def test_emulated_check_reports_every_part_within_its_budget(tmp_path, built):
         "graphs": status["graphs"] if status["graphs"] == "passed" else "expected failure",
         "streams": "passed",
         "gpu-tests": "skipped",
+        "cpu-attention": "passed",
     }, {n: (p["status"], p["why"]) for n, p in parts.items()}
     suite = parts["suite"]
     assert suite["tests"]["passed"] > 100 and "failed" not in suite["tests"]
@@ -106,6 +107,14 @@ def test_emulated_check_reports_every_part_within_its_budget(tmp_path, built):
     assert vmm[0]["page_MB"] == 2 and vmm[0]["A100_2MB_us"] == "193 / 1.45 / 36 / 25.6 / n/a"
     assert all(r["equal"] is True for r in parts["attention"]["rows"])
     assert {r["layout"] for r in parts["prefetch"]["rows"]} == {"layer", "mega"}
+    # The CPU kernel on this machine's CPU, checked against SDPA: both cases, named by ISA.
+    cpu = parts["cpu-attention"]
+    assert cpu["notes"][0].startswith("CPU: ") and "cores usable" in cpu["notes"][0]
+    assert any(x.startswith("kernel variants this build runs") for x in cpu["notes"])
+    assert [(r["dtype"], r["gqa"]) for r in cpu["rows"]] == [("bfloat16", 4), ("float32", 1)]
+    assert all(
+        r["threads"] == 2 and r["kv_over_copy"] > 0 and "error" not in r for r in cpu["rows"]
+    )
     # Never presented as a GPU's: every line of the report says it is the emulation's.
     lines = [x for x in md.splitlines() if x.strip()]
     assert lines and all("emulated" in x for x in lines), [x for x in lines if "emulated" not in x]
@@ -178,6 +187,16 @@ def test_the_build_step_runs_offline_without_pip(tmp_path, built):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith("build: up to date: _C"), proc.stdout
     assert not called.exists(), called.read_text()
+
+
+def test_the_check_builds_the_cpu_kernels_isa_variants_only_on_8_or_more_cores(monkeypatch):
+    monkeypatch.delenv("VATTENTION_CPU_KERNELS", raising=False)
+    monkeypatch.setattr(build.os, "cpu_count", lambda: 16)  # the GPU machine's
+    assert build.build_env(None)["VATTENTION_CPU_KERNELS"] == "all"
+    monkeypatch.setattr(build.os, "cpu_count", lambda: 2)  # CI's
+    assert build.build_env(None)["VATTENTION_CPU_KERNELS"] == "generic"
+    monkeypatch.setenv("VATTENTION_CPU_KERNELS", "all")  # the caller's choice wins
+    assert build.build_env(None)["VATTENTION_CPU_KERNELS"] == "all"
 
 
 def test_the_build_stamp_follows_every_source_the_build_reads(tmp_path, monkeypatch):

@@ -2,11 +2,13 @@
 
 `make gpu-check`'s first step, for a machine that has CUDA and torch and nothing else (the GPU
 machine lent to a session has no network): ``python setup.py build_ext --inplace`` with every
-core, the CPU attention kernel's AVX-512 and AVX2 variants left out
-(VATTENTION_CPU_KERNELS=generic: the GPU check never runs them), and ``cuda.h`` found as
-setup.py looks for it, plus nvcc's installation. Skipped when the extension for this
-interpreter was built from the same sources: a stamp under build/gpu-check/ holds a hash of what
-the build reads.
+core, and ``cuda.h`` found as setup.py looks for it, plus nvcc's installation. The CPU attention
+kernel's AVX-512 and AVX2 variants (the check's ``cpu-attention`` part measures them on the GPU
+machine's CPU) are compiled only on a machine with at least 8 cores, where they compile beside
+the rest; with fewer, only its generic variant (VATTENTION_CPU_KERNELS=generic), as they are most
+of the compile time on 2 cores. A VATTENTION_CPU_KERNELS the caller sets wins. Skipped when the
+extension for this interpreter was built from the same sources: a stamp under build/gpu-check/
+holds a hash of what the build reads.
 
     python benchmarks/gpu/build.py            # build if needed; prints one line
     python benchmarks/gpu/build.py --record   # the extension was just built (make build): stamp it
@@ -83,8 +85,21 @@ def build_command() -> list[str]:
     return [sys.executable, "setup.py", "build_ext", "--inplace", "--force"]
 
 
+# Cores from which the CPU kernel's ISA variants are compiled too (each is one long compile
+# unit, about 40 s; the generic one, always compiled, takes longer): on 8 or more they run beside
+# the other units and add little to the build's time.
+ALL_KERNELS_MIN_CORES = 8
+
+
+def cpu_kernels() -> str:
+    """What VATTENTION_CPU_KERNELS the build uses: the caller's, else by the core count."""
+    if os.environ.get("VATTENTION_CPU_KERNELS"):
+        return os.environ["VATTENTION_CPU_KERNELS"]
+    return "all" if (os.cpu_count() or 1) >= ALL_KERNELS_MIN_CORES else "generic"
+
+
 def build_env(cuda: str | None) -> dict[str, str]:
-    env = dict(os.environ, VATTENTION_CPU_KERNELS="generic")
+    env = dict(os.environ, VATTENTION_CPU_KERNELS=cpu_kernels())
     env["VATTENTION_BUILD_JOBS"] = str(os.cpu_count() or 1)
     if cuda:
         env["CUDA_HOME"] = cuda
@@ -111,7 +126,7 @@ def build(log: Path | None = None) -> tuple[bool, str]:
         tail = log.read_text().strip().splitlines()[-5:] if log else []
         return False, f"build failed (exit {proc.returncode}; {where}): " + " / ".join(tail)
     record(cuda)
-    return True, f"built {extension_path().name} ({where}; CPU kernels: generic)"
+    return True, f"built {extension_path().name} ({where}; CPU kernels: {cpu_kernels()})"
 
 
 def main(argv: list[str]) -> int:

@@ -115,6 +115,12 @@ PARTS = [
         ],
         emulated_skip="needs a GPU",
     ),
+    Part(
+        "cpu-attention",
+        "The CPU kernel on this machine's CPU (no GPU): decode K/V read rate / a streaming copy, "
+        "GQA 4 bf16 and GQA 1 fp32, 16 x 4096 tokens; all cores, 2 threads, AVX2",
+        "The CPU kernel on this machine's CPU (no GPU): a small decode, checked against SDPA",
+    ),
 ]
 PART_NAMES = [p.name for p in PARTS]
 

@@ -2,16 +2,18 @@
 
     python benchmarks/gpu/parts.py NAME LOG [--emulated]
 
-NAME is vmm, attention or prefetch. Each appends JSON lines to LOG as it goes (a part the check
-stops at its time limit still reports what it measured): ``{"kind": "row", ...figures}`` or
-``{"kind": "note", "text": ...}``. With --emulated, the CUDA backend is the driver EMULATION
-(VATTENTION_LIBCUDA, set by check.py) and torch is the CPU build: the emulated analogue runs, whose
-figures describe host memory and the emulation, never a GPU.
+NAME is vmm, attention, prefetch or cpu-attention. Each appends JSON lines to LOG as it goes (a
+part the check stops at its time limit still reports what it measured): ``{"kind": "row",
+...figures}`` or ``{"kind": "note", "text": ...}``. With --emulated, the CUDA backend is the
+driver EMULATION (VATTENTION_LIBCUDA, set by check.py) and torch is the CPU build: the emulated
+analogue runs, whose figures describe host memory and the emulation, never a GPU. cpu-attention
+involves no GPU in either mode: its figures are this machine's CPU's.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -335,7 +337,88 @@ def _emulated_compute(emit: Emit):
     return None, dict(num_layers=8, num_kv_heads=32, head_dim=128), 8, 100, 0.002
 
 
-PARTS = {"vmm": vmm, "attention": attention, "prefetch": prefetch}
+# The CPU kernel's decode cases, most telling first: the shape its target is stated on (GQA 4 in
+# bf16 over 4k-token rows, >= 0.8 of a streaming copy), then GQA 1 in fp32.
+CPU_DECODE_CASES = (("bfloat16", 4), ("float32", 1))
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_line() -> str:
+    """This machine's CPU as /proc/cpuinfo names it, the flags the kernel dispatches on, the
+    cores this process may use and the load average."""
+    model, flags = "?", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "?":
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    have = " ".join(x for x in CPU_FLAGS if x in flags) or "none of " + "/".join(CPU_FLAGS)
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return f"CPU: {model}; {len(os.sched_getaffinity(0))} cores usable; {have}; load {load}"
+
+
+def cpu_attention(emit: Emit, emulated: bool) -> None:
+    """The CPU attention kernel on this machine's own CPU (on the GPU machine: the GPU's host),
+    no GPU involved in either mode: decode over a vattention cache, its K/V read rate against a
+    streaming copy of as many bytes (bench_attention.py's figure), output checked against torch
+    SDPA per row. All cores, 2 threads (the project's CPU machines), then AVX2 on all cores. On
+    the emulation a small shape checks the plumbing only."""
+    import torch
+    from bench_attention import N, S, measure_decode
+
+    from vattention import _C
+    from vattention.integrations import flash_attn as fa
+
+    emit(kind="note", text=cpu_line())
+    variants = [isa for isa in ("avx512bf16", "avx512", "avx2") if _C.set_attention_kernel_isa(isa)]
+    _C.set_attention_kernel_isa("")
+    emit(
+        kind="note",
+        text=f"kernel variants this build runs on this CPU: {', '.join(variants + ['generic'])} "
+        f"(default {fa.kernel_isa()}; the check's build has the ISA variants on 8+ cores)",
+    )
+    cores = len(os.sched_getaffinity(0))
+    if emulated:
+        plan, shape, rounds = [(2, "")], dict(rows=2, tokens=512), 1
+        emit(kind="note", text="2 rows x 512 tokens, one round: the plumbing, not a figure")
+    else:
+        plan = list(dict.fromkeys([(cores, ""), (2, ""), (cores, "avx2")]))
+        shape, rounds = dict(rows=N, tokens=S), 6
+    try:
+        for threads, isa in plan:
+            if not _C.set_attention_kernel_isa(isa):
+                emit(kind="note", text=f"kernel ISA {isa}: not in this build or not on this CPU")
+                continue
+            torch.set_num_threads(threads)
+            for dtype, group in CPU_DECODE_CASES:
+                case = {"isa": fa.kernel_isa(), "threads": threads, "dtype": dtype, "gqa": group}
+                try:
+                    (r,) = measure_decode(
+                        getattr(torch, dtype), (group,), rounds=rounds, calls=2, full=False, **shape
+                    )
+                except Exception as e:  # a wrong output fails this part, after the other cases
+                    emit(kind="row", **case, error=f"{type(e).__name__}: {e}"[:300])
+                    continue
+                emit(
+                    kind="row",
+                    **case,
+                    rows_x_tokens=f"{shape['rows']} x {shape['tokens']}",
+                    kernel_ms=round(r["t"]["kernel"][0] * 1e3, 3),
+                    kv_GBps=round(r["kv"] / 1e9, 1),
+                    copy_GBps=round(r["copy"] / 1e9, 1),
+                    kv_over_copy=round(r["kv"] / r["copy"], 2),
+                    kv_over_read=round(r["kv"] / r["read"], 2),
+                )
+    finally:
+        _C.set_attention_kernel_isa("")
+
+
+PARTS = {"vmm": vmm, "attention": attention, "prefetch": prefetch, "cpu-attention": cpu_attention}
 
 
 def main(argv: list[str]) -> int:
