@@ -199,6 +199,38 @@ def test_the_check_builds_the_cpu_kernels_isa_variants_only_on_8_or_more_cores(m
     assert build.build_env(None)["VATTENTION_CPU_KERNELS"] == "all"
 
 
+def test_a_failed_build_of_the_isa_variants_falls_back_to_generic(tmp_path, monkeypatch):
+    """A compiler that cannot build the AVX-512 variants must not cost the GPU parts their
+    extension: the automatic "all" is retried as generic; a caller's explicit choice is not."""
+    ext, log = tmp_path / "_C.so", tmp_path / "build.txt"
+    monkeypatch.delenv("VATTENTION_CPU_KERNELS", raising=False)
+    monkeypatch.setattr(build.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(build, "up_to_date", lambda cuda: False)
+    monkeypatch.setattr(build, "record", lambda cuda: None)
+    monkeypatch.setattr(build, "extension_path", lambda: ext)
+    calls = []
+
+    def compile_(cuda, kernels, log_, mode):
+        calls.append((kernels, mode))
+        with open(log_, mode) as f:
+            f.write(f"compiling {kernels}\n")
+        if kernels == "all":
+            return 1
+        ext.write_text("built")
+        return 0
+
+    monkeypatch.setattr(build, "_compile", compile_)
+    ok, line = build.build(log)
+    assert ok and calls == [("all", "w"), ("generic", "a")], (calls, line)
+    assert "CPU kernels: generic; the build with all CPU kernels failed (exit 1)" in line
+    assert log.read_text() == "compiling all\ncompiling generic\n"
+    calls.clear()
+    ext.unlink()
+    monkeypatch.setenv("VATTENTION_CPU_KERNELS", "all")
+    ok, line = build.build(log)
+    assert not ok and calls == [("all", "w")] and line.startswith("build failed (exit 1;"), line
+
+
 def test_the_build_stamp_follows_every_source_the_build_reads(tmp_path, monkeypatch):
     for rel in ("setup.py", "pyproject.toml", "csrc/core/kv_cache.h", "csrc/cuda/cuda_backend.cpp"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)

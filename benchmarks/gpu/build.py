@@ -6,7 +6,8 @@ core, and ``cuda.h`` found as setup.py looks for it, plus nvcc's installation. T
 kernel's AVX-512 and AVX2 variants (the check's ``cpu-attention`` part measures them on the GPU
 machine's CPU) are compiled only on a machine with at least 8 cores, where they compile beside
 the rest; with fewer, only its generic variant (VATTENTION_CPU_KERNELS=generic), as they are most
-of the compile time on 2 cores. A VATTENTION_CPU_KERNELS the caller sets wins. Skipped when the
+of the compile time on 2 cores; a failed build with them is run again without them, so that the
+GPU parts keep their extension. A VATTENTION_CPU_KERNELS the caller sets wins. Skipped when the
 extension for this interpreter was built from the same sources: a stamp under build/gpu-check/
 holds a hash of what the build reads.
 
@@ -98,12 +99,31 @@ def cpu_kernels() -> str:
     return "all" if (os.cpu_count() or 1) >= ALL_KERNELS_MIN_CORES else "generic"
 
 
-def build_env(cuda: str | None) -> dict[str, str]:
-    env = dict(os.environ, VATTENTION_CPU_KERNELS=cpu_kernels())
+def build_env(cuda: str | None, kernels: str | None = None) -> dict[str, str]:
+    env = dict(os.environ, VATTENTION_CPU_KERNELS=kernels or cpu_kernels())
     env["VATTENTION_BUILD_JOBS"] = str(os.cpu_count() or 1)
     if cuda:
         env["CUDA_HOME"] = cuda
     return env
+
+
+def _compile(cuda: str | None, kernels: str, log: Path | None, mode: str) -> int:
+    """One setup.py run (its output appended to ``log`` when mode is "a"); its exit code."""
+    out = open(log, mode) if log else subprocess.DEVNULL
+    try:
+        proc = subprocess.run(
+            build_command(),
+            cwd=ROOT,
+            env=build_env(cuda, kernels),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    finally:
+        if log:
+            out.close()  # type: ignore[union-attr]
+    if proc.returncode == 0 and not extension_path().exists():
+        return 1
+    return proc.returncode
 
 
 def build(log: Path | None = None) -> tuple[bool, str]:
@@ -114,19 +134,21 @@ def build(log: Path | None = None) -> tuple[bool, str]:
         return True, f"up to date: {extension_path().name} for {sys.executable} ({where})"
     # A new file, not the old one rewritten: a process that has the old one loaded keeps it.
     extension_path().unlink(missing_ok=True)
-    out = open(log, "w") if log else subprocess.DEVNULL
-    try:
-        proc = subprocess.run(
-            build_command(), cwd=ROOT, env=build_env(cuda), stdout=out, stderr=subprocess.STDOUT
-        )
-    finally:
-        if log:
-            out.close()  # type: ignore[union-attr]
-    if proc.returncode != 0 or not extension_path().exists():
+    kernels = cpu_kernels()
+    rc = _compile(cuda, kernels, log, "w")
+    retried = ""
+    if rc != 0 and kernels == "all" and not os.environ.get("VATTENTION_CPU_KERNELS"):
+        # The ISA variants are there for the last part only: a compiler that cannot build them
+        # must not cost the GPU parts their extension.
+        retried = f"; the build with all CPU kernels failed (exit {rc}), so generic only"
+        kernels = "generic"
+        extension_path().unlink(missing_ok=True)
+        rc = _compile(cuda, kernels, log, "a")
+    if rc != 0:
         tail = log.read_text().strip().splitlines()[-5:] if log else []
-        return False, f"build failed (exit {proc.returncode}; {where}): " + " / ".join(tail)
+        return False, f"build failed (exit {rc}; {where}{retried}): " + " / ".join(tail)
     record(cuda)
-    return True, f"built {extension_path().name} ({where}; CPU kernels: {cpu_kernels()})"
+    return True, f"built {extension_path().name} ({where}; CPU kernels: {kernels}{retried})"
 
 
 def main(argv: list[str]) -> int:
