@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
-import re
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _machine import cpu_name  # noqa: E402
 from bench_attention import vllm_call, vllm_ops, vllm_paged  # noqa: E402
 
 import vattention  # noqa: E402
@@ -116,18 +115,6 @@ def run_model(name: str, args, ops) -> None:
             f"| {ratio} |"
         )
     del caches
-
-
-def cpu_name() -> str:
-    """The CPU's model name (Linux), else the machine type."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            found = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M)
-        if found:
-            return found.group(1).strip()
-    except OSError:
-        pass
-    return platform.machine()
 
 
 def main(argv=None) -> int:

@@ -346,20 +346,12 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 def cpu_line() -> str:
     """This machine's CPU as /proc/cpuinfo names it, the flags the kernel dispatches on, the
     cores this process may use and the load average."""
-    model, flags = "?", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and model == "?":
-                    model = value.strip()
-                elif key.strip() == "flags" and not flags:
-                    flags = set(value.split())
-    except OSError:
-        pass
+    from _machine import cpu_flags, cpu_name
+
+    flags = cpu_flags()
     have = " ".join(x for x in CPU_FLAGS if x in flags) or "none of " + "/".join(CPU_FLAGS)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    return f"CPU: {model}; {len(os.sched_getaffinity(0))} cores usable; {have}; load {load}"
+    return f"CPU: {cpu_name()}; {len(os.sched_getaffinity(0))} cores usable; {have}; load {load}"
 
 
 def cpu_attention(emit: Emit, emulated: bool) -> None:

@@ -1,0 +1,26 @@
+"""What the benchmarks say of the machine they ran on: the CPU's model name and flags (Linux)."""
+
+from __future__ import annotations
+
+import platform
+import re
+
+
+def _cpuinfo_field(name: str) -> str | None:
+    """The first value of ``name`` in /proc/cpuinfo (None where there is none, or no file)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            found = re.search(rf"^{name}\s*:\s*(.+)$", f.read(), re.M)
+    except OSError:
+        return None
+    return found.group(1).strip() if found else None
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else the machine type."""
+    return _cpuinfo_field("model name") or platform.machine()
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
+    return set((_cpuinfo_field("flags") or "").split())
