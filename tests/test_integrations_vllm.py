@@ -25,8 +25,9 @@ Workloads (started in the background a few at a time, longest first, awaited per
   request's windowed layers map O(window) pages.
 * ``fp8``: ``kv_cache_dtype="fp8"`` against stock vLLM's fp8 cache.
 * ``bf16``: a bf16 checkpoint with grouped-query attention (8 query heads on 2 KV heads), greedy
-  with logprobs, at vLLM's defaults: where the tokens leave stock's, stock's own two candidates
-  were a near-tie.
+  with logprobs, at vLLM's defaults, judged against stock vLLM in fp32 on the same contexts: the
+  plugin is no further from it than stock, and where the tokens leave stock's the fp32 reference
+  itself was a near-tie.
 
 The feature workloads other than ``llama`` and ``bf16``, the server, the docs block and the
 example run with ``enforce_eager=True`` (the same for both engines), which keeps the suite's time
@@ -44,7 +45,6 @@ import re
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import tempfile
 import time
@@ -126,8 +126,11 @@ BF16_MODEL = dict(
     initializer_range=0.1,
     dtype="bfloat16",
 )
-# Prompts of 8 to 600 tokens (decode attention over long rows), and four behind one 300-token
-# prompt, one per wave of max_num_seqs=4, so that the later ones hit the cached prefix.
+# 24 prompts of 5 to 600 tokens (decode attention over long rows), every fourth behind one
+# 300-token prompt (one per wave of max_num_seqs=4), so that the later ones hit the cached
+# prefix. 24 and not fewer: the accuracy comparison's standard error falls with the positions
+# compared (about 1100 here), and with 12 requests a plugin whose attention output was scaled by
+# 1.01 passed it in one run of two.
 BF16_SHARED = prompt(300, 2000)
 BF16_PROMPTS = [
     BF16_SHARED + prompt(10, 2100),
@@ -142,24 +145,26 @@ BF16_PROMPTS = [
     prompt(24, 2007),
     prompt(180, 2008),
     BF16_SHARED + prompt(70, 2103),
+    BF16_SHARED + prompt(20, 2104),
+    prompt(16, 2009),
+    prompt(64, 2010),
+    prompt(96, 2011),
+    BF16_SHARED + prompt(90, 2105),
+    prompt(300, 2012),
+    prompt(500, 2013),
+    prompt(12, 2014),
+    BF16_SHARED + prompt(5, 2106),
+    prompt(200, 2015),
+    prompt(350, 2016),
+    prompt(150, 2017),
 ]
 BF16_TOKENS = 64
-# How far apart stock's logprobs of its own greedy token and of the plugin's may be where the
-# plugin's first differs. bf16 keeps 8 significant bits: its values in [2^e, 2^(e+1)) are 2^(e-7)
-# apart (a rounding errs by at most half that: 2^-9 to 2^-8 relative). The engines run the same
-# weights and ops but attention. Both kernels keep scores, probabilities and sums in fp32 (vLLM's
-# CPU VEC path and this one) and round each output to bf16, so their outputs are the same bf16
-# value except the rare element whose fp32 sums straddle a rounding, which lands one spacing
-# away; through the projections after attention that moves a logit by a fraction of its own
-# spacing. The logits are bf16 (lm_head's output): each engine's logit of a token is then the
-# same value or one spacing away, and two tokens trade places only where stock had them at most
-# 2 spacings apart. This model's logits are about N(0, 1.6^2) (the final RMSNorm's output has
-# rms 1; lm_head's weights are N(0, 0.1^2) over 256 inputs), and the best of 512 stays below 8
-# (5 sigma), where the spacing is 2^-5. A gap of logprobs is the gap of the logits
-# (log_softmax subtracts one logsumexp from all): at most 2 x 2^-5. The premise is checked too:
-# on the same context, any token's logprob moves by at most a spacing for its logit and one for
-# the logsumexp, the same 2 x 2^-5.
-BF16_GAP_BOUND = 2 * 2**-5
+# The fp32 reference the two bf16 runs are judged by (support/near_ties.py): stock vLLM on the same
+# checkpoint in float32, over each prompt followed by stock's bf16 tokens, ranking the candidates
+# at every position (prompt_logprobs). How far a bf16 engine lands from it depends on the CPU
+# (torch's bf16 matmuls take oneDNN's AMX paths on some CPUs, AVX-512 ones on others): the test
+# measures that noise in the run instead of fixing a bound.
+BF16_REFERENCE_LOGPROBS = 5
 # Engine arguments the plugin must refuse at start-up, and the option its message must name.
 FAIL_FAST = [
     (
@@ -271,6 +276,10 @@ def _stop_all(started: dict) -> None:
     for run in started.values():
         if isinstance(run, (pathlib.Path, Zygote)):
             continue
+        if isinstance(run, Background):  # a run started once another had ended
+            run = run.done_value()
+            if run is None:
+                continue
         for r in run if isinstance(run, list) else [run]:
             if r.proc.poll() is not None:
                 continue
@@ -292,6 +301,24 @@ def _pair(started, name, workdir, spec, zygote, plugin_env=None, hf=False):
         zygote=zygote,
         **(plugin_env or {}),
     )
+
+
+def _bf16_reference(started, workdir, zygote, model) -> Scenario:
+    """Once stock's bf16 run is done: the fp32 reference over its contexts, one request per
+    prompt with stock's generated tokens appended (teacher forcing), ranked at every position."""
+    stock = started["bf16-stock"].result()
+    spec = {
+        "model": model,
+        "engine": _eager(max_model_len=1024, max_num_seqs=4, kv_cache_memory_bytes=16 << 20),
+        "requests": [
+            {
+                "prompt_token_ids": p + tokens[0],
+                "sampling": dict(greedy(1), prompt_logprobs=BF16_REFERENCE_LOGPROBS),
+            }
+            for p, tokens in zip(BF16_PROMPTS, stock["tokens"])
+        ],
+    }
+    return Scenario("bf16-reference", workdir, spec, plugin=False, zygote=zygote)
 
 
 def _start_all() -> dict:
@@ -410,6 +437,9 @@ def _start_scenarios(started: dict) -> None:
         ],
     }
     _pair(started, "bf16", workdir, bf16, zygote)
+    started["bf16-reference"] = Background(
+        lambda: _bf16_reference(started, workdir, zygote, models["llama-bf16"])
+    )
     started["cuda-config"] = Inline(
         [str(ROOT / "tests" / "support" / "vllm_cuda_config_check.py"), models["mistral"]],
         workdir,
@@ -533,25 +563,31 @@ def test_greedy_tokens_match_transformers(runs):
     assert greedy_tokens == plugin["hf_tokens"][1:]
 
 
-def test_bf16_tokens_leave_stocks_only_at_near_ties(runs):
-    """In bf16, greedy tokens may leave stock vLLM's where two logits were (nearly) tied; where
-    a request's first differs, stock's own logprobs there (same context) must show the plugin's
-    token among stock's two best and within BF16_GAP_BOUND of stock's. Run with ``-s`` to see
-    the gaps."""
+def test_bf16_plugin_is_as_close_to_fp32_as_stock_and_parts_only_at_its_near_ties(runs):
+    """In bf16 both engines round; judged by an fp32 reference on the same contexts, the plugin
+    is no further from it than stock is, and where its greedy tokens leave stock's, the
+    reference had both candidates within stock's own measured noise of its best
+    (support/near_ties.py states the rules). Run with ``-s`` to see the figures."""
     stock, plugin = runs["bf16-stock"].result(), runs["bf16-plugin"].result()
-    report = near_ties.summary(stock, plugin, BF16_GAP_BOUND)
+    reference = near_ties.Reference(runs["bf16-reference"].result().result(), BF16_PROMPTS)
+    report = near_ties.summary(stock, plugin, reference)
     print(report)
     assert [len(t[0]) for t in plugin["tokens"]] == [BF16_TOKENS] * len(BF16_PROMPTS)
     assert plugin["vattention_stats"]["block_hits"] > 0, "the shared prompt was meant to hit"
-    # Not vacuous: the model's logits are spread, so that near-ties are the exception (a random
-    # model with a tiny initializer makes every position one).
-    median = statistics.median(near_ties.top_gaps(stock))
-    assert median >= 4 * BF16_GAP_BOUND, f"near-ties everywhere:\n{report}"
-    drift = near_ties.logprob_drift(stock, plugin)
-    assert drift <= BF16_GAP_BOUND, f"logprobs apart on the same context:\n{report}"
-    offending = [d for d in near_ties.divergences(stock, plugin) if not d.near_tie(BF16_GAP_BOUND)]
+    measured = near_ties.accuracy(stock, plugin, reference)
+    assert measured.plugin_no_further(), f"the plugin is further from fp32 than stock:\n{report}"
+    positions = near_ties.same_context_positions(stock, plugin)
+    noise = near_ties.noise(stock, reference, positions)
+    # Not vacuous: the model's logits are spread, so that the reference's near-ties (its top two
+    # within stock's noise) are a minority of positions, and a flip at a random position would
+    # fail; bf16 rounding through the model puts about a third of them within it here.
+    gaps = near_ties.reference_gaps(reference, positions)
+    assert sum(g <= noise for g in gaps) < len(gaps) / 2, f"near-ties everywhere:\n{report}"
+    offending = [
+        d for d in near_ties.divergences(stock, plugin, reference) if not d.near_tie(noise)
+    ]
     listed = "\n".join(d.describe() for d in offending)
-    assert not offending, f"divergences at no near-tie:\n{listed}\n{report}"
+    assert not offending, f"divergences where the reference is no near-tie:\n{listed}\n{report}"
 
 
 def test_slots_freed_and_vllm_buffer_never_allocated(runs):

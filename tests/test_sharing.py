@@ -200,6 +200,7 @@ def test_sdpa_over_forked_child_equals_sdpa_over_copied_prefix(make_cache):
     fill_pattern(cache, parent, n, n + 100, seed=16)  # the parent moves on past the fork point
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, cfg.num_kv_heads, 1, cfg.head_dim, generator=gen)
+    q = q.to(copies[0][0].device)  # the cache's device: a GPU's SDPA takes no CPU query
     sdpa = torch.nn.functional.scaled_dot_product_attention
     for layer, (kc, vc) in enumerate(copies):
         k, v = kv_views(cache, layer)

@@ -56,9 +56,11 @@ def paged_cache(make_cache, pages=4, **kwargs):
 
 
 def bits(tensor):
-    """The tensor's raw bits as integers: exact comparison, and far faster than float16 equality
-    on a CPU busy with other work (torch's float16 paths spin up its thread pool)."""
-    return tensor.view(
+    """The tensor's raw bits as integers, on the CPU: exact comparison, and far faster than
+    float16 equality on a CPU busy with other work (torch's float16 paths spin up its thread
+    pool). On the CPU because the other side of a comparison is usually a CPU tensor, and a
+    GPU cache's tensors are not (the emulation's are host memory, so it cannot catch a mix)."""
+    return tensor.cpu().view(
         {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
     )
 

@@ -353,6 +353,10 @@ class Background:
         except BaseException as e:  # handed to the test that asks for the result
             self._error = e
 
+    def done_value(self) -> Any:
+        """What ``fn`` returned if it has returned, else None (never waits, never raises)."""
+        return None if self._thread.is_alive() or self._error is not None else self._value
+
     def result(self, timeout: float = 900) -> Any:
         self._thread.join(timeout)
         if self._thread.is_alive():

@@ -12,9 +12,10 @@ environment (``VATTENTION_VLLM=1``), as for any vLLM process: tests and ``bench 
 process per engine so that stock vLLM and the plugin are measured apart.
 
 The output holds each request's generated token ids (and, where its sampling parameters ask for
-``logprobs``, each generated token's top logprobs), the wall time of ``generate()``, generated
-tokens per second, the process's peak resident memory (``ru_maxrss``) and, with the plugin on and
-``VATTENTION_VLLM_STATS`` set, the worker's final cache statistics (read back after shutdown).
+``logprobs`` or ``prompt_logprobs``, the top logprobs at each generated or prompt token), the wall
+time of ``generate()``, generated tokens per second, the process's peak resident memory
+(``ru_maxrss``) and, with the plugin on and ``VATTENTION_VLLM_STATS`` set, the worker's final
+cache statistics (read back after shutdown).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
     generated = sum(len(t) for per_req in tokens for t in per_req)
     result: Dict[str, Any] = {
         "logprobs": [[_ranked(c.logprobs) for c in o.outputs] for o in outputs],
+        "prompt_logprobs": [_ranked(o.prompt_logprobs) for o in outputs],
         "plugin": os.environ.get("VATTENTION_VLLM") == "1",
         "vllm_version": vllm.__version__,
         "worker_cls": llm.llm_engine.vllm_config.parallel_config.worker_cls,
@@ -208,14 +210,18 @@ def _count_preemptions(llm):
     return lambda: count[0]
 
 
-def _ranked(logprobs) -> List[List[List[float]]] | None:
+def _ranked(logprobs) -> List[List[List[float]] | None] | None:
     """A completion's ``logprobs`` (one ``{token: Logprob}`` per generated token: the top
-    ``SamplingParams.logprobs`` and the sampled token) as ``[[token, logprob], ...]`` per token,
-    best first; None where the request asked for none."""
+    ``SamplingParams.logprobs`` and the sampled token) or a request's ``prompt_logprobs`` (one
+    per prompt token: the top ``SamplingParams.prompt_logprobs`` and the prompt's token; None
+    for the first, which has no context) as ``[[token, logprob], ...]`` per token, best first;
+    None where the request asked for none."""
     if logprobs is None:
         return None
     return [
-        sorted(([t, lp.logprob] for t, lp in step.items()), key=lambda e: -e[1])
+        None
+        if step is None
+        else sorted(([t, lp.logprob] for t, lp in step.items()), key=lambda e: -e[1])
         for step in logprobs
     ]
 
