@@ -667,7 +667,14 @@ def test_two_engines_share_one_pool_and_a_killed_engine_gives_its_share_back(run
     pool = report["results"]["pool"]
     budget = 12 << 20
     checks = pool["checks"]
-    assert checks["samples"] > 20 and checks["most_held"] <= budget
+    # The benchmark samples what the engines hold every 50 ms; each phase's requests arrive over
+    # 0.5 s (its window), so every phase has samples, on any machine (a count over the whole run
+    # would shrink on a faster one): the most held covers each phase, the kill's included.
+    times = [s["t"] for s in pool["samples"]]
+    unsampled = [
+        p for p, (t0, t1) in pool["marks"].items() if not any(t0 <= t <= t1 for t in times)
+    ]
+    assert not unsampled and checks["most_held"] <= budget, unsampled
     assert pool["tokens_equal_static_plugin"][0] == pool["tokens_equal_static_plugin"][1] > 0
     phases = pool["phases"]
     # every request of both bursts at once completed, no engine raised
@@ -677,6 +684,7 @@ def test_two_engines_share_one_pool_and_a_killed_engine_gives_its_share_back(run
     # the survivor of a SIGKILL admits a burst of 60% of the budget within seconds, and the
     # pool lists one engine
     big = phases["kill: survivor's big burst"]
+    # hang guards only (a normal run: a second or two, p99 TTFT under 2 s on a loaded 2-core VM)
     assert big["engines_listed"] == 1 and big["seconds_after_kill"] < 60
     assert big["summary"]["ttft_p99"] < 30
     assert pool["engines_left_in_pool"] == 0  # the survivor left at its shutdown
