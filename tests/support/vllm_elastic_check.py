@@ -273,6 +273,15 @@ def case_an_unpinned_block_freed_without_a_hash_tells_its_watcher():
     assert sorted(elastic.release) == [b.block_id for b in blocks]
 
 
+def case_the_schedulers_docstring_examples_run():
+    import doctest
+
+    from vattention.integrations.vllm import scheduler
+
+    result = doctest.testmod(scheduler)
+    assert result.attempted > 0 and result.failed == 0, result
+
+
 def main() -> int:
     results = {}
     for name, fn in sorted(globals().items()):
