@@ -23,6 +23,7 @@ import pytest
         "vattention.bench.tiny_models",
         "vattention.bench.model_presets",
         "vattention.bench.vllm_bench",
+        "vattention.bench.elastic_bench",
         "vattention.bench.workload",
         "vattention.bench.traces",
         "vattention.bench.progress",

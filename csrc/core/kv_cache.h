@@ -140,9 +140,9 @@ class KVCacheCore {
   virtual BlockIds block_table(int slot) const = 0;
   // Engine blocks only (Config on a cache whose slots own their pages): each listed block forgets
   // its pages (block_tables.h, BlockTables::release); ids out of [0, num_blocks) throw Config with
-  // nothing changed. Unmapping waits for a fence on `stream`. Returns the pages that reached the
-  // free list.
-  virtual size_t release_blocks(const std::vector<int64_t>& ids, uintptr_t stream) = 0;
+  // nothing changed. An idle row it unmaps waits for the fence of the row's free() (the last use
+  // of the blocks it maps), never for a stream. Returns the pages that reached the free list.
+  virtual size_t release_blocks(const std::vector<int64_t>& ids) = 0;
   // What step(lens), plus new requests of `new_lens` tokens each, would need and could get;
   // maps nothing, changes nothing (the same accounting step() uses).
   Capacity capacity(const std::vector<int64_t>& lens, const std::vector<int64_t>& new_lens) const;

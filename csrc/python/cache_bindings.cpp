@@ -285,7 +285,7 @@ void bind_cache(py::module_& m) {
           },
           py::arg("seq_lens"), py::arg("stream") = 0, py::arg("blocks") = py::none())
       .def("block_table", &KVCacheCore::block_table, py::arg("slot"))
-      .def("release_blocks", &KVCacheCore::release_blocks, py::arg("ids"), py::arg("stream") = 0,
+      .def("release_blocks", &KVCacheCore::release_blocks, py::arg("ids"),
            py::call_guard<py::gil_scoped_release>())
       .def(
           "capacity",
