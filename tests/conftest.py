@@ -18,8 +18,9 @@ import vattention
 from support.cuda_setup import CUDA_MODE, CUDA_REASON, GPU_LIKE, cuda_emu, skip_below_gpu_pages
 
 # The emulation-only tests' `emu` fixture (test_cuda_backend.py, test_cuda_faults.py,
-# test_prefetch_races.py): a plugin, so that no test module imports a fixture by name.
-pytest_plugins = ["support.cuda_testing"]
+# test_prefetch_races.py), and the CPU attention kernel's `isa` fixture with its session summary
+# line: plugins, so that no test module imports a fixture by name.
+pytest_plugins = ["support.cuda_testing", "support.kernel_variants"]
 
 DEVICES = ["cpu", "cuda"]
 LAYOUTS = ["layer", "mega"]
