@@ -28,8 +28,9 @@ if _hypothesis_settings is not None:
     _hypothesis_settings.load_profile("vattention")
 
 # The emulation-only tests' `emu` fixture (test_cuda_backend.py, test_cuda_faults.py,
-# test_prefetch_races.py): a plugin, so that no test module imports a fixture by name.
-pytest_plugins = ["support.cuda_testing"]
+# test_prefetch_races.py), and the CPU attention kernel's `isa` fixture with its session summary
+# line: plugins, so that no test module imports a fixture by name.
+pytest_plugins = ["support.cuda_testing", "support.kernel_variants"]
 
 DEVICES = ["cpu", "cuda"]
 LAYOUTS = ["layer", "mega"]

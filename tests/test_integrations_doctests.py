@@ -42,6 +42,7 @@ import pytest
         "vattention.attention.reference",
         "vattention.attention.fp8",
         "vattention.attention.arguments",
+        "vattention.attention.variants",
     ],
 )
 def test_docstring_examples(module):

@@ -26,6 +26,10 @@ def _info() -> int:
             print(f"backend {kind}: unavailable: {e}")
         else:
             print(f"backend {kind}: available, granularity {gran} bytes")
+    from vattention.attention import kernel_report
+
+    for line in kernel_report():  # the CPU attention kernel's variant here, and why
+        print(line)
     return 0
 
 
