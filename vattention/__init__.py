@@ -24,6 +24,7 @@ from .errors import (
     OutOfPagesError,
     SequenceTooLongError,
     SwapSpaceError,
+    UnmappedReadError,
     VAttentionError,
 )
 
@@ -44,6 +45,7 @@ __all__ = [
     "CacheClosedError",
     "SwapSpaceError",
     "ArgumentTypeError",
+    "UnmappedReadError",
     "ops",
     "__version__",
 ]

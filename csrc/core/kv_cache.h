@@ -198,6 +198,12 @@ class KVCacheCore {
   std::string check_invariants() const;
   // Per layer, the first token of `slot` still backed (window_release.h).
   std::vector<int64_t> window_starts(int slot) const;
+  // A kernel's reads, checked before it runs: request i reads tokens [begins[i], ends[i]) of row
+  // slots[i] in tensor t (begins empty: from token 0). Throws Error(UnmappedRead) naming the
+  // first request whose range is not backed (past mapped_tokens, or below a sliding window's
+  // released head), InvalidSlot for a row out of range. Changes nothing; one lock for the batch.
+  void check_reads(int tensor, const std::vector<int64_t>& slots,
+                   const std::vector<int64_t>& begins, const std::vector<int64_t>& ends) const;
   // Active slots to preempt, in order, until their pages that would really return to the pool
   // reach bytes_needed: least recently stepped first, ties by fewest tokens, then lowest index.
   std::vector<int> pick_victims(size_t bytes_needed) const;
