@@ -5,6 +5,7 @@ illegal address that poisons the CUDA context on a GPU)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -21,6 +22,10 @@ from vattention.integrations import flash_attn as fa
 from support.helpers import kv_views
 
 ROOT = Path(__file__).resolve().parent.parent
+_SMALL = vattention.KVCacheConfig(
+    num_layers=1, num_kv_heads=1, head_dim=64, max_batch_size=2, max_seq_len=512,
+    dtype=torch.float32, page_size="4KB",
+)  # fmt: skip
 
 
 @pytest.fixture
@@ -219,19 +224,39 @@ def test_a_closed_cache_refuses_the_read(make_cache):
         )  # fmt: skip
 
 
-def test_a_collected_cache_is_forgotten():
-    cfg = vattention.KVCacheConfig(
-        num_layers=1, num_kv_heads=1, head_dim=64, max_batch_size=2, max_seq_len=512,
-        dtype=torch.float32, page_size="4KB",
-    )  # fmt: skip
-    cache = vattention.KVCache(cfg)
-    ref = cache_rows(cache.layer(0)[0])
-    assert ref is not None
-    cache.close()
-    del cache, ref
-    import gc
-
-    gc.collect()
+def test_a_collected_cache_is_dropped_when_the_next_one_registers():
+    """Weakly held: a collected core's ranges find nothing, and the next registration drops them."""
     from vattention import cache_reads
 
-    assert all(r.core() is not None for r in cache_reads._table[1])
+    cache = vattention.KVCache(_SMALL)
+    assert cache_rows(cache.layer(0)[0]) is not None
+    cache.close()
+    del cache
+    gc.collect()
+    with vattention.KVCache(_SMALL):
+        assert all(region.core() is not None for region in cache_reads._table[1])
+
+
+def test_a_core_dying_during_a_registration_does_not_wait_on_it():
+    """A core can die inside another cache's registration, with the registry's lock held (a
+    garbage collection that runs there frees a cache caught in a reference cycle). The registry
+    once dropped a dead core's ranges from a weakref callback that took that lock, and the test
+    process hung. Here the lock is held and a core dies; in a child, so a hang fails by timeout."""
+    code = textwrap.dedent(
+        """
+        import torch, vattention
+        from vattention import cache_reads
+        cfg = vattention.KVCacheConfig(num_layers=1, num_kv_heads=1, head_dim=64,
+                                       max_batch_size=2, max_seq_len=512, dtype=torch.float32,
+                                       page_size="4KB")
+        cache = vattention.KVCache(cfg)
+        with cache_reads._lock:  # as inside a registration
+            del cache  # the core dies here
+        print("done")
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "done", proc.stderr[-2000:]

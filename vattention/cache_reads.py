@@ -10,8 +10,10 @@ kernel, whether the tensor is a cache's and whether the rows and lengths it is a
 backed; the answer is a typed :class:`~vattention.UnmappedReadError` instead of a dead process.
 
 The lookup is a binary search over the registered ranges (no lock: the table is replaced whole
-when a cache comes or goes), and the check is one call into the core for the whole batch, under
-the cache's lock.
+when a cache registers), and the check is one call into the core for the whole batch, under the
+cache's lock. A cache is held weakly: once its core is collected its ranges find nothing, and the
+next registration drops them (no weakref callback: one could run inside a registration, during a
+garbage collection, and wait for the lock that registration holds).
 
 Examples
 --------
@@ -65,7 +67,8 @@ _lock = threading.Lock()
 
 
 def register(core: Any, config: Any) -> None:
-    """Record the virtual tensors of a cache's core; they are forgotten when the core is collected.
+    """Record the virtual tensors of a cache's core (weakly: a collected core's ranges find
+    nothing, and are dropped at the next registration).
 
     Parameters
     ----------
@@ -76,7 +79,7 @@ def register(core: Any, config: Any) -> None:
     """
     geo = config.geometry
     layers = config.num_layers
-    ref = weakref.ref(core, _forget)
+    ref = weakref.ref(core)
     windows = config.layer_windows
     regions = []
     for t in range(geo.num_tensors):
@@ -96,15 +99,10 @@ def register(core: Any, config: Any) -> None:
         )
     global _table
     with _lock:
-        merged = sorted(_table[1] + regions, key=lambda r: r.start)
+        # A collected core's reservations may be reused by this cache: its ranges go first.
+        live = [r for r in _table[1] if r.core() is not None]
+        merged = sorted(live + regions, key=lambda r: r.start)
         _table = ([r.start for r in merged], merged)
-
-
-def _forget(ref: weakref.ref) -> None:
-    global _table
-    with _lock:
-        kept = [r for r in _table[1] if r.core is not ref]
-        _table = ([r.start for r in kept], kept)
 
 
 class CacheRows:
