@@ -32,6 +32,8 @@ import pytest
         "vattention.bench.pools",
         "vattention.config",
         "vattention.cache",
+        "vattention.cache_reads",
+        "vattention.errors",
         "vattention.sharing",
         "vattention.swap",
         "vattention.backends",

@@ -124,6 +124,13 @@ class KVCacheCore:
         new_lens: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = ...,
     ) -> dict: ...
     def check_invariants(self) -> str: ...
+    def check_reads(
+        self,
+        tensor: typing.SupportsInt | typing.SupportsIndex,
+        slots: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+        begins: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+        ends: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+    ) -> None: ...
     def close(self) -> None: ...
     def ensure_private(
         self,
