@@ -91,7 +91,9 @@ PREFIX_REQUESTS = [(p, 10 + 7 * i) for i in range(4) for p in range(3)]  # (prom
 WINDOW = 64
 ELASTIC_PREFIX = prompt(896, 1400)
 ELASTIC_CAP = 2 << 20  # VATTENTION_VLLM_PREFIX_CACHE_BYTES of the elastic workload: 16 blocks
-ELASTIC_IDLE_S = 12.0  # the elastic workload's engine idles this long before shutdown
+# The elastic workload's engine idles this long before shutdown, then until its worker reports
+# that the delayed release applied (a thread that may wake late on a loaded machine).
+ELASTIC_IDLE_S = 10.0
 # Two engines on one 12 MiB pool, eager, bursts of 6 requests needing 70% of it; with the kill
 # phase; the static split of the plugin for the tokens (stock's split is the benchmark's).
 ELASTIC_BENCH_ARGS = [
@@ -473,6 +475,7 @@ def _start_scenarios(started: dict) -> None:
         "model": models["llama"],
         "engine": _eager(max_model_len=1024, max_num_seqs=16, kv_cache_memory_bytes=256 << 20),
         "idle_s": ELASTIC_IDLE_S,
+        "idle_until_released": True,  # stock: no statistics, no wait
         "requests": [{"prompt_token_ids": prompt(40, 1500), "sampling": greedy(8)}]
         + [
             {
@@ -651,7 +654,7 @@ def test_memory_follows_live_tokens_and_a_bounded_prefix_cache(runs):
     # Idle for the release delay after its last request, the engine holds at most the cache cap
     # plus the headroom (its thread applied the last step's budget: no step came to do it).
     elastic = stats["elastic"]
-    assert elastic["release_delay_s"] == 10.0 < ELASTIC_IDLE_S
+    assert elastic["release_delay_s"] == 10.0 <= ELASTIC_IDLE_S
     assert elastic["applied_budget_bytes"] == elastic["budget_bytes"]
     assert stats["pages_total"] * page <= ELASTIC_CAP + elastic["headroom_target_bytes"]
     assert elastic["cached_bytes"] <= ELASTIC_CAP and elastic["live_bytes"] == 0
