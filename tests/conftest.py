@@ -16,6 +16,7 @@ import torch
 import vattention
 
 from support.cuda_setup import CUDA_MODE, CUDA_REASON, GPU_LIKE, cuda_emu, skip_below_gpu_pages
+from support.one_device import OneDevice
 
 try:
     from hypothesis import settings as _hypothesis_settings
@@ -107,6 +108,21 @@ def _have_gpu() -> bool:
         return torch.cuda.is_available()
     except Exception:
         return False
+
+
+@pytest.fixture(autouse=True)
+def one_device_on_the_emulation(request):
+    """In the cuda cases a GPU runs, on the emulation: a cache tensor (kv_views) mixed with a CPU
+    tensor in one torch call raises, as on a GPU (support/one_device.py)."""
+    if (
+        CUDA_MODE != "emulated"
+        or _device_param(request.node) != "cuda"
+        or request.node.get_closest_marker("not_on_gpu") is not None
+    ):
+        yield
+        return
+    with OneDevice():
+        yield
 
 
 @pytest.fixture(params=DEVICES)

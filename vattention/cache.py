@@ -9,7 +9,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Uni
 import torch
 
 from . import _C
-from .arguments import as_int
+from .arguments import as_int, as_stream
 from .config import DTYPES, KVCacheConfig, Size, parse_size
 from .errors import (
     ArgumentTypeError,
@@ -392,14 +392,16 @@ class KVCache(SharingMixin, SwapMixin):
         ...     s["block_hits"], s["pages_mapped"], s["mappings"]
         (2, 8, 12)
         """
-        # The decode hot path: keep the Python side to one type check for the common dict input.
+        # The decode hot path: keep the Python side to one type check for the common dict input;
+        # the core calls the caller's stream lookup only if the step has work to order on it.
         if type(seq_lens) is not dict:
             seq_lens = _as_lens(seq_lens)
+        order_on = self._caller_stream if stream is None else as_stream(stream)
         try:
             if blocks is None:
-                self._core.step(seq_lens, self._stream(stream))
+                self._core_step(seq_lens, order_on)
             else:
-                self._core.step(seq_lens, self._stream(stream), blocks)
+                self._core_step(seq_lens, order_on, blocks)
         except (TypeError, OverflowError) as e:
             if isinstance(e, ArgumentTypeError):
                 raise

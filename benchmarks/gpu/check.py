@@ -88,6 +88,14 @@ PARTS = [
         "Prefetch behind a host sleep, A100 latencies held by the emulation: step() blocking",
     ),
     Part(
+        "memory",
+        "The driver's free memory (cuMemGetInfo) against the cache's committed_bytes and "
+        "bytes_mapped: create (virtual tensors larger than the GPU), step, free, reclaim, a budget "
+        "refusal, close",
+        "The same on the emulation's 4 GiB device budget (its cuMemGetInfo: the budget less live "
+        "handles)",
+    ),
+    Part(
         "graphs",
         "CUDA graphs over the cache, prefetch thread active in the capture; reduce-overhead",
         "A GLOBAL-mode capture (emu.begin_capture) while the prefetch thread maps; no graph runs",

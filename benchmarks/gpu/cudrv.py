@@ -1,4 +1,5 @@
-"""Minimal ctypes access to the CUDA driver's VMM calls, for the per-call latency benchmark.
+"""Minimal ctypes access to the CUDA driver's VMM calls, for the per-call latency benchmark, and
+its free memory (the GPU check's memory part).
 
 Loads ``$VATTENTION_LIBCUDA`` or ``libcuda.so.1`` (so the script can be smoke-run against the test
 emulation; its numbers then mean nothing about a GPU).
@@ -97,6 +98,14 @@ class Driver:
 
     def unmap(self, va: int, nbytes: int) -> None:
         self._check(self.lib.cuMemUnmap(va, nbytes), "cuMemUnmap")
+
+    def mem_info(self) -> tuple[int, int]:
+        """cuMemGetInfo: (free, total) bytes of the device, as torch.cuda.mem_get_info says."""
+        free, total = _sz(), _sz()
+        self._check(
+            self.lib.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)), "cuMemGetInfo"
+        )
+        return free.value, total.value
 
     def current_context(self) -> int:
         """cuCtxGetCurrent: a call that does nothing, to time what ctypes adds to each call."""

@@ -2,8 +2,8 @@
 
     python benchmarks/gpu/parts.py NAME LOG [--emulated]
 
-NAME is vmm, attention, prefetch or cpu-attention. Each appends JSON lines to LOG as it goes (a
-part the check stops at its time limit still reports what it measured): ``{"kind": "row",
+NAME is vmm, attention, prefetch, memory or cpu-attention. Each appends JSON lines to LOG as it
+goes (a part the check stops at its time limit still reports what it measured): ``{"kind": "row",
 ...figures}`` or ``{"kind": "note", "text": ...}``. With --emulated, the CUDA backend is the
 driver EMULATION (VATTENTION_LIBCUDA, set by check.py) and torch is the CPU build: the emulated
 analogue runs, whose figures describe host memory and the emulation, never a GPU. cpu-attention
@@ -262,7 +262,9 @@ def attention_emulated(emit: Emit) -> None:
 
 def prefetch(emit: Emit, emulated: bool) -> None:
     """How long step() blocks per decode iteration with the prefetch thread mapping behind the
-    model's work, over how long it blocks without: the blocking ratio (target <= 0.1)."""
+    model's work, over how long it blocks without: the blocking ratio (target <= 0.1); the same
+    loop with lengths held fixed (step() maps nothing: its floor after the model's work); and
+    step() with nothing to map called back to back over 8 and 64 rows (target <= 10 us)."""
     import bench_prefetch
 
     emit(kind="note", text="blocking_ratio: mean step() time with prefetch / without (target 0.1)")
@@ -270,6 +272,10 @@ def prefetch(emit: Emit, emulated: bool) -> None:
         compute, dims, slots, iterations, gap = _emulated_compute(emit)
     else:
         compute, dims, slots, iterations, gap = _gpu_compute(emit)
+    emit(
+        kind="note",
+        text="floor_us: the same loop with lengths held fixed (step() maps nothing), mean / p99",
+    )
     for layout in ("layer", "mega"):
         kw: dict[str, Any] = dict(
             iterations=iterations,
@@ -282,6 +288,7 @@ def prefetch(emit: Emit, emulated: bool) -> None:
         )
         base = bench_prefetch.run(layout, "2MB", False, **kw)
         pf = bench_prefetch.run(layout, "2MB", True, **kw)
+        floor = bench_prefetch.run(layout, "2MB", False, floor=True, **kw)
         emit(
             kind="row",
             layout=layout,
@@ -290,9 +297,51 @@ def prefetch(emit: Emit, emulated: bool) -> None:
             no_prefetch_us=f"{base['mean'] * 1e6:.1f} / {base['p99'] * 1e6:.1f}",
             prefetch_us=f"{pf['mean'] * 1e6:.1f} / {pf['p99'] * 1e6:.1f}",
             blocking_ratio=round(pf["mean"] / base["mean"], 3),
+            floor_us=f"{floor['mean'] * 1e6:.1f} / {floor['p99'] * 1e6:.1f}",
             calls_per_step_in_step=pf["step_calls"],
             calls_per_step_by_thread=pf["prefetch_calls"],
         )
+    # The emulation spends a host file descriptor per page: 2 layers there (the plumbing only).
+    step_dims = dict(num_layers=2, num_kv_heads=8, head_dim=128) if emulated else LLAMA3_8B
+    for layout in ("layer", "mega"):
+        for rows in (8, 64):
+            emit(kind="row", **step_nothing_to_map(layout, rows, step_dims))
+
+
+def step_nothing_to_map(layout: str, rows: int, dims: dict) -> dict:
+    """step() over `rows` rows whose pages are all mapped, called back to back (a dict of
+    lengths, as an engine passes them): min and median microseconds per call over 7 rounds of
+    2000 calls, and the driver calls those steps made (0 expected)."""
+    import torch
+
+    import vattention
+
+    from _timing import compare_min_median
+
+    cfg = vattention.KVCacheConfig(
+        **dims,
+        max_batch_size=rows,
+        max_seq_len=4096,
+        dtype=torch.bfloat16,
+        page_size="2MB",
+        layout=layout,
+        device="cuda:0",
+    )
+    with vattention.KVCache(cfg) as cache:
+        lens = {cache.alloc(): 100 + i for i in range(rows)}
+        cache.step(lens)
+        before = cache.stats()
+        t = compare_min_median({"step": lambda: cache.step(lens)}, calls=2000, rounds=7)
+        after = cache.stats()
+    low, median = t["step"]
+    return dict(
+        case="step() with nothing to map",
+        layout=layout,
+        rows=rows,
+        step_us_min=round(low * 1e6, 2),
+        step_us_median=round(median * 1e6, 2),
+        driver_calls=after["step_driver_calls"] - before["step_driver_calls"],
+    )
 
 
 def _gpu_compute(emit: Emit):
@@ -414,7 +463,20 @@ def cpu_attention(emit: Emit, emulated: bool) -> None:
         _C.set_attention_kernel_isa("")
 
 
-PARTS = {"vmm": vmm, "attention": attention, "prefetch": prefetch, "cpu-attention": cpu_attention}
+def memory(emit: Emit, emulated: bool) -> None:
+    """The driver's free memory against the cache's own figures (memory_part.py)."""
+    import memory_part
+
+    memory_part.memory(emit, emulated)
+
+
+PARTS = {
+    "vmm": vmm,
+    "attention": attention,
+    "prefetch": prefetch,
+    "memory": memory,
+    "cpu-attention": cpu_attention,
+}
 
 
 def main(argv: list[str]) -> int:

@@ -82,11 +82,13 @@ class Backend {
   // Unmap [va, va + bytes), which must cover whole mappings; the range stays reserved.
   virtual void unmap(uintptr_t va, size_t bytes) = 0;
 
-  // Binds a thread the cache owns (the prefetch thread) to this backend, once, before its first
-  // call. CUDA: makes the device's primary context current for good and puts the thread in
-  // relaxed stream-capture mode, so its driver calls never invalidate a CUDA graph another thread
-  // captures. Every other backend call leaves the calling thread's current context as it found it
-  // (a caller's thread is never bound).
+  // Binds a thread the cache owns (the prefetch thread) to this backend before its first call;
+  // binding it again is a no-op (the prefetch thread calls it per job). CUDA: makes the device's
+  // primary context current for good and puts the thread in relaxed stream-capture mode, so its
+  // driver calls never invalidate a CUDA graph another thread captures; nothing else runs on
+  // such a thread, so this backend's calls there make no context query. Every other backend
+  // call leaves the calling thread's current context as it found it (a caller's thread is never
+  // bound: Python cannot reach this call).
   virtual void bind_thread() = 0;
 
   // Stream-ordered fences for deferred unmapping: unmapping is not stream-ordered, so a page a

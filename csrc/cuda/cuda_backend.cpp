@@ -9,7 +9,8 @@
 // device's primary context (the one the CUDA runtime and torch use) is retained once per process
 // (PrimaryContexts), and every call makes it current for its duration and then puts the caller's
 // own back, none included (ScopedContext): the caller's current device never moves. The prefetch
-// thread, the cache's own, is bound for good (bind_thread), in relaxed capture mode.
+// thread, the cache's own, is bound for good (bind_thread, once), in relaxed capture mode; its
+// calls then make no context call at all.
 //
 // Fences: unmapping is not stream-ordered (a cuMemUnmap under a running kernel makes it fault), so
 // the cache records an event on free() and unmaps only after the event completed. Events are
@@ -138,13 +139,19 @@ class PrimaryContext {
   CUcontext ctx_;
 };
 
+// The context bind_thread() made this thread's for good (the prefetch thread's; nullptr on every
+// other thread). Nothing but this backend runs on such a thread, so its current context stays
+// what bind_thread() set: its calls need no query, and binding it again is a no-op.
+thread_local CUcontext t_bound_context = nullptr;
+
 // Makes ctx current on this thread for one backend call and puts the thread's own context back
 // afterwards, none included: a library call must not move the caller's current device (torch
-// reads it from the current context). A thread already on ctx (the prefetch thread, bound for
-// good) costs one query.
+// reads it from the current context). A thread bound to ctx (the prefetch thread) costs nothing;
+// another thread already on ctx, one query.
 class ScopedContext {
  public:
   ScopedContext(const DriverApi& api, CUcontext ctx) {
+    if (t_bound_context == ctx) return;
     CUcontext prev = nullptr;
     check(api.cuCtxGetCurrent(&prev), "cuCtxGetCurrent");
     if (prev == ctx) return;
@@ -305,6 +312,7 @@ class CudaBackend final : public Backend {
   }
 
   void bind_thread() override {
+    if (t_bound_context == ctx_.get()) return;  // once per thread, not per prefetch job
     CUcontext current = nullptr;
     check(api_.cuCtxGetCurrent(&current), "cuCtxGetCurrent");
     if (current != ctx_.get()) check(api_.cuCtxSetCurrent(ctx_.get()), "cuCtxSetCurrent");
@@ -314,6 +322,7 @@ class CudaBackend final : public Backend {
     // captured meanwhile does not depend on it.
     CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_RELAXED;
     check(api_.cuThreadExchangeStreamCaptureMode(&mode), "cuThreadExchangeStreamCaptureMode");
+    t_bound_context = ctx_.get();
   }
 
   uint64_t record_fence(uintptr_t stream) override {

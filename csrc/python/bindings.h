@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <exception>
 #include <vector>
 
 namespace vattention {
@@ -17,6 +18,9 @@ void bind_cache(pybind11::module_& m);
 // {slot: length} (unlisted slots untouched) or a length-max_batch sequence (0 = untouched), as the
 // core's lens vector. Throws InvalidSlot/TypeError naming the bad entry.
 std::vector<int64_t> parse_lens(pybind11::handle obj, int64_t max_batch);
+// Sets the Python error for a C++ exception as pybind11's translation would (vattention::Error as
+// its vattention.errors class; module.cpp), for functions called outside pybind11's dispatch.
+void set_python_error(std::exception_ptr error) noexcept;
 
 }  // namespace python
 }  // namespace vattention

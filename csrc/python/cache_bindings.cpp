@@ -5,13 +5,17 @@
 //   shared_ptr to the core: the virtual reservation lives until the last tensor dies.
 // - The GIL is released around anything that may call the OS/driver or wait; step() first tries
 //   KVCacheCore::try_step with the GIL held (nothing to map), the common case in decode.
+// - stepper() gives step() as a plain CPython function bound to the core, which KVCache.step()
+//   calls: a decode step that maps nothing pays no pybind11 dispatch.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <climits>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/errors.h"
 #include "core/kv_cache.h"
@@ -25,10 +29,11 @@ namespace vattention {
 namespace python {
 namespace {
 
-int64_t as_int(PyObject* obj, const char* what) {
+// as_int()'s general case: numpy and torch integer scalars, big ints, errors.
+[[gnu::noinline]] int64_t as_int_slow(PyObject* obj, const char* what) {
   long long v;
   if (PyLong_CheckExact(obj)) {
-    v = PyLong_AsLongLong(obj);  // the common case: no __index__ round trip
+    v = PyLong_AsLongLong(obj);
   } else {
     // numpy and torch integer scalars; never bools (True is not a length)
     PyObject* index = PyBool_Check(obj) ? nullptr : PyNumber_Index(obj);
@@ -43,6 +48,17 @@ int64_t as_int(PyObject* obj, const char* what) {
   if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
   // INT64_MIN marks "unlisted" inside the core; it is out of range anyway.
   return v == KVCacheCore::kUnlisted ? KVCacheCore::kUnlisted + 1 : v;
+}
+
+// An int of Python's own type in [0, 2^63) (every slot and length in a decode step) is read in
+// place; everything else takes as_int_slow().
+inline int64_t as_int(PyObject* obj, const char* what) {
+  if (PyLong_CheckExact(obj)) {
+    const long long v = PyLong_AsLongLong(obj);
+    if (v >= 0) return v;
+    PyErr_Clear();  // an overflow: as_int_slow() raises it
+  }
+  return as_int_slow(obj, what);
 }
 
 }  // namespace
@@ -231,6 +247,68 @@ std::vector<BlockUpdate> parse_updates(py::handle obj, int groups) {
   return out;
 }
 
+// A stream argument: a driver handle (int), or a callable returning one (the caller's current
+// torch stream, vattention/streams.py), called only when the call has work to order on it.
+uintptr_t stream_handle(py::handle stream) {
+  if (PyCallable_Check(stream.ptr())) return stream().cast<uintptr_t>();
+  return stream.cast<uintptr_t>();
+}
+
+// step(seq_lens, stream, blocks), for both entry points below. Nothing to map (decode): recorded
+// with the GIL held, and the stream (a lookup in torch when it is the caller's current one) is
+// never asked for: nothing is ordered on it. Else the GIL goes first.
+void run_step(KVCacheCore& core, py::handle seq_lens, py::handle stream, py::handle blocks) {
+  const std::vector<int64_t> lens = parse_lens(seq_lens, core.geometry().max_batch);
+  if (blocks.is_none() && core.try_step(lens)) return;
+  std::vector<BlockUpdate> updates = parse_updates(blocks, core.geometry().num_groups());
+  const uintptr_t handle = stream_handle(stream);
+  py::gil_scoped_release nogil;
+  core.step(lens, updates, handle);
+}
+
+// KVCacheCore.stepper()'s function: step(seq_lens, stream[, blocks]) as a plain CPython function
+// bound to one core (its `self`, a capsule holding a shared_ptr to the core). METH_FASTCALL is
+// called through vectorcall: no argument tuple, and none of pybind11's dispatch (overload
+// resolution, argument casters, the instance-to-core lookup), which is most of what a decode
+// step that maps nothing otherwise costs outside the interpreter.
+PyObject* bound_step(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs < 2 || nargs > 3) {
+    PyErr_Format(PyExc_TypeError,
+                 "step(seq_lens, stream[, blocks]) takes 2 or 3 arguments (%zd given)", nargs);
+    return nullptr;
+  }
+  auto* core = static_cast<std::shared_ptr<KVCacheCore>*>(PyCapsule_GetPointer(self, nullptr));
+  if (!core) return nullptr;
+  try {
+    run_step(**core, args[0], args[1], nargs == 3 ? args[2] : Py_None);
+  } catch (...) {
+    set_python_error(std::current_exception());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyMethodDef bound_step_def = {
+    "step", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(bound_step)),
+    METH_FASTCALL, "step(seq_lens, stream[, blocks]): KVCacheCore.step bound to one core."};
+
+void drop_core(PyObject* capsule) {
+  delete static_cast<std::shared_ptr<KVCacheCore>*>(PyCapsule_GetPointer(capsule, nullptr));
+}
+
+py::object make_stepper(const std::shared_ptr<KVCacheCore>& core) {
+  auto* held = new std::shared_ptr<KVCacheCore>(core);
+  PyObject* capsule = PyCapsule_New(held, nullptr, drop_core);
+  if (!capsule) {
+    delete held;
+    throw py::error_already_set();
+  }
+  PyObject* fn = PyCFunction_NewEx(&bound_step_def, capsule, nullptr);
+  Py_DECREF(capsule);  // the function holds it now
+  if (!fn) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(fn);
+}
+
 py::dict capacity_dict(const vattention::Capacity& c) {
   py::dict out;
   out["pages_needed"] = c.pages_needed;
@@ -273,17 +351,11 @@ void bind_cache(py::module_& m) {
           py::arg("hits") = py::none(), py::arg("stream") = 0)
       .def("free", &KVCacheCore::free, py::arg("slot"), py::arg("stream") = 0,
            py::call_guard<py::gil_scoped_release>())
-      .def(
-          "step",
-          [](KVCacheCore& core, py::handle seq_lens, uintptr_t stream, py::handle blocks) {
-            std::vector<int64_t> lens = parse_lens(seq_lens, core.geometry().max_batch);
-            // Nothing to map (decode): recorded with the GIL held. Else the GIL goes first.
-            if (blocks.is_none() && core.try_step(lens)) return;
-            std::vector<BlockUpdate> updates = parse_updates(blocks, core.geometry().num_groups());
-            py::gil_scoped_release nogil;
-            core.step(lens, updates, stream);
-          },
-          py::arg("seq_lens"), py::arg("stream") = 0, py::arg("blocks") = py::none())
+      .def("step", &run_step, py::arg("seq_lens"), py::arg("stream") = 0,
+           py::arg("blocks") = py::none())
+      .def("stepper", &make_stepper,
+           "step() bound to this core as a plain function (the decode hot path's entry: no "
+           "pybind11 dispatch per call); it keeps the core alive.")
       .def("block_table", &KVCacheCore::block_table, py::arg("slot"))
       .def("release_blocks", &KVCacheCore::release_blocks, py::arg("ids"),
            py::call_guard<py::gil_scoped_release>())

@@ -7,7 +7,9 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <exception>
 #include <memory>
+#include <new>
 #include <string>
 
 #include "core/backend.h"
@@ -48,6 +50,34 @@ void raise_python(const Error& e) {
 
 }  // namespace
 
+namespace vattention {
+namespace python {
+
+void set_python_error(std::exception_ptr error) noexcept {
+  try {
+    try {
+      std::rethrow_exception(error);
+    } catch (const Error& e) {
+      raise_python(e);
+    } catch (py::error_already_set& e) {
+      e.restore();
+    } catch (const py::builtin_exception& e) {
+      e.set_error();
+    } catch (const std::bad_alloc&) {
+      PyErr_NoMemory();
+    } catch (const std::exception& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+    }
+  } catch (py::error_already_set& e) {  // raise_python() itself failed: raise that
+    e.restore();
+  } catch (...) {
+    PyErr_SetString(PyExc_RuntimeError, "unknown C++ exception in vattention._C");
+  }
+}
+
+}  // namespace python
+}  // namespace vattention
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "vattention C++ core (see vattention.KVCache for the public API)";
   py::register_exception_translator([](std::exception_ptr p) {
@@ -86,7 +116,6 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("granularity", &vattention::Backend::granularity)
       .def_property_readonly("page_bytes", &vattention::Backend::page_bytes)
       .def_property_readonly("name", &vattention::Backend::name)
-      .def("bind_thread", &vattention::Backend::bind_thread)
       .def("reserve", &vattention::Backend::reserve, py::arg("bytes"))
       .def("release_va", &vattention::Backend::release_va, py::arg("va"), py::arg("bytes"))
       .def("create_page", &vattention::Backend::create_page)

@@ -300,6 +300,7 @@ const ProcEntry kProcs[] = {
     {"cuCtxGetCurrent", 4000, reinterpret_cast<void*>(&cuCtxGetCurrent)},
     {"cuMemGetAllocationGranularity", 10020,
      reinterpret_cast<void*>(&cuMemGetAllocationGranularity)},
+    {"cuMemGetInfo", 3020, reinterpret_cast<void*>(&cuMemGetInfo_v2)},
     {"cuMemAddressReserve", 10020, reinterpret_cast<void*>(&cuMemAddressReserve)},
     {"cuMemAddressFree", 10020, reinterpret_cast<void*>(&cuMemAddressFree)},
     {"cuMemCreate", 10020, reinterpret_cast<void*>(&cuMemCreate)},

@@ -1,5 +1,6 @@
 // EMULATION, TEST-ONLY: the VMM entry points (cuMemAddressReserve/Free, cuMemCreate/Release,
-// cuMemMap/Unmap, cuMemSetAccess, cuMemGetAllocationGranularity) backed by host memory.
+// cuMemMap/Unmap, cuMemSetAccess, cuMemGetAllocationGranularity, cuMemGetInfo) backed by host
+// memory.
 //
 // Model: a reservation is an mmap(PROT_NONE) range aligned to the granularity; a handle is a memfd
 // of its size (so one handle mapped at several addresses aliases the same bytes); cuMemMap puts
@@ -107,6 +108,19 @@ CUresult cuMemGetAllocationGranularity(size_t* granularity, const CUmemAllocatio
   if (option != CU_MEM_ALLOC_GRANULARITY_MINIMUM && option != CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)
     return call_.violation(CUDA_ERROR_INVALID_VALUE, "granularity option %d", int(option));
   *granularity = state().granularity;
+  return CUDA_SUCCESS;
+}
+
+// The device's free and total memory: the emulated budget (vaemu_set_device_memory_bytes) less
+// what live handles hold, as a GPU's free memory falls by what cuMemCreate takes. cuda.h maps
+// cuMemGetInfo to this name.
+CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total_bytes) {
+  EMU_ENTER("cuMemGetInfo", emu::kInit | emu::kContext);
+  if (free_bytes == nullptr || total_bytes == nullptr)
+    return call_.violation(CUDA_ERROR_INVALID_VALUE, "cuMemGetInfo: free or total is NULL");
+  const emu::State& s = state();
+  *total_bytes = s.device_memory;
+  *free_bytes = s.device_memory > s.bytes_in_use ? s.device_memory - s.bytes_in_use : 0;
   return CUDA_SUCCESS;
 }
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from .one_device import as_device_view
+
 _DRIVER_ENTRY = {
     "map": "cuMemMap",
     "set_access": "cuMemSetAccess",
@@ -33,10 +35,13 @@ def inject_backend_fault(cache, op, nth):
 
 def kv_views(cache, layer):
     """Tensors over layer `layer`'s K and V: CPU tensors wherever the memory is host memory (host
-    backend, CUDA emulation), torch.cuda tensors on a real GPU."""
+    backend, CUDA emulation), torch.cuda tensors on a real GPU. On the emulation they are
+    one_device.DeviceView tensors: mixed with a CPU tensor in a torch call they raise, as a GPU's
+    do, in the cuda cases a GPU runs (conftest.py)."""
     if cache.config.device == "cpu" or torch.cuda.is_available():
         return cache.layer(layer)
-    return cache.host_alias(layer)
+    k, v = cache.host_alias(layer)
+    return as_device_view(k), as_device_view(v)
 
 
 def fill_pattern(cache, slot, start, end, seed):
