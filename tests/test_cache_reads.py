@@ -194,8 +194,10 @@ def test_mega_layer_views_are_followed(make_cache):
         )  # fmt: skip
 
 
-def test_a_released_window_start_is_checked_with_the_window(make_cache):
-    cache = make_cache(max_batch_size=2, max_seq_len=4096, sliding_window=300)
+@pytest.mark.parametrize("layout_", ["layer", "mega"])
+def test_a_released_window_start_is_checked_with_the_window(make_cache, layout_):
+    # mega: one window for every layer, released in its one K and V tensor (once left unchecked)
+    cache = make_cache(max_batch_size=2, max_seq_len=4096, sliding_window=300, layout=layout_)
     slot = cache.alloc()
     for n in range(1, 1001, 50):
         cache.step({slot: n})

@@ -110,7 +110,9 @@ def test_alloc_with_no_free_slot(busy_cache):
 
 
 def test_out_of_pages_is_transactional(make_cache):
-    cache = make_cache(num_kv_heads=8, head_dim=128, max_batch_size=4, max_seq_len=4096)
+    cache = make_cache(
+        num_kv_heads=8, head_dim=128, max_batch_size=4, max_seq_len=4096, kv_tile_tokens=0
+    )  # page counts without the tile rule (test_read_tail.py)
     cfg = cache.config
     per_index = cfg.num_tensors
     budget_pages = cfg.pages_for_tokens(cfg.tokens_per_page) * 3  # 3 page indices in all
@@ -132,7 +134,8 @@ def test_out_of_pages_is_transactional(make_cache):
 
 
 def test_out_of_pages_does_not_touch_idle_slots(make_cache):
-    cache = make_cache(num_kv_heads=8, head_dim=128, max_batch_size=4)
+    # page counts without the tile rule (test_read_tail.py)
+    cache = make_cache(num_kv_heads=8, head_dim=128, max_batch_size=4, kv_tile_tokens=0)
     cfg = cache.config
     cache.set_memory_budget(2 * cfg.pages_for_tokens(1) * cfg.page_bytes)
     a, b = cache.alloc(), cache.alloc()

@@ -81,6 +81,8 @@ STATE_EXEMPT = {
     "prefetch_shortfall_pages",
     "steps",
     "scrubbed_pages",
+    "tail_zero_calls",
+    "tail_zeroed_bytes",
     "step_driver_calls",
     "prefetch_driver_calls",
     "prefetch_errors",

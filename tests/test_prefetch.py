@@ -13,7 +13,8 @@ from support.helpers import check_pattern, fill_pattern, inject_backend_fault
 
 
 def test_prefetched_pages_need_no_map_calls_in_step(make_cache):
-    cache = make_cache(num_kv_heads=8, head_dim=128)
+    # page counts without the tile rule (test_read_tail.py)
+    cache = make_cache(num_kv_heads=8, head_dim=128, kv_tile_tokens=0)
     cfg = cache.config
     a, b = cache.alloc(), cache.alloc()
     cache.step({a: 1, b: 1})
@@ -62,7 +63,8 @@ def test_lookahead_is_capped_at_max_seq_len(make_cache):
 
 
 def test_prefetch_shortfall_is_recorded_not_raised(make_cache):
-    cache = make_cache(num_kv_heads=8, head_dim=128)
+    # page counts without the tile rule (test_read_tail.py)
+    cache = make_cache(num_kv_heads=8, head_dim=128, kv_tile_tokens=0)
     cfg = cache.config
     per_index = cfg.num_tensors
     cache.set_memory_budget(2 * per_index * cfg.page_bytes)
@@ -100,7 +102,8 @@ def test_prefetch_of_a_slot_freed_meanwhile_is_skipped(make_cache):
 
 @pytest.mark.parametrize("op", ["map", "set_access", "create_page"])
 def test_background_driver_error_surfaces_typed_on_next_call(make_cache, op):
-    cache = make_cache(num_kv_heads=8, head_dim=128)
+    # page counts without the tile rule (test_read_tail.py)
+    cache = make_cache(num_kv_heads=8, head_dim=128, kv_tile_tokens=0)
     s = cache.alloc()
     cache.step({s: 1})
     written = fill_pattern(cache, s, 0, 1, seed=3)
@@ -131,7 +134,8 @@ def test_background_error_raised_by_next_call_of_any_kind(make_cache):
 
 
 def test_set_memory_budget_shrinks_reclaims_and_reports_excess(make_cache):
-    cache = make_cache(num_kv_heads=8, head_dim=128)
+    # page counts without the tile rule (test_read_tail.py)
+    cache = make_cache(num_kv_heads=8, head_dim=128, kv_tile_tokens=0)
     cfg = cache.config
     P, T = cfg.page_bytes, cfg.num_tensors
     a, b, c = cache.alloc(), cache.alloc(), cache.alloc()
@@ -157,7 +161,8 @@ def test_set_memory_budget_shrinks_reclaims_and_reports_excess(make_cache):
 
 
 def test_set_memory_budget_trims_lookahead_of_active_slots(make_cache):
-    cache = make_cache(num_kv_heads=8, head_dim=128)
+    # page counts without the tile rule (test_read_tail.py)
+    cache = make_cache(num_kv_heads=8, head_dim=128, kv_tile_tokens=0)
     cfg = cache.config
     T, P = cfg.num_tensors, cfg.page_bytes
     s = cache.alloc()

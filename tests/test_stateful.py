@@ -4,7 +4,9 @@ The model predicts exactly which page indices every slot has mapped and how many
 holds, including the reclamation policy under a memory budget (free pages, then new pages within
 the budget, then idle slots least recently freed first, then look-ahead of active slots). After
 every rule the real cache must agree with it, its internal invariants must hold, and the data
-written into active slots must still be there.
+written into active slots must still be there. With a tile rule (kv_tile_tokens) the model maps
+each row's read end, and a request's rows are filled with NaN when it ends: every active row's
+tokens from its length to its read end must still be finite (what a tile-loading kernel reads).
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ class Model:
         self.total = 0
 
     def idx(self, tokens):
-        return -(-tokens * self.cfg.unit_bytes // self.cfg.page_bytes)
+        """Page indices a row of `tokens` tokens maps: its read end's (the tile rule)."""
+        end = self.cfg.read_end(tokens)
+        return -(-end * self.cfg.unit_bytes // self.cfg.page_bytes)
 
     @property
     def in_use(self):
@@ -146,8 +150,10 @@ class CacheMachine(RuleBasedStateMachine):
     @initialize(
         layout=st.sampled_from(["layer", "mega", "per-layer"]),
         budget=st.one_of(st.integers(min_value=2, max_value=12), st.none()),
+        # 384 divides neither page (256 or 512 tokens): read ends cross page boundaries
+        tile=st.sampled_from([0, 128, 384]),
     )
-    def setup(self, layout, budget):
+    def setup(self, layout, budget, tile):
         # per-layer: layer 1 has twice layer 0's KV heads (1 + 2 pages per page index and K/V).
         heads = (1, 2) if layout == "per-layer" else 1
         self.cfg = vattention.KVCacheConfig(
@@ -160,6 +166,7 @@ class CacheMachine(RuleBasedStateMachine):
             page_size=PAGE,
             layout="layer" if layout == "per-layer" else layout,
             device=self.DEVICE,
+            kv_tile_tokens=tile,
         )
         budget_pages = None if budget is None else budget * self.cfg.pages_per_index
         self.cache = vattention.KVCache(
@@ -190,6 +197,12 @@ class CacheMachine(RuleBasedStateMachine):
     def free(self, data):
         active = [i for i, s in enumerate(self.model.state) if s == "active"]
         slot = data.draw(st.sampled_from(active))
+        # What the request leaves behind may be anything: the next owner of these pages must
+        # never read it past its own length.
+        mapped = self.cache.mapped_tokens(slot)
+        for layer in range(self.cfg.num_layers):
+            for t in kv_views(self.cache, layer):
+                t[slot, :mapped] = float("nan")
         self.cache.free(slot)
         self.model.free(slot)
         self.marks.pop(slot, None)
@@ -205,7 +218,9 @@ class CacheMachine(RuleBasedStateMachine):
         self._step(lens)
 
     def _step(self, lens):
-        """Steps cache and model alike, then marks each slot's last token to check it later."""
+        """Steps cache and model alike, writes each slot's new tokens (as its request would:
+        finite values), then marks its last token to check it later."""
+        old = {s: self.cache.seq_len(s) for s in lens}
         outcome = self.model.step(lens)
         try:
             self.cache.step(lens)
@@ -213,6 +228,11 @@ class CacheMachine(RuleBasedStateMachine):
             assert outcome == "oom"
             return
         assert outcome is None
+        for layer in range(self.cfg.num_layers):
+            for t in kv_views(self.cache, layer):
+                for s, n in lens.items():
+                    if n > old[s]:
+                        t[s, old[s] : n] = 1.0
         k, _ = kv_views(self.cache, 0)
         for s, n in lens.items():
             self.marks.pop(s, None)
@@ -279,6 +299,13 @@ class CacheMachine(RuleBasedStateMachine):
         k, _ = kv_views(self.cache, 0)
         for s, (pos, value) in self.marks.items():
             assert float(k[s, pos, 0, 0]) == value
+        if self.cfg.kv_tile_tokens:
+            for s in self.cache.active_slots():
+                n = self.cache.seq_len(s)
+                for layer in range(self.cfg.num_layers):
+                    for t in kv_views(self.cache, layer):
+                        tail = t[s, n : self.cfg.read_end(n)].cpu()
+                        assert bool(tail.isfinite().all()), (s, n, layer)
 
 
 TestCacheStateMachine = CacheMachine.TestCase

@@ -19,7 +19,9 @@ H, D = 2, 64  # float32 (marks up to 2^24 are exact): 512 bytes per token row, l
 
 def windowed(make_cache, window_pages=1.5, pages=8, **kwargs):
     """A cache whose window spans `window_pages` pages of one tensor and slots hold `pages`
-    pages."""
+    pages. Without the tile rule (the counts below are the window's alone; how a tile keeps the
+    tile below a window's first key is tests/test_read_tail.py's)."""
+    kwargs.setdefault("kv_tile_tokens", 0)
     probe = make_cache(
         num_kv_heads=H,
         head_dim=D,

@@ -369,6 +369,13 @@ class KVCache(SharingMixin, SwapMixin):
             hole, allowed only among a table's leading hits), the rest are fresh blocks. Every
             listed slot's table must name the page indices its length needs.
 
+        With ``kv_tile_tokens`` (the default on CUDA) a slot of ``length`` tokens maps up to its
+        read end, ``length`` rounded up to the tile (:meth:`KVCacheConfig.read_end`), and the
+        tokens from ``length`` to there hold finite values when the step returns: zeros written
+        on ``stream`` where the row had not written since its pages came to it (or by the
+        prefetch thread, when it mapped them; ``stats()["tail_zero_calls"]``). Kernels that load
+        whole key tiles (FlashAttention 3/4) then read no unmapped page and no stale NaN.
+
         Transactional: on :class:`OutOfPagesError` (attributes ``pages_needed``,
         ``pages_available``) nothing was mapped and every length is as before; preempt a request
         and retry. Pages no query can read any more may have gone back to the pool: window pages

@@ -59,6 +59,7 @@ class _Region:
     slot_bytes: int  # bytes of one row
     token_bytes: int  # bytes between consecutive tokens of a row
     windowed: bool  # a sliding-window layer's tensor: its rows may have released heads
+    tile_tokens: int  # the cache's kv_tile_tokens (0: no tile rule)
 
 
 # (starts, regions), sorted by start; replaced whole under _lock, read without it.
@@ -94,7 +95,8 @@ def register(core: Any, config: Any) -> None:
                 tensor=t,
                 slot_bytes=slot_bytes,
                 token_bytes=geo.token_bytes(layer),
-                windowed=not geo.mega and windows[layer] > 0,
+                windowed=windows[layer] > 0,  # mega: layer 0's is every layer's window
+                tile_tokens=geo.tile_tokens,
             )
         )
     global _table
@@ -110,15 +112,24 @@ class CacheRows:
     ``first_slot + r``, and its token ``j`` the row's token ``first_token + j``.
 
     Built by :func:`cache_rows`; :meth:`check` says whether a kernel's reads are backed.
+    ``tile_tokens`` is the cache's ``kv_tile_tokens``: a kernel loading key tiles of a divisor of
+    it reads past a row's length only mapped, finite tokens (0: the cache keeps no such rule).
     """
 
-    __slots__ = ("_core", "_tensor", "first_slot", "first_token", "windowed")
+    __slots__ = ("_core", "_tensor", "first_slot", "first_token", "windowed", "tile_tokens")
 
     def __init__(
-        self, core: Any, tensor: int, first_slot: int, first_token: int, windowed: bool
+        self,
+        core: Any,
+        tensor: int,
+        first_slot: int,
+        first_token: int,
+        windowed: bool,
+        tile_tokens: int = 0,
     ) -> None:
         self._core, self._tensor = core, tensor
         self.first_slot, self.first_token, self.windowed = first_slot, first_token, windowed
+        self.tile_tokens = tile_tokens
 
     def same_rows(self, other: CacheRows) -> bool:
         """Whether ``other`` views the same rows of the same cache (K and V of one layer do:
@@ -135,6 +146,8 @@ class CacheRows:
         rows: Sequence[int],
         ends: Sequence[int],
         begins: Optional[Sequence[int]] = None,
+        *,
+        finite: bool = False,
     ) -> None:
         """Raise unless request ``i`` may read tokens ``[begins[i], ends[i])`` of tensor row
         ``rows[i]`` (tokens counted in the tensor, so a view starting mid-row is handled).
@@ -148,13 +161,17 @@ class CacheRows:
         begins : sequence of int, optional
             First token each request reads (a sliding window's start); only looked at on
             sliding-window layers, whose released heads are unmapped too. Default: 0.
+        finite : bool, keyword only
+            The reads are a tile-loading kernel's, rounded up past each row's length: they must
+            also end within the tokens the cache keeps finite (``kv_tile_tokens``: the row's own
+            tokens and the zeros its ``step()`` wrote past them). Ignored without a tile rule.
 
         Raises
         ------
         UnmappedReadError
-            A request would read past ``mapped_tokens`` of its row, or below a sliding window's
-            released head. Attributes ``request``, ``slot``, ``length``, ``mapped_tokens`` (and
-            ``window_start``).
+            A request would read past ``mapped_tokens`` of its row, below a sliding window's
+            released head, or (``finite``) past its finite tokens. Attributes ``request``,
+            ``slot``, ``length``, ``mapped_tokens`` (and ``window_start``, ``finite_tokens``).
         InvalidSlotError
             A row outside the cache's ``[0, max_batch_size)``.
         CacheClosedError
@@ -166,7 +183,7 @@ class CacheRows:
         first: List[int] = []
         if begins is not None and self.windowed:
             first = [t0 + b for b in begins] if t0 else list(begins)
-        self._core.check_reads(self._tensor, slots, first, last)
+        self._core.check_reads(self._tensor, slots, first, last, finite)
 
 
 def cache_rows(tensor: torch.Tensor) -> Optional[CacheRows]:
@@ -198,4 +215,11 @@ def cache_rows(tensor: torch.Tensor) -> Optional[CacheRows]:
     ):
         return None
     first_slot, in_row = divmod(ptr - region.start, region.slot_bytes)
-    return CacheRows(core, region.tensor, first_slot, in_row // region.token_bytes, region.windowed)
+    return CacheRows(
+        core,
+        region.tensor,
+        first_slot,
+        in_row // region.token_bytes,
+        region.windowed,
+        region.tile_tokens,
+    )

@@ -218,6 +218,21 @@ class KVCacheConfig:
         pool, fresh driver pages). Default ``False``: a kernel that reads only ``[0, seq_len)``
         never sees another request's K/V, but one with padded reads, or a multi-tenant server
         that must not leak data between requests, should set it (docs/guide.md, "Scrubbing").
+    kv_tile_tokens : int, optional
+        The key tile, in tokens, of kernels that read a row past its length. FlashAttention 3
+        and 4 (``seqused_k`` / ``cache_seqlens`` over the whole ``[batch, max_seq, ...]``
+        tensor) load key tiles whole, so a row of ``len`` tokens is read up to ``len`` rounded
+        up to their tile. With ``kv_tile_tokens=T`` every row maps ``len`` rounded up to ``T``
+        (capped at ``max_seq_len``) and keeps the tokens past ``len`` up to there finite
+        (``step()`` and the prefetch thread zero what the row has not written since its pages
+        came to it, once), so a kernel whose tile divides ``T`` meets no unmapped page and no
+        stale NaN
+        (``P = 0`` times NaN is NaN). A sliding window keeps the tile below its first key
+        mapped too. ``None`` (default): 128 on CUDA caches whose slots own their pages (FA4's and
+        FA2's tiles at ``head_dim`` <= 128 divide it; it costs no page in the ``layer`` layout
+        when ``tokens_per_page`` is a multiple of it), 0 on the CPU (its kernels read exactly
+        ``[0, len)``) and with ``num_blocks`` (an engine's block table names what its kernels
+        read). 0: no rule (docs/architecture.md, "Past a row's length").
     sliding_window : int, sequence of int/None, or None
         Window ``W`` in tokens of sliding-window attention (a query at ``q`` reads keys
         ``(q - W, q]``). An int applies to every layer; a sequence gives one entry per layer, with
@@ -274,6 +289,7 @@ class KVCacheConfig:
     lookahead_tokens: int = 0
     reclaim: str = "deferred"
     scrub: bool = False
+    kv_tile_tokens: Optional[int] = None
     sliding_window: Window = None
     value_cache: bool = True
     num_blocks: Optional[int] = None
@@ -328,6 +344,8 @@ class KVCacheConfig:
             raise ConfigError(f"block_cache={self.block_cache!r} must be True or False")
         if self.block_cache and self.num_blocks is None:
             raise ConfigError("block_cache=True needs num_blocks (pages named by engine blocks)")
+        tile_tokens = self._tile_tokens()
+        object.__setattr__(self, "kv_tile_tokens", tile_tokens)
         if self.layer_groups is not None:
             if (
                 isinstance(self.layer_groups, (str, bytes))
@@ -361,8 +379,24 @@ class KVCacheConfig:
                 layer_kv_heads=list(self.layer_kv_heads) if per_layer else [],
                 layer_head_dims=list(self.layer_head_dims) if per_layer else [],
                 layer_groups=list(self.layer_groups or ()),
+                tile_tokens=tile_tokens,
             ),
         )
+
+    def _tile_tokens(self) -> int:
+        """``kv_tile_tokens`` checked, and its default resolved (see the class docstring)."""
+        tile = self.kv_tile_tokens
+        if tile is None:
+            return 128 if self.device.startswith("cuda") and self.num_blocks is None else 0
+        if isinstance(tile, bool) or not isinstance(tile, int) or tile < 0:
+            raise ConfigError(f"kv_tile_tokens={tile!r} must be an int >= 0 (0: no tile rule)")
+        if tile and self.num_blocks is not None:
+            raise ConfigError(
+                f"kv_tile_tokens={tile} needs a cache whose slots own their pages (no "
+                f"num_blocks={self.num_blocks}): an engine's block table names the pages its "
+                "kernels read; pass kv_tile_tokens=0"
+            )
+        return tile
 
     @property
     def geometry(self) -> _C.CacheGeometry:
@@ -486,5 +520,12 @@ class KVCacheConfig:
         return self.max_batch_size * self.max_seq_len * self.bytes_per_token
 
     def pages_for_tokens(self, num_tokens: int) -> int:
-        """Pages (over all tensors) needed to back ``num_tokens`` tokens of one slot."""
+        """Pages (over all tensors) needed to back ``num_tokens`` tokens of one slot (with
+        ``kv_tile_tokens`` a row of that length maps :meth:`read_end` ``(num_tokens)``'s)."""
         return self._geometry.pages_for(num_tokens) * self._geometry.columns
+
+    def read_end(self, num_tokens: int) -> int:
+        """One past the last token a tile-loading kernel reads of a row of ``num_tokens``
+        tokens: ``num_tokens`` rounded up to ``kv_tile_tokens`` (capped at ``max_seq_len``);
+        ``num_tokens`` itself without a tile rule. A row of that length maps that far."""
+        return self._geometry.read_end(num_tokens)

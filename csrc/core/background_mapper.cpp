@@ -45,13 +45,14 @@ bool BackgroundMapper::map_slot(int slot, int64_t target_tokens) {
   const size_t C = geo.columns();  // pages per page index
   size_t from = 0, to = 0;
   bool scrub = false;             // scrubber.enabled(), read under the lock
+  bool tail = false;  // the tile rule: zero the new pages, the row's tail (read_tail.h)
   std::vector<PageHandle> pages;  // this thread's copy of the flight's pages, read unlocked
   // 1. plan, under the lock.
   {
     Lock lock(guard_.mutex());  // per slot, so callers interleave with a long prefetch
     if (guard_.closed() || guard_.failed()) return false;
     if (!s.use.active()) return true;
-    to = geo.pages_for(target_tokens);
+    to = geo.read_pages(target_tokens);  // the target's read end (read_tail.h)
     from = s.pages.mapped();
     if (to <= from) return true;
     const size_t free_pages = parts_.pool.free();
@@ -66,6 +67,11 @@ bool BackgroundMapper::map_slot(int slot, int64_t target_tokens) {
     const std::vector<Growth> plan = {Growth{slot, from, to}};
     const uint64_t calls_before = parts_.driver_calls();
     scrub = parts_.scrubber.enabled();
+    // Under the tile rule, pages past a row that is finite up to its mapped end are its tail to
+    // be: zeroed here, without the lock, so the steps that reach them have nothing to zero. (A
+    // token straddling the boundary into page `from` would be half zeroed: left to the step.)
+    tail = geo.tile_tokens > 0 && s.pages.finite() == s.pages.backed() &&
+           geo.first_token_at(from) == geo.tokens_in(from);
     const uint64_t created_before = parts_.pool.pages_created();
     const uint64_t ns_before = parts_.pool.create_ns();
     auto count = [&] {
@@ -74,7 +80,7 @@ bool BackgroundMapper::map_slot(int slot, int64_t target_tokens) {
       counters.background_page_create_ns += parts_.pool.create_ns() - ns_before;
     };
     try {
-      if (scrub) parts_.scrubber.prepare();
+      if (scrub || tail) parts_.scrubber.prepare(tail);
       // Creates pages itself only if another caller took the ones just created.
       pages = parts_.supply.obtain((to - from) * C, plan, false);
     } catch (const Error& e) {
@@ -102,7 +108,7 @@ bool BackgroundMapper::map_slot(int slot, int64_t target_tokens) {
   } catch (...) {
     error = std::current_exception();  // map_pages unmapped what it mapped
   }
-  if (!error && scrub) {
+  if (!error && (scrub || tail)) {
     // The pages may hold a previous owner's K/V: zero them before anyone can see them, still
     // without the lock (rule R), so step() never waits behind the zeroing.
     try {
@@ -132,6 +138,14 @@ bool BackgroundMapper::map_slot(int slot, int64_t target_tokens) {
     parts_.supply.queue_eager(slot);
   }
   if (scrub) parts_.scrubber.count((to - from) * C);
+  // Nothing changed the row's finite tokens meanwhile (rule R; a step zeroes below `from`).
+  if (tail && s.pages.finite() == geo.tokens_in(from)) {
+    parts_.memory.set_finite(slot, s.pages.backed());
+    for (int t = 0; t < geo.num_tensors(); ++t) {
+      ++counters.tail_zero_calls;
+      counters.tail_zeroed_bytes += (to - from) * geo.index_bytes(t);
+    }
+  }
   const bool keep_going = !guard_.closed();
   lock.unlock();
   // Populating is the slow part on the host (~0.5 ms per 2 MB page) and needs no cache state:

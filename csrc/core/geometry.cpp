@@ -30,6 +30,11 @@ void CacheGeometry::validate() const {
   positive("max_batch_size", max_batch);
   positive("max_seq_len", max_seq);
   if (page_bytes < 1) throw Error(Error::Kind::Config, "page_size=0 bytes must be > 0 bytes");
+  if (tile_tokens < 0 || tile_tokens > (int64_t{1} << 30)) {
+    throw Error(Error::Kind::Config, "kv_tile_tokens=" + std::to_string(tile_tokens) +
+                                         " must be in [0, 2**30] (0: no tile rule)")
+        .with("kv_tile_tokens", tile_tokens);
+  }
   per_layer("num_kv_heads", layer_kv_heads);
   per_layer("head_dim", layer_head_dims);
   for (size_t l = 0; l < layer_kv_heads.size(); ++l) {

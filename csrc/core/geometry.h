@@ -10,6 +10,11 @@
 // `layer` layout has L tensors, `mega` one). windows[l] > 0 makes layer l a sliding-window layer
 // of W = windows[l] tokens: positions stay absolute and step() releases the pages of its tensors
 // that lie wholly before the window (window_release.h).
+//
+// Reads past a row's length: tile_tokens = T > 0 says kernels may load whole key tiles of a
+// divisor of T, so a row of `len` tokens is read up to read_end(len) = len rounded up to T (and
+// from a window's first key rounded down to T). Rows map that far and keep it finite
+// (read_tail.h); windows keep the tile below a window's first key mapped.
 #pragma once
 
 #include <cstddef>
@@ -41,6 +46,8 @@ struct CacheGeometry {
   // group's columns (K and V of its layers). Groups may differ in width (vLLM pads a group short
   // of layers); an engine may hand a block id from one group to another.
   std::vector<int64_t> layer_groups;
+  // Key tile in tokens that kernels reading the cache may load whole (0: none; read_tail.h).
+  int64_t tile_tokens = 0;
 
   // Throws Error(Kind::Config) naming the bad value and the limit. Python's KVCacheConfig calls
   // it through the bound geometry, so every check and its message live here only.
@@ -165,18 +172,27 @@ struct CacheGeometry {
     return false;
   }
   // Page indices of tensor t no query at position >= first_query can read: pages lying wholly
-  // before first_query - W + 1 (a query at q reads keys (q - W, q]). 0 for full-attention tensors.
+  // before first_query - W + 1 (a query at q reads keys (q - W, q]), rounded down to the tile a
+  // tile-loading kernel starts its window at. 0 for full-attention tensors.
   size_t releasable_pages(int t, int64_t first_query) const {
     const int64_t w = window(t);
-    const int64_t first_key = first_query - w + 1;
+    int64_t first_key = first_query - w + 1;
     if (w <= 0 || first_key <= 0) return 0;
+    if (tile_tokens > 0) first_key = first_key / tile_tokens * tile_tokens;
     return static_cast<size_t>(first_key) * unit_bytes() / page_bytes;
   }
   // Smallest first_query for which releasable_pages(t, .) >= pages (0 for pages == 0).
   int64_t query_releasing(int t, size_t pages) const {
     if (pages == 0) return 0;
     const size_t ub = unit_bytes();
-    return static_cast<int64_t>((pages * page_bytes + ub - 1) / ub) + window(t) - 1;
+    int64_t first_key = static_cast<int64_t>((pages * page_bytes + ub - 1) / ub);
+    if (tile_tokens > 0) first_key = (first_key + tile_tokens - 1) / tile_tokens * tile_tokens;
+    return first_key + window(t) - 1;
+  }
+  // First key a tile-loading kernel reads for a query window starting at `first_key`.
+  int64_t tile_floor(int64_t first_key) const {
+    if (tile_tokens <= 0 || first_key <= 0) return first_key;
+    return first_key / tile_tokens * tile_tokens;
   }
   // First token whose bytes lie wholly in page indices >= pages (tokens may straddle pages).
   int64_t first_token_at(size_t pages) const {
@@ -194,6 +210,21 @@ struct CacheGeometry {
   // Page indices a slot needs to back `tokens` tokens.
   size_t pages_for(int64_t tokens) const {
     return (static_cast<size_t>(tokens) * unit_bytes() + page_bytes - 1) / page_bytes;
+  }
+  // One past the last token a kernel reads of a row of `len` tokens: len rounded up to
+  // tile_tokens (capped at max_seq); len itself without a tile or for an empty row.
+  int64_t read_end(int64_t len) const {
+    if (tile_tokens <= 0 || len <= 0) return len;
+    if (tile_tokens >= max_seq) return max_seq;
+    const int64_t end = (len + tile_tokens - 1) / tile_tokens * tile_tokens;
+    return end < max_seq ? end : max_seq;
+  }
+  // Page indices a row of `len` tokens maps: its read end's.
+  size_t read_pages(int64_t len) const { return pages_for(read_end(len)); }
+  // The longest length whose read end lies within `tokens` (tokens itself without a tile).
+  int64_t read_fits(int64_t tokens) const {
+    if (tile_tokens <= 0 || tokens >= max_seq) return tokens < max_seq ? tokens : max_seq;
+    return tokens / tile_tokens * tile_tokens;
   }
   // Tokens fully backed by `pages` page indices.
   int64_t tokens_in(size_t pages) const {

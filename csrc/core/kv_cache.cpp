@@ -47,6 +47,13 @@ std::unique_ptr<KVCacheCore> make_cache(std::unique_ptr<Backend> backend,
     throw Error(Error::Kind::Config, "num_blocks=" + std::to_string(options.num_blocks) +
                                          " must be >= 0 (0: pages owned by slots)");
   }
+  if (options.num_blocks > 0 && geometry.tile_tokens > 0) {
+    throw Error(Error::Kind::Config,
+                "kv_tile_tokens=" + std::to_string(geometry.tile_tokens) +
+                    " needs a cache whose slots own their pages (no num_blocks): an engine's block "
+                    "table names the pages its kernels read; pass kv_tile_tokens=0")
+        .with("kv_tile_tokens", geometry.tile_tokens);
+  }
   if (options.num_blocks == 0) {
     if (options.block_cache) {
       throw Error(Error::Kind::Config,
@@ -144,7 +151,7 @@ std::vector<Growth> KVCacheCore::plan_step(const std::vector<int64_t>& lens) {
   for (size_t i = 0; i < lens.size(); ++i) {
     if (lens[i] == kUnlisted) continue;
     windows_.check(static_cast<int>(i), lens[i], "seq_lens[slot]");
-    const size_t need = geo_.pages_for(lens[i]);
+    const size_t need = geo_.read_pages(lens[i]);  // its read end (read_tail.h)
     const size_t mapped = slots_[i].pages.mapped();
     if (need > mapped) plan.push_back(Growth{static_cast<int>(i), mapped, need});
   }
@@ -152,7 +159,7 @@ std::vector<Growth> KVCacheCore::plan_step(const std::vector<int64_t>& lens) {
 }
 
 bool KVCacheCore::backed_as_is(const std::vector<int64_t>& lens) {
-  // The decode hot path: one pass, no division (backed() is cached). Work the prefetch thread
+  // The decode hot path: one pass, no division (ready() is cached). Work the prefetch thread
   // still has queued is for later iterations: no need to wait for it.
   guard_.check_open();
   guard_.rethrow_background_error();
@@ -165,7 +172,7 @@ bool KVCacheCore::backed_as_is(const std::vector<int64_t>& lens) {
     if (len < 0 || len > geo_.max_seq || !s.use.active()) {
       slots_.validate_lens(lens, true);  // throws the precise error
     }
-    if (len > s.pages.backed()) return false;
+    if (len > s.pages.ready()) return false;  // a page to map, or a tail to zero
     // A window page to release (release_at is INT64_MAX without windows), or a rewind to check.
     const int64_t old = s.use.seq_len();
     if (std::min(old, len - 1) >= s.pages.release_at() || (len < old && s.pages.has_holes())) {
@@ -196,13 +203,13 @@ Capacity KVCacheCore::capacity(const std::vector<int64_t>& lens,
   std::vector<Growth> plan;  // as plan_step() makes it: the slots that grow
   for (size_t i = 0; i < lens.size(); ++i) {
     if (lens[i] == kUnlisted) continue;
-    const size_t need = geo_.pages_for(lens[i]);
+    const size_t need = geo_.read_pages(lens[i]);
     const size_t mapped = slots_[i].pages.mapped();
     if (need <= mapped) continue;
     plan.push_back(Growth{static_cast<int>(i), mapped, need});
     c.pages_needed += (need - mapped) * C;
   }
-  for (int64_t len : new_lens) c.pages_needed += geo_.pages_for(len) * C;
+  for (int64_t len : new_lens) c.pages_needed += geo_.read_pages(len) * C;
   // Pages the prefetch thread holds in flight become trimmable look-ahead once published.
   const size_t in_flight = gate_.flight().pages.size();
   c.pages_free = pool_.free();
@@ -232,7 +239,7 @@ void KVCacheCore::prefetch(const std::vector<int64_t>& lens, int64_t lookahead_t
       if (lens[i] == kUnlisted) continue;
       job[i] = std::min(geo_.max_seq, lens[i] + ahead);
       const Slot& s = slots_[i];
-      work = work || (s.use.active() && geo_.pages_for(job[i]) > s.pages.mapped());
+      work = work || (s.use.active() && geo_.read_pages(job[i]) > s.pages.mapped());
     }
     // Most decode steps need no new page: waking the thread for nothing would cost a context
     // switch per step on a machine whose cores the model's threads keep busy. A job ends with
@@ -402,8 +409,8 @@ std::vector<int64_t> KVCacheCore::window_starts(int slot) const {
 }
 
 void KVCacheCore::check_reads(int tensor, const std::vector<int64_t>& slots,
-                              const std::vector<int64_t>& begins,
-                              const std::vector<int64_t>& ends) const {
+                              const std::vector<int64_t>& begins, const std::vector<int64_t>& ends,
+                              bool finite) const {
   Lock lock(guard_.mutex());
   guard_.check_open();
   if (tensor < 0 || tensor >= geo_.num_tensors()) {
@@ -429,6 +436,21 @@ void KVCacheCore::check_reads(int tensor, const std::vector<int64_t>& slots,
           .with("slot", slot)
           .with("length", end)
           .with("mapped_tokens", mapped);
+    }
+    if (finite && geo_.tile_tokens > 0 && end > p.finite()) {
+      const std::string row = std::to_string(slot);
+      throw Error(Error::Kind::UnmappedRead,
+                  "request " + std::to_string(i) + " reads whole tiles up to token " +
+                      std::to_string(end) + " of cache row " + row + ", but only tokens [0, " +
+                      std::to_string(p.finite()) +
+                      ") are known finite (its length, and the zeros step() wrote past it): a "
+                      "stale NaN there would reach the output; call KVCache.step({" +
+                      row + ": length}) with the length the kernel is given first")
+          .with("request", static_cast<int64_t>(i))
+          .with("slot", slot)
+          .with("length", end)
+          .with("mapped_tokens", mapped)
+          .with("finite_tokens", p.finite());
     }
     if (i >= begins.size() || !p.has_holes()) continue;
     const int64_t start = geo_.first_token_at(p.head(static_cast<size_t>(tensor)));

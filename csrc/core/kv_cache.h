@@ -201,9 +201,12 @@ class KVCacheCore {
   // A kernel's reads, checked before it runs: request i reads tokens [begins[i], ends[i]) of row
   // slots[i] in tensor t (begins empty: from token 0). Throws Error(UnmappedRead) naming the
   // first request whose range is not backed (past mapped_tokens, or below a sliding window's
-  // released head), InvalidSlot for a row out of range. Changes nothing; one lock for the batch.
+  // released head), InvalidSlot for a row out of range. With `finite` (a tile-loading kernel's
+  // rounded reads, under a tile rule) the range must also end within the row's finite tokens
+  // (read_tail.h: what its step() zeroed past its length). Changes nothing; one lock.
   void check_reads(int tensor, const std::vector<int64_t>& slots,
-                   const std::vector<int64_t>& begins, const std::vector<int64_t>& ends) const;
+                   const std::vector<int64_t>& begins, const std::vector<int64_t>& ends,
+                   bool finite = false) const;
   // Active slots to preempt, in order, until their pages that would really return to the pool
   // reach bytes_needed: least recently stepped first, ties by fewest tokens, then lowest index.
   std::vector<int> pick_victims(size_t bytes_needed) const;

@@ -54,7 +54,7 @@ void PageSupply::drain_eager() {
 size_t PageSupply::keep_pages(size_t i, const std::vector<int64_t>* lens) const {
   int64_t len = slots_[i].use.seq_len();
   if (lens != nullptr && (*lens)[i] != SlotTable::kUnlisted) len = std::max(len, (*lens)[i]);
-  return geo_.pages_for(len);
+  return geo_.read_pages(len);
 }
 
 size_t PageSupply::spare(const std::vector<Growth>& plan, bool allow_trim,
@@ -139,7 +139,7 @@ size_t PageSupply::release_spare(size_t n, const std::vector<Growth>& plan, bool
       for (size_t i = 0; i < slots_.size(); ++i) {
         const Slot& s = slots_[i];
         if (!s.use.active() || gate_.in_flight(i) || growing(plan, i)) continue;
-        const size_t keep = geo_.pages_for(s.use.seq_len());
+        const size_t keep = geo_.read_pages(s.use.seq_len());
         const size_t mapped = s.pages.mapped();
         if (mapped > keep && mapped - keep > best_excess) {
           best_excess = mapped - keep;

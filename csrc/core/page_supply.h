@@ -72,7 +72,8 @@ class PageSupply {
  private:
   size_t freeable_spare(const std::vector<Growth>& plan, bool allow_trim,
                         const std::vector<int64_t>* lens) const;
-  // Page indices of slot i that trimming must keep: its length's (the larger with `lens`).
+  // Page indices of slot i that trimming must keep: its length's read end (the larger length
+  // with `lens`).
   size_t keep_pages(size_t i, const std::vector<int64_t>* lens) const;
 
   const CacheGeometry& geo_;

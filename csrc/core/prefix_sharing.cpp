@@ -52,7 +52,7 @@ void PrefixSharing::share(int src, int dst, int64_t num_tokens, uintptr_t stream
   // In page-index units: tensor t holds index_pages(t) times these bytes (geometry.h).
   const size_t used_bytes = static_cast<size_t>(num_tokens) * geo.unit_bytes();
   const size_t full = used_bytes / P;                  // page indices wholly inside: shared
-  const size_t need = geo.pages_for(num_tokens);       // full, or full + 1 with a partial page
+  const size_t need = geo.read_pages(num_tokens);      // full, or more: a partial page, a tile
   const size_t partial_bytes = used_bytes - full * P;  // prefix bytes of the partial page index
   const SlotPages& s = parts_.slots[static_cast<size_t>(src)].pages;
 
@@ -81,14 +81,19 @@ void PrefixSharing::share(int src, int dst, int64_t num_tokens, uintptr_t stream
   for (size_t i = 0; i < full * C; ++i) {
     if (handles[i] != kNoPage) parts_.pool.share(handles[i]);  // released window pages stay holes
   }
-  if (partial_bytes > 0) {
+  const int64_t read_end = geo.read_end(num_tokens);
+  if (partial_bytes > 0 || read_end > num_tokens) {
     try {
-      parts_.scrubber.scrub(dst, full, need, stream);  // the fresh page: zeros past the prefix
-      for (int t = 0; t < T; ++t) {
-        parts_.backend.copy(parts_.mapper.page_va(t, dst, full),
-                            parts_.mapper.page_va(t, src, full), partial_bytes * geo.index_pages(t),
-                            stream);
+      parts_.scrubber.scrub(dst, full, need, stream);  // the fresh pages: zeros past the prefix
+      if (partial_bytes > 0) {
+        for (int t = 0; t < T; ++t) {
+          parts_.backend.copy(parts_.mapper.page_va(t, dst, full),
+                              parts_.mapper.page_va(t, src, full),
+                              partial_bytes * geo.index_pages(t), stream);
+        }
       }
+      // What a tile-loading kernel reads past num_tokens: dst's own pages (past the shared ones).
+      tail_.settle(dst, num_tokens, stream);
       parts_.memory.sync_stream(stream);
     } catch (...) {
       try {
@@ -97,12 +102,15 @@ void PrefixSharing::share(int src, int dst, int64_t num_tokens, uintptr_t stream
       }
       throw;
     }
-    for (int t = 0; t < T; ++t) {  // pages the partial copies touched
+    for (int t = 0; t < T && partial_bytes > 0; ++t) {  // pages the partial copies touched
       cow_pages_copied_ += (partial_bytes * geo.index_pages(t) + P - 1) / P;
     }
   }
   parts_.memory.forget_fence(dst);
   parts_.slots.activate(dst, num_tokens);
+  // The shared prefix is src's data; past it settle() zeroed dst's own pages and recorded them
+  // finite. Without a partial page or a tile to zero, the prefix ends on a page boundary.
+  if (partial_bytes == 0 && read_end == num_tokens) parts_.memory.set_finite(dst, num_tokens);
   parts_.memory.set_read_only(dst, full);
   parts_.memory.set_read_only(src, std::max(s.read_only(), full));
 }

@@ -22,6 +22,7 @@
 
 #include "core/cache_feature.h"
 #include "core/cache_parts.h"
+#include "core/read_tail.h"
 #include "core/staging_page.h"
 #include "core/window_release.h"
 
@@ -29,8 +30,9 @@ namespace vattention {
 
 class PrefixSharing final : public CacheFeature {
  public:
-  PrefixSharing(CacheParts& parts, const WindowRelease& windows, StagingPage& staging)
-      : parts_(parts), windows_(windows), staging_(staging) {}
+  PrefixSharing(CacheParts& parts, const WindowRelease& windows, ReadTail& tail,
+                StagingPage& staging)
+      : parts_(parts), windows_(windows), tail_(tail), staging_(staging) {}
 
   // Throws InvalidSlot/SequenceTooLong unless src is active and [0, num_tokens) of it can be
   // shared (within its length, and not below a released window).
@@ -39,7 +41,9 @@ class PrefixSharing final : public CacheFeature {
   // fresh (seq_len 0). Throws InvalidSlot/SequenceTooLong naming the bad one.
   void check_pair(int src, int dst, int64_t num_tokens) const;
   // Makes dst (free, idle, or active and fresh) an active slot whose tokens [0, num_tokens) equal
-  // src's: full pages shared, the partial last page copied. OutOfPages/Driver: nothing changed.
+  // src's: full pages shared, the partial last page copied; under a tile rule dst maps its read
+  // end and its tail past num_tokens is zeroed (pages of its own). OutOfPages/Driver: nothing
+  // changed.
   void share(int src, int dst, int64_t num_tokens, uintptr_t stream);
   // Replaces every shared page of `slot` from the page holding start_token on with a private
   // copy. Returns the pages copied. All or nothing.
@@ -56,6 +60,7 @@ class PrefixSharing final : public CacheFeature {
  private:
   CacheParts& parts_;
   const WindowRelease& windows_;
+  ReadTail& tail_;
   StagingPage& staging_;
   uint64_t cow_pages_copied_ = 0;  // pages copied by fork/share_prefix/ensure_private
 };

@@ -19,8 +19,8 @@ void Scrubber::scrub(int slot, size_t from, size_t to, uintptr_t stream) {
   scrubbed_pages_ += (to - from) * geo_.columns();
 }
 
-void Scrubber::prepare() {
-  if (!enabled_ || own_stream_ready_) return;
+void Scrubber::prepare(bool force) {
+  if ((!enabled_ && !force) || own_stream_ready_) return;
   own_stream_ = backend_.create_stream();
   own_stream_ready_ = true;
 }

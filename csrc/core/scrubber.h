@@ -45,8 +45,9 @@ class Scrubber final : public CacheFeature {
   // With scrub on: zeroes page indices [from, to) of `slot` in every tensor (mapped, with access)
   // on `stream` and counts them.
   void scrub(int slot, size_t from, size_t to, uintptr_t stream);
-  // With scrub on: makes the scrubber's own stream (under the cache mutex, before zero()).
-  void prepare();
+  // With scrub on, or `force` (the tile rule's zeroing by the prefetch thread): makes the
+  // scrubber's own stream (under the cache mutex, before zero()).
+  void prepare(bool force = false);
   // Zeroes [from, to) of `slot` in every tensor on the scrubber's own stream and waits for it,
   // without counting; touches no cache state (prepare() first), so it may run without the cache
   // mutex on a range its caller alone maps.

@@ -59,8 +59,14 @@ class SlotPages {
 
   // Page indices [0, mapped) are mapped in every tensor (but below head(t), see below).
   size_t mapped() const { return mapped_; }
-  // Tokens those pages back (geometry.tokens_in(mapped)), kept for the decode fast path.
+  // Tokens those pages back (geometry.tokens_in(mapped)).
   int64_t backed() const { return backed_; }
+  // Tokens [0, finite) hold finite values: the request's own (below its length) or zeros the
+  // cache wrote past it (read_tail.h). Never past backed(); kept only under a tile rule.
+  int64_t finite() const { return finite_; }
+  // The longest length a step may give the row with nothing to map or zero: its read end is
+  // backed and finite (backed() without a tile rule). Kept for the decode fast path.
+  int64_t ready() const { return ready_; }
   // mapped * columns handles, index p * columns + column (geometry.h; a column is one page of a
   // tensor's run at a page index). kNoPage where a window released the page.
   const std::vector<PageHandle>& handles() const { return handles_; }
@@ -95,8 +101,15 @@ class SlotPages {
     }
   }
 
+  // Recomputes ready_ from backed_ and finite_ (after either changed).
+  void refresh_ready(const CacheGeometry& g) {
+    ready_ = g.tile_tokens > 0 ? g.read_fits(std::min(backed_, finite_)) : backed_;
+  }
+
   size_t mapped_ = 0;
   int64_t backed_ = 0;
+  int64_t finite_ = 0;
+  int64_t ready_ = 0;
   std::vector<PageHandle> handles_;
   std::vector<size_t> head_;  // empty, or one per tensor (not all zero)
   int64_t release_at_ = std::numeric_limits<int64_t>::max();

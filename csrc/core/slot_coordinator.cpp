@@ -8,12 +8,13 @@ namespace vattention {
 SlotCoordinator::SlotCoordinator(std::unique_ptr<Backend> backend, const CacheGeometry& geometry,
                                  const CacheOptions& options)
     : KVCacheCore(std::move(backend), geometry, options),
+      tail_(parts_),
       staging_(*backend_, pool_, counters_),
-      sharing_(parts_, windows_, staging_),
+      sharing_(parts_, windows_, tail_, staging_),
       swap_(parts_, staging_) {
   // check() runs in this order: the sharing check counts the rows' mappings and the swap
   // handles' references; stats() lists the entries in this order too.
-  features_ = {&windows_, &swap_, &sharing_, &scrubber_, &staging_};
+  features_ = {&windows_, &swap_, &sharing_, &scrubber_, &staging_, &tail_};
 }
 
 SlotCoordinator::~SlotCoordinator() {
@@ -38,10 +39,12 @@ int SlotCoordinator::take_slot(const BlockIds* hits, uintptr_t stream) {
   supply_.drain_eager();
   const int slot = slots_.pick_for_alloc();
   // In this order: released window pages (the new request starts at token 0), pages another row
-  // still reads, then zeros over what the new request inherits.
+  // still reads, then zeros over what the new request inherits. Nothing of the row is finite for
+  // the new request: its first step zeroes the tail its reads pass.
   windows_.clear(slot);
   sharing_.clear(slot);
   scrubber_.scrub(slot, 0, slots_[static_cast<size_t>(slot)].pages.mapped(), stream);
+  tail_.forget(slot);
   return slot;
 }
 
@@ -82,6 +85,8 @@ void SlotCoordinator::step(const std::vector<int64_t>& lens,
     gate_.await_publish(lock);  // only this mapping: the thread may go on to other slots meanwhile
     plan = plan_step(lens);
   }
+  // The tails this step's reads pass (rows whose read end moved past their finite tokens).
+  std::vector<ReadTail::Zeroing> tails = tail_.plan(lens);
   const std::vector<int64_t> old_lens =
       step_transaction(lens, [&](const std::vector<int64_t>& old) {
         try {
@@ -94,7 +99,14 @@ void SlotCoordinator::step(const std::vector<int64_t>& lens,
           --counters_.oom_events;  // not raised after all unless the retry fails too
           grow(plan, stream);
         }
+        try {
+          tail_.zero(tails, stream);  // in pages the rows map now
+        } catch (...) {
+          shrink_back(plan);
+          throw;
+        }
       });
+  tail_.commit(tails);
   windows_.release(lens, old_lens, stream);
   background_.top_up(lock, *prefetcher_);
 }
@@ -121,14 +133,18 @@ void SlotCoordinator::grow(const std::vector<Growth>& plan, uintptr_t stream) {
       scrubber_.scrub(g.slot, g.from, g.to, stream);  // a failure unmaps this growth too
     }
   } catch (...) {
-    for (size_t k = 0; k < done; ++k) {
-      try {
-        memory_.unmap_tail(plan[k].slot, plan[k].from);
-      } catch (...) {
-      }
-    }
+    shrink_back(std::vector<Growth>(plan.begin(), plan.begin() + static_cast<long>(done)));
     for (size_t i = used; i < pages.size(); ++i) pool_.release(pages[i]);
     throw;
+  }
+}
+
+void SlotCoordinator::shrink_back(const std::vector<Growth>& plan) {
+  for (const Growth& g : plan) {
+    try {
+      memory_.unmap_tail(g.slot, g.from);
+    } catch (...) {
+    }
   }
 }
 

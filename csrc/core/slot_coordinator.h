@@ -5,7 +5,8 @@
 // thread, which maps other rows outside the lock (rule R, prefetch_gate.h). Rows share pages
 // through fork/share_prefix (copy-on-write by contract: a read-only prefix) and leave to host
 // memory through swap. Its parts: the shared ones (kv_cache.h) plus PrefixSharing, SwapManager
-// and the StagingPage both copy through.
+// and the StagingPage both copy through, and ReadTail, which keeps what tile-loading kernels read
+// past a row's length mapped and finite (the tile rule).
 #pragma once
 
 #include <memory>
@@ -13,6 +14,7 @@
 
 #include "core/kv_cache.h"
 #include "core/prefix_sharing.h"
+#include "core/read_tail.h"
 #include "core/staging_page.h"
 #include "core/swap_manager.h"
 
@@ -49,9 +51,13 @@ class SlotCoordinator final : public KVCacheCore {
   // Maps the growth plan (all or nothing), zeroing on `stream` with scrub on. Throws
   // OutOfPages/Driver with state unchanged.
   void grow(const std::vector<Growth>& plan, uintptr_t stream);
+  // Undoes a growth grow() completed: unmaps each row back to where it was (best effort: the
+  // first error is the caller's).
+  void shrink_back(const std::vector<Growth>& plan);
   // Takes the mutex as every call does, then throws Config for `call` (release_blocks).
   [[noreturn]] void refuse(const char* call) const;
 
+  ReadTail tail_;
   StagingPage staging_;
   PrefixSharing sharing_;
   SwapManager swap_;

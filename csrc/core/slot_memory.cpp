@@ -49,6 +49,7 @@ void SlotMemory::append(SlotPages& s, size_t from, size_t to, const PageHandle* 
   }
   s.mapped_ = to;
   s.backed_ = geo_.tokens_in(to);
+  s.refresh_ready(geo_);
   if (holes) s.refresh_release_at(geo_);
 }
 
@@ -120,6 +121,8 @@ size_t SlotMemory::unmap_tail(int slot, size_t keep) {
   s.handles_.resize(keep * C);
   s.mapped_ = keep;
   s.backed_ = geo_.tokens_in(keep);
+  s.finite_ = std::min(s.finite_, s.backed_);
+  s.refresh_ready(geo_);
   if (!s.head_.empty()) {
     bool any = false;
     for (size_t& h : s.head_) {
@@ -183,6 +186,12 @@ PageHandle SlotMemory::replace_page(int slot, size_t k, PageHandle page) {
   s.handles_[k] = page;
   pool_.release(old);
   return old;
+}
+
+void SlotMemory::set_finite(int slot, int64_t tokens) {
+  SlotPages& s = row(slot);
+  s.finite_ = std::min(tokens, s.backed_);
+  s.refresh_ready(geo_);
 }
 
 void SlotMemory::set_read_only(int slot, size_t pages) { row(slot).read_only_ = pages; }

@@ -85,6 +85,10 @@ class SlotMemory {
   // with a free() fence waits for it first.
   PageHandle replace_page(int slot, size_t k, PageHandle page);
 
+  // ---- finite tokens (read_tail.h) ----------------------------------------------------------
+  // Tokens [0, tokens) of `slot` hold finite values from now on (tokens <= backed).
+  void set_finite(int slot, int64_t tokens);
+
   // ---- the read-only prefix -------------------------------------------------------------------
   // Page indices [0, pages) of `slot` are read-only from now on (slot.h, SlotPages::read_only).
   void set_read_only(int slot, size_t pages);

@@ -34,6 +34,10 @@ struct CacheCounters {
   uint64_t step_page_create_ns = 0;
   uint64_t background_pages_created = 0;
   uint64_t background_page_create_ns = 0;
+  // The tile rule (read_tail.h): Backend::zero calls made past rows' lengths (by steps, fork and
+  // the prefetch thread) and the bytes they zeroed.
+  uint64_t tail_zero_calls = 0;
+  uint64_t tail_zeroed_bytes = 0;
 
   // VMM driver calls so far: map, set_access, unmap here, create/destroy from the pool's counts.
   uint64_t driver_calls(uint64_t pages_created, uint64_t pages_destroyed) const {

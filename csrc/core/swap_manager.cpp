@@ -35,7 +35,8 @@ int64_t SwapManager::swap_out(int slot, uintptr_t stream) {
   const std::vector<PageHandle>& pages = s.pages.handles();
   const size_t C = parts_.geo.columns();
   const size_t P = parts_.geo.page_bytes;
-  const size_t n = parts_.geo.pages_for(s.use.seq_len());
+  // Its read end's pages (read_tail.h: a zeroed tail comes back with them).
+  const size_t n = std::min(s.pages.mapped(), parts_.geo.read_pages(s.use.seq_len()));
 
   // Pages some other active slot maps stay on the device; everything else this slot saves, and
   // every page handles keep by reference that no active slot maps any more, goes to host once.
@@ -75,6 +76,7 @@ int64_t SwapManager::swap_out(int slot, uintptr_t stream) {
   record.seq_len = s.use.seq_len();
   record.pages = n;
   record.read_only = std::min(s.pages.read_only(), n);
+  record.finite = std::min(s.pages.finite(), parts_.geo.tokens_in(n));
   record.entries.resize(n * C);
   for (size_t i = 0; i < n * C; ++i) {
     if (pages[i] == kNoPage) {
@@ -159,6 +161,7 @@ int SwapManager::swap_in(int64_t handle, uintptr_t stream) {
   parts_.memory.forget_fence(slot);
   parts_.slots.activate(slot, rec.seq_len);
   parts_.memory.set_read_only(slot, rec.read_only);
+  parts_.memory.set_finite(slot, rec.finite);  // bit-identical pages: what was finite still is
   swap_in_pages_ += from_host;
   store_.erase(handle);
   return slot;

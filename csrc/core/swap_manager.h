@@ -32,7 +32,7 @@ class SwapManager final : public CacheFeature {
   SwapManager(CacheParts& parts, StagingPage& staging)
       : parts_(parts), staging_(staging), store_(parts.backend, parts.geo.page_bytes) {}
 
-  // Saves the active slot's pages [0, pages_for(seq_len)) and frees the slot (its pages are
+  // Saves the active slot's pages [0, read_pages(seq_len)) and frees the slot (its pages are
   // unmapped at once). Throws SwapSpace (nothing changed) when the swap budget is too small.
   int64_t swap_out(int slot, uintptr_t stream);
   // Restores a handle into a fresh slot (SlotTable::pick_fresh), bit-identical, with the same

@@ -32,7 +32,8 @@ struct SwapEntry {
 
 struct SwapRecord {
   int64_t seq_len = 0;  // tokens the slot held (its last step() length)
-  size_t pages = 0;  // page indices saved: [0, pages), pages_for(seq_len)
+  size_t pages = 0;  // page indices saved: [0, pages), read_pages(seq_len)
+  int64_t finite = 0;  // the slot's finite tokens (read_tail.h), restored by swap-in
   size_t read_only = 0;  // the slot's read-only prefix (page indices), restored by swap-in
   std::vector<SwapEntry> entries;  // pages * columns, index p * columns + column (as a row's)
 };

@@ -77,13 +77,16 @@ void WindowRelease::check(int slot, int64_t len, const char* what) const {
   for (size_t t = 0; t < static_cast<size_t>(parts_.geo.num_tensors()); ++t) {
     const int64_t w = parts_.geo.window(static_cast<int>(t));
     const int64_t start = parts_.geo.first_token_at(s.head(t));
-    if (s.head(t) == 0 || len - w >= start) continue;
-    throw Error(Error::Kind::SequenceTooLong,
-                std::string(what) + "=" + std::to_string(len) + " for slot " +
-                    std::to_string(slot) + " needs keys from token " +
-                    std::to_string(std::max<int64_t>(0, len - w)) + " (sliding_window=" +
-                    std::to_string(w) + "), but tokens below " + std::to_string(start) +
-                    " were released; lengths must be >= " + std::to_string(start + w))
+    // A tile-loading kernel starts at the tile of the first key (read_tail.h).
+    if (s.head(t) == 0 || parts_.geo.tile_floor(len - w) >= start) continue;
+    const int64_t tile = parts_.geo.tile_tokens;
+    const int64_t least = (tile > 0 ? (start + tile - 1) / tile * tile : start) + w;
+    throw Error(
+        Error::Kind::SequenceTooLong,
+        std::string(what) + "=" + std::to_string(len) + " for slot " + std::to_string(slot) +
+            " needs keys from token " + std::to_string(std::max<int64_t>(0, len - w)) +
+            " (sliding_window=" + std::to_string(w) + "), but tokens below " +
+            std::to_string(start) + " were released; lengths must be >= " + std::to_string(least))
         .with("slot", slot)
         .with("seq_len", len)
         .with("window_start", start);

@@ -10,7 +10,8 @@
 // convention; FlashAttention window_size=(W - 1, 0)). So pages wholly before min(old, len - 1) - W
 // + 1 are released; a prefill (old = 0) releases nothing, a decode step (old = len - 1) releases
 // pages wholly before len - W. (vLLM's sliding-window manager frees a block by the same rule:
-// blocks wholly before num_computed_tokens - W + 1.)
+// blocks wholly before num_computed_tokens - W + 1.) Under a tile rule (read_tail.h) the first
+// key is rounded down to the tile, where a tile-loading kernel starts its window.
 //
 // This part is the policy (which pages, when); SlotMemory::release_front does the unmapping and
 // owns the record: released page indices stay in the row's handles as kNoPage below head(t) (a

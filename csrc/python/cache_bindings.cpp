@@ -439,7 +439,7 @@ void bind_cache(py::module_& m) {
       .def("pick_victims", &KVCacheCore::pick_victims, py::arg("bytes_needed"))
       .def("window_starts", &KVCacheCore::window_starts, py::arg("slot"))
       .def("check_reads", &KVCacheCore::check_reads, py::arg("tensor"), py::arg("slots"),
-           py::arg("begins"), py::arg("ends"))
+           py::arg("begins"), py::arg("ends"), py::arg("finite") = false)
       .def("close", &KVCacheCore::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("closed", &KVCacheCore::closed)
       .def_property_readonly("backend_name", [](KVCacheCore& c) { return c.backend().name(); })

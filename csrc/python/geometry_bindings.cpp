@@ -20,7 +20,7 @@ CacheGeometry make(int64_t num_layers, int64_t num_kv_heads, int64_t head_dim,
                    int64_t element_bytes, int64_t max_batch, int64_t max_seq, size_t page_bytes,
                    bool mega, bool value_cache, std::vector<int64_t> windows,
                    std::vector<int64_t> layer_kv_heads, std::vector<int64_t> layer_head_dims,
-                   std::vector<int64_t> layer_groups) {
+                   std::vector<int64_t> layer_groups, int64_t tile_tokens) {
   CacheGeometry g;
   g.num_layers = num_layers;
   g.num_kv_heads = num_kv_heads;
@@ -35,6 +35,7 @@ CacheGeometry make(int64_t num_layers, int64_t num_kv_heads, int64_t head_dim,
   g.layer_kv_heads = std::move(layer_kv_heads);
   g.layer_head_dims = std::move(layer_head_dims);
   g.layer_groups = std::move(layer_groups);
+  g.tile_tokens = tile_tokens;
   g.validate();
   g.derive();
   return g;
@@ -61,8 +62,10 @@ void bind_geometry(py::module_& m) {
            py::arg("windows") = std::vector<int64_t>{},
            py::arg("layer_kv_heads") = std::vector<int64_t>{},
            py::arg("layer_head_dims") = std::vector<int64_t>{},
-           py::arg("layer_groups") = std::vector<int64_t>{})
+           py::arg("layer_groups") = std::vector<int64_t>{}, py::arg("tile_tokens") = 0)
       .def_readonly("num_layers", &CacheGeometry::num_layers)
+      .def_readonly("tile_tokens", &CacheGeometry::tile_tokens,
+                    "Key tile (tokens) that kernels may load whole past a row's length; 0: none.")
       .def_readonly("element_bytes", &CacheGeometry::element_bytes)
       .def_readonly("max_batch", &CacheGeometry::max_batch)
       .def_readonly("max_seq", &CacheGeometry::max_seq)
@@ -106,18 +109,24 @@ void bind_geometry(py::module_& m) {
       .def("pages_for", &CacheGeometry::pages_for, py::arg("tokens"),
            "Page indices one slot needs to back `tokens` tokens.")
       .def("tokens_in", &CacheGeometry::tokens_in, py::arg("pages"))
+      .def("read_end", &CacheGeometry::read_end, py::arg("tokens"),
+           "One past the last token a tile-loading kernel reads of a row of `tokens` tokens.")
+      .def("read_pages", &CacheGeometry::read_pages, py::arg("tokens"),
+           "Page indices a row of `tokens` tokens maps: its read end's.")
       .def(py::pickle(
           [](const CacheGeometry& g) {
             return py::make_tuple(g.num_layers, g.num_kv_heads, g.head_dim, g.element_bytes,
                                   g.max_batch, g.max_seq, g.page_bytes, g.mega, g.value_cache,
-                                  g.windows, g.layer_kv_heads, g.layer_head_dims, g.layer_groups);
+                                  g.windows, g.layer_kv_heads, g.layer_head_dims, g.layer_groups,
+                                  g.tile_tokens);
           },
           [](const py::tuple& t) {
             return make(t[0].cast<int64_t>(), t[1].cast<int64_t>(), t[2].cast<int64_t>(),
                         t[3].cast<int64_t>(), t[4].cast<int64_t>(), t[5].cast<int64_t>(),
                         t[6].cast<size_t>(), t[7].cast<bool>(), t[8].cast<bool>(),
                         t[9].cast<std::vector<int64_t>>(), t[10].cast<std::vector<int64_t>>(),
-                        t[11].cast<std::vector<int64_t>>(), t[12].cast<std::vector<int64_t>>());
+                        t[11].cast<std::vector<int64_t>>(), t[12].cast<std::vector<int64_t>>(),
+                        t[13].cast<int64_t>());
           }));
 }
 
