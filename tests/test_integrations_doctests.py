@@ -14,6 +14,7 @@ import pytest
     [
         "vattention.integrations.original_api",
         "vattention.integrations.flash_attn",
+        "vattention.integrations.flash_attn4",
         "vattention.integrations.transformers",
         "vattention.integrations.vllm.kv_layout",
         "vattention.integrations.vllm.prefix_hint",

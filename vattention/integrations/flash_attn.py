@@ -17,6 +17,10 @@ signature over the right kernel for the tensors' device; the kernels themselves 
 * :func:`prefill` -- the prompt (or a chunk of it, ``start > 0``) of one slot.
 * :func:`flash_attn_with_kvcache_reference` -- the same semantics with torch SDPA, one request at
   a time, on any device (:func:`vattention.attention.reference_attention`): the test oracle.
+* FlashAttention-4 (``flash-attn-4``): :func:`flash_attn_varlen_func` (FA4's signature, the whole
+  ``[batch, max_seq, ...]`` tensors with ``seqused_k``) and :func:`attend_slots` (a batch of
+  slots given their lengths), from :mod:`vattention.integrations.flash_attn4`, which checks that
+  FA4's whole-tile reads past a row's length stay in mapped, finite tokens (``kv_tile_tokens``).
 
 Also importable from here: :func:`kernel_isa` and :func:`fp8_store_like_vllm` (from
 :mod:`vattention.attention`), :func:`flash_kernel`, and the ``Kernel`` and ``IntArg`` types.
@@ -56,6 +60,7 @@ from ..attention import (
     supports,
 )
 from ..cache_reads import CacheRows, cache_rows
+from .flash_attn4 import attend_slots, fa4_kernel, fa4_key_tile, flash_attn_varlen_func
 
 __all__ = [
     "flash_attn_with_kvcache",
@@ -64,6 +69,10 @@ __all__ = [
     "prefill",
     "flash_attn_with_kvcache_reference",
     "flash_kernel",
+    "flash_attn_varlen_func",
+    "attend_slots",
+    "fa4_kernel",
+    "fa4_key_tile",
     "kernel_isa",
     "fp8_store_like_vllm",
     "Kernel",
