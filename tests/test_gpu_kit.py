@@ -29,6 +29,7 @@ PARTS = [
     "suite",
     "vmm",
     "attention",
+    "flash-attn-4",
     "prefetch",
     "memory",
     "graphs",
@@ -116,6 +117,7 @@ def test_emulated_check_reports_every_part_within_its_budget(tmp_path, built):
         "suite": "passed",
         "vmm": "passed",
         "attention": "passed",
+        "flash-attn-4": "skipped",
         "prefetch": "passed",
         "memory": "passed",
         "graphs": status["graphs"] if status["graphs"] == "passed" else "expected failure",
@@ -130,6 +132,7 @@ def test_emulated_check_reports_every_part_within_its_budget(tmp_path, built):
     assert any("not on a GPU: 64 KB pages" in x for x in suite["listed"])
     assert parts["streams"]["tests"] == {"passed": 2}
     assert parts["gpu-tests"]["why"] == "needs a GPU"
+    assert parts["flash-attn-4"]["why"] == "needs a GPU"
     vmm = parts["vmm"]["rows"]
     assert vmm[0]["page_MB"] == 2 and vmm[0]["A100_2MB_us"] == "193 / 1.45 / 36 / 25.6 / n/a"
     assert all(r["equal"] is True for r in parts["attention"]["rows"])
@@ -187,6 +190,7 @@ def test_a_tiny_budget_cuts_parts_and_still_reports_every_one(tmp_path, built):
     status = {p["name"]: p["status"] for p in report["parts"]}
     assert list(status) == PARTS
     assert status.pop("gpu-tests") == "skipped"
+    assert status.pop("flash-attn-4") == "skipped"
     assert set(status.values()) == {"cut"}, status
     assert "cut by the budget: suite, vmm" in report["overall"]
     whys = {p["name"]: p["why"] for p in report["parts"]}
@@ -328,3 +332,128 @@ def test_the_memory_part_fails_at_the_stage_where_the_driver_disagrees(emu, monk
         "budget refusal": False,
         "close": False,
     }
+
+
+def _parts_module(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks" / "gpu"))
+    import parts
+
+    return parts
+
+
+def test_the_flash_attn_4_part_says_needs_a_gpu_on_the_emulation(monkeypatch):
+    parts = _parts_module(monkeypatch)
+    lines = []
+    parts.flash_attn_4(lambda **line: lines.append(line), emulated=True)
+    assert lines == [{"kind": "skip", "why": "needs a GPU"}]
+
+
+def test_the_flash_attn_4_part_says_not_installed_without_fa4(monkeypatch, tmp_path):
+    """Real mode without FA4 (this machine has none): skipped, saying why, measuring nothing."""
+    import importlib.util
+
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash_attn is importable here")
+    parts = _parts_module(monkeypatch)
+    monkeypatch.setenv("GPU_CHECK_OUT", str(tmp_path))
+    monkeypatch.delenv("GPU_CHECK_FA4_SITE", raising=False)
+    lines = []
+    parts.flash_attn_4(lambda **line: lines.append(line), emulated=False)
+    assert len(lines) == 1 and lines[0]["kind"] == "skip", lines
+    assert lines[0]["why"].startswith("flash-attn-4 not installed (ModuleNotFoundError: No module")
+
+
+def test_a_part_that_skips_is_reported_skipped_with_its_reason(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks" / "gpu"))
+    import check
+
+    log = tmp_path / "flash-attn-4.jsonl"
+    log.write_text(json.dumps({"kind": "skip", "why": "flash-attn-4 not installed (x)"}) + "\n")
+    runner = check.Runner.__new__(check.Runner)
+    runner.emulated, runner.logs = False, tmp_path
+    res = check.Result("flash-attn-4", "t")
+    runner._measured(res, 0)
+    assert res.status == "passed"  # what _measured says; run() then reads the skip line:
+    skips = [x["why"] for x in check.read_lines(log) if x["kind"] == "skip"]
+    assert skips == ["flash-attn-4 not installed (x)"]
+
+
+def _wheel(folder: Path, name: str, version: str, files: dict) -> Path:
+    """A minimal wheel: the files plus its dist-info (METADATA, WHEEL, RECORD)."""
+    import zipfile
+
+    dist = f"{name}-{version}.dist-info"
+    files = dict(files)
+    files[f"{dist}/METADATA"] = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+    files[f"{dist}/WHEEL"] = (
+        "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    )
+    files[f"{dist}/RECORD"] = "".join(f"{f},,\n" for f in files) + f"{dist}/RECORD,,\n"
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for f, text in files.items():
+            z.writestr(f, text)
+    return path
+
+
+def test_a_wheel_folder_is_installed_offline_into_a_private_target_whose_pth_files_count(
+    tmp_path, monkeypatch
+):
+    """fa4_wheels.install: pip --no-deps --no-index --target, then site.addsitedir in the part's
+    process reads the .pth file that puts a package's folder on the path (the cutlass-dsl meta
+    wheel's way); the interpreter's own site-packages stay untouched; a second run keeps it."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks" / "gpu"))
+    import fa4_wheels
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _wheel(wheels, "inner_pkg", "1.0", {"inner_pkg/dsl/hidden_mod.py": "VALUE = 7\n"})
+    _wheel(wheels, "meta_pkg", "1.0", {
+        "meta_pkg_paths.pth": "import sys, os, inner_pkg; sys.path.insert(0, "
+        "os.path.join(inner_pkg.__path__[0], 'dsl'))\n",
+        "inner_pkg/__init__.py": "",
+    })  # fmt: skip
+    target = tmp_path / "site"
+    env = dict(os.environ, PIP_NO_INDEX="1", PIP_INDEX_URL="file:///nonexistent")
+    monkeypatch.setattr(os, "environ", env)
+    ok, line = fa4_wheels.install(wheels, target)
+    assert ok and line.startswith("2 wheels from") and "installed into" in line, line
+    probe = (
+        "import site, sys; site.addsitedir(sys.argv[1]); import hidden_mod; print(hidden_mod.VALUE)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe, str(target)], capture_output=True, text=True
+    )
+    assert proc.stdout.strip() == "7", proc.stderr
+    plain = subprocess.run([sys.executable, "-c", "import hidden_mod"], capture_output=True)
+    assert plain.returncode != 0  # nothing went into the interpreter's own site-packages
+    ok, line = fa4_wheels.install(wheels, target)
+    assert ok and "already in" in line
+    assert fa4_wheels.install(tmp_path / "none", target) == (
+        False,
+        f"GPU_CHECK_WHEELS={tmp_path / 'none'}: not a folder",
+    )
+    assert "flash_attn_4-4.0.0b36-py3-none-any.whl" in fa4_wheels.missing(wheels)
+
+
+def test_a_part_with_a_limit_of_its_own_gets_no_more_and_says_so_when_cut(tmp_path, monkeypatch):
+    """flash-attn-4's first run compiles FA4's kernels: its limit keeps the budget of the parts
+    after it."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks" / "gpu"))
+    import check
+
+    fa4 = next(p for p in check.PARTS if p.name == "flash-attn-4")
+    assert fa4.limit_s == check.FA4_LIMIT_S == 150.0
+    runner = check.Runner(False, 480.0, tmp_path)
+    limits = []
+
+    def spawn(cmd, env, limit, name):  # stopped at its limit, having measured nothing
+        limits.append(limit)
+        return 0, True
+
+    monkeypatch.setattr(runner, "_spawn", spawn)
+    res = runner.run(check.Part("slow", "t", "t", limit_s=5.0))
+    assert limits == [5.0]
+    assert (res.status, res.why) == ("cut", "stopped at its own limit after 0 s")
+    res = runner.run(check.Part("other", "t", "t"))
+    assert limits[1] > 400 and res.why == "stopped at the budget's limit after 0 s"

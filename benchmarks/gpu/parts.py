@@ -2,12 +2,13 @@
 
     python benchmarks/gpu/parts.py NAME LOG [--emulated]
 
-NAME is vmm, attention, prefetch, memory or cpu-attention. Each appends JSON lines to LOG as it
-goes (a part the check stops at its time limit still reports what it measured): ``{"kind": "row",
-...figures}`` or ``{"kind": "note", "text": ...}``. With --emulated, the CUDA backend is the
-driver EMULATION (VATTENTION_LIBCUDA, set by check.py) and torch is the CPU build: the emulated
-analogue runs, whose figures describe host memory and the emulation, never a GPU. cpu-attention
-involves no GPU in either mode: its figures are this machine's CPU's.
+NAME is vmm, attention, flash-attn-4, prefetch, memory or cpu-attention. Each appends JSON lines to
+LOG as it goes (a part the check stops at its time limit still reports what it measured):
+``{"kind": "row", ...figures}``, ``{"kind": "note", "text": ...}``, or ``{"kind": "skip", "why":
+...}`` for a part with nothing to run on (flash-attn-4 without FA4). With --emulated, the CUDA
+backend is the driver EMULATION (VATTENTION_LIBCUDA, set by check.py) and torch is the CPU build:
+the emulated analogue runs, whose figures describe host memory and the emulation, never a GPU.
+cpu-attention involves no GPU in either mode: its figures are this machine's CPU's.
 """
 
 from __future__ import annotations
@@ -463,6 +464,74 @@ def cpu_attention(emit: Emit, emulated: bool) -> None:
         _C.set_attention_kernel_isa("")
 
 
+# The flash-attn-4 part's accuracy cases, most telling first: (layout, dtype, head_dim, GQA group,
+# phase). tests/gpu/test_gpu_fa4.py runs the whole matrix (the gpu-tests part).
+FA4_CASES = (
+    ("layer", "bfloat16", 128, 4, "decode"),
+    ("mega", "bfloat16", 128, 4, "decode"),
+    ("layer", "bfloat16", 128, 4, "prefill"),
+    ("mega", "bfloat16", 128, 4, "chunked prefill"),
+    ("layer", "float16", 64, 1, "decode"),
+    ("mega", "float16", 64, 8, "prefill"),
+)
+
+
+def flash_attn_4(emit: Emit, emulated: bool) -> None:
+    """FlashAttention-4 over the virtual cache (fa4_measure.py): its output against fp32 SDPA as
+    close as over a contiguous copy, no NaN from past a row's length, no fault at a mega page
+    boundary, its time over the cache against a copy, and a short table of FA4 with a page_table
+    against FA4 over the cache. Without a GPU or without FA4 it says so and measures nothing."""
+    if emulated:
+        emit(kind="skip", why="needs a GPU")
+        return
+    # FA4 compiles each kernel on first use: keep them on disk for a second run of the check.
+    out = Path(os.environ.get("GPU_CHECK_OUT") or ROOT / "gpu-check")
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(out / "fa4-kernels"))
+    import fa4_measure as m
+
+    fa4, version = m.load_fa4()
+    if fa4 is None:
+        emit(kind="skip", why=f"flash-attn-4 not installed ({version})")
+        return
+    import torch
+
+    from vattention.integrations.flash_attn4 import fa4_key_tile
+
+    major, minor = torch.cuda.get_device_capability(0)
+    arch = major * 10 + minor
+    emit(
+        kind="note",
+        text=f"flash-attn-4 {version} on sm_{arch}: key tile {fa4_key_tile(128, arch=arch)} at "
+        f"head_dim 128, {fa4_key_tile(64, arch=arch)} at 64; caches with kv_tile_tokens=128",
+    )
+    device = "cuda:0"
+    cases = [(lay, getattr(torch, dt), hd, g, ph) for lay, dt, hd, g, ph in FA4_CASES]
+    for row in m.accuracy(fa4, device, cases, lens=[1, 300, 2049, 4096]):
+        if "error" not in row and row["err_virtual"] > row["err_copy"]:
+            row["error"] = "further from fp32 SDPA over the cache than over a copy"
+        emit(kind="row", **row)
+    for rule in (True, False):
+        try:
+            emit(kind="row", **m.nan_past_the_length(fa4, device, tile_rule=rule))
+        except Exception as e:
+            emit(kind="row", check="NaN planted past the length", error=f"{type(e).__name__}: {e}")
+    emit(kind="note", text="kv_tile_tokens=0: FA4 called directly (the integration refuses it)")
+    try:
+        emit(kind="row", **m.mega_boundary(fa4, device))
+    except Exception as e:
+        emit(kind="row", check="mega boundary", error=f"{type(e).__name__}: {e}"[:300])
+    for row in m.time_virtual_vs_copy(fa4, device, batch=8, context=16384):
+        emit(kind="row", **row)
+    emit(
+        kind="note",
+        text="page_table vs the virtual cache: python benchmarks/gpu/"
+        "bench_fa4_paged.py for the whole table (batch 1-64, 1k-32k, 8B and 70B shapes)",
+    )
+    for row in m.paged_vs_virtual(fa4, device, points=[(8, 4096), (32, 16384)]):
+        emit(kind="row", **row)
+
+
 def memory(emit: Emit, emulated: bool) -> None:
     """The driver's free memory against the cache's own figures (memory_part.py)."""
     import memory_part
@@ -473,6 +542,7 @@ def memory(emit: Emit, emulated: bool) -> None:
 PARTS = {
     "vmm": vmm,
     "attention": attention,
+    "flash-attn-4": flash_attn_4,
     "prefetch": prefetch,
     "memory": memory,
     "cpu-attention": cpu_attention,
