@@ -24,7 +24,17 @@ import pytest
 from support.cuda_testing import needs_emulation
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ["suite", "vmm", "attention", "prefetch", "graphs", "streams", "gpu-tests", "cpu-attention"]
+PARTS = [
+    "suite",
+    "vmm",
+    "attention",
+    "prefetch",
+    "graphs",
+    "streams",
+    "generate",
+    "gpu-tests",
+    "cpu-attention",
+]
 
 
 def _build_module():
@@ -93,6 +103,7 @@ def test_emulated_check_reports_every_part_within_its_budget(tmp_path, built):
         "prefetch": "passed",
         "graphs": status["graphs"] if status["graphs"] == "passed" else "expected failure",
         "streams": "passed",
+        "generate": "passed",
         "gpu-tests": "skipped",
         "cpu-attention": "passed",
     }, {n: (p["status"], p["why"]) for n, p in parts.items()}
@@ -107,6 +118,21 @@ def test_emulated_check_reports_every_part_within_its_budget(tmp_path, built):
     assert vmm[0]["page_MB"] == 2 and vmm[0]["A100_2MB_us"] == "193 / 1.45 / 36 / 25.6 / n/a"
     assert all(r["equal"] is True for r in parts["attention"]["rows"])
     assert {r["layout"] for r in parts["prefetch"]["rows"]} == {"layer", "mega"}
+    # transformers generate(): every cache ran, the same tokens as DynamicCache's (fp32 on one
+    # CPU), the compiled VAttentionCache held its bucket's pages; update() host times follow.
+    gen = parts["generate"]["rows"]
+    caches = [r["cache"] for r in gen if "cache" in r]
+    assert caches == [
+        "DynamicCache",
+        "StaticCache (compiled)",
+        "VAttentionCache (eager)",
+        "VAttentionCache (compiled)",
+    ], gen
+    assert all(r["equal"] is True and r["first_divergence"] == "- -" for r in gen[1:4]), gen
+    # 32 + 16 tokens: one bucket (256 tokens, capped at max_seq_len 48), one graph for both runs
+    assert gen[3]["view_len"] == 48 and gen[3]["graphs_compiled"] == 1, gen
+    hosts = [r["update() host time"] for r in gen if "update() host time" in r]
+    assert hosts[:2] == ["DynamicCache", "VAttentionCache"], gen
     # The CPU kernel on this machine's CPU, checked against SDPA: both cases, named by ISA.
     cpu = parts["cpu-attention"]
     assert cpu["notes"][0].startswith("CPU: ") and "cores usable" in cpu["notes"][0]
