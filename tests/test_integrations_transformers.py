@@ -561,6 +561,27 @@ def test_compileable_cache_uncompiled_matches_dynamic_cache_with_bucketed_views(
     assert torch.equal(got, expected)
 
 
+def test_compileable_cache_beam_search_matches_dynamic_cache():
+    """reorder_cache permutes the tokens present (not the bucket) of the compileable cache."""
+    model = tiny_model("llama")
+    ids, mask = prompts(batch=2)
+    beams = {"max_new_tokens": 12, "num_beams": 3, "do_sample": False}
+    expected = model.generate(
+        ids, attention_mask=mask, past_key_values=transformers.DynamicCache(), **beams
+    )
+    with VAttentionCache.from_model(
+        model,
+        max_batch_size=6,
+        max_seq_len=64,
+        page_size=PAGE,
+        compileable=True,
+        bucket_tokens=8,
+    ) as cache:  # 2 prompts x 3 beams; buckets of 8 tokens: 7 + 11 fed back crosses two
+        got = model.generate(ids, attention_mask=mask, past_key_values=cache, **beams)
+        assert cache.get_seq_length() == 18 and cache.view_len == 24
+    assert torch.equal(got, expected)
+
+
 def run_compiled_check(case: str, family: str) -> subprocess.CompletedProcess[str]:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
