@@ -9,13 +9,22 @@
 * it returns to attention zero-copy views of the *backed prefix* only, ``k[rows, :seq_len]``
   transposed to transformers' ``[batch, heads, seq, head_dim]``.
 
-Why only the prefix: masked SDPA and eager attention read every key position they are given and
-mask afterwards. Handing them the whole ``max_seq_len`` row would make them read unmapped virtual
-memory (a fault on the host backend, an illegal address on CUDA) and would cost ``O(max_seq_len)``
-work per step. Returning the prefix keeps the mask sizes identical to ``DynamicCache``'s
-(``get_mask_sizes`` reports ``past + query`` keys, offset 0), so the attention inputs -- and hence
-the generated tokens -- are the same. The alternative, backing the untouched space with a shared
-read-only zero page, would still make every step read ``max_seq_len`` keys; it is not used.
+With ``compileable=True`` transformers compiles the decoding forward, as it does for
+``StaticCache``: attention then gets views of the whole *bucket* (the tokens rounded up to
+``bucket_tokens``), whose pages :meth:`VAttentionCache.prepare_forward` maps before each forward,
+outside the graph (transformers reaches it through ``get_mask_sizes``); the mask it builds for
+that length hides the rest, and ``update()`` writes through the compile-safe
+:func:`vattention.ops.append_kv` (docs/compile.md). Compiled path tested on transformers 5.23.0
+and 5.17.0, on a CPU.
+
+Why only the prefix (eager): masked SDPA and eager attention read every key position they are given
+and mask afterwards. Handing them the whole ``max_seq_len`` row would make them read unmapped
+virtual memory (a fault on the host backend, an illegal address on CUDA) and would cost
+``O(max_seq_len)`` work per step. Returning the prefix keeps the mask sizes identical to
+``DynamicCache``'s (``get_mask_sizes`` reports ``past + query`` keys, offset 0), so the attention
+inputs -- and hence the generated tokens -- are the same. The alternative, backing the untouched
+space with a shared read-only zero page, would still make every step read ``max_seq_len`` keys; it
+is not used.
 
 Supported transformers versions: 4.57 to 5.23 (tested: 4.57.6, 5.0.0, 5.12.1, 5.23.0; see
 ``docs/integrations.md``), which share the layer-based cache API (``CacheLayerMixin``,
