@@ -4,8 +4,10 @@ eager DynamicCache: run by tests/test_integrations_transformers.py in a subproce
     python tests/support/hf_compiled_generate_check.py CASE FAMILY
 
 CASE is ``inductor`` (the default backend, fullgraph, transformers' default ``dynamic=None``),
-``buckets`` (dynamo alone, ``dynamic=False``: one graph per bucket) or ``overread`` (views and
-mask made one page longer than prepare_forward mapped: a control that must die of SIGSEGV). Each
+``buckets`` (dynamo alone, ``dynamic=False``: one graph per bucket), ``overread`` (views and
+mask made one page longer than prepare_forward mapped: a control that must die of SIGSEGV) or
+``gpu`` (the model and the cache on CUDA, 2 MB pages, transformers' default CompileConfig:
+inductor with CUDA graphs; tests/gpu runs it). Each
 KVCache has ``max_seq_len`` 4096 with only the buckets mapped, so a graph that read or copied a
 cache tensor past them would fault here; the subprocess keeps that from killing pytest.
 
@@ -75,11 +77,14 @@ def prompts() -> tuple[torch.Tensor, torch.Tensor]:
 
 def run(case: str, family: str) -> dict:
     torch.set_num_threads(1)
-    model = tiny_model(family)
-    ids, mask = prompts()
+    device = "cuda" if case == "gpu" else "cpu"
+    model = tiny_model(family).to(device)
+    ids, mask = (t.to(device) for t in prompts())
     args = dict(attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
     expected = model.generate(ids, past_key_values=transformers.DynamicCache(), **args)
-    if case == "inductor":
+    if case == "gpu":
+        compile_config = CompileConfig(fullgraph=True)  # mode="reduce-overhead": CUDA graphs
+    elif case == "inductor":
         compile_config = CompileConfig(fullgraph=True, mode="default")
     else:
         compile_config = CompileConfig(fullgraph=True, backend="eager", mode=None, dynamic=False)
@@ -88,7 +93,7 @@ def run(case: str, family: str) -> dict:
         model,
         max_batch_size=2,
         max_seq_len=4096,
-        page_size=PAGE,
+        page_size="2MB" if case == "gpu" else PAGE,
         compileable=True,
         bucket_tokens=BUCKET,
     )
@@ -119,6 +124,7 @@ def run(case: str, family: str) -> dict:
             "tokens_equal": bool(torch.equal(got, expected)),
             "graphs": counters["stats"]["unique_graphs"],
             "graph_breaks": sum(counters["graph_break"].values()),
+            "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
             "buckets": sorted({v for v, _ in views}),
             "views_within_mapped": all(v <= m for v, m in views),
             "forwards": len(views),
