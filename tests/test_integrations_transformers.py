@@ -624,6 +624,16 @@ def test_compiled_generate_compiles_once_per_bucket_with_static_shapes(family):
     assert r["views_within_mapped"] and r["bytes_mapped"] == r["bytes_of_bucket_pages"]
 
 
+def test_compiled_chunked_prefill_after_early_initialization():
+    """prefill_chunk_size makes transformers compile the prefill chunks too: with the slots
+    claimed first (early_initialization), every forward is compiled, without a graph break."""
+    r = compiled_check("chunked", "llama")
+    assert r["tokens_equal"] and r["graph_breaks"] == 0
+    # chunks of 4 and 3 tokens, then single tokens: one graph per (query length, bucket)
+    assert r["buckets"] == [16, 32, 48] and r["graphs"] == 5 and r["views_within_mapped"]
+    assert r["forwards"] == 41 and r["bytes_mapped"] == r["bytes_of_bucket_pages"]
+
+
 def test_a_compiled_view_past_the_mapped_pages_is_caught_by_a_fault():
     """The control for the checks above: views (and mask) one page longer than prepare_forward
     mapped make the compiled generate die of SIGSEGV, with the cache's fault report."""

@@ -5,8 +5,9 @@ eager DynamicCache: run by tests/test_integrations_transformers.py in a subproce
 
 CASE is ``inductor`` (the default backend, fullgraph, transformers' default ``dynamic=None``),
 ``buckets`` (dynamo alone, ``dynamic=False``: one graph per bucket), ``overread`` (views and
-mask made one page longer than prepare_forward mapped: a control that must die of SIGSEGV) or
-``gpu`` (the model and the cache on CUDA, 2 MB pages, transformers' default CompileConfig:
+mask made one page longer than prepare_forward mapped: a control that must die of SIGSEGV),
+``chunked`` (``buckets`` with the prefill in chunks of 4, which transformers compiles too: the
+slots claimed first with ``early_initialization``) or ``gpu`` (the model and the cache on CUDA, 2 MB pages, transformers' default CompileConfig:
 inductor with CUDA graphs; tests/gpu runs it). Each
 KVCache has ``max_seq_len`` 4096 with only the buckets mapped, so a graph that read or copied a
 cache tensor past them would fault here; the subprocess keeps that from killing pytest.
@@ -113,6 +114,11 @@ def run(case: str, family: str) -> dict:
 
     cache.prepare_forward = spy
     counters.clear()
+    if case == "chunked":
+        args["prefill_chunk_size"] = 4
+        cache.early_initialization(
+            batch_size=2, num_heads=2, head_dim=16, dtype=torch.float32, device=device
+        )
     with cache:
         got = model.generate(ids, past_key_values=cache, compile_config=compile_config, **args)
         cfg = cache.config
