@@ -7,10 +7,10 @@ CASE is ``inductor`` (the default backend, fullgraph, transformers' default ``dy
 ``buckets`` (dynamo alone, ``dynamic=False``: one graph per bucket), ``overread`` (views and
 mask made one page longer than prepare_forward mapped: a control that must die of SIGSEGV),
 ``chunked`` (``buckets`` with the prefill in chunks of 4, which transformers compiles too: the
-slots claimed first with ``early_initialization``) or ``gpu`` (the model and the cache on CUDA, 2 MB pages, transformers' default CompileConfig:
-inductor with CUDA graphs; tests/gpu runs it). Each
-KVCache has ``max_seq_len`` 4096 with only the buckets mapped, so a graph that read or copied a
-cache tensor past them would fault here; the subprocess keeps that from killing pytest.
+slots claimed first with ``early_initialization``) or ``gpu`` (the model and the cache on CUDA,
+2 MB pages, transformers' default CompileConfig: inductor with CUDA graphs; tests/gpu runs it).
+Each KVCache has ``max_seq_len`` 4096 with only the buckets mapped, so a graph that read or
+copied a cache tensor past them would fault here; the subprocess keeps that from killing pytest.
 
 Prints one JSON line: tokens equal, graphs compiled, graph breaks, buckets seen, bytes mapped
 against the bytes of the pages of the last bucket, and whether every forward's views lay within
