@@ -425,21 +425,24 @@ def _generate_runs(model: Any, batch: int, max_len: int, page: str, compile_conf
 
     from vattention.integrations.transformers import VAttentionCache
 
-    def vattention(compileable: bool):
+    def vattention(compileable: bool, layout: str = "layer"):
         def make() -> Any:
             return VAttentionCache.from_model(
                 model,
                 max_batch_size=batch,
                 max_seq_len=max_len,
                 page_size=page,
+                layout=layout,
                 compileable=compileable,
             )
 
         return make
 
     compiled = {"compile_config": compile_config} if compile_config is not None else {}
-    # DynamicCache first (the reference), StaticCache's compile last: a part cut by the budget
-    # keeps the rows finished before, and VAttentionCache's are the ones this part is for.
+    # DynamicCache first (the reference), then the rows this part is for; a part cut by the
+    # budget keeps the rows finished before. The mega layout last: its 2 MB pages hold all
+    # layers of 128 tokens (Llama-3.2-1B, bf16), where a layer-layout page holds one layer of
+    # 2048, so it holds a 1280-token bucket in StaticCache's bytes (layer: 512 MiB, mega 320).
     return [
         ("DynamicCache", transformers.DynamicCache, {}),
         ("VAttentionCache (eager)", vattention(False), {}),
@@ -449,6 +452,7 @@ def _generate_runs(model: Any, batch: int, max_len: int, page: str, compile_conf
             lambda: transformers.StaticCache(config=model.config, max_cache_len=max_len),
             compiled,
         ),
+        ("VAttentionCache (compiled, mega)", vattention(True, "mega"), compiled),
     ]
 
 
