@@ -233,7 +233,6 @@ class VAttentionLayer(CacheLayerMixin):
         self._v_all: Optional[torch.Tensor] = None
         self._row_range = (0, 0)
         self._slot_index: Optional[torch.Tensor] = None
-        self._index_key: Any = None
         self._position: Optional[torch.Tensor] = None
         self._view_len = 0
         # Set by every bucketed update (a plain attribute store, which a compiled graph replays
