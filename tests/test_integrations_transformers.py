@@ -626,7 +626,8 @@ def test_compiled_generate_compiles_once_per_bucket_with_static_shapes(family):
 
 def test_compiled_chunked_prefill_after_early_initialization():
     """prefill_chunk_size makes transformers compile the prefill chunks too: with the slots
-    claimed first (early_initialization), every forward is compiled, without a graph break."""
+    claimed first (early_initialization), every forward is compiled, without a graph break, and
+    the tokens are DynamicCache's with the same chunks."""
     r = compiled_check("chunked", "llama")
     assert r["tokens_equal"] and r["graph_breaks"] == 0
     # chunks of 4 and 3 tokens, then single tokens: one graph per (query length, bucket)

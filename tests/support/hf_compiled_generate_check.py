@@ -82,6 +82,8 @@ def run(case: str, family: str) -> dict:
     model = tiny_model(family).to(device)
     ids, mask = (t.to(device) for t in prompts())
     args = dict(attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+    if case == "chunked":  # DynamicCache chunked alike (transformers 4.57's differs unchunked)
+        args["prefill_chunk_size"] = 4
     expected = model.generate(ids, past_key_values=transformers.DynamicCache(), **args)
     if case == "gpu":
         compile_config = CompileConfig(fullgraph=True)  # mode="reduce-overhead": CUDA graphs
@@ -115,7 +117,6 @@ def run(case: str, family: str) -> dict:
     cache.prepare_forward = spy
     counters.clear()
     if case == "chunked":
-        args["prefill_chunk_size"] = 4
         cache.early_initialization(
             batch_size=2, num_heads=2, head_dim=16, dtype=torch.float32, device=device
         )

@@ -14,8 +14,8 @@ With ``compileable=True`` transformers compiles the decoding forward, as it does
 ``bucket_tokens``), whose pages :meth:`VAttentionCache.prepare_forward` maps before each forward,
 outside the graph (transformers reaches it through ``get_mask_sizes``); the mask it builds for
 that length hides the rest, and ``update()`` writes through the compile-safe
-:func:`vattention.ops.append_kv` (docs/compile.md). Compiled path tested on transformers 5.23.0
-and 5.17.0, on a CPU.
+:func:`vattention.ops.append_kv` (docs/compile.md). Compiled path tested on transformers 4.57.6,
+5.17.0 and 5.23.0, on a CPU.
 
 Why only the prefix (eager): masked SDPA and eager attention read every key position they are given
 and mask afterwards. Handing them the whole ``max_seq_len`` row would make them read unmapped
