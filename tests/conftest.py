@@ -17,9 +17,20 @@ import vattention
 
 from support.cuda_setup import CUDA_MODE, CUDA_REASON, GPU_LIKE, cuda_emu, skip_below_gpu_pages
 
+try:
+    from hypothesis import settings as _hypothesis_settings
+except ImportError:  # only the property tests need it; they import it themselves
+    _hypothesis_settings = None
+if _hypothesis_settings is not None:
+    # Hypothesis fails an example that runs over 200 ms by default: a timing assertion, which a
+    # loaded 2-core machine breaks. Off for the whole suite; a hang is pytest's to report.
+    _hypothesis_settings.register_profile("vattention", deadline=None)
+    _hypothesis_settings.load_profile("vattention")
+
 # The emulation-only tests' `emu` fixture (test_cuda_backend.py, test_cuda_faults.py,
-# test_prefetch_races.py): a plugin, so that no test module imports a fixture by name.
-pytest_plugins = ["support.cuda_testing"]
+# test_prefetch_races.py), and the CPU attention kernel's `isa` fixture with its session summary
+# line: plugins, so that no test module imports a fixture by name.
+pytest_plugins = ["support.cuda_testing", "support.kernel_variants"]
 
 DEVICES = ["cpu", "cuda"]
 LAYOUTS = ["layer", "mega"]

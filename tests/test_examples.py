@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -67,6 +68,12 @@ def test_serving_loop_preempts_and_completes_everything():
     assert "completed 24/24" in out
     assert "preemptions 0," not in out
     assert "all requests completed, K rows intact: True" in out
+    # Every OutOfPagesError preempted a request; deferred admissions raise none.
+    preemptions = int(re.search(r"preemptions (\d+),", out).group(1))
+    errors = re.search(r"OutOfPagesError (\d+) times \(each one preempted a request\)", out)
+    assert errors is not None and int(errors.group(1)) == preemptions, out
+    deferred = re.search(r"admissions deferred by capacity\(\) (\d+) times", out)
+    assert deferred is not None and int(deferred.group(1)) > 0, out
 
 
 def test_kernel_dev_reading_past_seqlens_faults():

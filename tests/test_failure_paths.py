@@ -83,3 +83,62 @@ def test_ensure_private_rollback_undoes_exactly_what_it_did(make_cache, op, nth)
     _outcome_is_clean(cache, {parent: (tokens, written), child: (tokens, written)})
     assert cache.ensure_private(child, 0) > 0
     _outcome_is_clean(cache, {parent: (tokens, written), child: (tokens, written)})
+
+
+# Counters of time, which a failed step spends like any other (creating, then destroying again,
+# the pages it made); and oom_events, which counts the OutOfPagesError raised.
+_SPENT = ("step_page_create_ns", "page_destroy_ns", "background_page_create_ns")
+
+
+def _fail_page_creation(cache, nth, out_of_memory):
+    """Make the nth next page creation fail: a driver error, or the device out of memory."""
+    if cache.config.device == "cpu":
+        cache._core.inject_host_fault("create_page", nth, out_of_memory)
+        return
+    from support.cuda_setup import CUDA_MODE, cuda_emu
+
+    if CUDA_MODE != "emulated":
+        pytest.skip("faults are injected through the host hook or the CUDA emulation only")
+    code = cuda_emu.CUDA_ERROR_OUT_OF_MEMORY if out_of_memory else cuda_emu.CUDA_ERROR_UNKNOWN
+    cuda_emu.Emulator.load().inject_fault("cuMemCreate", nth, code if nth > 0 else 0)
+
+
+@pytest.mark.parametrize("out_of_memory", [False, True], ids=["driver-error", "out-of-memory"])
+def test_a_step_failing_at_page_creation_k_leaves_every_count_as_it_was(make_cache, out_of_memory):
+    """A step whose k-th page creation fails, for every k it reaches, raises and leaves stats()
+    as it was but for time spent: the pages it created before the failure are destroyed again
+    and counted neither in pages_created nor in step_pages_created (both counted them before,
+    with the pool keeping them; pages_created and step_pages_created then went up by k - 1)."""
+
+    def grown():
+        cache = make_cache(max_batch_size=4, max_seq_len=4096)
+        slot = cache.alloc()
+        cache.step({slot: 700})
+        written = fill_pattern(cache, slot, 0, 700, seed=3)
+        return cache, slot, written
+
+    probe, slot, _ = grown()
+    before = probe.stats()["step_pages_created"]
+    probe.step({slot: 1600})
+    creations = probe.stats()["step_pages_created"] - before
+    assert creations > 2
+    for k in range(1, creations + 1):
+        cache, slot, written = grown()
+        stats = cache.stats()
+        _fail_page_creation(cache, k, out_of_memory)
+        error = vattention.OutOfPagesError if out_of_memory else vattention.DriverError
+        with pytest.raises(error):
+            cache.step({slot: 1600})
+        _fail_page_creation(cache, 0, out_of_memory)
+        after = cache.stats()
+        for key in _SPENT:
+            assert after.pop(key) >= stats.pop(key), key
+        assert after.pop("oom_events") == stats.pop("oom_events") + out_of_memory
+        assert after == stats, f"page creation {k} of {creations} failed"
+        _outcome_is_clean(cache, {slot: (700, written)})
+        # The step then succeeds, and both counts count its pages.
+        cache.step({slot: 1600})
+        done = cache.stats()
+        assert done["pages_created"] - stats["pages_created"] == creations
+        assert done["step_pages_created"] - stats["step_pages_created"] == creations
+        cache.close()

@@ -23,6 +23,7 @@ import pytest
         "vattention.bench.tiny_models",
         "vattention.bench.model_presets",
         "vattention.bench.vllm_bench",
+        "vattention.bench.elastic_bench",
         "vattention.bench.workload",
         "vattention.bench.traces",
         "vattention.bench.progress",
@@ -31,6 +32,8 @@ import pytest
         "vattention.bench.pools",
         "vattention.config",
         "vattention.cache",
+        "vattention.cache_reads",
+        "vattention.errors",
         "vattention.sharing",
         "vattention.swap",
         "vattention.backends",
@@ -41,6 +44,7 @@ import pytest
         "vattention.attention.reference",
         "vattention.attention.fp8",
         "vattention.attention.arguments",
+        "vattention.attention.variants",
     ],
 )
 def test_docstring_examples(module):

@@ -16,6 +16,8 @@ import vattention
 from vattention import attention
 from vattention.integrations import flash_attn as fa
 
+from support.attention_bound import check_within_bound, reference_and_bound
+
 
 def naive_attention(q, keys, values, causal_offset=None):
     """q [n, H, D], keys/values [t, Hkv, D]; query j sees keys <= j + causal_offset."""
@@ -229,9 +231,11 @@ def test_every_name_of_the_flash_attn_layer_is_importable():
     assert set(fa.__all__) <= set(dir(fa))
 
 
-def test_cpu_tensors_run_the_kernel_with_flash_attns_positional_arguments():
+def test_cpu_tensors_run_the_kernel_with_flash_attns_positional_arguments(isa):
     """FA's positional order (max_seqlen_q between cu_seqlens_q and softmax_scale) reaches
-    attention.cpu_attention as its keywords, fp8 descales and the prefix hint included."""
+    attention.cpu_attention as its keywords, fp8 descales and the prefix hint included; the
+    reference takes the same order (in float64: the exact result, which the kernel's output
+    is within the derived bound of, tests/support/attention_bound.py)."""
     gen = torch.Generator().manual_seed(9)
     q = torch.randn(5, 4, 16, generator=gen)
     k, v = torch.randn(5, 2, 16, generator=gen), torch.randn(5, 2, 16, generator=gen)
@@ -243,7 +247,7 @@ def test_cpu_tensors_run_the_kernel_with_flash_attns_positional_arguments():
     cu = torch.tensor([0, 1, 2])  # two decode rows: the hint's group
     q, k, v = q[:2], k[:2], v[:2]
     hint = dict(prefix_groups=torch.tensor([0, 0]), prefix_lens=torch.tensor([4, 4]))
-    caches = [(cached.clone(), cached.clone()) for _ in range(3)]
+    caches = [(cached.clone(), cached.clone()) for _ in range(4)]
     got = fa.flash_attn_with_kvcache(
         q, *caches[0], k, v, seqlens, rows, cu, 4, 0.3, True, (7, 0), 0.5, 2.0, **hint
     )
@@ -263,16 +267,30 @@ def test_cpu_tensors_run_the_kernel_with_flash_attns_positional_arguments():
         **hint,
     )
     ref = fa.flash_attn_with_kvcache_reference(
-        q, *caches[2], k, v, seqlens, rows, cu, 4, 0.3, True, (7, 0), 0.5, 2.0
+        q.double(), *caches[2], k, v, seqlens, rows, cu, 4, 0.3, True, (7, 0), 0.5, 2.0
     )
-    assert torch.equal(got, want)
-    torch.testing.assert_close(ref, want, atol=5e-5, rtol=5e-5)
+    exact, bound = reference_and_bound(
+        q,
+        *caches[3],
+        k,
+        v,
+        cache_seqlens=seqlens,
+        cache_batch_idx=rows,
+        cu_seqlens_q=cu,
+        softmax_scale=0.3,
+        causal=True,
+        window_size=(7, 0),
+        k_descale=0.5,
+        v_descale=2.0,
+    )
+    assert torch.equal(got, want) and torch.equal(ref, exact)
+    check_within_bound(want, exact, bound, isa)
     for (kc, vc), (kw, vw) in zip(caches, caches[1:]):
         assert torch.equal(kc.view(torch.uint8), kw.view(torch.uint8))
         assert torch.equal(vc.view(torch.uint8), vw.view(torch.uint8))
 
 
-def test_decode_and_prefill_helpers_use_the_kernel():
+def test_decode_and_prefill_helpers_use_the_kernel(isa):
     assert fa._default_kernel(torch.zeros(1), torch.zeros(1)) is fa.flash_attn_with_kvcache
     assert (
         fa._default_kernel(torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64))
@@ -285,9 +303,27 @@ def test_decode_and_prefill_helpers_use_the_kernel():
         torch.randn(10, 2, 32, generator=gen),
         torch.randn(10, 2, 32, generator=gen),
     )
-    got = fa.prefill(q, k, v, kc, vc, slot=2, start=5)
     ref_k, ref_v = kc.clone(), vc.clone()
-    want = fa.prefill(
-        q, k, v, ref_k, ref_v, slot=2, start=5, kernel=fa.flash_attn_with_kvcache_reference
+    exact, bound = reference_and_bound(
+        q[None],
+        kc.clone(),
+        vc.clone(),
+        k[None],
+        v[None],
+        cache_seqlens=5,
+        cache_batch_idx=torch.tensor([2]),
+        causal=True,
     )
-    torch.testing.assert_close(got, want, atol=5e-5, rtol=5e-5)
+    got = fa.prefill(q, k, v, kc, vc, slot=2, start=5)
+    want = fa.prefill(
+        q.double(),
+        k,
+        v,
+        ref_k,
+        ref_v,
+        slot=2,
+        start=5,
+        kernel=fa.flash_attn_with_kvcache_reference,
+    )
+    assert torch.equal(want, exact[0]) and torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+    check_within_bound(got, exact[0], bound[0], isa)

@@ -91,7 +91,9 @@ PREFIX_REQUESTS = [(p, 10 + 7 * i) for i in range(4) for p in range(3)]  # (prom
 WINDOW = 64
 ELASTIC_PREFIX = prompt(896, 1400)
 ELASTIC_CAP = 2 << 20  # VATTENTION_VLLM_PREFIX_CACHE_BYTES of the elastic workload: 16 blocks
-ELASTIC_IDLE_S = 12.0  # the elastic workload's engine idles this long before shutdown
+# The elastic workload's engine idles this long before shutdown, then until its worker reports
+# that the delayed release applied (a thread that may wake late on a loaded machine).
+ELASTIC_IDLE_S = 10.0
 # Two engines on one 12 MiB pool, eager, bursts of 6 requests needing 70% of it; with the kill
 # phase; the static split of the plugin for the tokens (stock's split is the benchmark's).
 ELASTIC_BENCH_ARGS = [
@@ -111,6 +113,8 @@ ELASTIC_BENCH_ARGS = [
     "--kill-after",
     "0.2",  # these bursts last about half a second: the engine dies in the middle of one
     "--enforce-eager",
+    "--repetitions",
+    "1",  # the suite checks what one run does; alternation and its summary: the doctests
 ]
 WINDOWED = ("mistral-window", "gemma3", "qwen2-window")
 # A bf16 Llama with grouped-query attention (4 query heads per KV head), served in its
@@ -471,6 +475,7 @@ def _start_scenarios(started: dict) -> None:
         "model": models["llama"],
         "engine": _eager(max_model_len=1024, max_num_seqs=16, kv_cache_memory_bytes=256 << 20),
         "idle_s": ELASTIC_IDLE_S,
+        "idle_until_released": True,  # stock: no statistics, no wait
         "requests": [{"prompt_token_ids": prompt(40, 1500), "sampling": greedy(8)}]
         + [
             {
@@ -649,7 +654,7 @@ def test_memory_follows_live_tokens_and_a_bounded_prefix_cache(runs):
     # Idle for the release delay after its last request, the engine holds at most the cache cap
     # plus the headroom (its thread applied the last step's budget: no step came to do it).
     elastic = stats["elastic"]
-    assert elastic["release_delay_s"] == 10.0 < ELASTIC_IDLE_S
+    assert elastic["release_delay_s"] == 10.0 <= ELASTIC_IDLE_S
     assert elastic["applied_budget_bytes"] == elastic["budget_bytes"]
     assert stats["pages_total"] * page <= ELASTIC_CAP + elastic["headroom_target_bytes"]
     assert elastic["cached_bytes"] <= ELASTIC_CAP and elastic["live_bytes"] == 0
@@ -663,13 +668,21 @@ def test_two_engines_share_one_pool_and_a_killed_engine_gives_its_share_back(run
     rc, out = runs["bench-elastic"].wait()
     assert rc == 0, out[-4000:]
     assert "| pool | all at once |" in out and "| static-plugin | engine 0 alone |" in out
+    assert "min / median over 1 repetition(s) of each configuration" in out
     report = json.loads((runs["workdir"] / "bench-elastic.json").read_text())
+    assert report["order"] == [[0, "pool"], [0, "static-plugin"]]
     pool = report["results"]["pool"]
     budget = 12 << 20
     checks = pool["checks"]
-    assert checks["samples"] > 20 and checks["most_held"] <= budget
+    (run,) = pool["runs"]
+    # The benchmark samples what the engines hold every 50 ms; each phase's requests arrive over
+    # 0.5 s (its window), so every phase has samples, on any machine (a count over the whole run
+    # would shrink on a faster one): the most held covers each phase, the kill's included.
+    times = [s["t"] for s in run["samples"]]
+    unsampled = [p for p, (t0, t1) in run["marks"].items() if not any(t0 <= t <= t1 for t in times)]
+    assert not unsampled and checks["most_held"] <= budget, unsampled
     assert pool["tokens_equal_static_plugin"][0] == pool["tokens_equal_static_plugin"][1] > 0
-    phases = pool["phases"]
+    phases = run["phases"]
     # every request of both bursts at once completed, no engine raised
     both = phases["all at once"]
     assert sorted(both["answers"]) == ["0", "1"]
@@ -677,9 +690,11 @@ def test_two_engines_share_one_pool_and_a_killed_engine_gives_its_share_back(run
     # the survivor of a SIGKILL admits a burst of 60% of the budget within seconds, and the
     # pool lists one engine
     big = phases["kill: survivor's big burst"]
+    # hang guards only (a normal run: a second or two, p99 TTFT under 2 s on a loaded 2-core VM)
     assert big["engines_listed"] == 1 and big["seconds_after_kill"] < 60
     assert big["summary"]["ttft_p99"] < 30
-    assert pool["engines_left_in_pool"] == 0  # the survivor left at its shutdown
+    assert pool["summary"]["all at once"]["ttft_p99"] == [both["summary"]["ttft_p99"]] * 2
+    assert run["engines_left_in_pool"] == 0  # the survivor left at its shutdown
 
 
 def test_tight_budget_preempts_and_tokens_still_match(runs):

@@ -8,6 +8,7 @@ import torch
 import vattention
 
 from support.helpers import kv_views, page_state
+from support.rounding import fp32_attention_bound, sdpa_spread
 from support.share_helpers import check_pattern, fast_fill as fill_pattern, paged_cache, prefix
 
 
@@ -206,7 +207,14 @@ def test_sdpa_over_forked_child_equals_sdpa_over_copied_prefix(make_cache):
         k, v = kv_views(cache, layer)
         got = sdpa(q, k[child, :n].transpose(0, 1)[None], v[child, :n].transpose(0, 1)[None])
         want = sdpa(q, kc.transpose(0, 1)[None], vc.transpose(0, 1)[None])
-        assert torch.allclose(got, want, rtol=0, atol=1e-6)
+        # Over the cache's own strides SDPA may take another path (summation order, vector
+        # width: by CPU and library) than over the copy's: equal within fp32's rounding
+        # (derived), below what a wrong page would change (its share of the n keys' weight).
+        scale = cfg.head_dim**-0.5
+        kt, vt = kc.transpose(0, 1)[None], vc.transpose(0, 1)[None]
+        bound = fp32_attention_bound(q, kt, vt, n, scale, sdpa_spread(q, kt, vt, scale))
+        assert (got - want).abs().max().item() <= bound
+        # the same strides, shapes and values: the same path, bit for bit
         exact = sdpa(
             q,
             k[child, :n].contiguous().transpose(0, 1)[None],

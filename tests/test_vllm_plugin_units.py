@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from types import SimpleNamespace as NS
 
@@ -268,10 +269,11 @@ def test_an_idle_worker_gets_its_lowered_budget_from_the_thread():
 
 
 def test_a_failed_delayed_apply_is_retried_by_the_next_step():
-    applied, fail = [], [True]
+    applied, fail, failed = [], [True], threading.Event()
 
     def apply(b):
         if fail[0] and b == 10:
+            failed.set()
             raise RuntimeError("the cache is closing")
         applied.append(b)
 
@@ -279,7 +281,11 @@ def test_a_failed_delayed_apply_is_retried_by_the_next_step():
     try:
         budget.set(100)
         budget.set(10)
-        time.sleep(0.3)  # the thread tried (and failed) to lower it; it is still alive
+        # the thread tried (and failed) to lower it: waited for as an event (the timeout only
+        # guards against a hang; the thread tries 0.05 s after the set)
+        assert failed.wait(10), "the thread never tried to apply the lowered budget"
+        with budget._lock:  # its failure handled (it holds the lock until it waits again)
+            pass
         assert applied == [100] and budget.applied == 100 and budget._thread.is_alive()
         fail[0] = False
         budget.set(10)  # the next step's budget goes through

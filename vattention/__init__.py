@@ -11,6 +11,20 @@ memory grows with the tokens really held.
 >>> cache.close()
 """
 
+import importlib.util as _importlib_util
+import os as _os
+
+# Run from a clone's root, Python imports the source folder, which has no compiled core unless it
+# was built in place; the import below would then fail deep inside, blaming a circular import.
+if _importlib_util.find_spec(__name__ + "._C") is None:
+    raise ImportError(
+        f"vattention's compiled core (the extension module vattention._C) is not in "
+        f"{_os.path.dirname(_os.path.abspath(__file__))}: that folder holds vattention's sources "
+        "without a build, and Python imports it because it is the current directory or on "
+        "sys.path. Build the core there (`make build`, or `pip install --no-build-isolation -e .` "
+        "in the clone), or run from another directory to use the vattention you installed."
+    )
+
 from . import ops  # compile-safe append ops (torch.library custom ops: vattention::append)
 from .cache import Capacity, KVCache
 from .config import KVCacheConfig, parse_size
@@ -24,6 +38,7 @@ from .errors import (
     OutOfPagesError,
     SequenceTooLongError,
     SwapSpaceError,
+    UnmappedReadError,
     VAttentionError,
 )
 
@@ -44,6 +59,7 @@ __all__ = [
     "CacheClosedError",
     "SwapSpaceError",
     "ArgumentTypeError",
+    "UnmappedReadError",
     "ops",
     "__version__",
 ]

@@ -26,16 +26,34 @@ def _info() -> int:
             print(f"backend {kind}: unavailable: {e}")
         else:
             print(f"backend {kind}: available, granularity {gran} bytes")
+    from vattention.attention import kernel_report
+
+    for line in kernel_report():  # the CPU attention kernel's variant here, and why
+        print(line)
     return 0
 
 
 COMMANDS = ("info", "demo", "bench", "pool")
+# What each command does, for the top-level --help.
+SUMMARIES = {
+    "info": "the backends this build can use here (host, CUDA), and why not",
+    "demo": "continuous batching on the CPU over a virtual KV cache, with a closing table",
+    "bench": "benchmarks: memory (request traces), vllm (the plugin vs stock vLLM), elastic",
+    "pool": "list the vLLM plugin's shared KV memory pools, or change one's budget",
+}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m vattention", description=__doc__)
-    parser.add_argument("command", choices=COMMANDS)
+    parser = argparse.ArgumentParser(
+        prog="python -m vattention",
+        description="vattention's command line: KV caches contiguous in virtual memory.",
+        epilog="commands:\n"
+        + "".join(f"  {name:<7}{SUMMARIES[name]}\n" for name in COMMANDS)
+        + "\n`python -m vattention COMMAND --help` gives a command's options.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("command", choices=COMMANDS, help="one of the commands below")
     if not argv or argv[0] not in COMMANDS:
         parser.parse_args(argv)  # top-level usage: --help, an unknown command, none at all
         return 2

@@ -561,7 +561,7 @@ class KVCache(SharingMixin, SwapMixin):
         index = self._layer_index(layer)
         return self._core.window_starts(self._slot(slot))[index]
 
-    def release_blocks(self, ids: Union[Iterable[int], torch.Tensor], *, stream=None) -> int:
+    def release_blocks(self, ids: Union[Iterable[int], torch.Tensor]) -> int:
         """Give the pages of engine blocks back to the pool (caches created with ``num_blocks``).
 
         Each listed block forgets its pages: an idle slot whose row still maps one (kept for a
@@ -573,15 +573,16 @@ class KVCache(SharingMixin, SwapMixin):
         (:class:`ConfigError`: it holds no pages); handing its id out fresh is fine. Blocks
         without pages are skipped, and duplicates are fine.
 
+        Unmapping is not stream-ordered on CUDA: an idle slot's row is unmapped only once the
+        fence its :meth:`free` recorded has completed (the last use of the blocks it maps: free
+        a slot on the stream its kernels run on). Nothing waits for work queued since, such as
+        the step in flight under asynchronous scheduling: a slot freed steps ago costs no wait.
+
         Parameters
         ----------
         ids : sequence of int, or a 1-D integer tensor
             Block ids in ``[0, num_blocks)``; the engine's null block is not a block with pages:
             leave it out (``-1``, the core's hole, is refused like any negative id).
-        stream : torch.cuda.Stream or int, optional
-            Unmapping is not stream-ordered on CUDA: before it unmaps a row, it waits for the
-            work queued on this stream (default: the caller's current torch stream,
-            :mod:`vattention.streams`), as well as for the slot's :meth:`free` fence.
 
         Returns the number of pages that went back to the free list. Raises :class:`ConfigError`
         on a cache whose slots own their pages, and for an id outside ``[0, num_blocks)`` (naming
@@ -631,7 +632,7 @@ class KVCache(SharingMixin, SwapMixin):
             raise ConfigError(
                 f"release_blocks: block {b} is outside [0, {blocks}) (num_blocks={blocks})"
             )
-        return self._core.release_blocks(values, self._stream(stream))
+        return self._core.release_blocks(values)
 
     def block_table(self, slot: int) -> List[List[int]]:
         """The engine block table of ``slot``: one list of block ids per KV cache group

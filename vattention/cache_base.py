@@ -9,7 +9,7 @@ another's privates.
 
 from __future__ import annotations
 
-from . import _C
+from . import _C, cache_reads
 from .arguments import as_slot, as_stream
 from .config import KVCacheConfig
 from .streams import current_stream
@@ -26,6 +26,7 @@ class CacheBase:
     def _attach(self, config: KVCacheConfig, core: _C.KVCacheCore) -> None:
         self._config = config
         self._core = core
+        cache_reads.register(core, config)  # integrations find the cache of a tensor they get
 
     def _slot(self, value, name: str = "slot") -> int:
         """``value`` as a slot index of this cache (typed errors naming ``name`` and the range)."""

@@ -26,6 +26,7 @@ __all__ = [
     "CacheClosedError",
     "SwapSpaceError",
     "ArgumentTypeError",
+    "UnmappedReadError",
 ]
 
 
@@ -76,3 +77,16 @@ class ArgumentTypeError(VAttentionError, TypeError):
     """An argument has the wrong type: a float or bool where an int is needed (never truncated),
     a float tensor of lengths, a stream that is neither None, an int handle nor a stream object.
     The message names the argument."""
+
+
+class UnmappedReadError(VAttentionError, ValueError):
+    """A kernel was asked to read cache tokens no page backs: a length past a row's
+    ``mapped_tokens`` (``step()`` was given less), or below a sliding window's released start.
+
+    Raised before the kernel runs, which would otherwise fault (SIGSEGV on the host backend, an
+    illegal address that poisons the CUDA context on a GPU). Attributes ``request`` (index in the
+    batch), ``slot`` (the cache row), ``length`` (tokens the request reads) and ``mapped_tokens``;
+    ``window_start`` for a read below a window. A ValueError like :class:`SequenceTooLongError`:
+    the length is an argument beyond a limit, but that limit is what ``step()`` mapped, not
+    ``max_seq_len``, and no preemption helps (nothing ran out, unlike :class:`OutOfPagesError`).
+    """

@@ -15,6 +15,11 @@ The files, in :func:`pool_directory` (``/dev/shm/vattention-pools`` by default):
 * ``NAME.<pid>.<hex>.engine``: one per engine, a fixed-size record (held bytes and the figures
   the command line shows) on which its engine holds ``flock(LOCK_EX)`` for its lifetime.
 
+The directory and its files are private to the user who starts a pool's first engine: the
+directory is created with mode 0700 and every file with 0600, and a directory (or a link to one)
+that another user owns, or that others can write in, is refused with :class:`ConfigError` naming
+it and its owner, before any file in it is opened. Engines of one pool run as one user.
+
 Crash safety comes from the kernel, not from a counter: the kernel drops a dead process's locks,
 so an entry whose lock can be taken (``LOCK_NB`` on a descriptor of one's own) belongs to a dead
 engine, and whoever sees that next (a grant, a join, a listing) removes it. Nothing counts an
@@ -43,9 +48,11 @@ import dataclasses
 import fcntl
 import json
 import os
+import pwd
 import re
 import secrets
 import signal
+import stat
 import struct
 import tempfile
 import threading
@@ -173,6 +180,62 @@ def pool_directory(directory: Optional[str] = None) -> str:
     return os.path.join(base, "vattention-pools")
 
 
+_FILE_MODE = 0o600  # the pool's files: read and written by their user only
+_DIR_MODE = 0o700  # the directory a first engine creates
+
+
+def _user(uid: int) -> str:
+    """``uid 1000 (alice)``, or ``uid 12345`` where the system has no name for it."""
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _private_directory(directory: str, *, create: bool) -> bool:
+    """Check that ``directory`` is this user's alone before any pool file in it is opened;
+    ``create``: make it (mode 0700) where it is missing. Returns whether it exists.
+
+    A pool's files decide how much memory engines map, and an engine trusts its grants: another
+    user who could rewrite them (or had placed the directory, or a link to one, in the shared
+    ``/dev/shm``) could make an engine map memory its pool never granted. So the directory, and
+    the link to it if it is one, must belong to the process's effective user and be writable by
+    nobody else (mode bits 0o022 clear); its files are then this user's too. Raises
+    :class:`ConfigError` naming the path, its owner and mode otherwise.
+    """
+    if create:
+        try:
+            os.makedirs(directory, mode=_DIR_MODE)
+        except FileExistsError:
+            pass
+    try:
+        link, st = os.lstat(directory), os.stat(directory)
+    except FileNotFoundError:
+        return False
+    me = os.geteuid()
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(
+            f"pool directory {directory} is not a directory (owner {_user(st.st_uid)}): set "
+            f"{ENV_POOL_DIR} to a directory of this user's"
+        )
+    checked = [("a link owned by", link)] if stat.S_ISLNK(link.st_mode) else []
+    for what, info in checked + [("owned by", st)]:
+        if info.st_uid != me:
+            raise ConfigError(
+                f"pool directory {directory} is {what} {_user(info.st_uid)}, not by this "
+                f"process's user, {_user(me)}: another user's pool files are never used (set "
+                f"{ENV_POOL_DIR} to a directory of this user's, or remove that one)"
+            )
+    if st.st_mode & 0o022:
+        raise ConfigError(
+            f"pool directory {directory} (owner {_user(st.st_uid)}) has mode "
+            f"{stat.S_IMODE(st.st_mode):04o}: others can write in it, so they could rewrite a "
+            f"pool's files; make it private (chmod 700 {directory}) or set {ENV_POOL_DIR} to "
+            "another directory"
+        )
+    return True
+
+
 def _fit(nbytes: int, unit: int, room: int) -> int:
     """The largest multiple of ``unit`` no larger than ``nbytes`` and ``room`` (0 if none)."""
     fit = min(nbytes, room)
@@ -223,7 +286,7 @@ def _take_lock(path: str, fd: int) -> Tuple[int, bool]:
     fresh = False
     while True:
         if fd < 0:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, _FILE_MODE)
             fresh = True
         fcntl.flock(fd, fcntl.LOCK_EX)
         if os.fstat(fd).st_nlink > 0:
@@ -335,7 +398,7 @@ class _PoolFiles:
         (removed by the next scan), never a half-written pool file."""
         content = dict(format=_POOL_FORMAT, name=self.name, **dataclasses.asdict(record))
         tmp = self.path(f"{self.name}.{secrets.token_hex(4)}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, _FILE_MODE)
         try:
             os.write(fd, json.dumps(content).encode())
         finally:
@@ -641,8 +704,8 @@ class PoolLedger(Ledger):
         self._h = _Handles()
         _HANDLES.add(self._h)
         weakref.finalize(self, _Handles.close_all, self._h)
-        os.makedirs(self.directory, exist_ok=True)
         try:
+            _private_directory(self.directory, create=True)
             self._join(budget)
         except BaseException:
             self._h.close_all()
@@ -663,7 +726,9 @@ class PoolLedger(Ledger):
 
         The first engine of a pool (also the first after all others left or died) sets its
         budget and device; a later one must give the same, else :class:`ConfigError` names both.
-        ``max_bytes`` is the most this engine may ever hold (its own KV cache size).
+        ``max_bytes`` is the most this engine may ever hold (its own KV cache size). The
+        directory is created (mode 0700) where missing; one that another user owns or can write
+        in raises :class:`ConfigError` naming it and its owner, and nothing is created in it.
         """
         return cls(
             name, budget_bytes, device=device, model=model, max_bytes=max_bytes, directory=directory
@@ -683,7 +748,7 @@ class PoolLedger(Ledger):
             self._budget, self._created = pool.budget_bytes, pool.created
             self._entry = f"{self.name}.{self.pid}.{secrets.token_hex(4)}.engine"
             flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-            h.entry_fd = os.open(files.path(self._entry), flags, 0o644)
+            h.entry_fd = os.open(files.path(self._entry), flags, _FILE_MODE)
             fcntl.flock(h.entry_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             _pause("join-created")
             os.pwrite(h.entry_fd, self._record(), 0)
@@ -921,8 +986,11 @@ def _read_state(files: _PoolFiles, lock_fd: int) -> Tuple[Optional[_PoolRecord],
 def list_pools(directory: Optional[str] = None) -> List[PoolInfo]:
     """Every pool of the directory, by name, with its live engines. Dead engines' entries are
     removed as they are found; a pool left without a live engine is listed once with none and
-    its files removed (its next engine sets the budget afresh anyway)."""
+    its files removed (its next engine sets the budget afresh anyway). A directory that is not
+    this user's alone raises :class:`ConfigError` (see the module's docstring)."""
     directory = pool_directory(directory)
+    if not _private_directory(directory, create=False):
+        return []
     try:
         filenames = os.listdir(directory)
     except FileNotFoundError:
@@ -952,11 +1020,13 @@ def set_budget(
 
     A budget below what the engines hold is allowed: no running request fails; the engines see
     it through ``over_budget()`` and give back cached memory. A pool that does not exist, or
-    has no live engine (its next engine sets the budget), raises :class:`ConfigError`.
+    has no live engine (its next engine sets the budget), raises :class:`ConfigError`, as does a
+    directory that is not this user's alone.
     """
     name = _check_name(name)
     budget = parse_size(budget_bytes, name="budget_bytes")
     directory = pool_directory(directory)
+    _private_directory(directory, create=False)
     files = _PoolFiles(directory, name)
     if not os.path.exists(files.pool_path):  # no lock file is made for a pool that is not there
         raise _unknown_pool(name, directory)

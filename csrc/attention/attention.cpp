@@ -26,10 +26,14 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #ifdef _OPENMP
 #include <omp.h>
+#endif
+#if defined(__x86_64__)
+#include <cpuid.h>
 #endif
 
 #include "attention/plan.h"
@@ -58,6 +62,35 @@ int64_t element_bytes(DType t) {
   }
 }
 
+// Whether this CPU, with its OS, has `feature` (/proc/cpuinfo's spelling). __builtin_cpu_supports
+// takes string literals only, hence the chain; for AVX-512 it also checks that the OS saves the
+// registers (XCR0), as a kernel needs.
+bool cpu_has(const std::string& feature) {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (feature == "avx2") return __builtin_cpu_supports("avx2");
+  if (feature == "fma") return __builtin_cpu_supports("fma");
+  if (feature == "f16c") return __builtin_cpu_supports("f16c");
+  if (feature == "avx512f") return __builtin_cpu_supports("avx512f");
+  if (feature == "avx512bw") return __builtin_cpu_supports("avx512bw");
+  if (feature == "avx512vl") return __builtin_cpu_supports("avx512vl");
+  if (feature == "avx512dq") return __builtin_cpu_supports("avx512dq");
+  if (feature == "avx512_bf16") return __builtin_cpu_supports("avx512bf16");
+#endif
+  (void)feature;
+  return false;
+}
+
+KernelVariant variant(const char* name, bool compiled, std::vector<std::string> needs) {
+  KernelVariant v;
+  v.name = name;
+  v.compiled = compiled;
+  for (const std::string& f : needs)
+    if (!cpu_has(f)) v.missing.push_back(f);
+  v.needs = std::move(needs);
+  return v;
+}
+
 struct IsaTables {
   KernelTable avx512bf16, avx512, avx2, generic;
   bool has_avx512bf16 = false, has_avx512 = false, has_avx2 = false;
@@ -66,17 +99,11 @@ struct IsaTables {
 const IsaTables& isa_tables() {
   static const IsaTables t = [] {
     IsaTables x{kernels_avx512bf16(), kernels_avx512(), kernels_avx2(), kernels_generic()};
-#if defined(__x86_64__)
-    __builtin_cpu_init();
-    x.has_avx512 = avx512_compiled() && __builtin_cpu_supports("avx512f") &&
-                   __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-                   __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma") &&
-                   __builtin_cpu_supports("f16c");
-    x.has_avx512bf16 =
-        x.has_avx512 && avx512bf16_compiled() && __builtin_cpu_supports("avx512bf16");
-    x.has_avx2 = avx2_compiled() && __builtin_cpu_supports("avx2") &&
-                 __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-#endif
+    for (const KernelVariant& v : kernel_variants()) {
+      if (v.name == "avx512bf16") x.has_avx512bf16 = v.runnable();
+      if (v.name == "avx512") x.has_avx512 = v.runnable();
+      if (v.name == "avx2") x.has_avx2 = v.runnable();
+    }
     return x;
   }();
   return t;
@@ -609,6 +636,34 @@ void combine(const Args& a, const Shape& s, const Request& rq, const CombineGrou
 }  // namespace
 
 const char* kernel_isa() { return kernels().name; }
+
+std::vector<KernelVariant> kernel_variants() {
+  const std::vector<std::string> avx512{"avx512f",  "avx512bw", "avx512vl",
+                                        "avx512dq", "fma",      "f16c"};
+  std::vector<std::string> avx512bf16 = avx512;
+  avx512bf16.push_back("avx512_bf16");
+  return {variant("avx512bf16", avx512bf16_compiled(), avx512bf16),
+          variant("avx512", avx512_compiled(), avx512),
+          variant("avx2", avx2_compiled(), {"avx2", "fma", "f16c"}), variant("generic", true, {})};
+}
+
+std::vector<std::string> unused_cpu_features() {
+  std::vector<std::string> out;
+#if defined(__x86_64__)
+  // CPUID leaf 7: subleaf 0 EDX bits 22 (AMX-BF16), 23 (AVX512-FP16), 24 (AMX-TILE), 25
+  // (AMX-INT8); subleaf 1 EAX bit 21 (AMX-FP16)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (__get_cpuid_count(7, 0, &a, &b, &c, &d)) {
+    if (d & (1u << 24)) out.push_back("amx_tile");
+    if (d & (1u << 22)) out.push_back("amx_bf16");
+    if (d & (1u << 25)) out.push_back("amx_int8");
+    const unsigned d0 = d;
+    if (__get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 21))) out.push_back("amx_fp16");
+    if (d0 & (1u << 23)) out.push_back("avx512_fp16");
+  }
+#endif
+  return out;
+}
 
 bool set_kernel_isa(const char* name) {
   const KernelTable* t = find_table(name ? name : "");

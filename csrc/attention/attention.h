@@ -28,6 +28,8 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 namespace vattention {
 namespace attention {
@@ -108,6 +110,22 @@ void flash_attn_with_kvcache(const Args& args);
 // "avx2" or "generic". The best this CPU supports is chosen once; VATTENTION_ATTENTION_ISA=<name>
 // in the environment, or set_kernel_isa(), selects a lower one (tests, benchmarks).
 const char* kernel_isa();
+
+// One instruction-set variant of the kernels, as this build and this CPU see it.
+struct KernelVariant {
+  std::string name;                  // "avx512bf16", "avx512", "avx2", "generic"
+  bool compiled = false;  // in this build (not x86-64, or VATTENTION_SKIP_*: left out)
+  std::vector<std::string> needs;  // CPU features it runs on, spelled as /proc/cpuinfo does
+  std::vector<std::string> missing;  // those of `needs` this CPU (with its OS) lacks
+  bool runnable() const { return compiled && missing.empty(); }
+};
+
+// Every variant, best first; the kernels run the first runnable one unless told otherwise.
+std::vector<KernelVariant> kernel_variants();
+
+// Features of this CPU that no variant uses (AMX tiles, AVX512-FP16), /proc/cpuinfo spelling:
+// there is no AMX or FP16 variant, so a CPU with them runs (and tests) the variants above.
+std::vector<std::string> unused_cpu_features();
 
 // Selects the kernels by name for the whole process ("" = the best this CPU supports). Returns
 // false, changing nothing, when this build or CPU cannot run `name`. Not for use while another

@@ -88,7 +88,7 @@ BlockIds BlockCoordinator::block_table(int slot) const {
   return tables_.table(slot);
 }
 
-size_t BlockCoordinator::release_blocks(const std::vector<int64_t>& ids, uintptr_t stream) {
+size_t BlockCoordinator::release_blocks(const std::vector<int64_t>& ids) {
   Lock lock = guard_.enter();
   // A slot freed while the prefetch thread maps it is idle, and this call may unmap idle rows:
   // let that mapping publish first (rule R). Active rows only lose block records here, below
@@ -100,7 +100,7 @@ size_t BlockCoordinator::release_blocks(const std::vector<int64_t>& ids, uintptr
     guard_.rethrow_background_error();
   }
   tables_.validate_release(ids);
-  return tables_.release(ids, stream);
+  return tables_.release(ids);
 }
 
 // ---- refused: the engine shares and moves pages through its block tables ---------------------

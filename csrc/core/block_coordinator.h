@@ -33,7 +33,7 @@ class BlockCoordinator final : public KVCacheCore {
   BlockIds block_table(int slot) const override;
   // Waits only when the slot the prefetch thread maps was freed meanwhile (it may unmap that
   // row: rule R), as alloc() does; then BlockTables::release.
-  size_t release_blocks(const std::vector<int64_t>& ids, uintptr_t stream) override;
+  size_t release_blocks(const std::vector<int64_t>& ids) override;
 
   // Config: the engine shares and moves pages through its block tables.
   int fork(int src, int64_t num_tokens, uintptr_t stream) override;

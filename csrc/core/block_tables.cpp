@@ -304,7 +304,7 @@ void BlockTables::validate_release(const std::vector<int64_t>& ids) const {
   }
 }
 
-size_t BlockTables::release(const std::vector<int64_t>& ids, uintptr_t stream) {
+size_t BlockTables::release(const std::vector<int64_t>& ids) {
   std::vector<char> listed(static_cast<size_t>(pages_.num_blocks()), 0);
   size_t blocks = 0;
   for (int64_t b : ids) {
@@ -316,7 +316,9 @@ size_t BlockTables::release(const std::vector<int64_t>& ids, uintptr_t stream) {
   if (blocks == 0) return 0;
   auto is_listed = [&](int64_t b) { return b != kNoBlock && listed[static_cast<size_t>(b)]; };
   // Idle rows first, the only driver calls: each unmaps from the first page index that maps a
-  // listed block (and waits for its free() fence inside).
+  // listed block, after its free() fence (unmap_tail waits for it: one event query, no wait, once
+  // it completed). No fence on a stream: what runs there now was queued after the rows' free()s
+  // and reads none of their mappings (block_tables.h).
   std::vector<std::pair<int, size_t>> cuts;
   for (size_t i = 0; i < rows_.size(); ++i) {
     if (parts_.slots[i].use.active()) continue;
@@ -327,9 +329,6 @@ size_t BlockTables::release(const std::vector<int64_t>& ids, uintptr_t stream) {
     }
   }
   const size_t free_before = parts_.pool.free();
-  // Kernels queued on the caller's stream may still read what goes: wait for them first, as a
-  // window release does.
-  if (!cuts.empty()) parts_.memory.sync_stream(stream);
   for (const auto& cut : cuts) parts_.memory.unmap_tail(cut.first, cut.second);
   // Active rows keep the pages as anonymous ones: their requests may still read them.
   for (size_t i = 0; i < rows_.size(); ++i) {

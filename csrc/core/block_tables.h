@@ -98,8 +98,12 @@ class BlockTables final : public CacheFeature, public RowObserver {
   // Config naming the bad one and the limit, changing nothing.
   void validate_release(const std::vector<int64_t>& ids) const;
   // Each listed block with pages forgets them (a block without pages is skipped):
-  //   - an idle row that maps one unmaps its tail from the first page index that does (after a
-  //     fence on `stream`, and its free() fence: unmapping is not stream-ordered);
+  //   - an idle row that maps one unmaps its tail from the first page index that does, once the
+  //     fence its free() recorded completed (unmapping is not stream-ordered). That fence is the
+  //     last use of every block the row maps: an idle row is read by no kernel queued after its
+  //     free(), and a block's pages reach the free list only once no row maps them. So nothing
+  //     waits for work queued since (under async scheduling, the step in flight): a row freed
+  //     long ago costs no wait, one freed this step waits for its own last kernels only;
   //   - an active row that maps one keeps the pages as anonymous ones ("detached", as when the
   //     engine hands the id out fresh), until it unmaps them itself (window release, free);
   //   - the block drops its own references.
@@ -108,7 +112,7 @@ class BlockTables final : public CacheFeature, public RowObserver {
   // so the caller keeps the prefetch thread's slot out of them (rule R). On a driver error the
   // row that failed maps what it did (rows before it stay unmapped: idle memory, as reclaim()
   // would leave it) and no block forgot its pages.
-  size_t release(const std::vector<int64_t>& ids, uintptr_t stream);
+  size_t release(const std::vector<int64_t>& ids);
 
   // RowObserver: SlotMemory mapped anonymous pages, or unmapped part of a row (the blocks there
   // lose this row's mapping).

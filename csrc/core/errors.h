@@ -22,6 +22,7 @@ class Error : public std::runtime_error {
     Unavailable,     // backend cannot run here            -> BackendUnavailableError
     Closed,          // use after close()                  -> CacheClosedError
     SwapSpace,       // swap host-memory budget exceeded   -> SwapSpaceError(MemoryError)
+    UnmappedRead,    // a read past a row's mapped tokens  -> UnmappedReadError(ValueError)
   };
 
   Error(Kind kind, std::string message) : std::runtime_error(std::move(message)), kind_(kind) {}

@@ -401,6 +401,54 @@ std::vector<int64_t> KVCacheCore::window_starts(int slot) const {
   return windows_.starts(slot);
 }
 
+void KVCacheCore::check_reads(int tensor, const std::vector<int64_t>& slots,
+                              const std::vector<int64_t>& begins,
+                              const std::vector<int64_t>& ends) const {
+  Lock lock(guard_.mutex());
+  guard_.check_open();
+  if (tensor < 0 || tensor >= geo_.num_tensors()) {
+    throw Error(Error::Kind::Config, "tensor=" + std::to_string(tensor) + " is out of range [0, " +
+                                         std::to_string(geo_.num_tensors()) + ")");
+  }
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const int64_t slot = slots[i];
+    slots_.validate(slot);
+    const SlotPages& p = slots_[static_cast<size_t>(slot)].pages;
+    const int64_t end = i < ends.size() ? ends[i] : 0;
+    const int64_t mapped = geo_.tokens_in(p.mapped());
+    if (end > mapped) {
+      const std::string row = std::to_string(slot);
+      throw Error(Error::Kind::UnmappedRead,
+                  "request " + std::to_string(i) + " reads " + std::to_string(end) +
+                      " tokens of cache row " + row + ", past the " + std::to_string(mapped) +
+                      " tokens mapped for it (mapped_tokens(" + row +
+                      ") = " + std::to_string(mapped) +
+                      "): the kernel would touch unmapped memory; call KVCache.step({" + row +
+                      ": " + std::to_string(end) + "}) first, or pass the lengths step() was given")
+          .with("request", static_cast<int64_t>(i))
+          .with("slot", slot)
+          .with("length", end)
+          .with("mapped_tokens", mapped);
+    }
+    if (i >= begins.size() || !p.has_holes()) continue;
+    const int64_t start = geo_.first_token_at(p.head(static_cast<size_t>(tensor)));
+    const int64_t begin = begins[i];
+    if (begin < start && begin < end) {
+      throw Error(Error::Kind::UnmappedRead,
+                  "request " + std::to_string(i) + " reads tokens [" + std::to_string(begin) +
+                      ", " + std::to_string(end) + ") of cache row " + std::to_string(slot) +
+                      ", but its sliding window released the tokens below " +
+                      std::to_string(start) +
+                      " (window_start): pass window_size so that no query reads below it")
+          .with("request", static_cast<int64_t>(i))
+          .with("slot", slot)
+          .with("length", end)
+          .with("mapped_tokens", mapped)
+          .with("window_start", start);
+    }
+  }
+}
+
 std::vector<int> KVCacheCore::pick_victims(size_t bytes_needed) const {
   Lock lock(guard_.mutex());
   guard_.check_open();

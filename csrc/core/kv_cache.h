@@ -140,9 +140,9 @@ class KVCacheCore {
   virtual BlockIds block_table(int slot) const = 0;
   // Engine blocks only (Config on a cache whose slots own their pages): each listed block forgets
   // its pages (block_tables.h, BlockTables::release); ids out of [0, num_blocks) throw Config with
-  // nothing changed. Unmapping waits for a fence on `stream`. Returns the pages that reached the
-  // free list.
-  virtual size_t release_blocks(const std::vector<int64_t>& ids, uintptr_t stream) = 0;
+  // nothing changed. An idle row it unmaps waits for the fence of the row's free() (the last use
+  // of the blocks it maps), never for a stream. Returns the pages that reached the free list.
+  virtual size_t release_blocks(const std::vector<int64_t>& ids) = 0;
   // What step(lens), plus new requests of `new_lens` tokens each, would need and could get;
   // maps nothing, changes nothing (the same accounting step() uses).
   Capacity capacity(const std::vector<int64_t>& lens, const std::vector<int64_t>& new_lens) const;
@@ -198,6 +198,12 @@ class KVCacheCore {
   std::string check_invariants() const;
   // Per layer, the first token of `slot` still backed (window_release.h).
   std::vector<int64_t> window_starts(int slot) const;
+  // A kernel's reads, checked before it runs: request i reads tokens [begins[i], ends[i]) of row
+  // slots[i] in tensor t (begins empty: from token 0). Throws Error(UnmappedRead) naming the
+  // first request whose range is not backed (past mapped_tokens, or below a sliding window's
+  // released head), InvalidSlot for a row out of range. Changes nothing; one lock for the batch.
+  void check_reads(int tensor, const std::vector<int64_t>& slots,
+                   const std::vector<int64_t>& begins, const std::vector<int64_t>& ends) const;
   // Active slots to preempt, in order, until their pages that would really return to the pool
   // reach bytes_needed: least recently stepped first, ties by fewest tokens, then lowest index.
   std::vector<int> pick_victims(size_t bytes_needed) const;
@@ -226,20 +232,23 @@ class KVCacheCore {
   // trimming under pressure takes only look-ahead), runs map(old_lens), counts its driver calls
   // and the pages it created as the step's, and commits the lengths; if map throws, the lengths are
   // restored and the error goes on (map undoes its own mappings). Returns the lengths before the
-  // step.
+  // step. A failed step's pages are destroyed again and counted nowhere (pool_.roll_back), so
+  // pages_created and step_pages_created agree; only the time they took stays counted.
   template <typename Map>
   std::vector<int64_t> step_transaction(const std::vector<int64_t>& lens, Map&& map) {
     const std::vector<int64_t> old_lens = slots_.raise_lengths(lens);
+    const PagePool::Counts pool_before = pool_.counts();
     const uint64_t calls_before = parts_.driver_calls();
-    const uint64_t created_before = pool_.pages_created(), ns_before = pool_.create_ns();
+    const uint64_t ns_before = pool_.create_ns();
     auto count = [&] {  // no other thread creates pages while the mutex is held
       counters_.step_driver_calls += parts_.driver_calls() - calls_before;
-      counters_.step_pages_created += pool_.pages_created() - created_before;
+      counters_.step_pages_created += pool_.pages_created() - pool_before.created;
       counters_.step_page_create_ns += pool_.create_ns() - ns_before;
     };
     try {
       map(old_lens);
     } catch (...) {
+      pool_.roll_back(pool_before);
       count();
       slots_.restore_lengths(old_lens);
       throw;

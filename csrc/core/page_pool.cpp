@@ -189,6 +189,21 @@ void PagePool::untake(const std::vector<PageHandle>& pages, size_t num_created) 
   }
 }
 
+void PagePool::roll_back(const Counts& before) {
+  while (total_ > before.total && !free_.empty()) {
+    try {
+      destroy_one(free_.back());
+    } catch (...) {
+      break;  // the call's own error is the one to report; the page stays, counted
+    }
+    free_.pop_back();
+    --total_;
+  }
+  // total_ == created_ - destroyed_ at every moment, so the net change is total_ - before.total.
+  created_ = before.created + (total_ > before.total ? total_ - before.total : 0);
+  destroyed_ = before.destroyed + (before.total > total_ ? before.total - total_ : 0);
+}
+
 void PagePool::share(PageHandle page) {
   ++refs_.at(page);
   ++extra_refs_;

@@ -75,6 +75,18 @@ class PagePool {
   // Undoes take(): returns `pages` to the free list and destroys the last `num_created` of them
   // (the ones take() created), so the pool is as it was before.
   void untake(const std::vector<PageHandle>& pages, size_t num_created);
+  // What the pool counts, at one moment: a failed call's rollback goes back to it.
+  struct Counts {
+    size_t total = 0;
+    uint64_t created = 0;
+    uint64_t destroyed = 0;
+  };
+  Counts counts() const { return {total_, created_, destroyed_}; }
+  // After a call that failed and undid its mappings: destroys free pages until total() is back to
+  // `before.total` (the pages the call created and kept), then counts as created and destroyed
+  // only the net change since `before`, so a failed call's pages appear in no count. The time
+  // spent stays in create_ns()/destroy_ns(). A page whose destruction fails stays, counted.
+  void roll_back(const Counts& before);
   // Adds a reference to an in-use page (one more mapping of it).
   void share(PageHandle page);
   // Drops one reference; at zero the page goes back to the free list.

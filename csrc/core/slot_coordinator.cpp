@@ -139,9 +139,7 @@ BlockIds SlotCoordinator::block_table(int slot) const {
   return {};
 }
 
-size_t SlotCoordinator::release_blocks(const std::vector<int64_t>&, uintptr_t) {
-  refuse("release_blocks");
-}
+size_t SlotCoordinator::release_blocks(const std::vector<int64_t>&) { refuse("release_blocks"); }
 
 void SlotCoordinator::refuse(const char* call) const {
   Lock lock(guard_.mutex());

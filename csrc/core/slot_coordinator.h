@@ -30,7 +30,7 @@ class SlotCoordinator final : public KVCacheCore {
             uintptr_t stream) override;
   BlockIds block_table(int slot) const override;  // always empty
   // Config: there are no engine blocks to release.
-  size_t release_blocks(const std::vector<int64_t>& ids, uintptr_t stream) override;
+  size_t release_blocks(const std::vector<int64_t>& ids) override;
 
   int fork(int src, int64_t num_tokens, uintptr_t stream) override;
   void share_prefix(int src, int dst, int64_t num_tokens, uintptr_t stream) override;

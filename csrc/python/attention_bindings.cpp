@@ -7,9 +7,12 @@
 // kernel runs (it touches no Python object).
 #include "python/attention_bindings.h"
 
+#include <pybind11/stl.h>
+
 #include <cstdint>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "attention/attention.h"
 
@@ -91,6 +94,21 @@ void register_attention(py::module_& m) {
       "vattention.attention.cpu_attention.");
   m.def("attention_kernel_isa", &at::kernel_isa,
         "Instruction set of the CPU attention kernels in use.");
+  m.def(
+      "attention_kernel_variants",
+      [] {
+        std::vector<
+            std::tuple<std::string, bool, std::vector<std::string>, std::vector<std::string>>>
+            out;
+        for (const at::KernelVariant& v : at::kernel_variants())
+          out.emplace_back(v.name, v.compiled, v.needs, v.missing);
+        return out;
+      },
+      "Every variant of the CPU attention kernels, best first: (name, compiled into this build,\n"
+      "CPU features it needs, those this CPU lacks), features spelled as in /proc/cpuinfo.");
+  m.def("attention_unused_cpu_features", &at::unused_cpu_features,
+        "Features of this CPU no kernel variant uses (AMX tiles, AVX512-FP16), /proc/cpuinfo "
+        "spelling.");
   m.def(
       "set_attention_kernel_isa",
       [](const std::string& name) { return at::set_kernel_isa(name.c_str()); }, py::arg("name"),

@@ -285,7 +285,7 @@ void bind_cache(py::module_& m) {
           },
           py::arg("seq_lens"), py::arg("stream") = 0, py::arg("blocks") = py::none())
       .def("block_table", &KVCacheCore::block_table, py::arg("slot"))
-      .def("release_blocks", &KVCacheCore::release_blocks, py::arg("ids"), py::arg("stream") = 0,
+      .def("release_blocks", &KVCacheCore::release_blocks, py::arg("ids"),
            py::call_guard<py::gil_scoped_release>())
       .def(
           "capacity",
@@ -366,6 +366,8 @@ void bind_cache(py::module_& m) {
       .def("set_swap_budget", &KVCacheCore::set_swap_budget, py::arg("budget_bytes"))
       .def("pick_victims", &KVCacheCore::pick_victims, py::arg("bytes_needed"))
       .def("window_starts", &KVCacheCore::window_starts, py::arg("slot"))
+      .def("check_reads", &KVCacheCore::check_reads, py::arg("tensor"), py::arg("slots"),
+           py::arg("begins"), py::arg("ends"))
       .def("close", &KVCacheCore::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("closed", &KVCacheCore::closed)
       .def_property_readonly("backend_name", [](KVCacheCore& c) { return c.backend().name(); })

@@ -33,6 +33,7 @@ const char* python_class(Error::Kind kind) {
     case Error::Kind::Unavailable: return "BackendUnavailableError";
     case Error::Kind::Closed: return "CacheClosedError";
     case Error::Kind::SwapSpace: return "SwapSpaceError";
+    case Error::Kind::UnmappedRead: return "UnmappedReadError";
   }
   return "VAttentionError";
 }

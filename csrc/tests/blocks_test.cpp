@@ -93,7 +93,7 @@ class Engine {
         if (std::find(p.second.begin(), p.second.end(), b) != p.second.end()) p.second.clear();
       }
     }
-    core_.release_blocks(ids, 0);
+    core_.release_blocks(ids);
     int64_t with_pages = 0;
     for (const auto& kv : core_.stats())
       with_pages += kv.first == "blocks_with_pages" ? kv.second : 0;

@@ -4,10 +4,12 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "core/kv_cache.h"
 #include "host/host_backend.h"
@@ -55,6 +57,25 @@ inline std::unique_ptr<KVCacheCore> host_core(const CacheGeometry& g, int64_t bu
   options.num_blocks = num_blocks;
   options.block_cache = cache_blocks;
   return make_cache(std::make_unique<HostBackend>(g.page_bytes), g, options);
+}
+
+// How long the hammer tests' threads run: counted, not timed. Called on the main thread while the
+// workers loop until `stop`: sets `stop` once at least `min_time` has passed and `enough()` holds
+// (events counted by the caller: steps, copies, swaps), polled every 10 ms; so a slow machine, a
+// loaded one or a sanitizer's 5-15x slowdown runs longer instead of checking less. `hang` only
+// guards against a hang (no normal run comes near it): false when it stopped the run.
+template <class Enough>
+bool run_until(std::atomic<bool>& stop, std::chrono::milliseconds min_time, Enough enough,
+               std::chrono::seconds hang = std::chrono::seconds(120)) {
+  const auto give_up = std::chrono::steady_clock::now() + hang;
+  std::this_thread::sleep_for(min_time);
+  bool ok = enough();
+  while (!ok && std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    ok = enough();
+  }
+  stop = true;
+  return ok;
 }
 
 // main()'s return value: prints the outcome of the binary named `suite`, and its sanitizer.

@@ -81,7 +81,7 @@ bool intact(KVCacheCore& core, const Seq& s) {
   return true;
 }
 
-void hammer(KVCacheCore& core, unsigned seed, std::chrono::steady_clock::time_point stop) {
+void hammer(KVCacheCore& core, unsigned seed, const std::atomic<bool>& stop) {
   std::mt19937 rng(seed);
   const int64_t B = core.geometry().max_batch;
   std::vector<Seq> mine;
@@ -91,7 +91,7 @@ void hammer(KVCacheCore& core, unsigned seed, std::chrono::steady_clock::time_po
     lens[static_cast<size_t>(s.slot)] = len;
     core.step(lens, {}, 0);
   };
-  while (std::chrono::steady_clock::now() < stop) {
+  while (!stop) {
     const unsigned op = rng() % 100;
     try {
       if (op < 15 && mine.size() < 3) {
@@ -178,10 +178,23 @@ void hammer(KVCacheCore& core, unsigned seed, std::chrono::steady_clock::time_po
 
 void run(bool mega, int64_t window, bool per_layer = false) {
   auto core = make_core(mega, window, per_layer);
-  const auto stop = std::chrono::steady_clock::now() + std::chrono::milliseconds(1500);
+  std::atomic<bool> stop{false};
   std::vector<std::thread> threads;
-  for (unsigned i = 0; i < 3; ++i) threads.emplace_back(hammer, std::ref(*core), 100 + i, stop);
+  for (unsigned i = 0; i < 3; ++i)
+    threads.emplace_back(hammer, std::ref(*core), 100 + i, std::cref(stop));
+  auto stat = [&core](const char* name) {
+    for (const auto& kv : core->stats())
+      if (kv.first == name) return kv.second;
+    return int64_t{0};
+  };
+  // 1.5 s at the least, and until copy-on-write, swap-out and (with a window) a window release
+  // have each happened, counted by the cache's stats
+  const bool ok = testing::run_until(stop, std::chrono::milliseconds(1500), [&] {
+    return stat("cow_pages_copied") > 0 && stat("swap_out_pages") > 0 &&
+           (window == 0 || stat("window_released_pages") > 0);
+  });
   for (auto& t : threads) t.join();
+  check(ok, "a hang: sharing, swap or window release not exercised in 120 s");
   core->wait();
   check(core->check_invariants().empty(), "invariants: " + core->check_invariants());
   core->reclaim();

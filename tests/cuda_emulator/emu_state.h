@@ -157,7 +157,7 @@ struct State {
   std::map<uint64_t, Unit> units;  // not yet complete, by id (ascending = launch order)
   uint64_t next_unit = 1;
 
-  std::map<std::string, int64_t> calls;  // per entry point (base names)
+  std::map<std::string, int64_t> calls;  // per entry point (base names); "held_ns:<entry>" too
   std::map<std::string, Fault> faults;
   std::map<std::string, int64_t> latency_ns;  // per-call hold (vaemu_set_latency_ns)
   std::string gate_entry;  // vaemu_gate: entry whose nth call stops

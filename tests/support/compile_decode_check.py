@@ -13,6 +13,7 @@ no recompilation. Outputs and cache contents must equal eager's.
 
 from __future__ import annotations
 
+import pathlib
 import sys
 
 import torch
@@ -20,6 +21,10 @@ import torch.nn.functional as F
 
 import vattention
 from vattention.ops import append_kv
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/: support.*
+
+from support.rounding import fp32_attention_bound  # noqa: E402
 
 W = 64  # the window every slot has mapped; the compiled step reads [0, W) of its slots
 
@@ -70,9 +75,15 @@ def run(layout: str) -> None:
                     outs.append(fn(q, k, v, kc, vc, torch.tensor(s), torch.tensor(lens)))
                 if fn is compiled and it == 0:
                     torch.compiler.set_stance("fail_on_recompile")
+            # Inductor's kernels sum in other orders than eager's (their vector widths follow
+            # the CPU's ISA): equal within fp32's rounding over W keys, derived, not fitted.
+            rows = torch.tensor(slots[0])
+            k_all = torch.stack([eager_cache.layer(i)[0][rows, :W] for i in range(cfg.num_layers)])
+            v_all = torch.stack([eager_cache.layer(i)[1][rows, :W] for i in range(cfg.num_layers)])
+            bound = fp32_attention_bound(q, k_all, v_all, W, q.shape[-1] ** -0.5)
             half = len(outs) // 2
             for e, o in zip(outs[:half], outs[half:]):
-                torch.testing.assert_close(o, e, rtol=1e-5, atol=1e-5)
+                assert (o - e).abs().max().item() <= bound, ((o - e).abs().max().item(), bound)
             lens = [n + 1 for n in lens]
         for layer in range(cfg.num_layers):
             for t in range(2):

@@ -237,6 +237,51 @@ def case_reset_prefix_cache_releases_every_cached_page():
     assert elastic.budget_blocks == 2
 
 
+def case_unpinned_blocks_that_lose_their_pages_tell_their_reuse_watcher():
+    # vLLM's HiSparse releases blocks with unpin_blocks() and keeps reading them until its
+    # watcher says the pool reused them: pages released at settle() (beyond the cap) end the
+    # blocks' content too, so the watcher fires for those, in the step that releases them.
+    pool, ledger = make(num_blocks=6, cap=2, headroom=0)  # 5 blocks
+    _, blocks = step(pool, lambda: alloc(pool, 5))
+    cache(pool, blocks[:3])  # hashed or not, an unpinned block joins the free queue's tail
+    reused = []
+    pool.unpin_blocks(blocks, reused.append)
+    assert reused == [] and pool.free_block_queue.num_free_blocks == 5
+    elastic, _ = step(pool, run=False)
+    assert elastic.release == [b.block_id for b in blocks[:3]]
+    assert reused == blocks[:3]  # told before the worker runs the step that unmaps them
+    pool.step_done(elastic)
+    assert ledger.held == 2 * BB
+    # the two kept ones: told when handed out again, as in vLLM's own pool, and only then
+    # (the three released come back first, as new pages: no watcher of theirs is left)
+    _, taken = step(pool, lambda: alloc(pool, 4))
+    assert taken[3] is blocks[3] and reused == blocks[:4]
+
+
+def case_an_unpinned_block_freed_without_a_hash_tells_its_watcher():
+    # unpin_blocks() on a block another request still holds: the watcher waits; when that
+    # request frees it, a block without a hash loses its pages at once, and the watcher fires.
+    pool, _ = make(cap=4, headroom=0)
+    _, blocks = step(pool, lambda: alloc(pool, 2))
+    pool.touch(blocks)  # a second holder of both
+    reused = []
+    pool.unpin_blocks(blocks, reused.append)
+    assert reused == [] and pool.free_block_queue.num_free_blocks == 0
+    pool.free_blocks(blocks)
+    assert reused == blocks
+    elastic, _ = step(pool)
+    assert sorted(elastic.release) == [b.block_id for b in blocks]
+
+
+def case_the_schedulers_docstring_examples_run():
+    import doctest
+
+    from vattention.integrations.vllm import scheduler
+
+    result = doctest.testmod(scheduler)
+    assert result.attempted > 0 and result.failed == 0, result
+
+
 def main() -> int:
     results = {}
     for name, fn in sorted(globals().items()):

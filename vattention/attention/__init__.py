@@ -15,6 +15,9 @@ descales). For FlashAttention's own signature, on CPU and GPU alike, use
 :func:`reference_attention`            the same semantics in torch SDPA, any dtype and device:
                                        the test oracle
 :func:`kernel_isa`                     the instruction set the kernel runs here
+:func:`kernel_variants`                every variant of the kernel, best first, and what each
+                                       needs of the CPU; :func:`kernel_report` says which one
+                                       runs and why (``python -m vattention info``)
 :func:`supports`                       whether the kernel takes tensors of these dtypes/devices
 :func:`fp8_store_like_vllm`            how a new key is stored in an fp8 cache
 =====================================  =========================================================
@@ -43,11 +46,15 @@ from .arguments import IntArg, Scale
 from .fp8 import fp8_store_like_vllm
 from .kernel import cpu_attention, kernel_isa, supports
 from .reference import reference_attention
+from .variants import KernelVariant, kernel_report, kernel_variants
 
 __all__ = [
     "cpu_attention",
     "reference_attention",
     "kernel_isa",
+    "kernel_variants",
+    "kernel_report",
+    "KernelVariant",
     "supports",
     "fp8_store_like_vllm",
     "IntArg",

@@ -160,7 +160,8 @@ def reference_attention(
 
 def _from_cache(x: torch.Tensor, descale: float, dtype: torch.dtype) -> torch.Tensor:
     if x.dtype in FP8_MAX:
-        return (x.float() * descale).to(dtype)
+        # in float32, or in q's dtype where it is wider (a float64 oracle: no fp32 rounding)
+        return (x.to(torch.promote_types(dtype, torch.float32)) * descale).to(dtype)
     return x.to(dtype)
 
 

@@ -20,7 +20,7 @@ from ..cache import KVCache
 from ..config import KVCacheConfig
 from ..errors import OutOfPagesError
 from .progress import Progress
-from .traces import load_trace
+from .traces import TRACE_NAMES, load_trace
 
 MiB = 1 << 20
 
@@ -242,14 +242,23 @@ def main(argv: Optional[List[str]] = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--requests", type=int, default=48)
+    p.add_argument("--requests", type=int, default=48, help="requests to serve (default: 48)")
     p.add_argument("--batch", type=int, default=16, help="max_batch_size (slots)")
-    p.add_argument("--max-seq-len", type=int, default=1024)
-    p.add_argument("--page-size", default="64KB")
-    p.add_argument("--layout", default="layer", choices=("layer", "mega"))
+    p.add_argument(
+        "--max-seq-len", type=int, default=1024, help="max_seq_len in tokens (default: 1024)"
+    )
+    p.add_argument("--page-size", default="64KB", help="page size (default: 64KB)")
+    p.add_argument(
+        "--layout", default="layer", choices=("layer", "mega"), help="cache layout (default: layer)"
+    )
     p.add_argument("--budget", default="24MB", help="physical KV memory budget")
-    p.add_argument("--trace", default="sharegpt")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--trace",
+        default="sharegpt",
+        help=f"request lengths: a packaged trace ({', '.join(TRACE_NAMES)}) or a CSV with the "
+        "columns num_prefill_tokens and num_decode_tokens, divided by 4 (default: sharegpt)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     args = p.parse_args(argv)
     # Tiny attention calls: thread-pool hand-offs cost more than they save (and a 2-core CI
     # machine has no core to spare for them).

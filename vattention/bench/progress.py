@@ -1,5 +1,6 @@
-"""Progress display for the CLI: tqdm when installed (extra ``bench``), else a plain line on
-stderr."""
+"""Progress display for the CLI on stderr: a tqdm bar on a terminal when tqdm is installed (extra
+``bench``), else plain lines, one every 25% where stderr is not a terminal (a log file gets a few
+lines, not one redraw per update)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,19 @@ __all__ = ["Progress"]
 
 
 class Progress:
-    """Count finished requests of a run (the demo, or one allocator of a benchmark).
+    """Count finished work of a run: requests (the demo, one allocator of a benchmark) or passes
+    (one engine's passes over a workload of ``bench vllm``).
 
     Parameters
     ----------
     total : int
-        Requests in the run.
+        Units of work in the run.
     label : str
         Shown before the count.
     enabled : bool
         False shows nothing (``--quiet``).
+    unit : str
+        What is counted (tqdm's unit; default ``"req"``).
 
     Examples
     --------
@@ -27,18 +31,18 @@ class Progress:
     ...     bar.update(2)
     """
 
-    def __init__(self, total: int, label: str, *, enabled: bool = True) -> None:
+    def __init__(self, total: int, label: str, *, enabled: bool = True, unit: str = "req") -> None:
         self.total, self.label, self.enabled = total, label, enabled
         self.done = 0
         self._next_percent = 10
         self._bar: Optional[Any] = None  # a tqdm bar (tqdm ships no type information)
-        if enabled:
+        if enabled and sys.stderr.isatty():
             try:
                 from tqdm import tqdm
             except ImportError:
                 tqdm = None
             if tqdm is not None:
-                self._bar = tqdm(total=total, desc=f"{label:<24}", unit="req", leave=True)
+                self._bar = tqdm(total=total, desc=f"{label:<24}", unit=unit, leave=True)
 
     def update(self, count: int) -> None:
         """``count`` more requests finished."""

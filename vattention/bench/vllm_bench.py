@@ -5,7 +5,9 @@ Both engines serve the same model, the same requests and the same KV memory
 process of its own started once (the plugin is switched on per process by ``VATTENTION_VLLM=1``).
 Both stay alive, each is warmed up outside the timing (compilation, oneDNN primitives, the first
 pages), then the two are driven alternately, A B B A, for ``--repetitions`` rounds of each workload
-(a drift of the machine over the run then weighs on both engines alike). Every pass (A B, then
+(so ``--repetitions N`` times each engine ``2N`` times per workload; a drift of the machine over
+the run then weighs on both engines alike). A progress bar per workload and engine counts its
+passes (on stderr; a line at each quarter where stderr is not a terminal). Every pass (A B, then
 B A) draws new token ids, so vLLM's prefix cache never carries hits from one pass into the next;
 both engines get the same requests in a pass, and their tokens are compared. Printed per
 workload: generated tokens per second, min and median over the passes, and the plugin's median
@@ -53,6 +55,7 @@ from .model_presets import (
     config_path,
     preset_from_config,
 )
+from .progress import Progress
 
 __all__ = [
     "add_parser",
@@ -61,6 +64,7 @@ __all__ = [
     "make_workload",
     "bench_model",
     "exit_status",
+    "time_workload",
     "MODEL_SIZES",
     "WORKLOADS",
 ]
@@ -231,7 +235,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "--repetitions",
         type=int,
         default=2,
-        help="rounds of each workload per engine (default: 2; >= 2 for a median worth the name)",
+        help="rounds of A B B A per workload (default: 2): each engine runs 2N timed passes of "
+        "each workload (N >= 2 for a median worth the name)",
     )
     p.add_argument(
         "--num-requests",
@@ -439,8 +444,46 @@ class Engine:
             self._log.close()
 
 
-def _round(engines: Dict[str, Engine], order: Tuple[str, str], requests: List[Dict]) -> Dict:
-    return {name: engines[name].generate(requests) for name in order}
+def time_workload(
+    engines: Dict[str, Engine], name: str, args: argparse.Namespace, *, progress: bool = True
+) -> Dict:
+    """Workload ``name`` on both engines, ``args.repetitions`` rounds of A B B A with new token
+    ids each pass: tokens/s and generated tokens per pass and engine, how many requests got the
+    same tokens from both, where they first differed, and the seconds it took. A progress bar per
+    engine (:class:`~vattention.bench.progress.Progress`, on stderr) counts its passes."""
+    t0 = time.perf_counter()
+    rounds: Dict[str, List[float]] = {e: [] for e in ENGINES}  # tokens/s per pass
+    generated: Dict[str, List[int]] = {e: [] for e in ENGINES}  # tokens per pass
+    same, total, first = 0, 0, None
+    passes = 2 * args.repetitions
+    bars = {e: Progress(passes, f"{name} {e}", enabled=progress, unit="pass") for e in ENGINES}
+    try:
+        for r in range(args.repetitions):
+            for k, order in enumerate((ENGINES, ENGINES[::-1])):  # A B B A
+                # fresh token ids each pass: no prefix-cache hits carried between passes
+                requests = make_workload(name, 2 * r + k, args)
+                out = {}
+                for e in order:
+                    out[e] = engines[e].generate(requests)
+                    bars[e].update(1)
+                n, diff = compare_tokens(out["stock"]["tokens"], out["vattention"]["tokens"])
+                if diff is not None and first is None:
+                    first = {"pass": 2 * r + k, **diff}
+                same, total = same + n, total + len(requests)
+                for e in ENGINES:
+                    rounds[e].append(out[e]["tokens_per_s"])
+                    generated[e].append(_generated(out[e]["tokens"]))
+    finally:
+        for bar in bars.values():
+            bar.close()
+    return {
+        "rounds": rounds,
+        "generated_tokens": generated,
+        "tokens_identical": same == total,
+        "identical_requests": [same, total],
+        "first_divergence": first,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def compare_tokens(stock: List, plugin: List) -> Tuple[int, Optional[Dict]]:
@@ -569,30 +612,7 @@ def run(args: argparse.Namespace) -> int:
         for engine in engines.values():  # compilation, first pages, allocator: outside timing
             engine.generate(warm)
         for name in workloads:
-            t0 = time.perf_counter()
-            rounds: Dict[str, List[float]] = {e: [] for e in ENGINES}  # tokens/s per pass
-            generated: Dict[str, List[int]] = {e: [] for e in ENGINES}  # tokens per pass
-            same, total, first = 0, 0, None
-            for r in range(args.repetitions):
-                for k, order in enumerate((ENGINES, ENGINES[::-1])):  # A B B A
-                    # fresh token ids each pass: no prefix-cache hits carried between passes
-                    requests = make_workload(name, 2 * r + k, args)
-                    out = _round(engines, order, requests)
-                    n, diff = compare_tokens(out["stock"]["tokens"], out["vattention"]["tokens"])
-                    if diff is not None and first is None:
-                        first = {"pass": 2 * r + k, **diff}
-                    same, total = same + n, total + len(requests)
-                    for e in ENGINES:
-                        rounds[e].append(out[e]["tokens_per_s"])
-                        generated[e].append(_generated(out[e]["tokens"]))
-            results[name] = {
-                "rounds": rounds,
-                "generated_tokens": generated,
-                "tokens_identical": same == total,
-                "identical_requests": [same, total],
-                "first_divergence": first,
-                "seconds": time.perf_counter() - t0,
-            }
+            results[name] = time_workload(engines, name, args)
             print(f"  {name}: done in {results[name]['seconds']:.0f} s", file=sys.stderr)
     finally:
         for engine in engines.values():

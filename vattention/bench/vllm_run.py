@@ -7,9 +7,11 @@ with one JSON line on stdout, until ``{"quit": true}`` or the end of input: ``be
 stock and a plugin engine alive this way and alternates them. The spec names the
 model, the engine arguments, the requests (token ids, sampling parameters), whether to compute
 transformers' greedy tokens too, and ``idle_s``: seconds the engine stays up, idle, after the
-last request before it shuts down. Whether the vattention plugin is on is decided by the
-environment (``VATTENTION_VLLM=1``), as for any vLLM process: tests and ``bench vllm`` start one
-process per engine so that stock vLLM and the plugin are measured apart.
+last request before it shuts down (with ``idle_until_released``, then until the plugin's worker
+reports that its delayed release has applied: :func:`_await_release`). Whether the vattention
+plugin is on is decided by the environment (``VATTENTION_VLLM=1``), as for any vLLM process: tests
+and ``bench vllm`` start one process per engine so that stock vLLM and the plugin are measured
+apart.
 
 The output holds each request's generated token ids (and, where its sampling parameters ask for
 ``logprobs`` or ``prompt_logprobs``, the top logprobs at each generated or prompt token), the wall
@@ -65,7 +67,10 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
         "max_concurrency": peak(),
     }
     if spec.get("idle_s"):  # the engine alive and idle before shutdown (its delayed release)
+        _idle(llm)
         time.sleep(float(spec["idle_s"]))
+    if spec.get("idle_until_released"):
+        result["idle_wait_s"] = _await_release(os.environ.get("VATTENTION_VLLM_STATS"))
     _shutdown(llm)
     stats_file = os.environ.get("VATTENTION_VLLM_STATS")
     if result["plugin"] and stats_file and os.path.exists(stats_file):
@@ -224,6 +229,26 @@ def _ranked(logprobs) -> List[List[List[float]] | None] | None:
         else sorted(([t, lp.logprob] for t, lp in step.items()), key=lambda e: -e[1])
         for step in logprobs
     ]
+
+
+def _await_release(stats_file: str | None, timeout_s: float = 120.0) -> float:
+    """Wait until the plugin's worker reports (in its periodically rewritten statistics) that its
+    delayed release has applied the budget of its last step, and return the seconds waited. Its
+    thread wakes ``release_delay_s`` after the last request; on a loaded machine it may act late,
+    so a test waits for the event instead of sleeping a fixed time. ``timeout_s`` guards a hang."""
+    start = time.monotonic()
+    while stats_file and time.monotonic() - start < timeout_s:
+        try:
+            with open(stats_file) as f:
+                elastic = json.load(f).get("elastic", {})
+        except (OSError, ValueError):  # not written yet
+            elastic = {}
+        if "applied_budget_bytes" in elastic and (
+            elastic["applied_budget_bytes"] == elastic.get("budget_bytes")
+        ):
+            break
+        time.sleep(0.25)
+    return time.monotonic() - start
 
 
 def _peak_rss() -> int:

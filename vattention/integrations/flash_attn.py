@@ -23,7 +23,11 @@ Also importable from here: :func:`kernel_isa` and :func:`fp8_store_like_vllm` (f
 
 None of them maps pages: call ``KVCache.step({slot: new_length})`` first, so positions up to the
 new length are backed. None reads a key position at or beyond ``cache_seqlens + new``, nor below a
-sliding window's start (those pages may be unmapped).
+sliding window's start (those pages may be unmapped). Over a vattention cache's tensors each of
+them checks first that every request's keys ``[0, cache_seqlens + new)`` (from the window's start
+with ``window_size``) are mapped, and raises :class:`vattention.UnmappedReadError` naming the
+request, the row, the length and ``mapped_tokens`` where they are not: a kernel would fault there
+(SIGSEGV on the host, an illegal address that poisons the CUDA context on a GPU).
 
 Examples
 --------
@@ -38,7 +42,7 @@ Examples
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -51,9 +55,11 @@ from ..attention import (
     reference_attention,
     supports,
 )
+from ..cache_reads import CacheRows, cache_rows
 
 __all__ = [
     "flash_attn_with_kvcache",
+    "check_cache_reads",
     "decode",
     "prefill",
     "flash_attn_with_kvcache_reference",
@@ -86,6 +92,7 @@ def flash_attn_with_kvcache(
     *,
     prefix_groups: Optional[torch.Tensor] = None,
     prefix_lens: Optional[torch.Tensor] = None,
+    check_reads: bool = True,
 ) -> torch.Tensor:
     """Attention of a batch of queries over dense KV caches, appending new keys in place.
 
@@ -139,6 +146,11 @@ def flash_attn_with_kvcache(
         then reads that prefix once per KV head for all the group's decode queries that see all
         of it (cascade attention), instead of once per request. The caller vouches for the
         sameness; a wrong hint gives wrong output. CUDA and the reference ignore it.
+    check_reads : bool, keyword only (vattention's own)
+        Over a vattention cache's tensors, first check that every request's keys are mapped
+        (:func:`check_cache_reads`; default). ``False`` skips it, for a caller that stepped the
+        cache to these very lengths itself (the vLLM plugin): on CUDA the check copies the
+        lengths to the host, one synchronization per call.
 
     Returns
     -------
@@ -151,6 +163,11 @@ def flash_attn_with_kvcache(
     ValueError
         A shape, stride, device or value out of range (the message names the argument); the
         caches are left unmodified.
+    vattention.UnmappedReadError
+        (a ValueError) Over a vattention cache: a request would read keys its row has no page
+        for (``cache_seqlens + new`` past ``mapped_tokens``, or below a released window start);
+        nothing was written. With CUDA lengths this check copies them to the host (one
+        synchronization); it is skipped while a CUDA graph is being captured.
 
     Examples
     --------
@@ -178,6 +195,10 @@ def flash_attn_with_kvcache(
     >>> bool(torch.allclose(plain, hinted, atol=1e-6))
     True
     """
+    if check_reads:
+        check_cache_reads(
+            q, k_cache, v_cache, k, cache_seqlens, cache_batch_idx, cu_seqlens_q, window_size
+        )
     fa_args = (
         q,
         k_cache,
@@ -289,6 +310,9 @@ def flash_attn_with_kvcache_reference(
     >>> float(out[0, 0, 0, 0])      # equal scores: the mean of the two values
     2.0
     """
+    check_cache_reads(
+        q, k_cache, v_cache, k, cache_seqlens, cache_batch_idx, cu_seqlens_q, window_size
+    )
     return reference_attention(
         q,
         k_cache,
@@ -377,6 +401,8 @@ def decode(
     kernel = kernel or _default_kernel(q, k_cache)
     if check_int32_offsets and kernel not in _OWN_KERNELS:
         _check_offsets(k_cache, v_cache, cache_batch_idx)
+    if kernel not in _CHECKING_KERNELS:
+        check_cache_reads(q, k_cache, v_cache, k, cache_seqlens, cache_batch_idx)
     return kernel(
         q,
         k_cache,
@@ -433,6 +459,8 @@ def prefill(
     kernel = kernel or _default_kernel(q, k_cache)
     if check_int32_offsets and kernel not in _OWN_KERNELS:
         _check_offsets(k_cache, v_cache, [slot])
+    if kernel not in _CHECKING_KERNELS:
+        check_cache_reads(q[None], k_cache, v_cache, k[None], [start], [slot])
     device = q.device
     out = kernel(
         q.unsqueeze(0),
@@ -455,6 +483,115 @@ _OWN_KERNELS = (
     cpu_attention,
     reference_attention,
 )
+
+
+# The functions that run check_cache_reads themselves.
+_CHECKING_KERNELS = (flash_attn_with_kvcache, flash_attn_with_kvcache_reference)
+
+
+def check_cache_reads(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: Optional[torch.Tensor] = None,
+    cache_seqlens: IntArg = None,
+    cache_batch_idx: IntArg = None,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    window_size: Tuple[int, int] = (-1, -1),
+) -> None:
+    """Raise :class:`vattention.UnmappedReadError` if a kernel called with these
+    :func:`flash_attn_with_kvcache` arguments would read a vattention cache row past its mapped
+    tokens (or below a released sliding-window start).
+
+    Request ``i`` reads keys ``[0, cache_seqlens[i] + new_i)`` of row ``cache_batch_idx[i]``
+    (from ``p - left`` with ``window_size = (left, right)``, ``p`` its first query's position).
+    Caches that are not a vattention cache's tensors cost one lookup and are not checked;
+    arguments the kernels refuse themselves (counts that do not match, a row outside the tensor,
+    non-integer lengths) are left to them. CUDA lengths are copied to the host (one
+    synchronization); under CUDA graph capture nothing is checked (the graph's replays read the
+    lengths of their own time).
+
+    Examples
+    --------
+    >>> import torch
+    >>> check_cache_reads(torch.zeros(1, 1, 1, 8), torch.zeros(1, 4, 1, 8),
+    ...                   torch.zeros(1, 4, 1, 8), cache_seqlens=4)   # plain tensors: nothing
+    """
+    views: List[CacheRows] = []
+    for cache in (k_cache, v_cache):
+        rows = cache_rows(cache) if isinstance(cache, torch.Tensor) else None
+        if rows is not None and not any(rows.same_rows(seen) for seen in views):
+            views.append(rows)
+    if not views:
+        return
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    windowed = any(view.windowed for view in views)
+    plan = _reads(
+        q, k_cache, k, cache_seqlens, cache_batch_idx, cu_seqlens_q, window_size, windowed
+    )
+    if plan is None:
+        return
+    rows, ends, begins = plan
+    for view in views:
+        view.check(rows, ends, begins)
+
+
+def _reads(q, k_cache, k, cache_seqlens, cache_batch_idx, cu_seqlens_q, window_size, windowed):
+    """(rows, key ends, first keys or None) per request, or None where the kernel's own argument
+    checks refuse the call (they name the argument). First keys only for ``windowed`` caches:
+    elsewhere every key from token 0 is mapped if the last is."""
+    if cu_seqlens_q is not None:
+        cu = _host_ints(cu_seqlens_q)
+        if cu is None or len(cu) < 1:
+            return None
+        q_lens: Optional[List[int]] = [b - a for a, b in zip(cu, cu[1:])]
+        n = len(cu) - 1
+    else:
+        if q.dim() != 4:
+            return None
+        q_lens, n = None, q.shape[0]
+    if cache_seqlens is None:
+        seqlens: Optional[List[int]] = [k_cache.shape[1]] * n
+    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        seqlens = [cache_seqlens] * n
+    else:
+        seqlens = _host_ints(cache_seqlens)
+    rows = list(range(n)) if cache_batch_idx is None else _host_ints(cache_batch_idx)
+    if seqlens is None or rows is None or len(seqlens) != n or len(rows) != n:
+        return None
+    if n and (min(rows) < 0 or max(rows) >= k_cache.shape[0]):
+        return None
+    if k is None:
+        ends = seqlens
+    elif q_lens is not None:  # varlen: k holds each request's new tokens, aligned with q's
+        ends = [s + a for s, a in zip(seqlens, q_lens)]
+    else:
+        added = k.shape[1] if k.dim() == 4 else 0
+        ends = [s + added for s in seqlens] if added else seqlens
+    if not windowed:
+        return rows, ends, None
+    left = window_size[0] if isinstance(window_size, (tuple, list)) and window_size else -1
+    if not isinstance(left, int) or left < 0:  # no window: every key from token 0
+        return rows, ends, [0] * n
+    lens_q = q_lens if q_lens is not None else [q.shape[1]] * n
+    return rows, ends, [max(0, e - lq - left) for e, lq in zip(ends, lens_q)]
+
+
+def _host_ints(values) -> Optional[List[int]]:
+    """A 1-D integer tensor or a sequence of ints as a list (a CUDA tensor is copied: a
+    synchronization), or None for anything else."""
+    if isinstance(values, torch.Tensor):
+        if values.dim() != 1 or values.dtype.is_floating_point or values.dtype == torch.bool:
+            return None
+        return values.tolist()
+    try:
+        out = list(values)
+    except TypeError:
+        return None
+    if any(isinstance(x, bool) or not isinstance(x, int) for x in out):
+        return None
+    return out
 
 
 def _default_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> Kernel:

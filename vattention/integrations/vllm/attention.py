@@ -324,6 +324,7 @@ class VAttentionImpl(AttentionImpl):
             softmax_scale=self.scale,
             causal=True,
             window_size=self.window_size,
+            check_reads=False,  # stepped to these lengths this step; a check would sync per layer
             **scales,
         )
 
@@ -332,7 +333,15 @@ def _per_row(impl: VAttentionImpl, query, key, value, k_cache, v_cache, m, outpu
     """FlashAttention 2 (flash-attn) on CUDA: one batched call for the decode rows, one per
     prefill chunk."""
     d = m.num_decodes
-    common = dict(softmax_scale=impl.scale, causal=True, window_size=impl.window_size, **scales)
+    # The worker stepped the cache to these lengths this step: no read check (on CUDA it would
+    # copy the lengths to the host, a synchronization per layer).
+    common = dict(
+        softmax_scale=impl.scale,
+        causal=True,
+        window_size=impl.window_size,
+        check_reads=False,
+        **scales,
+    )
     if d:
         output[:d] = fa.flash_attn_with_kvcache(
             query[:d].unsqueeze(1),

@@ -28,6 +28,9 @@ At the end of every ``schedule()`` (:meth:`ElasticBlockPool.settle`) the pool:
   from vLLM's index in the same step, so no later lookup can hit a block whose pages are gone
   (also beyond what the pool's budget allows, when it was lowered);
 * releases the pages of free blocks that are not cached (they can never be hit);
+* tells the reuse watcher of every block released this way that vLLM's ``unpin_blocks()`` had
+  given back while its owner still reads it (HiSparse): losing its pages ends the block's
+  content as vLLM's own reuse of it would, and the owner stops reading it from that step on;
 * trims or refills the reserve to the headroom;
 * hands the worker an :class:`ElasticStep`: the blocks whose pages it releases, the step's page
   budget and headroom.
@@ -244,6 +247,13 @@ class ElasticBlockPool(BlockPool):
 
     # ---- inside --------------------------------------------------------------------------------
     def _unback(self, block_id: int) -> None:
+        """Block ``block_id`` (free) loses its pages at the worker's next step."""
+        if block_id in self._reuse_watchers:
+            # Released by ``unpin_blocks()``: its owner (vLLM's HiSparse) still reads it until
+            # the pool reuses the block, which it learns from this watcher. Losing its pages
+            # ends the block's content as a reuse does, in the same step, so the owner is told
+            # now, before the worker's step that unmaps them.
+            self._notify_reuse([self.blocks[block_id]])
         self._unbacked.append(block_id)
         self._release.append(block_id)
         self._backed -= 1

@@ -215,7 +215,7 @@ class VAttentionRunnerMixin:
         self._vattention_slots.release(scheduler_output.finished_req_ids | preempted, stream)
         elastic = getattr(scheduler_output, "vattention_elastic", None)
         if elastic is not None:
-            self._apply_elastic(cache, elastic, stream)
+            self._apply_elastic(cache, elastic)
         updates = self._block_updates(scheduler_output, stream)
         result = super()._update_states(scheduler_output)  # type: ignore[misc]
 
@@ -248,11 +248,11 @@ class VAttentionRunnerMixin:
         self._vattention_batch = BatchSlots(slots, past)
         return result
 
-    def _apply_elastic(self, cache: KVCache, elastic: Any, stream: Any) -> None:
+    def _apply_elastic(self, cache: KVCache, elastic: Any) -> None:
         """The scheduler's word on this step's memory (elastic.py), before the step maps
         anything: the released blocks' pages go, then the budget and headroom follow."""
         if elastic.release and cache.config.block_cache:
-            cache.release_blocks(elastic.release, stream=stream)
+            cache.release_blocks(elastic.release)  # waits for the rows' free() fences only
         last = self._vattention_elastic
         budget = elastic.budget_blocks * self._vattention_block_bytes
         headroom = elastic.headroom_blocks * self._vattention_block_bytes

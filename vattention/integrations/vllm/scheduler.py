@@ -39,6 +39,7 @@ from .settings import (
 __all__ = [
     "VAttentionScheduler",
     "VAttentionAsyncScheduler",
+    "elastic_policy",
     "ledger_for",
     "policy_for",
     "pool_device",
@@ -62,34 +63,50 @@ def engine_block_bytes(vllm_config: Any, kv_cache_config: Any) -> int:
     return per_worker * vllm_config.parallel_config.world_size
 
 
+def elastic_policy(
+    block_bytes: int,
+    num_blocks: int,
+    block_size: int,
+    step_blocks: int,
+    cache_bytes: Optional[int] = None,
+) -> ElasticPolicy:
+    """The policy of an engine of ``num_blocks`` blocks (the null block left out) of
+    ``block_size`` tokens and ``block_bytes`` bytes: the prefix-cache cap (``cache_bytes``, by
+    default :data:`DEFAULT_CACHE_TOKENS` tokens but at most 1/:data:`DEFAULT_CACHE_FRACTION` of
+    the blocks), the headroom (:data:`HEADROOM_TOKENS`, at most 1/:data:`HEADROOM_FRACTION`, at
+    least one block) and the most blocks one ``schedule()`` may hand out.
+
+    >>> elastic_policy(block_bytes=1000, num_blocks=800, block_size=16, step_blocks=64)
+    ElasticPolicy(block_bytes=1000, cache_cap_blocks=100, headroom_blocks=25, step_blocks=64)
+    """
+    bb = block_bytes
+    if cache_bytes is None:
+        cache_bytes = min(
+            DEFAULT_CACHE_TOKENS * bb // block_size, num_blocks * bb // DEFAULT_CACHE_FRACTION
+        )
+    headroom = max(1, min(-(-HEADROOM_TOKENS // block_size), num_blocks // HEADROOM_FRACTION))
+    return ElasticPolicy(
+        block_bytes=bb,
+        cache_cap_blocks=cache_bytes // bb,
+        headroom_blocks=headroom,
+        step_blocks=min(num_blocks, step_blocks),
+    )
+
+
 def policy_for(vllm_config: Any, kv_cache_config: Any, block_size: int) -> ElasticPolicy:
     """The cap, headroom and per-step grant of this engine, from its config and the env."""
     bb = engine_block_bytes(vllm_config, kv_cache_config)
     num_blocks = int(kv_cache_config.num_blocks) - 1  # vLLM's null block holds no pages
     raw = os.environ.get(ENV_PREFIX_CACHE_BYTES)
-    if raw is None:
-        cap_bytes = min(
-            DEFAULT_CACHE_TOKENS * bb // block_size, num_blocks * bb // DEFAULT_CACHE_FRACTION
-        )
-    else:
-        cap_bytes = parse_size(raw, name=ENV_PREFIX_CACHE_BYTES)
-    headroom = max(1, min(-(-HEADROOM_TOKENS // block_size), num_blocks // HEADROOM_FRACTION))
+    cap_bytes = None if raw is None else parse_size(raw, name=ENV_PREFIX_CACHE_BYTES)
     sched = vllm_config.scheduler_config
     # What one schedule() may hand out: every scheduled token in new blocks, plus one partial
     # block per request; and a whole request where vLLM checks the full sequence.
-    step = min(
-        num_blocks,
-        max(
-            -(-sched.max_num_batched_tokens // block_size) + sched.max_num_seqs,
-            -(-vllm_config.model_config.max_model_len // block_size),
-        ),
+    step = max(
+        -(-sched.max_num_batched_tokens // block_size) + sched.max_num_seqs,
+        -(-vllm_config.model_config.max_model_len // block_size),
     )
-    return ElasticPolicy(
-        block_bytes=bb,
-        cache_cap_blocks=cap_bytes // bb,
-        headroom_blocks=headroom,
-        step_blocks=step,
-    )
+    return elastic_policy(bb, num_blocks, block_size, step, cap_bytes)
 
 
 def ledger_for(vllm_config: Any, policy: ElasticPolicy, num_blocks: int) -> Ledger:
