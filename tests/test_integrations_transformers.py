@@ -582,11 +582,13 @@ def test_compileable_cache_beam_search_matches_dynamic_cache():
     assert torch.equal(got, expected)
 
 
-def run_compiled_check(case: str, family: str) -> subprocess.CompletedProcess[str]:
+def run_compiled_check(
+    case: str, family: str, layout: str = "layer"
+) -> subprocess.CompletedProcess[str]:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     return subprocess.run(
-        [sys.executable, COMPILED_CHECK, case, family],
+        [sys.executable, COMPILED_CHECK, case, family, layout],
         cwd=root,
         env=env,
         capture_output=True,
@@ -595,24 +597,28 @@ def run_compiled_check(case: str, family: str) -> subprocess.CompletedProcess[st
     )
 
 
-def compiled_check(case: str, family: str) -> dict:
-    proc = run_compiled_check(case, family)
+def compiled_check(case: str, family: str, layout: str = "layer") -> dict:
+    proc = run_compiled_check(case, family, layout)
     if proc.returncode == -signal.SIGSEGV:
         pytest.fail("the compiled generate read unmapped cache memory\n" + proc.stderr[-3000:])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_compiled_generate_matches_dynamic_cache_in_one_graph_per_compile():
+@pytest.mark.parametrize("layout", ["layer", "mega"])
+def test_compiled_generate_matches_dynamic_cache_in_one_graph_per_compile(layout):
     """Inductor, fullgraph, transformers' default dynamic=None, three buckets (16, 32, 48):
     DynamicCache's tokens, no graph break, two compiles (the second makes the length symbolic),
     every view within the mapped pages (max_seq_len 4096 is virtual: reading past the buckets
     would fault), and the pages of the last bucket held, exactly."""
-    r = compiled_check("inductor", "llama")
+    r = compiled_check("inductor", "llama", layout)
     assert r["tokens_equal"] and r["graph_breaks"] == 0
     assert r["buckets"] == [16, 32, 48] and r["graphs"] == 2
     assert r["views_within_mapped"] and r["forwards"] == 40 and r["seq_len"] == 46
-    assert r["bytes_mapped"] == r["bytes_of_bucket_pages"] == 2 * PAGE * (2 * 2 * 2)
+    # 48 tokens: 2 pages of 32 per K/V tensor of each layer and row (layer); 3 pages of 16
+    # tokens of both layers per K/V tensor of each row (mega)
+    pages = {"layer": 2 * (2 * 2 * 2), "mega": 3 * (2 * 2)}[layout]
+    assert r["bytes_mapped"] == r["bytes_of_bucket_pages"] == pages * PAGE
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral"])

@@ -1,7 +1,7 @@
 """transformers' compiled generate() over a VAttentionCache(compileable=True), checked against
 eager DynamicCache: run by tests/test_integrations_transformers.py in a subprocess.
 
-    python tests/support/hf_compiled_generate_check.py CASE FAMILY
+    python tests/support/hf_compiled_generate_check.py CASE FAMILY [LAYOUT]
 
 CASE is ``inductor`` (the default backend, fullgraph, transformers' default ``dynamic=None``),
 ``buckets`` (dynamo alone, ``dynamic=False``: one graph per bucket), ``overread`` (views and
@@ -76,7 +76,7 @@ def prompts() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def run(case: str, family: str) -> dict:
+def run(case: str, family: str, layout: str = "layer") -> dict:
     torch.set_num_threads(1)
     device = "cuda" if case == "gpu" else "cpu"
     model = tiny_model(family).to(device)
@@ -97,6 +97,7 @@ def run(case: str, family: str) -> dict:
         max_batch_size=2,
         max_seq_len=4096,
         page_size="2MB" if case == "gpu" else PAGE,
+        layout=layout,
         compileable=True,
         bucket_tokens=BUCKET,
     )
@@ -123,11 +124,12 @@ def run(case: str, family: str) -> dict:
     with cache:
         got = model.generate(ids, past_key_values=cache, compile_config=compile_config, **args)
         cfg = cache.config
-        tensors = 2 * cfg.num_layers * len(cache.slots)  # K and V of each layer of each row
-        pages = -(-cache.view_len // cfg.tokens_per_page)
+        # the pages that back the last bucket in each row, all tensors (KVCacheConfig's count)
+        pages = len(cache.slots) * cfg.pages_for_tokens(cache.view_len)
         return {
             "case": case,
             "family": family,
+            "layout": layout,
             "tokens_equal": bool(torch.equal(got, expected)),
             "graphs": counters["stats"]["unique_graphs"],
             "graph_breaks": sum(counters["graph_break"].values()),
@@ -136,10 +138,10 @@ def run(case: str, family: str) -> dict:
             "views_within_mapped": all(v <= m for v, m in views),
             "forwards": len(views),
             "bytes_mapped": cache.memory_bytes(),
-            "bytes_of_bucket_pages": tensors * pages * cfg.page_bytes,
+            "bytes_of_bucket_pages": pages * cfg.page_bytes,
             "seq_len": cache.get_seq_length(),
         }
 
 
 if __name__ == "__main__":
-    print(json.dumps(run(sys.argv[1], sys.argv[2])), flush=True)
+    print(json.dumps(run(*sys.argv[1:])), flush=True)
