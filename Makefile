@@ -197,7 +197,8 @@ SAN_RUNTIMES = $(shell printf 'int main(){return 0;}' | $(CXX) -fsanitize=thread
 # if either failed. The installs and builds run side by side (-j2: the extension's compile, vLLM's
 # venv, which is mostly pip and the disk, the test tools, the sanitizer objects); -k: the rest go
 # on where one fails, and a failed install or build is retried once, alone, and stops the run (a
-# failed sanitizer compile is reported by the sanitizer run).
+# failed sanitizer compile is reported by the sanitizer run). pytest lists its 15 slowest tests, so
+# that a CI log shows where the suite's time goes.
 test:
 	@mkdir -p $(SAN_DIR); san_ok="$(SAN_RUNTIMES)"; \
 	$(MAKE) -s -k -j2 $(BUILD_STAMP) $(VLLM_STAMP) $(TEST_DEPS_STAMP) \
@@ -207,7 +208,7 @@ test:
 	  if $(MAKE) -s -j2 sanitize; then san="$(words $(SAN_BINS)) of $(words $(SAN_BINS)) passed"; \
 	  else san="FAILED (see above)"; fi; \
 	else san="skipped (no sanitizer runtimes)"; fi; \
-	set -o pipefail; $(PY) -m pytest -q 2>&1 | tee $(SAN_DIR)/pytest.log; pytest_rc=$$?; \
+	set -o pipefail; $(PY) -m pytest -q --durations=15 2>&1 | tee $(SAN_DIR)/pytest.log; pytest_rc=$$?; \
 	echo "make test: sanitizer runs $$san; pytest: $$(grep -E '[0-9]+ (passed|failed|errors?)' $(SAN_DIR)/pytest.log | tail -n 1 | tr -d '=' | sed 's/^ *//')"; \
 	[[ $$san != FAILED* && $$pytest_rc == 0 ]]
 

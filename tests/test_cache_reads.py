@@ -48,11 +48,12 @@ def _stepped(make_cache, tokens=256, **kw):
     return cache, slot, k_cache, v_cache
 
 
-def _decode_args(n=1, heads=4):
+def _decode_args(n=1, heads=4, device="cpu"):
+    """Queries and new keys/values on the cache's ``device`` (a GPU kernel takes no CPU input)."""
     q = torch.randn(n, 1, heads, 64, dtype=torch.float16)
     k = torch.randn(n, 1, 2, 64, dtype=torch.float16)
     v = torch.randn(n, 1, 2, 64, dtype=torch.float16)
-    return q, k, v
+    return q.to(device), k.to(device), v.to(device)
 
 
 CHILD = """
@@ -106,7 +107,7 @@ def test_the_issues_call_raises_and_the_process_lives(device):
 def test_decode_past_the_mapped_tokens_raises_and_writes_nothing(make_cache):
     cache, slot, k_cache, v_cache = _stepped(make_cache)
     before = k_cache[slot, :256].clone(), v_cache[slot, :256].clone()
-    q, k, v = _decode_args(2)
+    q, k, v = _decode_args(2, device=k_cache.device)
     # Row 0 holds no page at all; row `slot` holds 256 tokens, so appending at 256 reads 257.
     with pytest.raises(vattention.UnmappedReadError) as info:
         fa.flash_attn_with_kvcache(
@@ -124,13 +125,13 @@ def test_decode_past_the_mapped_tokens_raises_and_writes_nothing(make_cache):
         q[:1], k_cache, v_cache, k[:1], v[:1], cache_seqlens=torch.tensor([255]),
         cache_batch_idx=torch.tensor([slot]), causal=True,
     )  # fmt: skip
-    assert torch.equal(k_cache[slot, 255], k[0, 0])
+    assert torch.equal(k_cache[slot, 255].cpu(), k[0, 0].cpu())
 
 
 @pytest.mark.parametrize("form", ["decode", "prefill", "reference", "varlen", "int-lengths"])
 def test_every_flash_signature_entry_point_checks(make_cache, form):
     cache, slot, k_cache, v_cache = _stepped(make_cache, tokens=300)  # 512 tokens mapped
-    q, k, v = _decode_args()
+    q, k, v = _decode_args(device=k_cache.device)
     with pytest.raises(vattention.UnmappedReadError, match=r"past the 512 tokens mapped") as info:
         if form == "decode":
             fa.decode(q, k_cache, v_cache, k, v, torch.tensor([512]), torch.tensor([slot]))

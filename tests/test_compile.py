@@ -107,3 +107,28 @@ def test_append_rejects_mismatched_inputs_and_writes_nothing(cache, bad, match):
     with pytest.raises(ConfigError, match=match):
         append(k, args["x"], args["slots"], args["positions"])
     assert torch.equal(k[0, :8], before)
+
+
+def test_the_stream_lookup_runs_at_run_time_under_torch_compile(monkeypatch):
+    """Traced, torch.cuda.current_stream() is a generic torch.Stream without ``cuda_stream``
+    (transformers' compiled generate() failed on it on the first GPU run): the lookup leaves the
+    graph and runs at every call, giving the stream current then."""
+    from vattention import streams
+
+    current = [101]
+    lookups = []
+
+    class FakeStream:
+        def __init__(self, handle):
+            self.cuda_stream = handle
+
+    def torch_stream(dev):
+        lookups.append(dev)
+        return torch.Stream() if torch.compiler.is_compiling() else FakeStream(current[0])
+
+    monkeypatch.setattr(streams, "_torch_stream", torch_stream)
+    compiled = torch.compile(lambda x: x + streams.current_stream("cuda:0"), backend="eager")
+    first = int(compiled(torch.zeros((), dtype=torch.long)))
+    current[0] = 202  # another stream made current: the next call must see it
+    second = int(compiled(torch.zeros((), dtype=torch.long)))
+    assert (first, second) == (101, 202) and len(lookups) == 2

@@ -265,6 +265,38 @@ def test_a_page_outlives_a_kernel_on_the_callers_stream_when_its_slot_is_freed(
         emu.stream_destroy(stream)
 
 
+def test_free_inside_torch_compile_fences_on_the_callers_stream(emu, engine, monkeypatch):
+    """A cache call made from compiled code looks its stream up at run time: traced, torch's
+    current stream is a generic torch.Stream with no driver handle (the first GPU run failed on
+    it in transformers' compiled generate()), and a handle read at trace time would be stale."""
+    from vattention import streams
+
+    stream = emu.stream_create(nonblocking=True)
+
+    def torch_stream(dev):  # what torch hands eager code, and what dynamo hands traced code
+        return torch.Stream() if torch.compiler.is_compiling() else _Stream(stream)
+
+    monkeypatch.setattr(streams, "_torch_stream", torch_stream)
+    try:
+        with make() as cache:
+            slot = cache.alloc()
+            cache.step({slot: 100})
+            k, _ = cache.host_alias(0)
+            row = k[slot, :100]
+            kernel = emu.launch(stream, row.data_ptr(), row.numel() * row.element_size())
+            torch.compile(lambda: cache.free(slot), backend="eager")()
+            unmaps = emu.counter("cuMemUnmap")
+            t, result = _reclaim_in_thread(cache)
+            time.sleep(0.2)
+            assert t.is_alive(), "the slot's pages were unmapped under a running kernel"
+            assert emu.counter("cuMemUnmap") == unmaps
+            emu.complete(kernel)
+            t.join(5)
+            assert result.get("pages", 0) > 0
+    finally:
+        emu.stream_destroy(stream)
+
+
 def test_scrubbing_zeroes_on_the_callers_stream_and_the_prefetch_thread_on_its_own(
     emu, engine, monkeypatch
 ):

@@ -34,6 +34,7 @@ PARTS = [
     "memory",
     "graphs",
     "streams",
+    "generate",
     "gpu-tests",
     "cpu-attention",
 ]
@@ -122,6 +123,7 @@ def test_emulated_check_reports_every_part_within_its_budget(tmp_path, built):
         "memory": "passed",
         "graphs": status["graphs"] if status["graphs"] == "passed" else "expected failure",
         "streams": "passed",
+        "generate": "passed",
         "gpu-tests": "skipped",
         "cpu-attention": "passed",
     }, {n: (p["status"], p["why"]) for n, p in parts.items()}
@@ -152,6 +154,22 @@ def test_emulated_check_reports_every_part_within_its_budget(tmp_path, built):
     assert memory[1]["driver_used_MiB"] == memory[1]["bytes_mapped_MiB"] > 0
     assert memory[3]["bytes_mapped_MiB"] == 0 and memory[3]["driver_used_MiB"] > 0  # the pool's
     assert memory[4]["refused"] == "OutOfPagesError" and memory[5]["driver_used_MiB"] == 0
+    # transformers generate(): every cache ran, the same tokens as DynamicCache's (fp32 on one
+    # CPU), the compiled VAttentionCache held its bucket's pages; update() host times follow.
+    gen = parts["generate"]["rows"]
+    caches = [r["cache"] for r in gen if "cache" in r]
+    assert caches == [
+        "DynamicCache",
+        "VAttentionCache (eager)",
+        "VAttentionCache (compiled)",
+        "StaticCache (compiled)",
+        "VAttentionCache (compiled, mega)",
+    ], gen
+    assert all(r["equal"] is True and r["first_divergence"] == "- -" for r in gen[1:5]), gen
+    # 32 + 16 tokens: one bucket (256 tokens, capped at max_seq_len 48), one graph for both runs
+    assert gen[2]["view_len"] == 48 and gen[2]["graphs_compiled"] == 1, gen
+    hosts = [r["update() host time"] for r in gen if "update() host time" in r]
+    assert hosts[:2] == ["DynamicCache", "VAttentionCache"], gen
     # The CPU kernel on this machine's CPU, checked against SDPA: both cases, named by ISA.
     cpu = parts["cpu-attention"]
     assert cpu["notes"][0].startswith("CPU: ") and "cores usable" in cpu["notes"][0]

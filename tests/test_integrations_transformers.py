@@ -7,7 +7,11 @@ Tiny random models are built from configs (no downloads). Skips cleanly without 
 from __future__ import annotations
 
 import inspect
+import json
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -503,4 +507,211 @@ def test_from_model_reads_windows_and_refuses_models_it_cannot_serve():
             max_seq_len=64,
             page_size=PAGE,
             layout="mega",
+        )
+
+
+# ---- the compileable path (transformers' compiled decoding, as for StaticCache) --------------
+COMPILED_CHECK = os.path.join(os.path.dirname(__file__), "support", "hf_compiled_generate_check.py")
+NO_WINDOW = {"sliding_window": None}  # Mistral without a window: views keep their shape
+
+
+def compileable_model(family: str) -> torch.nn.Module:
+    if family != "mistral":
+        return tiny_model(family)
+    config_cls, model_cls, _ = FAMILIES["mistral"]
+    FAMILIES["mistral"] = (config_cls, model_cls, NO_WINDOW)
+    try:
+        return tiny_model("mistral")
+    finally:
+        FAMILIES["mistral"] = (config_cls, model_cls, {"sliding_window": 6})
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_compileable_cache_uncompiled_matches_dynamic_cache_with_bucketed_views(family):
+    """On the CPU transformers does not compile by default: the bucketed views and the 4D mask
+    it builds for a compileable cache run eagerly, with DynamicCache's tokens."""
+    model = compileable_model(family)
+    ids, mask = prompts(batch=2)
+    expected = generate(model, ids, mask, transformers.DynamicCache(), new=40)
+    with VAttentionCache.from_model(
+        model,
+        max_batch_size=2,
+        max_seq_len=4096,
+        page_size=PAGE,
+        compileable=True,
+        bucket_tokens=16,
+    ) as cache:
+        assert cache.is_compileable and cache.kv_cache.config.scrub
+        views: list[int] = []
+        original = cache.layers[0].update
+
+        def spy(k, v, *args, **kwargs):
+            keys, values = original(k, v, *args, **kwargs)
+            views.append(keys.shape[-2])
+            return keys, values
+
+        cache.layers[0].update = spy
+        got = generate(model, ids, mask, cache, new=40)
+        assert cache.get_seq_length() == 7 + 40 - 1 == 46
+        # the prefill (7 tokens) and the forwards ending at 8..16 see bucket 16, those ending
+        # at 17..32 bucket 32, at 33..46 bucket 48
+        assert views == [16] * 10 + [32] * 16 + [48] * 14
+        # memory: the last bucket's pages (48 tokens: 2 pages of 32) per K/V tensor of each row
+        assert cache.memory_bytes() == 2 * PAGE * (2 * 2 * 2)
+    assert torch.equal(got, expected)
+
+
+def test_compileable_cache_beam_search_matches_dynamic_cache():
+    """reorder_cache permutes the tokens present (not the bucket) of the compileable cache."""
+    model = tiny_model("llama")
+    ids, mask = prompts(batch=2)
+    beams = {"max_new_tokens": 12, "num_beams": 3, "do_sample": False}
+    expected = model.generate(
+        ids, attention_mask=mask, past_key_values=transformers.DynamicCache(), **beams
+    )
+    with VAttentionCache.from_model(
+        model,
+        max_batch_size=6,
+        max_seq_len=64,
+        page_size=PAGE,
+        compileable=True,
+        bucket_tokens=8,
+    ) as cache:  # 2 prompts x 3 beams; buckets of 8 tokens: 7 + 11 fed back crosses two
+        got = model.generate(ids, attention_mask=mask, past_key_values=cache, **beams)
+        assert cache.get_seq_length() == 18 and cache.view_len == 24
+    assert torch.equal(got, expected)
+
+
+def run_compiled_check(
+    case: str, family: str, layout: str = "layer"
+) -> subprocess.CompletedProcess[str]:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    return subprocess.run(
+        [sys.executable, COMPILED_CHECK, case, family, layout],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+def compiled_check(case: str, family: str, layout: str = "layer") -> dict:
+    proc = run_compiled_check(case, family, layout)
+    if proc.returncode == -signal.SIGSEGV:
+        pytest.fail("the compiled generate read unmapped cache memory\n" + proc.stderr[-3000:])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("layout", ["layer", "mega"])
+def test_compiled_generate_matches_dynamic_cache_in_one_graph_per_compile(layout):
+    """Inductor, fullgraph, transformers' default dynamic=None, three buckets (16, 32, 48):
+    DynamicCache's tokens, no graph break, two compiles (the second makes the length symbolic),
+    every view within the mapped pages (max_seq_len 4096 is virtual: reading past the buckets
+    would fault), and the pages of the last bucket held, exactly."""
+    r = compiled_check("inductor", "llama", layout)
+    assert r["tokens_equal"] and r["graph_breaks"] == 0
+    assert r["buckets"] == [16, 32, 48] and r["graphs"] == 2
+    assert r["views_within_mapped"] and r["forwards"] == 40 and r["seq_len"] == 46
+    # 48 tokens: 2 pages of 32 per K/V tensor of each layer and row (layer); 3 pages of 16
+    # tokens of both layers per K/V tensor of each row (mega)
+    pages = {"layer": 2 * (2 * 2 * 2), "mega": 3 * (2 * 2)}[layout]
+    assert r["bytes_mapped"] == r["bytes_of_bucket_pages"] == pages * PAGE
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_compiled_generate_compiles_once_per_bucket_with_static_shapes(family):
+    """dynamic=False (dynamo alone, so that the compiles are cheap): one graph per bucket."""
+    r = compiled_check("buckets", family)
+    assert r["tokens_equal"] and r["graph_breaks"] == 0
+    assert r["buckets"] == [16, 32, 48] and r["graphs"] == 3
+    assert r["views_within_mapped"] and r["bytes_mapped"] == r["bytes_of_bucket_pages"]
+
+
+def test_compiled_chunked_prefill_after_early_initialization():
+    """prefill_chunk_size makes transformers compile the prefill chunks too: with the slots
+    claimed first (early_initialization), every forward is compiled, without a graph break, and
+    the tokens are DynamicCache's with the same chunks."""
+    r = compiled_check("chunked", "llama")
+    assert r["tokens_equal"] and r["graph_breaks"] == 0
+    # chunks of 4 and 3 tokens, then single tokens: one graph per (query length, bucket)
+    assert r["buckets"] == [16, 32, 48] and r["graphs"] == 5 and r["views_within_mapped"]
+    assert r["forwards"] == 41 and r["bytes_mapped"] == r["bytes_of_bucket_pages"]
+
+
+def test_a_compiled_view_past_the_mapped_pages_is_caught_by_a_fault():
+    """The control for the checks above: views (and mask) one page longer than prepare_forward
+    mapped make the compiled generate die of SIGSEGV, with the cache's fault report."""
+    import signal
+
+    proc = run_compiled_check("overread", "llama")
+    assert proc.returncode == -signal.SIGSEGV, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "that position has no physical page" in proc.stderr
+
+
+def test_prepare_forward_maps_a_bucket_once_and_is_idempotent_before_the_forward():
+    model = tiny_model("llama")
+    ids, mask = prompts(batch=2)
+    with VAttentionCache.from_model(
+        model,
+        max_batch_size=2,
+        max_seq_len=64,
+        page_size=PAGE,
+        compileable=True,
+        bucket_tokens=16,
+    ) as cache:
+        generate(model, ids, mask, cache, new=3)  # 7 + 2 fed back = 9 tokens, bucket 16
+        assert cache.get_seq_length() == 9 and cache.view_len == 16
+        assert cache.prepare_forward(8) == 32  # 9 + 8 = 17 tokens: the next bucket, mapped
+        assert cache.prepare_forward(8) == 32 and cache.get_seq_length() == 9
+        assert all(cache.kv_cache.mapped_tokens(s) == 32 for s in cache.slots)
+        assert cache.get_mask_sizes(8, 0) == (32, 0)
+        with pytest.raises(vattention.SequenceTooLongError, match="9 cached \\+ 56 new tokens"):
+            cache.prepare_forward(56)
+        assert cache.get_seq_length() == 9 and cache.view_len == 32
+        cache.crop(-4)
+        assert cache.get_seq_length() == 5
+
+
+def test_compileable_refuses_what_its_views_cannot_serve():
+    model = tiny_model("llama")
+    cfg = vattention.KVCacheConfig(
+        **model_kv_shape(model),
+        max_batch_size=2,
+        max_seq_len=64,
+        dtype=torch.float32,
+        page_size=PAGE,
+    )
+    with vattention.KVCache(cfg) as kv:
+        with pytest.raises(vattention.ConfigError, match="build the KVCache with scrub=True"):
+            VAttentionCache(kv, compileable=True)
+        with pytest.raises(vattention.ConfigError, match="compileable=True"):
+            VAttentionCache(kv).prepare_forward(1)
+    with pytest.raises(vattention.ConfigError, match="sliding_window=6 < max_seq_len=64"):
+        VAttentionCache.from_model(
+            tiny_model("mistral"),
+            max_batch_size=1,
+            max_seq_len=64,
+            page_size=PAGE,
+            compileable=True,
+        )
+    with pytest.raises(vattention.ConfigError, match="bucket_tokens=0 must be >= 1"):
+        VAttentionCache.from_model(
+            model,
+            max_batch_size=1,
+            max_seq_len=64,
+            page_size=PAGE,
+            compileable=True,
+            bucket_tokens=0,
+        )
+    with pytest.raises(vattention.ArgumentTypeError, match="bucket_tokens=16.0 must be an int"):
+        VAttentionCache.from_model(
+            model,
+            max_batch_size=1,
+            max_seq_len=64,
+            page_size=PAGE,
+            compileable=True,
+            bucket_tokens=16.0,
         )

@@ -8,6 +8,13 @@ non-blocking stream current for its worker), which the legacy default stream doe
 so when a call names no stream, the cache takes the stream torch says is current on its device,
 the one the caller's kernels are queued on.
 
+Under ``torch.compile`` the lookup runs eagerly, at run time (a graph break there): a traced
+``torch.cuda.current_stream()`` is a generic ``torch.Stream`` without the driver handle, and a
+handle read at trace time would be baked into the graph, wrong for every later call. The cache
+calls that take a stream (``step``, ``free``, ...) map or unmap pages, which belongs outside
+compiled code (docs/compile.md); a compiled function that makes one all the same gets the right
+stream.
+
 Examples
 --------
 >>> from vattention import streams
@@ -17,7 +24,7 @@ Examples
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Any, Union
 
 import torch
 
@@ -44,7 +51,27 @@ def current_stream(device: Union[str, torch.device]) -> int:
     >>> current_stream("cpu")
     0
     """
-    dev = torch.device(device)
+    if torch.compiler.is_compiling():
+        return _outside_the_graph(device)
+    return _handle(device)
+
+
+def _handle(device: Union[str, torch.device]) -> int:
+    stream = _torch_stream(torch.device(device))
+    return 0 if stream is None else int(stream.cuda_stream)
+
+
+def _torch_stream(dev: torch.device) -> Any:
+    """torch's current stream on a CUDA ``dev`` once torch has initialised CUDA, else None."""
     if dev.type != "cuda" or not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return 0
-    return int(torch.cuda.current_stream(dev).cuda_stream)
+        return None
+    return torch.cuda.current_stream(dev)
+
+
+def _outside_the_graph(device: Union[str, torch.device]) -> int:
+    """:func:`_handle` run by dynamo as a call it does not trace. Only reached while dynamo
+    traces, so ``torch._dynamo`` is loaded already: importing it at module level would cost every
+    ``import vattention`` seconds."""
+    import torch._dynamo
+
+    return int(torch._dynamo.disable(_handle)(device))

@@ -129,6 +129,14 @@ PARTS = [
         emulated_pytest=[STREAM_TEST],
     ),
     Part(
+        "generate",
+        "transformers generate(), Llama-3.2-1B shape, bf16, batch 8, 1024 + 256: DynamicCache, "
+        "StaticCache compiled, VAttentionCache eager and compiled: tokens/s, first divergence "
+        "per row from DynamicCache, KV bytes held; update() host time",
+        "transformers generate() on the CPU (host backend, a tiny Llama in fp32, compiled rows "
+        "by dynamo alone): the plumbing, tokens equal to DynamicCache's",
+    ),
+    Part(
         "gpu-tests",
         "The other GPU tests (tests/gpu: illegal address, fp8, FlashAttention if installed)",
         "The other GPU tests (tests/gpu)",

@@ -2,13 +2,14 @@
 
     python benchmarks/gpu/parts.py NAME LOG [--emulated]
 
-NAME is vmm, attention, flash-attn-4, prefetch, memory or cpu-attention. Each appends JSON lines to
-LOG as it goes (a part the check stops at its time limit still reports what it measured):
-``{"kind": "row", ...figures}``, ``{"kind": "note", "text": ...}``, or ``{"kind": "skip", "why":
-...}`` for a part with nothing to run on (flash-attn-4 without FA4). With --emulated, the CUDA
-backend is the driver EMULATION (VATTENTION_LIBCUDA, set by check.py) and torch is the CPU build:
-the emulated analogue runs, whose figures describe host memory and the emulation, never a GPU.
-cpu-attention involves no GPU in either mode: its figures are this machine's CPU's.
+NAME is vmm, attention, flash-attn-4, prefetch, memory, generate or cpu-attention. Each appends
+JSON lines to LOG as it goes (a part the check stops at its time limit still reports what it
+measured): ``{"kind": "row", ...figures}``, ``{"kind": "note", "text": ...}``, or ``{"kind":
+"skip", "why": ...}`` for a part with nothing to run on (flash-attn-4 without FA4). With
+--emulated, the CUDA backend is the driver EMULATION (VATTENTION_LIBCUDA, set by check.py) and
+torch is the CPU build: the emulated analogue runs, whose figures describe host memory and the
+emulation, never a GPU. cpu-attention involves no GPU in either mode: its figures are this
+machine's CPU's.
 """
 
 from __future__ import annotations
@@ -387,6 +388,205 @@ def _emulated_compute(emit: Emit):
     return None, dict(num_layers=8, num_kv_heads=32, head_dim=128), 8, 100, 0.002
 
 
+# Llama-3.2-1B's shape (random weights; the vocabulary of the first GPU run's model, 32000).
+LLAMA32_1B = dict(
+    num_hidden_layers=16,
+    hidden_size=2048,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    intermediate_size=8192,
+    vocab_size=32000,
+)
+
+
+def generate(emit: Emit, emulated: bool) -> None:
+    """transformers generate() with DynamicCache (eager), StaticCache (compiled by transformers),
+    VAttentionCache eager and compiled: tokens/s of a second run, the first divergence of each
+    row's tokens from DynamicCache's, KV bytes held, graphs compiled; then the host time of one
+    decode step's update() calls, DynamicCache against VAttentionCache. On the emulation (CPU
+    torch) a tiny Llama runs on the CPU with the host backend in fp32, the compiled rows by
+    dynamo alone: the plumbing, not a figure."""
+    import torch
+    import transformers
+
+    if emulated:
+        shape = dict(
+            num_hidden_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            vocab_size=256,
+        )
+        batch, prompt, new, dtype, device, page = 2, 32, 16, torch.float32, "cpu", "64KB"
+        compile_config = transformers.CompileConfig(fullgraph=True, backend="eager", mode=None)
+        compile_config._compile_all_devices = True  # transformers compiles on GPUs only
+        emit(
+            kind="note",
+            text="CPU torch, host backend, a 2-layer Llama in fp32, batch 2, 32 + 16 tokens; "
+            "compiled rows traced by dynamo alone (backend eager): the plumbing, not a figure",
+        )
+    else:
+        shape, batch, prompt, new = LLAMA32_1B, 8, 1024, 256
+        dtype, device, page, compile_config = torch.bfloat16, "cuda", "2MB", None
+        emit(
+            kind="note",
+            text="Llama-3.2-1B shape (random weights, vocab 32000), bf16, batch 8, 1024 + 256 "
+            "tokens, greedy; compiled: transformers' default CompileConfig (inductor, "
+            "reduce-overhead); tokens/s of the second of two runs",
+        )
+    config = transformers.LlamaConfig(
+        **shape,
+        max_position_embeddings=4096,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(device, dtype).eval()
+    ids = torch.randint(1, shape["vocab_size"], (batch, prompt), device=device)
+    runs = _generate_runs(model, batch, prompt + new, page, compile_config)
+    reference = None
+    for name, make_cache, kwargs in runs:
+        row: dict[str, Any] = {"cache": name}
+        try:
+            result = _generate_twice(model, ids, new, make_cache, kwargs)
+        except Exception as e:  # one cache's failure must not lose the others
+            emit(kind="row", **row, error=f"{type(e).__name__}: {e}"[:300])
+            continue
+        tokens = result.pop("tokens")
+        if reference is None:
+            reference = tokens
+        row["tokens_per_s"] = round(batch * new / result.pop("seconds"), 1)
+        if name != "DynamicCache":
+            row["first_divergence"] = _first_divergence(tokens, reference)
+            if emulated:  # fp32 on one CPU: the same tokens or a bug
+                row["equal"] = bool(torch.equal(tokens, reference))
+        row.update(result)
+        emit(kind="row", **row)
+    _update_host_time(emit, emulated)
+
+
+def _generate_runs(model: Any, batch: int, max_len: int, page: str, compile_config: Any):
+    """(name, cache factory, extra generate kwargs) per cache."""
+    import transformers
+
+    from vattention.integrations.transformers import VAttentionCache
+
+    def vattention(compileable: bool, layout: str = "layer"):
+        def make() -> Any:
+            return VAttentionCache.from_model(
+                model,
+                max_batch_size=batch,
+                max_seq_len=max_len,
+                page_size=page,
+                layout=layout,
+                compileable=compileable,
+            )
+
+        return make
+
+    compiled = {"compile_config": compile_config} if compile_config is not None else {}
+    # DynamicCache first (the reference), then the rows this part is for; a part cut by the
+    # budget keeps the rows finished before. The mega layout last: its 2 MB pages hold all
+    # layers of 128 tokens (Llama-3.2-1B, bf16), where a layer-layout page holds one layer of
+    # 2048, so it holds a 1280-token bucket in StaticCache's bytes (layer: 512 MiB, mega 320).
+    return [
+        ("DynamicCache", transformers.DynamicCache, {}),
+        ("VAttentionCache (eager)", vattention(False), {}),
+        ("VAttentionCache (compiled)", vattention(True), compiled),
+        (
+            "StaticCache (compiled)",
+            lambda: transformers.StaticCache(config=model.config, max_cache_len=max_len),
+            compiled,
+        ),
+        ("VAttentionCache (compiled, mega)", vattention(True, "mega"), compiled),
+    ]
+
+
+def _generate_twice(model: Any, ids: Any, new: int, make_cache: Callable, kwargs: dict) -> dict:
+    """Two generate() calls (the first compiles and warms up), the second timed. A DynamicCache
+    is made anew for each, as generate() makes its own; the others are reset and used again, as a
+    server keeps one (a StaticCache's tensors and a VAttentionCache's pages stay allocated)."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    skips = counters["inductor"]["cudagraph_skips"]
+    cache = make_cache()
+    fresh = type(cache).__name__ == "DynamicCache"
+    try:
+        for attempt in range(2):
+            if attempt:
+                if fresh:
+                    cache = make_cache()
+                else:
+                    cache.reset()
+            args = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
+            _sync()
+            t0 = time.perf_counter()
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), past_key_values=cache, **args, **kwargs
+            )
+            _sync()
+            seconds = time.perf_counter() - t0
+        result = {
+            "seconds": seconds,
+            "tokens": out[:, ids.shape[1] :].cpu(),
+            "kv_bytes_held": _kv_bytes(cache),
+            "graphs_compiled": counters["stats"]["unique_graphs"] - graphs,
+            "cudagraph_skips": counters["inductor"]["cudagraph_skips"] - skips,
+        }
+        if getattr(cache, "compileable", False):
+            result["view_len"] = cache.view_len
+        return result
+    finally:
+        if hasattr(cache, "close"):
+            cache.close()
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _kv_bytes(cache: Any) -> int:
+    """Bytes of K/V the cache holds: mapped pages for a VAttentionCache, its tensors otherwise."""
+    if hasattr(cache, "memory_bytes"):
+        return int(cache.memory_bytes())
+    total = 0
+    for layer in cache.layers:
+        for t in (layer.keys, layer.values):
+            total += 0 if t is None else t.numel() * t.element_size()
+    return total
+
+
+def _first_divergence(tokens: Any, reference: Any) -> str:
+    """Per row, the index of the first generated token that differs from the reference's, or
+    "-" where none does."""
+    out = []
+    for row, ref in zip(tokens.tolist(), reference.tolist()):
+        diff = next((i for i, (a, b) in enumerate(zip(row, ref)) if a != b), None)
+        out.append("-" if diff is None else str(diff))
+    return " ".join(out)
+
+
+def _update_host_time(emit: Emit, emulated: bool) -> None:
+    """One decode step's update() calls, DynamicCache against VAttentionCache (eager), timed on
+    the host without synchronising: the host time a GPU step pays for the cache."""
+    import bench_hf_update
+
+    shape = "dispatch" if emulated else "llama-1b"
+    device = "cpu" if emulated else "cuda"
+    for row in bench_hf_update.measure(shape, rounds=4, steps=20, device=device, quiet=True):
+        emit(kind="row", **row)
+
+
 # The CPU kernel's decode cases, most telling first: the shape its target is stated on (GQA 4 in
 # bf16 over 4k-token rows, >= 0.8 of a streaming copy), then GQA 1 in fp32.
 CPU_DECODE_CASES = (("bfloat16", 4), ("float32", 1))
@@ -545,6 +745,7 @@ PARTS = {
     "flash-attn-4": flash_attn_4,
     "prefetch": prefetch,
     "memory": memory,
+    "generate": generate,
     "cpu-attention": cpu_attention,
 }
 
