@@ -131,8 +131,11 @@ struct Fixture {
   GatedBackend* gate = nullptr;
   int64_t tpp = 0;  // tokens per page
 
-  explicit Fixture(ReclaimPolicy policy = ReclaimPolicy::Deferred, int64_t budget = -1) {
+  // tile > 0: the tile rule (read_tail.h), whose zeroing the prefetch thread shares.
+  explicit Fixture(ReclaimPolicy policy = ReclaimPolicy::Deferred, int64_t budget = -1,
+                   int64_t tile = 0) {
     CacheGeometry g = testing::small_geometry(1, B, 8192);
+    g.tile_tokens = tile;
     auto backend = std::make_unique<GatedBackend>(g.page_bytes);
     gate = backend.get();
     CacheOptions options;
@@ -364,9 +367,12 @@ void test_page_creation_outside_the_lock() {
   }
 }
 
-// Everything at once, with map() slowed so the prefetch thread is mostly outside the lock.
-void test_hammer_with_latency() {
-  Fixture f(ReclaimPolicy::Deferred, int64_t{4} << 20);
+// Everything at once, with map() slowed so the prefetch thread is mostly outside the lock. With
+// a tile (384: read ends cross the 512-token pages) the thread zeroes the tails of the pages it
+// maps while steps, forks and swaps zero theirs; check_invariants() then also checks that every
+// active row maps its read end and holds it finite.
+void test_hammer_with_latency(int64_t tile) {
+  Fixture f(ReclaimPolicy::Deferred, int64_t{4} << 20, tile);
   f.core->set_swap_budget(int64_t{4} << 20);
   f.gate->set_latency_us(150);
   std::atomic<long> ops{0};
@@ -441,6 +447,7 @@ void test_hammer_with_latency() {
                 std::to_string(f.stat("prefetch_map_calls")) + " mapped by the prefetch thread");
   const std::string inv = f.core->check_invariants();
   check(inv.empty(), "hammer: invariants: " + inv);
+  if (tile > 0) check(f.stat("tail_zero_calls") > 0, "hammer: the tile rule zeroed nothing");
   f.core->reclaim();
   check(f.stat("pages_free") == f.stat("pages_total"), "hammer: pages not back in the pool");
   f.core->close();
@@ -460,6 +467,7 @@ int main() {
   test_map_failure_outside_the_lock();
   test_pool_dry_while_pages_in_flight();
   test_page_creation_outside_the_lock();
-  test_hammer_with_latency();
+  test_hammer_with_latency(0);
+  test_hammer_with_latency(384);
   return vattention::testing::report("prefetch race tests (map outside the lock)");
 }
