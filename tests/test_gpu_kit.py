@@ -436,6 +436,7 @@ def test_a_wheel_folder_is_installed_offline_into_a_private_target_whose_pth_fil
     monkeypatch.setattr(os, "environ", env)
     ok, line = fa4_wheels.install(wheels, target)
     assert ok and line.startswith("2 wheels from") and "installed into" in line, line
+    assert line.endswith(f" (not the WHEEL_SET's {', '.join(fa4_wheels.WHEEL_SET)})"), line
     probe = (
         "import site, sys; site.addsitedir(sys.argv[1]); import hidden_mod; print(hidden_mod.VALUE)"
     )

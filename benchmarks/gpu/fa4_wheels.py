@@ -55,6 +55,9 @@ def install(folder: Path, target: Path) -> Tuple[bool, str]:
         return False, f"GPU_CHECK_WHEELS={folder}: no .whl file in it"
     stamp = target / ".vattention-wheels"
     print_ = ", ".join(w.name.split("-")[0] + " " + w.name.split("-")[1] for w in wheels)
+    lacking = missing(folder)
+    if lacking:  # other versions may do; if not, FA4's import in the part says which one failed
+        print_ += f" (not the WHEEL_SET's {', '.join(lacking)})"
     if stamp.exists() and stamp.read_text() == _fingerprint(wheels):
         return True, f"{len(wheels)} wheels from {folder} already in {target}: {print_}"
     cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--upgrade"]

@@ -27,12 +27,12 @@ TMA loads do. A row of ``n`` keys is read up to ``n`` rounded up to ``tile_n`` (
 its pages whole; a window: from the tile of its first key), the scores past ``n`` are masked
 (``P = 0``) but ``P @ V`` runs over the whole tile, so a NaN in a masked row of V makes the
 output NaN, as on a GPU; an unmapped row of a vattention cache faults (SIGSEGV on the host
-backend). ``on_read(row, end)`` sees each row's read end.
+backend).
 """
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -52,9 +52,8 @@ def _aligned(t: torch.Tensor) -> bool:
 class FA4StandIn:
     """``flash_attn_varlen_func`` with FA4's signature; ``arch`` picks the tile as FA4 does."""
 
-    def __init__(self, arch: int = 90, on_read: Optional[Callable[[int, int], None]] = None):
+    def __init__(self, arch: int = 90):
         self.arch = arch
-        self.on_read = on_read
         self.calls: List[dict] = []
 
     def flash_attn_varlen_func(
@@ -175,8 +174,6 @@ class FA4StandIn:
             else:
                 end = min(k.shape[1], -(-n_k // tile) * tile)  # the last tile, whole
                 keys, values = k[i, first:end], v[i, first:end]
-            if self.on_read is not None:
-                self.on_read(i, end)
             keys, values = keys.float(), values.float()  # reads every row of the tiles
             qi = q_flat[a:b].float()
             ki = keys.repeat_interleave(group, dim=1)
