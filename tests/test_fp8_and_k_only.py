@@ -113,12 +113,11 @@ def test_k_only_cache_reserves_and_maps_one_tensor_per_layer(make_cache, layout)
             assert mv is None and tuple(mk.shape) == (4, 2048, 3, 1, 576)
     slot = cache.alloc()
     cache.step({slot: 1000})
-    per_tensor = -(-1000 * cfg.tensor_token_bytes // cfg.page_bytes)
     # the row maps its read end (1024 with the tile rule: CUDA's default), backing 1000 tokens
     mapped = -(-cfg.read_end(1000) * cfg.tensor_token_bytes // cfg.page_bytes)
     assert cache.stats()["pages_mapped"] == cfg.num_tensors * mapped
     assert cache.stats()["bytes_used_by_tokens"] == 1000 * cfg.bytes_per_token
-    assert cfg.pages_for_tokens(1000) == cfg.num_tensors * per_tensor
+    assert cfg.pages_for_tokens(1000) == cfg.num_tensors * mapped  # what the row maps
     written = fill(cache, slot, 0, 1000, seed=3)
     check(cache, slot, 0, 1000, written)
     with pytest.raises(vattention.ConfigError, match="value_cache=False"):

@@ -520,9 +520,9 @@ class KVCacheConfig:
         return self.max_batch_size * self.max_seq_len * self.bytes_per_token
 
     def pages_for_tokens(self, num_tokens: int) -> int:
-        """Pages (over all tensors) needed to back ``num_tokens`` tokens of one slot (with
-        ``kv_tile_tokens`` a row of that length maps :meth:`read_end` ``(num_tokens)``'s)."""
-        return self._geometry.pages_for(num_tokens) * self._geometry.columns
+        """Pages (over all tensors) a slot of ``num_tokens`` tokens maps: those backing its
+        :meth:`read_end` (``num_tokens`` itself without ``kv_tile_tokens``)."""
+        return self._geometry.read_pages(num_tokens) * self._geometry.columns
 
     def read_end(self, num_tokens: int) -> int:
         """One past the last token a tile-loading kernel reads of a row of ``num_tokens``
