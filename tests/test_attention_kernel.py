@@ -7,8 +7,9 @@ element must lie within the error bound derived from the kernel's arithmetic in
 tests/support/attention_bound.py (inputs exact in their dtypes; fp32 dot products over head_dim,
 base-2 softmax and fp32 sums over the keys; one rounding to q's dtype): the same bound on every
 CPU and variant, nothing fitted on a machine. Tests that take the ``isa`` fixture
-(tests/support/kernel_variants.py) run once per variant of the kernel (``avx512bf16``,
-``avx512``, ``avx2``, ``generic``), skipped where this CPU cannot run one; the session ends with
+(tests/support/kernel_variants.py) run once per variant of the kernel (``amx``, ``avx512bf16``,
+``avx512``, ``avx2``, ``generic``), skipped where this CPU (or, for ``amx``, its OS) cannot run
+one; the session ends with
 a line naming the variants that ran and those that could not. Every test whose result could
 depend on the variant takes it, on 1 and 2 threads where the work is split differently (2
 threads split long decode rows). The bound is shown to fail on what a broken kernel would output
@@ -919,9 +920,13 @@ def _cpu_flags():
 def test_kernel_variants_are_what_the_build_and_the_cpu_offer():
     """kernel_variants() names every variant, best first; the kernel runs exactly the runnable
     ones (and reports the one it runs), a variant lacks exactly the features Linux does not list
-    for this CPU, and without VATTENTION_ATTENTION_ISA the kernel runs the first runnable one."""
+    for this CPU, only amx can be refused by the OS (its tile state, where the CPU has it), and
+    without VATTENTION_ATTENTION_ISA the kernel runs the first runnable one."""
     variants = kernel_variants()
-    assert [v.name for v in variants] == ["avx512bf16", "avx512", "avx2", "generic"]
+    assert [v.name for v in variants] == ["amx", "avx512bf16", "avx512", "avx2", "generic"]
+    assert all(not v.refused for v in variants[1:]), variants
+    amx = variants[0]
+    assert not amx.refused or (amx.compiled and not amx.missing), amx
     before = kernel_isa()
     try:
         for v in variants:
