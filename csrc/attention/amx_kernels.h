@@ -11,16 +11,21 @@
 // - Scores, transposed: S^T[key][row] = K[key][:] . q[row][:]: A is 16 K rows loaded straight
 //   from the cache (a token stride apart; no copy, no transpose of K), B is q packed once per item
 //   in pairs of d (Qt[d / 2][rows], the avx512bf16 prefill's layout). The scores land in
-//   sc[key][row], the layout of the vector kernel's vertical online softmax, which runs on them
-//   unchanged after a multiplication by the folded scale (the scores are of q and K as they are).
-// - P V: O[row][d] += P[row][key] . V[key][d]: A is P, rows x 32 keys; the softmax leaves P^T,
-//   so each 16 x 16 block is transposed in registers (fp32) and rounded to bf16. B is V with two
-//   keys' rows interleaved value by value (one pass over the block's V rows per item). O stays in
+//   sc[key][row], the layout of the vector kernel's vertical online softmax.
+// - Softmax and P tiles in two passes per 16 rows (softmax_p_tiles): the block's row max of the
+//   scaled scores, then p = exp2(s c - m) for 32 keys at a time (the scale fused into the
+//   exponent's argument), summed into l, transposed in registers from P^T to P's rows and
+//   written as A tiles of P V: the probabilities never go back to sc.
+// - P V: O[row][d] += P[row][key] . V[key][d]: A is P, rows x 32 keys. B is V with two keys'
+//   rows interleaved value by value (one pass over the block's V rows per item). O stays in
 //   fp32 scratch between blocks (loaded and stored as tiles; rescaled by the vector code).
-// - P is split in two bf16 terms, hi = bf16(p) and lo = bf16(p - hi), both multiplied by V
-//   (twice the P V tiles): the weights then carry 2^-16 of relative error instead of bf16's 2^-8,
-//   which keeps the result near the fp32 P V that the other variants compute
-//   (tests/support/attention_bound.py derives both).
+// - P is split in two bf16 terms, hi = p truncated to bf16 (its upper 16 bits) and lo = bf16(p -
+//   hi) (p - hi is exact in fp32), both multiplied by V (twice the P V tiles): the weights then
+//   carry 2^-15 of relative error instead of bf16's 2^-8, which keeps the result near the fp32
+//   P V that the other variants compute (tests/support/attention_bound.py derives both).
+//   Truncating hi takes one AND and one word permute where rounding it took a conversion and a
+//   widening back: on the SPR machine (docs/benchmarks.md), one thread, 1024-token prompts at
+//   32 / 8 x 64, the softmax pass went from 47-51% of the items' cycles to 35-43%.
 //
 // The tile state is configured at the start of an item and released at its end (TileScope), on
 // whichever OpenMP thread runs it; the process asked the OS for it once (attention.cpp).
@@ -203,31 +208,6 @@ inline void transpose16(__m512* r) {
   }
 }
 
-// fp32 -> bf16, round to nearest even, as 16-bit lanes of the low half of a 512-bit vector.
-inline __m256i bf16_of(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
-inline __m512 f32_of(__m256i h) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// The P tiles of one chunk of 32 keys and one row tile: P^T rows key0 .. key0 + 31 of sc (16
-// rows of the tile each) transposed to rows of 32 keys, split into hi and lo bf16 terms.
-inline void p_tiles(const float* sc, int64_t rp, int64_t key0, int64_t rt, bf16_t* hi, bf16_t* lo) {
-  __m512 a[16], b[16];
-  for (int i = 0; i < 16; ++i) {
-    a[i] = _mm512_loadu_ps(sc + (key0 + i) * rp + rt * 16);
-    b[i] = _mm512_loadu_ps(sc + (key0 + 16 + i) * rp + rt * 16);
-  }
-  transpose16(a);  // a[r]: row r's probabilities of keys key0 .. key0 + 15
-  transpose16(b);
-  for (int r = 0; r < 16; ++r) {
-    const __m256i ha = bf16_of(a[r]), hb = bf16_of(b[r]);
-    const __m256i la = bf16_of(_mm512_sub_ps(a[r], f32_of(ha)));  // exact difference
-    const __m256i lb = bf16_of(_mm512_sub_ps(b[r], f32_of(hb)));
-    _mm512_storeu_si512(hi + r * 32, _mm512_inserti64x4(_mm512_castsi256_si512(ha), hb, 1));
-    _mm512_storeu_si512(lo + r * 32, _mm512_inserti64x4(_mm512_castsi256_si512(la), lb, 1));
-  }
-}
-
 // V rows of keys [c0, c0 + nb) (vst apart) as B tiles: row i of vv holds keys c0 + 2 i and
 // c0 + 2 i + 1 interleaved value by value, for i < pairs; keys at or past nb read as zero rows.
 inline void v_pairs(const bf16_t* v, int64_t vst, int64_t nb, int64_t pairs, int64_t d,
@@ -250,35 +230,65 @@ inline void v_pairs(const bf16_t* v, int64_t vst, int64_t nb, int64_t pairs, int
   }
 }
 
-// The vertical online softmax of the vector kernel (attend_rows) over the block's scores
-// sc[0, nb) x rp: scaled by `scale` first (the tiles multiply q and K as they are), masked to
-// each row's range, then p = exp2(s - m) in place with the running max, sum and rescale factors.
-// Returns whether any row's factor differs from 1.
-inline bool softmax_block(float* sc, int64_t rp, int64_t nb, int64_t c0, const RowRanges& rr,
-                          const int32_t* lo, const int32_t* hi, float* m, float* l, float* alpha,
-                          F scale) {
+// The block's online softmax and its P tiles, in two passes per row tile (16 rows, one vector):
+// the running max of the scaled scores (masked keys left out), then per chunk of 32 keys
+// p = exp2(s c - m) (fused: one rounding where scaling and subtracting took two; masked keys and
+// keys at or past nb 0), summed into l, transposed in registers to the rows' P tiles and split
+// into hi and lo bf16 terms. The scores stay as the tiles stored them. Returns whether any
+// row's rescale factor differs from 1.
+inline bool softmax_p_tiles(const float* sc, int64_t rp, int64_t nb, int64_t chunks, int64_t c0,
+                            const RowRanges& rr, const int32_t* lo, const int32_t* hi, float* m,
+                            float* l, float* alpha, F scale, bf16_t* phi, bf16_t* plo,
+                            int64_t rt_count) {
   const bool mask = c0 < rr.max_lo || c0 + nb > rr.min_hi;
-  for (int64_t kc = 0; kc < nb; ++kc) {
-    const I key = Vec::iset1(static_cast<int32_t>(c0 + kc));
-    for (int64_t v = 0; v < rp; v += W) {
-      F x = Vec::mul(Vec::load(sc + kc * rp + v), scale);
-      if (mask) x = Vec::mask_range(x, key, Vec::iload(lo + v), Vec::iload(hi + v));
-      Vec::store(sc + kc * rp + v, x);
-    }
-  }
   bool rescale = false;
-  for (int64_t v = 0; v < rp; v += W) {
+  const __m512i upper = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  int16_t idx[32];  // 16-bit lane 2 j + 1 of the first vector, then of the second (index + 32)
+  for (int j = 0; j < 32; ++j) idx[j] = static_cast<int16_t>(2 * (j % 16) + 1 + (j / 16) * 32);
+  const __m512i odd = _mm512_loadu_si512(idx);
+  for (int64_t rt = 0; rt < rt_count; ++rt) {
+    const int64_t v = rt * 16;
+    const I vlo = Vec::iload(lo + v), vhi = Vec::iload(hi + v);
     F mb = Vec::set1(-HUGE_VALF);
-    for (int64_t kc = 0; kc < nb; ++kc) mb = Vec::max(mb, Vec::load(sc + kc * rp + v));
+    if (mask) {
+      for (int64_t kc = 0; kc < nb; ++kc) {
+        const F x = Vec::mul(Vec::load(sc + kc * rp + v), scale);
+        mb = Vec::max(mb, Vec::mask_range(x, Vec::iset1(static_cast<int32_t>(c0 + kc)), vlo, vhi));
+      }
+    } else {
+      for (int64_t kc = 0; kc < nb; ++kc)
+        mb = Vec::max(mb, Vec::mul(Vec::load(sc + kc * rp + v), scale));
+    }
     const F m_old = Vec::load(m + v);
     const F m_new = Vec::max(m_old, mb);
     const F m_safe = Vec::replace_neginf(m_new, 0.0f);
     const F al = Vec::exp2(Vec::sub(m_old, m_safe));
+    const F neg_m = Vec::sub(Vec::zero(), m_safe);
     F lsum = Vec::zero();
-    for (int64_t kc = 0; kc < nb; ++kc) {
-      const F p = Vec::exp2(Vec::sub(Vec::load(sc + kc * rp + v), m_safe));
-      Vec::store(sc + kc * rp + v, p);
+    auto p_of = [&](int64_t key) {
+      if (key >= nb) return Vec::zero();
+      F x = Vec::fmadd(Vec::load(sc + key * rp + v), scale, neg_m);
+      if (mask) x = Vec::mask_range(x, Vec::iset1(static_cast<int32_t>(c0 + key)), vlo, vhi);
+      const F p = Vec::exp2(x);
       lsum = Vec::add(lsum, p);
+      return p;
+    };
+    for (int64_t kc = 0; kc < chunks; ++kc) {
+      __m512 a[16], b[16];
+      for (int i = 0; i < 16; ++i) a[i] = p_of(kc * 32 + i);
+      for (int i = 0; i < 16; ++i) b[i] = p_of(kc * 32 + 16 + i);
+      transpose16(a);  // a[r]: row r's probabilities of keys kc * 32 .. kc * 32 + 15
+      transpose16(b);
+      const int64_t tile = (kc * rt_count + rt) * 512;
+      for (int r = 0; r < 16; ++r) {
+        // hi: p truncated to its upper 16 bits (a bf16 as it is), lo: the rest (exact in fp32)
+        // rounded to bf16; one instruction packs the upper halves, one converts both rests
+        const __m512i ai = _mm512_castps_si512(a[r]), bi = _mm512_castps_si512(b[r]);
+        const __m512 ra = _mm512_sub_ps(a[r], _mm512_castsi512_ps(_mm512_and_si512(ai, upper)));
+        const __m512 rb = _mm512_sub_ps(b[r], _mm512_castsi512_ps(_mm512_and_si512(bi, upper)));
+        _mm512_storeu_si512(phi + tile + r * 32, _mm512_permutex2var_epi16(ai, odd, bi));
+        _mm512_storeu_si512(plo + tile + r * 32, (__m512i)_mm512_cvtne2ps_pbh(rb, ra));
+      }
     }
     Vec::store(l + v, Vec::fmadd(Vec::load(l + v), al, lsum));
     Vec::store(m + v, m_new);
@@ -330,7 +340,7 @@ inline void amx_attend_rows(const Args& a, const Shape& s, const bf16_t* kbase, 
     // once (as attend_rows does for fp32 caches), the prefetches stalled on the fill buffers.
     const int64_t rt_pairs = (rt_count + 1) / 2;
     BlockPrefetch pf = block_prefetch(c0 + nb, std::min(bk, rr.ke - c0 - nb));
-    const int64_t calls = (ktiles + 1) / 2 * rt_pairs + chunks * rt_count + rt_pairs * d / 32;
+    const int64_t calls = (ktiles + 1) / 2 * rt_pairs + rt_pairs * d / 32;
     pf.per_step = (pf.tokens * ((pf.run + 63) / 64) + calls - 1) / calls;
     // K tiles straight from the cache; a last tile past the range's end from a zero-padded copy
     auto key_tile = [&](int64_t t, const bf16_t** base, int64_t* ld) {
@@ -371,22 +381,14 @@ inline void amx_attend_rows(const Args& a, const Shape& s, const bf16_t* kbase, 
         }
       }
     }
-    const bool rescale = softmax_block(w.sc, rp, nb, c0, rr, w.lo, w.hi, w.m, w.l, w.alpha, qscale);
+    const bool rescale = softmax_p_tiles(w.sc, rp, nb, chunks, c0, rr, w.lo, w.hi, w.m, w.l,
+                                         w.alpha, qscale, w.phi, w.plo, rt_count);
     if (rescale) {
       for (int64_t r = 0; r < rp; ++r) {
         if (w.alpha[r] == 1.0f) continue;
         const F ar = Vec::set1(w.alpha[r]);
         for (int64_t x = 0; x < d; x += W)
           Vec::store(w.o + r * d + x, Vec::mul(Vec::load(w.o + r * d + x), ar));
-      }
-    }
-    // keys past the block's end weigh 0 in the last chunk
-    std::memset(w.sc + nb * rp, 0, static_cast<size_t>((chunks * 32 - nb) * rp) * sizeof(float));
-    for (int64_t kc = 0; kc < chunks; ++kc) {
-      for (int64_t rt = 0; rt < rt_count; ++rt) {
-        const int64_t tile = (kc * rt_count + rt) * 512;
-        pf.step();
-        p_tiles(w.sc, rp, kc * 32, rt, w.phi + tile, w.plo + tile);
       }
     }
     v_pairs(vbase + c0 * vst, vst, nb, chunks * 16, d, w.vv);

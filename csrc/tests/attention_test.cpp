@@ -113,15 +113,15 @@ void test_conversions() {
 // d + 22 roundings per product, with the softmax scale's own), each weight an exp2 of a rounded
 // difference, rescaled at most N / 16 + 1 times and merged once; the sums over the N keys pass at
 // most N + N / 16 + 277 roundings per term (amx: a probability as two bf16 terms, hi + lo, within
-// 2^-16 of it); the output is rounded once, to nearest, to q's dtype. With u = 2^-24 (plus 2^-53
+// 2^-15 of it); the output is rounded once, to nearest, to q's dtype. With u = 2^-24 (plus 2^-53
 // for this double reference), gamma(n) = n u / (1 - n u):
 //   e_s = gamma(d + 22) S + c 2^-126 (d M + d + 22),  S >= c sum_x |q_x k_jx| for every key j,
 //     c = scale log2 e, M = max(1, max |q_x|, max |k_jx|) (flushed denormals)
 //   eta = 2^(e_s + 6 u (S + e_s)) (1 + 4 u)^(R + 2) - 1,  R = ceil(N / 16) + 1
-//   E = 2 eta / (1 - eta) A + ((2 g / (1 - g) (1 + g3) H + g3) + 2^-16) A'
+//   E = 2 eta / (1 - eta) A + ((2 g / (1 - g) (1 + g3) H + g3) + 2^-15) A'
 //       + 2^-126 (N (vmax + 1) + 3 N + 68 + R)
-//     with g = gamma(N + R + 276), g3 = gamma(3), H = (1 + 2^-8)^2, A = sum_j w_j |v_j| (exact
-//     weights), A' = A (1 + eta) / (1 - eta)
+//     with g = gamma(N + R + 276), g3 = gamma(3), H = 1 + 2^-7 (1 + 2^-8), A = sum_j w_j |v_j|
+//     (exact weights), A' = A (1 + eta) / (1 - eta)
 //   |out - o| <= E + u_out (|o| + E) + t_out  (u_out 0 / 2^-8 / 2^-11, t_out half the smallest
 //   subnormal of fp32 / bf16 / fp16)
 struct OutputRounding {
@@ -154,11 +154,11 @@ double error_bound(DType out_dtype, int64_t n, int64_t d, double c, double s, do
   const double eta =
       std::exp2(e_s + 6 * u * (s + e_s)) * std::pow(1 + 4 * std::ldexp(1.0, -24), rescales + 2) - 1;
   const double g = gamma_n(nn + rescales + 276), g3 = gamma_n(3);
-  const double split_terms = std::pow(1 + std::ldexp(1.0, -8), 2);
+  const double split_terms = 1 + std::ldexp(1.0, -7) * (1 + std::ldexp(1.0, -8));
   const double a_moved = a * (1 + eta) / (1 - eta);
   const double e =
       2 * eta / (1 - eta) * a +
-      (2 * g / (1 - g) * (1 + g3) * split_terms + g3 + std::ldexp(1.0, -16)) * a_moved +
+      (2 * g / (1 - g) * (1 + g3) * split_terms + g3 + std::ldexp(1.0, -15)) * a_moved +
       flush * (nn * (vmax + 1) + 3 * nn + 68 + rescales);
   const OutputRounding r = output_rounding(out_dtype);
   return e + r.unit * (std::fabs(o) + e) + r.tiny;

@@ -28,7 +28,8 @@ softmax       base 2: p = exp2(s - m), running max m per block of >= 16 keys, ea
               are merged by weights exp2(m_part - m_max), in fp32.
 P V           fp32 multiply-adds on V widened exactly (never on bf16 probabilities), sum of
               weights l in fp32; out = acc * fl(v_descale / l). amx (where its QK^T is): each
-              probability p split into two bf16 terms, hi = bf16(p) and lo = bf16(p - hi), both
+              probability p split into two bf16 terms, hi = p truncated to bf16 and
+              lo = bf16(p - hi), both
               multiplied by V in TDPBF16PS tiles (exact products, fp32 sums as above); l sums
               the fp32 p.
 output        rounded to nearest even to q's dtype (convert.h, vec_*.h stores), once.
@@ -62,11 +63,13 @@ S = c |q|_2 max_j |K_j|_2, Cauchy-Schwarz).
    roundings an amx term passes inside its first TDPBF16PS beyond one per later instruction),
    and out32 = acc * fl(vd / l) three more: |out32 - o'| <= (2 gamma(n) / (1 - gamma(n))
    (1 + gamma(3)) H + gamma(3)) A', with o' the normalized result of step 2, A' = sum w'|V| <=
-   A (1 + eta) / (1 - eta), and H = (1 + 2^-8)^2 the terms' magnitudes per unit of weight (1
-   where p V is one fp32 term; amx's hi and lo terms: |hi| + |lo| <= (1 + 2^-8)^2 p).
-3a. amx's split. hi + lo = p (1 + delta), |delta| <= 2^-16 (p - hi is exact in fp32 and at most
-   2^-8 p; lo rounds it to bf16), while l sums the fp32 p: the numerator's weights are off by
-   delta_j from the denominator's, which moves the result by at most 2^-16 A'.
+   A (1 + eta) / (1 - eta), and H = 1 + 2^-7 (1 + 2^-8) the terms' magnitudes per unit of
+   weight (1 where p V is one fp32 term; amx's hi and lo terms: |hi| <= p, |lo| <=
+   2^-7 (1 + 2^-8) p).
+3a. amx's split. hi + lo = p (1 + delta), |delta| <= 2^-15 (p - hi is exact in fp32 and below
+   2^-7 p, hi being p truncated to bf16's 8 bits; lo rounds it to bf16, within 2^-8 of it), while
+   l sums the fp32 p: the numerator's weights are off by delta_j from the denominator's, which
+   moves the result by at most 2^-15 A'.
 3b. Flushes. Per key at most 2^-126 (max |V| + 1): a weight below 2^-126 is 0 (exp2), or amx's
    lo term below 2^-126 is read as 0 (2^-126 |V_j| either way), and amx reads a denormal V as 0
    (2^-126 p_j <= 2^-126); and amx flushes a P V sum below 2^-126 at most 2^-126 per rounding,
@@ -103,8 +106,8 @@ MIN_BLOCK_KEYS = 16  # the kernel's smallest key block (attention.cpp: block_key
 MAX_PARTIALS = 2 * 64  # kMaxSplits parts of a shared prefix plus as many of a row's own keys
 DOT_CHAIN = 22  # roundings of a score beyond d (see the module docstring, step 1)
 SUM_EXTRA = 20  # roundings of a P V term beyond keys, rescales and merges (step 3)
-SPLIT = 2.0**-16  # amx: relative error of hi + lo, a probability's two bf16 terms (step 3a)
-SPLIT_TERMS = (1 + 2.0**-8) ** 2  # amx: |hi| + |lo| per unit of probability (step 3)
+SPLIT = 2.0**-15  # amx: relative error of hi + lo, a probability's two bf16 terms (step 3a)
+SPLIT_TERMS = 1 + 2.0**-7 * (1 + 2.0**-8)  # amx: |hi| + |lo| per unit of probability (step 3)
 FLUSH = 2.0**-126  # fp32's smallest normal: below it vdpbf16ps and exp2 give 0
 # rounding of the output to q's dtype: unit roundoff, and half the smallest subnormal
 OUTPUT_ROUNDING = {
