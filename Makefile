@@ -141,7 +141,8 @@ ATTN_SAN_SOURCES := csrc/attention/isa_generic.cpp csrc/attention/isa_avx2.cpp \
 ATTN_SAN_OBJS := $(patsubst csrc/%.cpp,$(SAN_DIR)/asan-omp/%.o,$(ATTN_SAN_SOURCES))
 ATTN_SAN_SKIP := $(if $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo y),,\
   -DVATTENTION_SKIP_AVX512) $(if $(shell grep -qw avx512_bf16 /proc/cpuinfo 2>/dev/null && echo y),,\
-  -DVATTENTION_SKIP_AVX512BF16)
+  -DVATTENTION_SKIP_AVX512BF16) $(if $(shell grep -qw amx_bf16 /proc/cpuinfo 2>/dev/null && echo y),,\
+  -DVATTENTION_SKIP_AMX)
 
 $(SAN_DIR)/asan-omp/%.o: csrc/%.cpp $(wildcard csrc/attention/*.h) csrc/tests/sanitizer.h
 	@mkdir -p $(dir $@)

@@ -43,7 +43,7 @@ if cuda_include and folder("cuda") and os.environ.get("VATTENTION_NO_CUDA") != "
 # code), for builds that will not run the CPU kernel, such as `make gpu-check`'s.
 cpu_kernels = os.environ.get("VATTENTION_CPU_KERNELS", "all")
 if cpu_kernels == "generic":
-    macros += [(f"VATTENTION_SKIP_{isa}", "1") for isa in ("AVX512", "AVX512BF16", "AVX2")]
+    macros += [(f"VATTENTION_SKIP_{isa}", "1") for isa in ("AVX512", "AVX512BF16", "AMX", "AVX2")]
 elif cpu_kernels != "all":
     raise SystemExit(f"VATTENTION_CPU_KERNELS={cpu_kernels!r}: expected 'all' or 'generic'")
 

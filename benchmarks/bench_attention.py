@@ -18,9 +18,11 @@ bfloat16, one query token each, caches in a vattention ``KVCache`` (layer layout
   request), the path vattention's CPU integrations used before this kernel.
 * **vLLM op** (only when run with vLLM 0.32's venv: ``.venv-vllm/bin/python
   benchmarks/bench_attention.py``): ``torch.ops._C.cpu_attention_with_kv_cache``, the op vLLM's
-  CPU_ATTN backend calls (``vllm/v1/attention/backends/cpu_attn.py``), on the same K/V data
-  written into its paged layout ([blocks, kv_heads, block_size, head_dim], 128-token blocks) by
-  its own ``cpu_attn_reshape_and_cache``, with its scheduler metadata; it does not append (vLLM
+  CPU_ATTN backend calls (``vllm/v1/attention/backends/cpu_attn.py``), with the ISA that backend
+  picks on this CPU (its ``_get_attn_isa``: ``amx`` for bf16 on a CPU with AMX tiles, else
+  ``vec``; printed in each row), on the same K/V data written into its paged layout ([blocks,
+  kv_heads, block_size, head_dim], 128-token blocks) by its own ``cpu_attn_reshape_and_cache``
+  for that ISA, with its scheduler metadata; it does not append (vLLM
   writes K/V in a separate op), so it reads the same bytes minus one token per request.
 * **Same strides, ordinary memory**: the native kernel over ``torch.empty_strided`` tensors with
   the cache tensors' shape and strides: the cost of virtual memory itself (target 1.00 +- 0.03).
@@ -69,14 +71,23 @@ def vllm_ops():
     return ops, ""
 
 
+def vllm_isa(dtype, head_dim, block_size=128):
+    """The ISA vLLM's CPU_ATTN backend picks for its op on this CPU (its own ``_get_attn_isa``:
+    ``amx`` for bf16 where torch sees AMX tiles, else ``vec`` on x86 for these shapes)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return _get_attn_isa(dtype, block_size, head_dim)
+
+
 def vllm_paged(ops, k, v, block_size=128):
     """k, v [tokens, kv_heads, d] (tokens a multiple of block_size) written into vLLM's CPU layout
-    ([blocks, kv_heads, block_size, d] for K and for V) by its own ``cpu_attn_reshape_and_cache``;
-    returns (key_cache, value_cache), block i holding tokens [i * block_size, ...)."""
+    ([blocks, kv_heads, block_size, d] for K and for V, packed as its ISA reads them) by its own
+    ``cpu_attn_reshape_and_cache``; returns (key_cache, value_cache), block i holding tokens
+    [i * block_size, ...)."""
     tokens, hkv, d = k.shape
     kv = torch.zeros(tokens // block_size, hkv, 2 * block_size, d, dtype=k.dtype)
     key_cache, value_cache = kv.chunk(2, dim=2)
-    isa = "vec"  # what CPU_ATTN picks without AMX for these dtypes and a 32-multiple block size
+    isa = vllm_isa(k.dtype, d, block_size)
     ops.cpu_attn_reshape_and_cache(
         k.contiguous(), v.contiguous(), key_cache, value_cache, torch.arange(tokens), isa
     )
@@ -88,6 +99,7 @@ def vllm_call(ops, q, key_cache, value_cache, block_table, qsl, seq_lens):
     requests at query_start_loc qsl, each attending causally to seq_lens keys of its block table
     (a prompt's chunk after cached tokens when seq_lens exceeds its query count)."""
     hkv, d = key_cache.shape[1], key_cache.shape[3]
+    isa = vllm_isa(q.dtype, d, key_cache.shape[2])
     meta = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=seq_lens.numel(),
         num_heads=q.shape[1],
@@ -98,7 +110,7 @@ def vllm_call(ops, q, key_cache, value_cache, block_table, qsl, seq_lens):
         query_start_loc=qsl,
         causal=True,
         sliding_window_size=-1,
-        isa="vec",
+        isa=isa,
         enable_kv_split=False,
     )
     out = torch.empty_like(q)
@@ -229,22 +241,23 @@ def decode_rows(args, ops, why_no_vllm):
     vcol = "vLLM op ms" if ops else "vLLM op"
     print(
         f"| dtype | GQA | kernel ms min (median) | K/V GB/s | copy GB/s | read GB/s | "
-        f"K/V / copy | K/V / read | SDPA per row ms | kernel vs SDPA | {vcol} | kernel vs vLLM "
-        f"| same strides, ordinary memory ms | virtual / ordinary |"
+        f"K/V / copy | K/V / read | SDPA per row ms | kernel vs SDPA | {vcol} | vLLM ISA "
+        f"| kernel vs vLLM | same strides, ordinary memory ms | virtual / ordinary |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
     for dtype in (torch.float32, torch.bfloat16):
         for r in measure_decode(dtype, (1, 4), rounds=args.rounds, calls=args.calls, ops=ops):
             t, kv, copy, read = r["t"], r["kv"], r["copy"], r["read"]
-            vllm_cell, vllm_ratio = why_no_vllm or "not run", "-"
+            vllm_cell, vllm_ratio, isa = why_no_vllm or "not run", "-", "-"
             if ops:
                 vllm_cell = fmt(t["vllm"])
                 vllm_ratio = f"{t['vllm'][0] / t['kernel'][0]:.2f}x"
+                isa = vllm_isa(dtype, D)
             print(
                 f"| {str(dtype)[6:]} | {r['group']} | {fmt(t['kernel'])} | {kv / 1e9:.1f} | "
                 f"{copy / 1e9:.1f} | {read / 1e9:.1f} | {kv / copy:.2f} | {kv / read:.2f} | "
                 f"{fmt(t['sdpa'])} | {t['sdpa'][0] / t['kernel'][0]:.1f}x | {vllm_cell} | "
-                f"{vllm_ratio} | {fmt(t['ordinary'])} | "
+                f"{isa} | {vllm_ratio} | {fmt(t['ordinary'])} | "
                 f"{t['kernel'][0] / t['ordinary'][0]:.3f} |"
             )
     print()
@@ -254,73 +267,84 @@ PREFILL_SHAPES = ((8, 8, 128), (32, 8, 128), (64, 8, 128), (32, 8, 64), (14, 2, 
 PREFILL_CHUNKS = ((2048, 0), (512, 1536))
 
 
-def prefill_rows(args, ops, why_no_vllm):
+def measure_prefill(dtype, heads, hkv, d, chunk, past, *, rounds, ops=None):
+    """One request's causal prefill of ``chunk`` queries after ``past`` cached tokens (heads /
+    hkv x d): the native kernel against torch SDPA (``is_causal`` or ``causal_lower_right``, GQA
+    via ``enable_gqa``) and, with ``ops``, vLLM's op on the same K/V in its paged layout, timed in
+    interleaved rounds. The kernel's output is first checked against SDPA's and vLLM's
+    (AssertionError beyond the dtype's tolerance). Returns (name -> (min, median) seconds per
+    call, FLOPs of the call: 4 d per (query head, visible key))."""
     from torch.nn.attention.bias import causal_lower_right
 
+    total = past + chunk
+    gen = torch.Generator().manual_seed(1)
+    kc = torch.randn(1, total + 16, hkv, d, generator=gen).to(dtype)
+    vc = torch.randn(1, total + 16, hkv, d, generator=gen).to(dtype)
+    q = torch.randn(1, chunk, heads, d, generator=gen).to(dtype)
+    out = torch.empty_like(q)  # the plugin's call: vLLM's output buffer, as vLLM's op
+
+    def kernel():
+        return cpu_attention(q, kc, vc, cache_seqlens=total, causal=True, out=out)
+
+    qh = q[0].transpose(0, 1)[None]
+    kh = kc[0, :total].transpose(0, 1)[None]
+    vh = vc[0, :total].transpose(0, 1)[None]
+    mask = None if past == 0 else causal_lower_right(chunk, total)
+
+    def sdpa():
+        return F.scaled_dot_product_attention(
+            qh, kh, vh, attn_mask=mask, is_causal=past == 0, enable_gqa=True
+        )
+
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    got = kernel()[0]
+    torch.testing.assert_close(got.float(), sdpa()[0].transpose(0, 1).float(), atol=tol, rtol=tol)
+    cands = {"kernel": kernel, "sdpa": sdpa}
+    if ops:
+        key_cache, value_cache = vllm_paged(ops, kc[0, :total], vc[0, :total])
+        call = vllm_call(
+            ops,
+            q[0].contiguous(),
+            key_cache,
+            value_cache,
+            torch.arange(total // 128, dtype=torch.int32)[None],
+            torch.tensor([0, chunk], dtype=torch.int32),
+            torch.tensor([total], dtype=torch.int32),
+        )
+        torch.testing.assert_close(call().float(), got.float(), atol=tol, rtol=tol)
+        cands["vllm"] = call
+    t = compare_min_median(cands, calls=1, rounds=rounds)
+    return t, 4 * d * heads * (chunk * past + chunk * (chunk + 1) / 2)
+
+
+def prefill_rows(args, ops, why_no_vllm):
     print("### Prefill: one request, causal; a whole prompt, or a chunk after cached tokens\n")
     print(
         "Shapes: query heads / KV heads x head_dim (GQA 1, 4 and 8 at 8 KV heads x 128; "
         "Llama-3.2-1B's 32 / 8 x 64; Qwen2.5-0.5B's 14 / 2 x 64). GFLOP/s: 4 d FLOPs per "
-        "(query head, visible key) over the kernel's min time.\n"
+        "(query head, visible key) over the kernel's min time. torch SDPA: oneDNN's flash "
+        "attention (AMX tiles for bf16 where the CPU has them), the AMX-rate reference.\n"
     )
     vcol = "vLLM op ms" if ops else "vLLM op"
     print(
         f"| dtype | heads / KV x d | chunk | cached before | kernel ms min (median) | {vcol} "
-        "| kernel vs vLLM | torch SDPA ms | kernel vs SDPA | kernel GFLOP/s |"
+        "| vLLM ISA | kernel vs vLLM | torch SDPA ms | kernel vs SDPA | kernel GFLOP/s |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|")
     for dtype in (torch.float32, torch.bfloat16):
         for heads, hkv, d in PREFILL_SHAPES:
             for chunk, past in PREFILL_CHUNKS:
-                total = past + chunk
-                gen = torch.Generator().manual_seed(1)
-                kc = torch.randn(1, total + 16, hkv, d, generator=gen).to(dtype)
-                vc = torch.randn(1, total + 16, hkv, d, generator=gen).to(dtype)
-                q = torch.randn(1, chunk, heads, d, generator=gen).to(dtype)
-
-                out = torch.empty_like(q)  # the plugin's call: vLLM's output buffer, as vLLM's op
-
-                def kernel(q=q, kc=kc, vc=vc, total=total, out=out):
-                    return cpu_attention(q, kc, vc, cache_seqlens=total, causal=True, out=out)
-
-                qh = q[0].transpose(0, 1)[None]
-                kh = kc[0, :total].transpose(0, 1)[None]
-                vh = vc[0, :total].transpose(0, 1)[None]
-                mask = None if past == 0 else causal_lower_right(chunk, total)
-
-                def sdpa(qh=qh, kh=kh, vh=vh, mask=mask, past=past):
-                    return F.scaled_dot_product_attention(
-                        qh, kh, vh, attn_mask=mask, is_causal=past == 0, enable_gqa=True
-                    )
-
-                tol = 2e-5 if dtype == torch.float32 else 2e-2
-                got = kernel()[0]
-                torch.testing.assert_close(
-                    got.float(), sdpa()[0].transpose(0, 1).float(), atol=tol, rtol=tol
+                t, flops = measure_prefill(
+                    dtype, heads, hkv, d, chunk, past, rounds=args.rounds, ops=ops
                 )
-                cands = {"kernel": kernel, "sdpa": sdpa}
-                if ops:
-                    key_cache, value_cache = vllm_paged(ops, kc[0, :total], vc[0, :total])
-                    call = vllm_call(
-                        ops,
-                        q[0].contiguous(),
-                        key_cache,
-                        value_cache,
-                        torch.arange(total // 128, dtype=torch.int32)[None],
-                        torch.tensor([0, chunk], dtype=torch.int32),
-                        torch.tensor([total], dtype=torch.int32),
-                    )
-                    torch.testing.assert_close(call().float(), got.float(), atol=tol, rtol=tol)
-                    cands["vllm"] = call
-                t = compare_min_median(cands, calls=1, rounds=args.rounds)
-                flops = 4 * d * heads * (chunk * past + chunk * (chunk + 1) / 2)
-                vllm_cell, vllm_ratio = why_no_vllm or "not run", "-"
+                vllm_cell, vllm_ratio, isa = why_no_vllm or "not run", "-", "-"
                 if ops:
                     vllm_cell = fmt(t["vllm"])
                     vllm_ratio = f"{t['vllm'][0] / t['kernel'][0]:.2f}x"
+                    isa = vllm_isa(dtype, d)
                 print(
                     f"| {str(dtype)[6:]} | {heads} / {hkv} x {d} | {chunk} | {past} | "
-                    f"{fmt(t['kernel'])} | {vllm_cell} | {vllm_ratio} | {fmt(t['sdpa'])} | "
+                    f"{fmt(t['kernel'])} | {vllm_cell} | {isa} | {vllm_ratio} | {fmt(t['sdpa'])} | "
                     f"{t['sdpa'][0] / t['kernel'][0]:.2f}x | "
                     f"{flops / t['kernel'][0] / 1e9:.0f} |"
                 )
@@ -341,8 +365,8 @@ def main() -> None:
     parser.add_argument(
         "--isa",
         default="",
-        help="comma-separated kernel instruction sets to run in turn (avx512bf16, avx512, avx2, "
-        "generic; default: the best this CPU runs); the tables name each",
+        help="comma-separated kernel instruction sets to run in turn (amx, avx512bf16, avx512, "
+        "avx2, generic; default: the best this CPU runs); the tables name each",
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

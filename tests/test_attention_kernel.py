@@ -7,8 +7,9 @@ element must lie within the error bound derived from the kernel's arithmetic in
 tests/support/attention_bound.py (inputs exact in their dtypes; fp32 dot products over head_dim,
 base-2 softmax and fp32 sums over the keys; one rounding to q's dtype): the same bound on every
 CPU and variant, nothing fitted on a machine. Tests that take the ``isa`` fixture
-(tests/support/kernel_variants.py) run once per variant of the kernel (``avx512bf16``,
-``avx512``, ``avx2``, ``generic``), skipped where this CPU cannot run one; the session ends with
+(tests/support/kernel_variants.py) run once per variant of the kernel (``amx``, ``avx512bf16``,
+``avx512``, ``avx2``, ``generic``), skipped where this CPU (or, for ``amx``, its OS) cannot run
+one; the session ends with
 a line naming the variants that ran and those that could not. Every test whose result could
 depend on the variant takes it, on 1 and 2 threads where the work is split differently (2
 threads split long decode rows). The bound is shown to fail on what a broken kernel would output
@@ -916,12 +917,50 @@ def _cpu_flags():
     return None
 
 
+@pytest.mark.parametrize(
+    "dtype, cache_dtype, lq, d, tiles",
+    [
+        (torch.float32, torch.float32, 40, 64, False),  # fp32: not AMX's
+        (torch.float16, torch.float16, 40, 64, False),
+        (torch.float32, torch.float8_e4m3fn, 40, 64, False),
+        (torch.bfloat16, torch.bfloat16, 1, 64, False),  # decode
+        (torch.bfloat16, torch.bfloat16, 40, 80, False),  # d not a multiple of 32
+        (torch.bfloat16, torch.bfloat16, 40, 64, True),  # prefill: the tiles
+        (torch.bfloat16, torch.bfloat16, 40, 128, True),
+    ],
+)
+def test_amx_runs_avx512bf16s_code_but_for_bf16_prefill(dtype, cache_dtype, lq, d, tiles):
+    """The amx variant is avx512bf16's kernel except for prefill items of bf16 caches with d a
+    multiple of 32: everything else (fp32, fp16 and fp8 caches, decode, other head sizes) gives
+    avx512bf16's output bit for bit, and those prefill items do not (their tiles ran)."""
+    runnable = {v.name for v in kernel_variants() if v.runnable}
+    if not {"amx", "avx512bf16"} <= runnable:
+        pytest.skip(f"needs the amx and avx512bf16 variants; this CPU runs {sorted(runnable)}")
+    gen = torch.Generator().manual_seed(31)
+    kc, vc = make_caches(3, 300, 2, d, cache_dtype, gen=gen)
+    q = torch.randn(3, lq, 8, d, generator=gen).to(dtype)
+    kw = dict(cache_seqlens=torch.tensor([0, 100, 250]), causal=True)
+    before = kernel_isa()
+    outs = {}
+    try:
+        for name in ("amx", "avx512bf16"):
+            assert _C.set_attention_kernel_isa(name)
+            outs[name] = cpu_attention(q, kc, vc, **kw)
+    finally:
+        _C.set_attention_kernel_isa(before)
+    assert torch.equal(outs["amx"], outs["avx512bf16"]) != tiles
+
+
 def test_kernel_variants_are_what_the_build_and_the_cpu_offer():
     """kernel_variants() names every variant, best first; the kernel runs exactly the runnable
     ones (and reports the one it runs), a variant lacks exactly the features Linux does not list
-    for this CPU, and without VATTENTION_ATTENTION_ISA the kernel runs the first runnable one."""
+    for this CPU, only amx can be refused by the OS (its tile state, where the CPU has it), and
+    without VATTENTION_ATTENTION_ISA the kernel runs the first runnable one."""
     variants = kernel_variants()
-    assert [v.name for v in variants] == ["avx512bf16", "avx512", "avx2", "generic"]
+    assert [v.name for v in variants] == ["amx", "avx512bf16", "avx512", "avx2", "generic"]
+    assert all(not v.refused for v in variants[1:]), variants
+    amx = variants[0]
+    assert not amx.refused or (amx.compiled and not amx.missing), amx
     before = kernel_isa()
     try:
         for v in variants:

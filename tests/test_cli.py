@@ -78,7 +78,8 @@ def _kernel_lines(stdout):
 def test_info_names_the_cpu_kernel_variant_and_why():
     """`info` says which variant of the CPU attention kernel a call runs (the best one this build
     and CPU run), with the CPU features it runs on, why each better variant does not run, every
-    variant's status, and the CPU's features that no variant uses (AMX, AVX512-FP16)."""
+    variant's status (amx: also whether the OS granted the tile state), and the CPU's features
+    that no variant uses (AMX-INT8, AMX-FP16, AVX512-FP16)."""
     from vattention.attention import kernel_variants
     from vattention.attention.variants import ISA_ENV, unused_cpu_features
 
@@ -111,8 +112,7 @@ def test_info_names_the_cpu_kernel_variant_and_why():
         want.append(
             "cpu attention kernel: no variant uses this CPU's "
             + ", ".join(unused_cpu_features())
-            + " (there is no AMX or AVX512-FP16 variant; the variants above are all this CPU can"
-            " run)"
+            + " (there is no AMX-INT8, AMX-FP16 or AVX512-FP16 variant)"
         )
     assert _kernel_lines(proc.stdout) == want, proc.stdout
 

@@ -174,10 +174,13 @@ def test_emulated_check_reports_every_part_within_its_budget(tmp_path, built):
     cpu = parts["cpu-attention"]
     assert cpu["notes"][0].startswith("CPU: ") and "cores usable" in cpu["notes"][0]
     assert any(x.startswith("kernel variants this build runs") for x in cpu["notes"])
-    assert [(r["dtype"], r["gqa"]) for r in cpu["rows"]] == [("bfloat16", 4), ("float32", 1)]
-    assert all(
-        r["threads"] == 2 and r["kv_over_copy"] > 0 and "error" not in r for r in cpu["rows"]
-    )
+    decode = [r for r in cpu["rows"] if "prefill" not in r]
+    assert [(r["dtype"], r["gqa"]) for r in decode] == [("bfloat16", 4), ("float32", 1)]
+    assert all(r["threads"] == 2 and r["kv_over_copy"] > 0 and "error" not in r for r in decode)
+    # and a bf16 prefill chunk on the same variant, checked against torch SDPA and timed beside it
+    (prefill,) = [r for r in cpu["rows"] if "prefill" in r]
+    assert prefill["isa"] == decode[0]["isa"] and "error" not in prefill, prefill
+    assert prefill["prefill"] == "32 / 8 x 64, 128 after 128" and prefill["sdpa_ms"] > 0, prefill
     # Never presented as a GPU's: every line of the report says it is the emulation's.
     lines = [x for x in md.splitlines() if x.strip()]
     assert lines and all("emulated" in x for x in lines), [x for x in lines if "emulated" not in x]

@@ -608,26 +608,31 @@ def cpu_attention(emit: Emit, emulated: bool) -> None:
     """The CPU attention kernel on this machine's own CPU (on the GPU machine: the GPU's host),
     no GPU involved in either mode: decode over a vattention cache, its K/V read rate against a
     streaming copy of as many bytes (bench_attention.py's figure), output checked against torch
-    SDPA per row. All cores, 2 threads (the project's CPU machines), then AVX2 on all cores. On
-    the emulation a small shape checks the plumbing only."""
+    SDPA per row; and a bf16 prefill chunk (the amx variant's tiles where the CPU has them)
+    against torch SDPA's time, output checked against it. All cores, 2 threads (the project's CPU
+    machines), then AVX2 on all cores. On the emulation a small shape checks the plumbing only."""
     import torch
-    from bench_attention import N, S, measure_decode
+    from bench_attention import N, S, measure_decode, measure_prefill
 
     from vattention import _C
+    from vattention.attention import kernel_variants
     from vattention.integrations import flash_attn as fa
 
     emit(kind="note", text=cpu_line())
-    variants = [isa for isa in ("avx512bf16", "avx512", "avx2") if _C.set_attention_kernel_isa(isa)]
+    variants = [v.name for v in kernel_variants() if v.runnable]
+    refused = [f"{v.name} ({v.why_not()})" for v in kernel_variants() if v.compiled and v.refused]
     _C.set_attention_kernel_isa("")
     best = fa.kernel_isa()
     emit(
         kind="note",
-        text=f"kernel variants this build runs on this CPU: {', '.join(variants + ['generic'])} "
-        f"(default {best}; the check's build has the ISA variants on 8+ cores)",
+        text=f"kernel variants this build runs on this CPU: {', '.join(variants)} "
+        f"(default {best}; the check's build has the ISA variants on 8+ cores)"
+        + (f"; refused by the OS: {', '.join(refused)}" if refused else ""),
     )
     cores = len(os.sched_getaffinity(0))
     if emulated:
         plan, shape, rounds = [(2, best)], dict(rows=2, tokens=512), 1
+        prefill = (32, 8, 64, 128, 128)  # heads, KV heads, d, chunk, cached before
         emit(kind="note", text="2 rows x 512 tokens, one round: the plumbing, not a figure")
     else:
         # the default ISA on all cores and on 2 threads, then AVX2 on all cores (its figure is
@@ -635,6 +640,7 @@ def cpu_attention(emit: Emit, emulated: bool) -> None:
         plan = [(cores, best), (2, best)] + [(cores, "avx2")] * (best != "avx2")
         plan = list(dict.fromkeys(plan))
         shape, rounds = dict(rows=N, tokens=S), 6
+        prefill = (32, 8, 128, 512, 1536)
     try:
         for threads, isa in plan:
             if not _C.set_attention_kernel_isa(isa):
@@ -660,6 +666,25 @@ def cpu_attention(emit: Emit, emulated: bool) -> None:
                     kv_over_copy=round(r["kv"] / r["copy"], 2),
                     kv_over_read=round(r["kv"] / r["read"], 2),
                 )
+            heads, hkv, d, chunk, past = prefill
+            case = {"isa": fa.kernel_isa(), "threads": threads, "dtype": "bfloat16"}
+            case["gqa"] = heads // hkv
+            case.update(prefill=f"{heads} / {hkv} x {d}, {chunk} after {past}")
+            try:
+                t, flops = measure_prefill(
+                    torch.bfloat16, heads, hkv, d, chunk, past, rounds=rounds
+                )
+            except Exception as e:
+                emit(kind="row", **case, error=f"{type(e).__name__}: {e}"[:300])
+                continue
+            emit(
+                kind="row",
+                **case,
+                kernel_ms=round(t["kernel"][0] * 1e3, 3),
+                sdpa_ms=round(t["sdpa"][0] * 1e3, 3),
+                kernel_speed_over_sdpa=round(t["sdpa"][0] / t["kernel"][0], 2),
+                kernel_GFLOPs=round(flops / t["kernel"][0] / 1e9),
+            )
     finally:
         _C.set_attention_kernel_isa("")
 

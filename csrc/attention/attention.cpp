@@ -35,6 +35,12 @@
 #if defined(__x86_64__)
 #include <cpuid.h>
 #endif
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#endif
 
 #include "attention/plan.h"
 
@@ -76,9 +82,50 @@ bool cpu_has(const std::string& feature) {
   if (feature == "avx512vl") return __builtin_cpu_supports("avx512vl");
   if (feature == "avx512dq") return __builtin_cpu_supports("avx512dq");
   if (feature == "avx512_bf16") return __builtin_cpu_supports("avx512bf16");
+  // CPUID leaf 7, subleaf 0, EDX bits 24 (AMX-TILE) and 22 (AMX-BF16); whether the OS lets this
+  // process use the tiles is amx_refused()'s question
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (feature == "amx_tile") return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 24));
+  if (feature == "amx_bf16") return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22));
 #endif
   (void)feature;
   return false;
+}
+
+// Why this process may not use AMX tiles although the CPU has them ("" when it may). Linux (5.16
+// and later) enables the tile state in XCR0 but hands the 8 KB of tile data to a process only when
+// it asks, once: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA). The request fails on older
+// kernels, on VMs whose hypervisor does not expose the state, and where a thread's signal stack
+// is too small for the larger signal frame; a tile instruction without it kills the process
+// (SIGILL). Asked once per process, at the first call; the permission is process-wide and
+// inherited by threads and children.
+std::string amx_refused() {
+  static const std::string why = []() -> std::string {
+#if defined(__x86_64__) && defined(__linux__)
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    __cpuid_count(1, 0, a, b, c, d);
+    if (!(c & (1u << 27))) return "the OS has not enabled XSAVE (no OSXSAVE)";
+    uint32_t lo = 0, hi = 0;
+    asm volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & (3u << 17)) != (3u << 17))
+      return "the OS has not enabled the AMX tile state (XCR0 bits 17-18 clear)";
+    constexpr long kArchGetXcompPerm = 0x1022, kArchReqXcompPerm = 0x1023, kXtiledata = 18;
+    if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXtiledata) != 0) {
+      return std::string(
+                 "the OS refused this process AMX tile data (arch_prctl("
+                 "ARCH_REQ_XCOMP_PERM): ") +
+             std::strerror(errno) + ")";
+    }
+    unsigned long granted = 0;
+    if (syscall(SYS_arch_prctl, kArchGetXcompPerm, &granted) != 0 ||
+        !(granted & (1ul << kXtiledata)))
+      return "the OS did not grant this process AMX tile data (ARCH_GET_XCOMP_PERM)";
+    return "";
+#else
+    return "AMX tiles are used on x86-64 Linux only";
+#endif
+  }();
+  return why;
 }
 
 KernelVariant variant(const char* name, bool compiled, std::vector<std::string> needs) {
@@ -92,14 +139,16 @@ KernelVariant variant(const char* name, bool compiled, std::vector<std::string> 
 }
 
 struct IsaTables {
-  KernelTable avx512bf16, avx512, avx2, generic;
-  bool has_avx512bf16 = false, has_avx512 = false, has_avx2 = false;
+  KernelTable amx, avx512bf16, avx512, avx2, generic;
+  bool has_amx = false, has_avx512bf16 = false, has_avx512 = false, has_avx2 = false;
 };
 
 const IsaTables& isa_tables() {
   static const IsaTables t = [] {
-    IsaTables x{kernels_avx512bf16(), kernels_avx512(), kernels_avx2(), kernels_generic()};
+    IsaTables x{kernels_amx(), kernels_avx512bf16(), kernels_avx512(), kernels_avx2(),
+                kernels_generic()};
     for (const KernelVariant& v : kernel_variants()) {
+      if (v.name == "amx") x.has_amx = v.runnable();
       if (v.name == "avx512bf16") x.has_avx512bf16 = v.runnable();
       if (v.name == "avx512") x.has_avx512 = v.runnable();
       if (v.name == "avx2") x.has_avx2 = v.runnable();
@@ -111,15 +160,17 @@ const IsaTables& isa_tables() {
 
 const KernelTable* find_table(const std::string& name) {
   const IsaTables& t = isa_tables();
+  if (name == "amx") return t.has_amx ? &t.amx : nullptr;
   if (name == "avx512bf16") return t.has_avx512bf16 ? &t.avx512bf16 : nullptr;
   if (name == "avx512") return t.has_avx512 ? &t.avx512 : nullptr;
   if (name == "avx2") return t.has_avx2 ? &t.avx2 : nullptr;
   if (name == "generic") return &t.generic;
   if (name.empty()) {
-    return t.has_avx512bf16 ? &t.avx512bf16
-           : t.has_avx512   ? &t.avx512
-           : t.has_avx2     ? &t.avx2
-                            : &t.generic;
+    return t.has_amx          ? &t.amx
+           : t.has_avx512bf16 ? &t.avx512bf16
+           : t.has_avx512     ? &t.avx512
+           : t.has_avx2       ? &t.avx2
+                              : &t.generic;
   }
   return nullptr;
 }
@@ -642,7 +693,12 @@ std::vector<KernelVariant> kernel_variants() {
                                         "avx512dq", "fma",      "f16c"};
   std::vector<std::string> avx512bf16 = avx512;
   avx512bf16.push_back("avx512_bf16");
-  return {variant("avx512bf16", avx512bf16_compiled(), avx512bf16),
+  std::vector<std::string> amx = avx512bf16;
+  amx.push_back("amx_tile");
+  amx.push_back("amx_bf16");
+  KernelVariant tiles = variant("amx", amx_compiled(), amx);
+  if (tiles.compiled && tiles.missing.empty()) tiles.refused = amx_refused();
+  return {tiles, variant("avx512bf16", avx512bf16_compiled(), avx512bf16),
           variant("avx512", avx512_compiled(), avx512),
           variant("avx2", avx2_compiled(), {"avx2", "fma", "f16c"}), variant("generic", true, {})};
 }
@@ -650,12 +706,10 @@ std::vector<KernelVariant> kernel_variants() {
 std::vector<std::string> unused_cpu_features() {
   std::vector<std::string> out;
 #if defined(__x86_64__)
-  // CPUID leaf 7: subleaf 0 EDX bits 22 (AMX-BF16), 23 (AVX512-FP16), 24 (AMX-TILE), 25
-  // (AMX-INT8); subleaf 1 EAX bit 21 (AMX-FP16)
+  // CPUID leaf 7: subleaf 0 EDX bits 23 (AVX512-FP16), 25 (AMX-INT8); subleaf 1 EAX bit 21
+  // (AMX-FP16). AMX-TILE and AMX-BF16 are the amx variant's.
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (__get_cpuid_count(7, 0, &a, &b, &c, &d)) {
-    if (d & (1u << 24)) out.push_back("amx_tile");
-    if (d & (1u << 22)) out.push_back("amx_bf16");
     if (d & (1u << 25)) out.push_back("amx_int8");
     const unsigned d0 = d;
     if (__get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 21))) out.push_back("amx_fp16");

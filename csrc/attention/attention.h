@@ -106,25 +106,30 @@ constexpr int64_t kMaxHeadDim = 512;
 // written), appends the new keys/values and writes the attention output.
 void flash_attn_with_kvcache(const Args& args);
 
-// The instruction set the kernels dispatch to: "avx512bf16" (AVX-512 with vdpbf16ps), "avx512",
-// "avx2" or "generic". The best this CPU supports is chosen once; VATTENTION_ATTENTION_ISA=<name>
-// in the environment, or set_kernel_isa(), selects a lower one (tests, benchmarks).
+// The instruction set the kernels dispatch to: "amx" (AMX-BF16 tiles for bf16 prefill, with
+// avx512bf16's code for the rest), "avx512bf16" (AVX-512 with vdpbf16ps), "avx512", "avx2" or
+// "generic". The best this CPU supports is chosen once; VATTENTION_ATTENTION_ISA=<name> in the
+// environment, or set_kernel_isa(), selects a lower one (tests, benchmarks).
 const char* kernel_isa();
 
 // One instruction-set variant of the kernels, as this build and this CPU see it.
 struct KernelVariant {
-  std::string name;                  // "avx512bf16", "avx512", "avx2", "generic"
+  std::string name;                  // "amx", "avx512bf16", "avx512", "avx2", "generic"
   bool compiled = false;  // in this build (not x86-64, or VATTENTION_SKIP_*: left out)
   std::vector<std::string> needs;  // CPU features it runs on, spelled as /proc/cpuinfo does
   std::vector<std::string> missing;  // those of `needs` this CPU (with its OS) lacks
-  bool runnable() const { return compiled && missing.empty(); }
+  // Why the OS does not let this process use a state the variant needs although the CPU has
+  // it ("" when it does): AMX's tile data, which Linux grants per process on request.
+  std::string refused;
+  bool runnable() const { return compiled && missing.empty() && refused.empty(); }
 };
 
 // Every variant, best first; the kernels run the first runnable one unless told otherwise.
+// Asks the OS for AMX's tile state (once per process) where the CPU has AMX.
 std::vector<KernelVariant> kernel_variants();
 
-// Features of this CPU that no variant uses (AMX tiles, AVX512-FP16), /proc/cpuinfo spelling:
-// there is no AMX or FP16 variant, so a CPU with them runs (and tests) the variants above.
+// Features of this CPU that no variant uses (AMX-INT8, AMX-FP16, AVX512-FP16), /proc/cpuinfo
+// spelling: a CPU with them runs (and tests) the variants above.
 std::vector<std::string> unused_cpu_features();
 
 // Selects the kernels by name for the whole process ("" = the best this CPU supports). Returns

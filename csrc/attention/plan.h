@@ -124,10 +124,12 @@ struct KernelTable {
 constexpr int kMaxDecodeRows = 8;    // rows (queries x group heads) per KV head of a decode item
 constexpr int kPrefillRows = 64;     // rows per prefill item (multiple of every vector width)
 
+KernelTable kernels_amx();
 KernelTable kernels_avx512bf16();
 KernelTable kernels_avx512();
 KernelTable kernels_avx2();
 KernelTable kernels_generic();
+bool amx_compiled();
 bool avx512bf16_compiled();
 bool avx512_compiled();
 bool avx2_compiled();

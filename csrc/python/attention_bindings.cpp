@@ -97,21 +97,23 @@ void register_attention(py::module_& m) {
   m.def(
       "attention_kernel_variants",
       [] {
-        std::vector<
-            std::tuple<std::string, bool, std::vector<std::string>, std::vector<std::string>>>
+        std::vector<std::tuple<std::string, bool, std::vector<std::string>,
+                               std::vector<std::string>, std::string>>
             out;
         for (const at::KernelVariant& v : at::kernel_variants())
-          out.emplace_back(v.name, v.compiled, v.needs, v.missing);
+          out.emplace_back(v.name, v.compiled, v.needs, v.missing, v.refused);
         return out;
       },
       "Every variant of the CPU attention kernels, best first: (name, compiled into this build,\n"
-      "CPU features it needs, those this CPU lacks), features spelled as in /proc/cpuinfo.");
+      "CPU features it needs, those this CPU lacks, why the OS refuses a state it needs or ''),\n"
+      "features spelled as in /proc/cpuinfo.");
   m.def("attention_unused_cpu_features", &at::unused_cpu_features,
-        "Features of this CPU no kernel variant uses (AMX tiles, AVX512-FP16), /proc/cpuinfo "
-        "spelling.");
+        "Features of this CPU no kernel variant uses (AMX-INT8, AMX-FP16, AVX512-FP16), "
+        "/proc/cpuinfo spelling.");
   m.def(
       "set_attention_kernel_isa",
       [](const std::string& name) { return at::set_kernel_isa(name.c_str()); }, py::arg("name"),
-      "Select the CPU attention kernels ('avx512bf16', 'avx512', 'avx2', 'generic'; '' = best).\n"
+      "Select the CPU attention kernels ('amx', 'avx512bf16', 'avx512', 'avx2', 'generic'; '' =\n"
+      "best).\n"
       "False if this CPU cannot run them.");
 }

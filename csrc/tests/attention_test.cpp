@@ -112,12 +112,16 @@ void test_conversions() {
 // use): the inputs are exact in their dtypes; each score is an fp32 dot product over d (at most
 // d + 22 roundings per product, with the softmax scale's own), each weight an exp2 of a rounded
 // difference, rescaled at most N / 16 + 1 times and merged once; the sums over the N keys pass at
-// most N + N / 16 + 265 roundings per term; the output is rounded once, to nearest, to q's dtype.
-// With u = 2^-24 (plus 2^-53 for this double reference), gamma(n) = n u / (1 - n u):
-//   e_s = gamma(d + 22) S + c d 2^-126,  S >= c sum_x |q_x k_jx| for every key j, c = scale log2 e
+// most N + N / 16 + 277 roundings per term (amx: a probability as two bf16 terms, hi + lo, within
+// 2^-15 of it); the output is rounded once, to nearest, to q's dtype. With u = 2^-24 (plus 2^-53
+// for this double reference), gamma(n) = n u / (1 - n u):
+//   e_s = gamma(d + 22) S + c 2^-126 (d M + d + 22),  S >= c sum_x |q_x k_jx| for every key j,
+//     c = scale log2 e, M = max(1, max |q_x|, max |k_jx|) (flushed denormals)
 //   eta = 2^(e_s + 6 u (S + e_s)) (1 + 4 u)^(R + 2) - 1,  R = ceil(N / 16) + 1
-//   E = 2 eta / (1 - eta) A + (2 g / (1 - g) (1 + g3) + g3) A (1 + eta) / (1 - eta) + N 2^-126 vmax
-//     with g = gamma(N + R + 264), g3 = gamma(3), A = sum_j w_j |v_j| (exact weights)
+//   E = 2 eta / (1 - eta) A + ((2 g / (1 - g) (1 + g3) H + g3) + 2^-15) A'
+//       + 2^-126 (N (vmax + 1) + 3 N + 68 + R)
+//     with g = gamma(N + R + 276), g3 = gamma(3), H = 1 + 2^-7 (1 + 2^-8), A = sum_j w_j |v_j|
+//     (exact weights), A' = A (1 + eta) / (1 - eta)
 //   |out - o| <= E + u_out (|o| + E) + t_out  (u_out 0 / 2^-8 / 2^-11, t_out half the smallest
 //   subnormal of fp32 / bf16 / fp16)
 struct OutputRounding {
@@ -138,19 +142,24 @@ double gamma_n(double n) {
 }
 
 // The bound on |out - o| for an output in `out_dtype` of a row seeing `n` keys, d = head_dim, c the
-// base-2 score scale, s the row's S, a its A (this element), o the exact output, vmax max |v|.
-double error_bound(DType out_dtype, int64_t n, int64_t d, double c, double s, double a, double o,
-                   double vmax) {
-  if (n == 0) return output_rounding(out_dtype).tiny;
+// base-2 score scale, s the row's S, big its M, a its A (this element), o the exact output, vmax
+// max |v|.
+double error_bound(DType out_dtype, int64_t n, int64_t d, double c, double s, double big, double a,
+                   double o, double vmax) {
+  if (n <= 0) return output_rounding(out_dtype).tiny;  // no key visible (hi <= lo)
   const double u = std::ldexp(1.0, -24) + std::ldexp(1.0, -53), flush = std::ldexp(1.0, -126);
-  const double e_s = gamma_n(static_cast<double>(d + 22)) * s + c * static_cast<double>(d) * flush;
-  const double rescales = std::ceil(static_cast<double>(n) / 16.0) + 1;
+  const double dd = static_cast<double>(d), nn = static_cast<double>(n);
+  const double e_s = gamma_n(dd + 22) * s + c * flush * (dd * big + dd + 22);
+  const double rescales = std::ceil(nn / 16.0) + 1;
   const double eta =
       std::exp2(e_s + 6 * u * (s + e_s)) * std::pow(1 + 4 * std::ldexp(1.0, -24), rescales + 2) - 1;
-  const double g = gamma_n(static_cast<double>(n) + rescales + 264), g3 = gamma_n(3);
-  const double e = 2 * eta / (1 - eta) * a +
-                   (2 * g / (1 - g) * (1 + g3) + g3) * a * (1 + eta) / (1 - eta) +
-                   static_cast<double>(n) * flush * vmax;
+  const double g = gamma_n(nn + rescales + 276), g3 = gamma_n(3);
+  const double split_terms = 1 + std::ldexp(1.0, -7) * (1 + std::ldexp(1.0, -8));
+  const double a_moved = a * (1 + eta) / (1 - eta);
+  const double e =
+      2 * eta / (1 - eta) * a +
+      (2 * g / (1 - g) * (1 + g3) * split_terms + g3 + std::ldexp(1.0, -15)) * a_moved +
+      flush * (nn * (vmax + 1) + 3 * nn + 68 + rescales);
   const OutputRounding r = output_rounding(out_dtype);
   return e + r.unit * (std::fabs(o) + e) + r.tiny;
 }
@@ -298,13 +307,16 @@ void run_case(const Case& c, std::mt19937& rng, const char* isa) {
       for (int64_t hh = 0; hh < h; ++hh) {
         const int64_t g = hh / (h / hkv);
         std::vector<double> sc, o(d, 0.0), oabs(d, 0.0);
-        double mx = -INFINITY, sum = 0, absdot_max = 0, vmax = 0;
+        double mx = -INFINITY, sum = 0, absdot_max = 0, vmax = 0, big = 1;
         const uint8_t* qr = &q[static_cast<size_t>(((qs + j) * h * d + hh * d) * qe)];
+        for (int64_t x = 0; x < d; ++x)
+          big = std::max(big, std::fabs(double(decode(c.dtype, qr + x * qe))));
         for (int64_t t = lo; t < hi; ++t) {
           double dot = 0, absdot = 0;
           for (int64_t x = 0; x < d; ++x) {
-            const double p = double(decode(c.dtype, qr + x * qe)) *
-                             decode(c.cache_dtype, kat(kc, t, g, x)) * c.k_descale;
+            const double kx = double(decode(c.cache_dtype, kat(kc, t, g, x))) * c.k_descale;
+            const double p = double(decode(c.dtype, qr + x * qe)) * kx;
+            big = std::max(big, std::fabs(kx));
             dot += p;
             absdot += std::fabs(p);
           }
@@ -328,7 +340,7 @@ void run_case(const Case& c, std::mt19937& rng, const char* isa) {
           const double want = hi > lo ? o[x] / sum : 0.0;
           const double got = decode(c.dtype, orow + x * qe);
           const double err = std::fabs(got - want);
-          const double bound = error_bound(c.dtype, hi - lo, d, cs, cs * absdot_max,
+          const double bound = error_bound(c.dtype, hi - lo, d, cs, cs * absdot_max, big,
                                            hi > lo ? oabs[x] / sum : 0.0, want, vmax);
           if (!(err <= bound)) {
             check(false, what + ": request " + std::to_string(i) + " query " + std::to_string(j) +
@@ -540,9 +552,11 @@ int main() {
     if (!set_kernel_isa(isa)) {
       check(!v.runnable(), v.name + ": runnable, yet set_kernel_isa refused it");
       std::string why = "not compiled in";
-      if (v.compiled) {
+      if (v.compiled && !v.missing.empty()) {
         why = "the CPU lacks";
         for (const std::string& f : v.missing) why += " " + f;
+      } else if (v.compiled) {
+        why = v.refused;
       }
       not_run += " " + v.name + " (" + why + ")";
       continue;

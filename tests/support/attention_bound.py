@@ -17,14 +17,21 @@ QK^T          fp32 on q pre-scaled by c' = fl(fl(softmax_scale) fl(log2 e)) (x k
               row). Prefill: one accumulator per score over all d. generic multiplies and adds
               (two roundings), avx2/avx512 fuse them (FMA). avx512bf16, bf16 K: vdpbf16ps on q and
               K as they are (products exact, two fp32 additions per instruction, denormal inputs
-              and results flushed to zero), the scores then multiplied by c'.
+              and results flushed to zero), the scores then multiplied by c'. amx, bf16 q and cache,
+              d a multiple of 32 (prefill and shared-prefix items): TDPBF16PS tiles, the same
+              products, accumulated in two chains of 16 per instruction, summed, then added to
+              the score (at most 18 + d / 32 roundings), denormals flushed as vdpbf16ps does.
 softmax       base 2: p = exp2(s - m), running max m per block of >= 16 keys, earlier sums
               rescaled by exp2(m_old - m_new); exp2 is a degree-7 polynomial (avx2, avx512*:
               relative error 1.23 u at most over 2e8 points of [-0.5, 0.5]) or std::exp2 (generic,
               < 1 ulp); results below 2^-126 are 0. Key splits (flash-decoding, shared prefixes)
               are merged by weights exp2(m_part - m_max), in fp32.
 P V           fp32 multiply-adds on V widened exactly (never on bf16 probabilities), sum of
-              weights l in fp32; out = acc * fl(v_descale / l).
+              weights l in fp32; out = acc * fl(v_descale / l). amx (where its QK^T is): each
+              probability p split into two bf16 terms, hi = p truncated to bf16 and
+              lo = bf16(p - hi), both
+              multiplied by V in TDPBF16PS tiles (exact products, fp32 sums as above); l sums
+              the fp32 p.
 output        rounded to nearest even to q's dtype (convert.h, vec_*.h stores), once.
 ============  =====================================================================================
 
@@ -36,10 +43,13 @@ w_j = 2^(s_j - max s) / sum 2^(s - max s) the exact weights, o = sum_j w_j V_j, 
 S = c |q|_2 max_j |K_j|_2, Cauchy-Schwarz).
 
 1. Scores. Each product q_x K_jx passes at most d + 15 roundings of the dot product (the longest
-   chain: prefill's d, or decode's ceil(d / W) plus the lane sum, at most d + 15 for d < W), one
-   for q x c' (or score x c'), and c' itself is c times (1 + theta_5) (five fp32 roundings:
-   softmax_scale, log2 e, their product, k_descale, x k_descale). So
-   |s'_j - s_j| <= e_s = gamma(d + 22) S, plus c d 2^-126 for vdpbf16ps' flushed denormals.
+   chain: prefill's d, or decode's ceil(d / W) plus the lane sum, at most d + 15 for d < W; amx's
+   18 + d / 32 - 1), one for q x c' (or score x c'), and c' itself is c times (1 + theta_5) (five
+   fp32 roundings: softmax_scale, log2 e, their product, k_descale, x k_descale). So
+   |s'_j - s_j| <= e_s = gamma(d + 22) S + c 2^-126 (d M + d + 22), the last term for the
+   denormals vdpbf16ps and TDPBF16PS flush: an input below 2^-126 read as 0 loses at most
+   2^-126 M of its product (M = max(1, max |q_x|, max |K_jx|)), a sum below 2^-126 flushed at
+   most 2^-126 per rounding.
 2. Weights. The kernel's weight of key j relative to the others is 2^(s'_j - s_j) (a common
    factor 2^(s'_max - s_max) cancels in the normalization) times the rounding of s'_j - m (one
    rounding of a difference <= 2 (S + e_s)), of the rescales' exponents (their differences
@@ -47,16 +57,31 @@ S = c |q|_2 max_j |K_j|_2, Cauchy-Schwarz).
    (1 + eps) per exp2, eps = 4 u, for its own exp2, at most R = ceil(N / 16) + 1 rescales and the
    merge. So every weight is w_j (1 + eta_j) up to normalization, |eta_j| <= eta =
    2^(e_s + 6 u (S + e_s)) (1 + eps)^(R + 2) - 1, and the normalized result moves by
-   |sum_j w_j eta_j (V_j - o)| / (1 - eta) <= 2 eta / (1 - eta) A. Weights flushed to 0 (below
-   2^-126 of the largest, which is 1) move it by at most N 2^-126 max |V|.
-3. Sums. l and acc pass at most n = N + R + 2 * 128 + 8 roundings per term (the keys, the
-   rescales, the merge of up to 2 x 64 partials, the lane sums), and out32 = acc * fl(vd / l)
-   three more: |out32 - o'| <= (2 gamma(n) / (1 - gamma(n)) (1 + gamma(3)) + gamma(3)) A', with
-   o' the normalized result of step 2 and A' = sum w'|V| <= A (1 + eta) / (1 - eta).
+   |sum_j w_j eta_j (V_j - o)| / (1 - eta) <= 2 eta / (1 - eta) A.
+3. Sums. l and acc pass at most n = N + R + 2 * 128 + 20 roundings per term (the keys, the
+   rescales, the merge of up to 2 x 64 partials, and the lane sums, 8 at most, or the 18
+   roundings an amx term passes inside its first TDPBF16PS beyond one per later instruction),
+   and out32 = acc * fl(vd / l) three more: |out32 - o'| <= (2 gamma(n) / (1 - gamma(n))
+   (1 + gamma(3)) H + gamma(3)) A', with o' the normalized result of step 2, A' = sum w'|V| <=
+   A (1 + eta) / (1 - eta), and H = 1 + 2^-7 (1 + 2^-8) the terms' magnitudes per unit of
+   weight (1 where p V is one fp32 term; amx's hi and lo terms: |hi| <= p, |lo| <=
+   2^-7 (1 + 2^-8) p).
+3a. amx's split. hi + lo = p (1 + delta), |delta| <= 2^-15 (p - hi is exact in fp32 and below
+   2^-7 p, hi being p truncated to bf16's 8 bits; lo rounds it to bf16, within 2^-8 of it), while
+   l sums the fp32 p: the numerator's weights are off by delta_j from the denominator's, which
+   moves the result by at most 2^-15 A'.
+3b. Flushes. Per key at most 2^-126 (max |V| + 1): a weight below 2^-126 is 0 (exp2), or amx's
+   lo term below 2^-126 is read as 0 (2^-126 |V_j| either way), and amx reads a denormal V as 0
+   (2^-126 p_j <= 2^-126); and amx flushes a P V sum below 2^-126 at most 2^-126 per rounding,
+   at most 68 roundings (two instructions of 34) per chunk of 32 keys, ceil(N / 32) + ceil(N /
+   128) chunks (each block's last one padded), and R rescales: <= 3 N + 68 + R roundings. acc's
+   absolute errors reach the output divided by l >= 1 (the largest weight is 1; vd is 1 on the
+   bf16 caches amx runs).
 4. Output. Rounding out32 to nearest in q's dtype adds at most u_out |out32| + t_out: u_out =
    2^-8 (bf16), 2^-11 (fp16), 0 (fp32: counted in 3), t_out half the smallest subnormal.
 
-So |out - o| <= B = E + u_out (|o| + E) + t_out, E the sum of steps 2 and 3. The float64
+So |out - o| <= B = E + u_out (|o| + E) + t_out, E the sum of steps 2 and 3 (3a and 3b: every
+variant's bound has them, so that it is the same on all). The float64
 oracle's own error is the same expression with 2^-53 for u: it is folded in by evaluating gamma
 with u + 2^-53. For d = 128, N = 1000, unit-normal q, K, V: S ~ 20, eta ~ 1.2e-4, E ~ 4e-4 A, so a
 bf16 output may be off by its own rounding (3.9e-3 |o|) plus about 4e-4 A, and an fp32 output by
@@ -80,6 +105,9 @@ EXP2_ERROR = 4 * U  # per exp2 (the polynomial's 1.23 u, glibc's < 1 ulp, with r
 MIN_BLOCK_KEYS = 16  # the kernel's smallest key block (attention.cpp: block_keys)
 MAX_PARTIALS = 2 * 64  # kMaxSplits parts of a shared prefix plus as many of a row's own keys
 DOT_CHAIN = 22  # roundings of a score beyond d (see the module docstring, step 1)
+SUM_EXTRA = 20  # roundings of a P V term beyond keys, rescales and merges (step 3)
+SPLIT = 2.0**-15  # amx: relative error of hi + lo, a probability's two bf16 terms (step 3a)
+SPLIT_TERMS = 1 + 2.0**-7 * (1 + 2.0**-8)  # amx: |hi| + |lo| per unit of probability (step 3)
 FLUSH = 2.0**-126  # fp32's smallest normal: below it vdpbf16ps and exp2 give 0
 # rounding of the output to q's dtype: unit roundoff, and half the smallest subnormal
 OUTPUT_ROUNDING = {
@@ -177,6 +205,7 @@ def reference_and_bound(
     s = torch.zeros(q.shape[:-1], dtype=torch.float64)  # S per row
     n = torch.zeros(q.shape[:-1], dtype=torch.float64)  # keys per row (at most)
     vmax = torch.zeros(q.shape[:-1], dtype=torch.float64)  # max |V| per row
+    big = torch.ones(q.shape[:-1], dtype=torch.float64)  # M: max(1, max |q_x|, max |K_jx|)
     for span, row, total in reqs:
         idx = slice(*span) if len(span) == 2 else span[0]
         if total == 0:
@@ -185,16 +214,20 @@ def reference_and_bound(
         s[idx] = c * q64[idx].norm(dim=-1) * kmax.repeat_interleave(heads // kv_heads)
         n[idx] = total
         vmax[idx] = _exact(v_cache[row, :total], vd).abs().max()
-    s, n, vmax = s.unsqueeze(-1), n.unsqueeze(-1), vmax.unsqueeze(-1)
-    e_s = gamma(d + DOT_CHAIN) * s + c * d * FLUSH
+        kbig = _exact(k_cache[row, :total], kd).abs().max()
+        big[idx] = torch.maximum(q64[idx].abs().amax(-1), kbig).clamp(min=1.0)
+    s, n, vmax, big = s.unsqueeze(-1), n.unsqueeze(-1), vmax.unsqueeze(-1), big.unsqueeze(-1)
+    e_s = gamma(d + DOT_CHAIN) * s + c * FLUSH * (d * big + d + DOT_CHAIN)
     rescales = torch.ceil(n / MIN_BLOCK_KEYS) + 1
     eta = torch.exp2(e_s + 6 * (U + U_ORACLE) * (s + e_s)) * (1 + EXP2_ERROR) ** (rescales + 2) - 1
-    g = gamma(n + rescales + 2 * MAX_PARTIALS + 8)
+    g = gamma(n + rescales + 2 * MAX_PARTIALS + SUM_EXTRA)
     g3 = gamma(3)
-    flushed = n * FLUSH * vmax
+    a_moved = a * (1 + eta) / (1 - eta)  # A'
+    flushed = FLUSH * (n * (vmax + 1) + 3 * n + 68 + rescales)  # step 3b
     e = (
         2 * eta / (1 - eta) * a
-        + (2 * g / (1 - g) * (1 + g3) + g3) * a * (1 + eta) / (1 - eta)
+        + (2 * g / (1 - g) * (1 + g3) * SPLIT_TERMS + g3) * a_moved
+        + SPLIT * a_moved
         + flushed
     )
     u_out, t_out = OUTPUT_ROUNDING[q.dtype]

@@ -5,8 +5,9 @@ csrc/attention/isa_*.cpp), so a run on an AVX-512 machine also runs what an AVX2
 CPU runs, and a new variant is tested without a change here. The fixture checks that the kernel
 really runs the variant it asked for, and puts back the one that ran before (a
 VATTENTION_ATTENTION_ISA choice survives). At the end of the session one line says which
-variants ran, which this CPU cannot run and why, and which of the CPU's features (AMX, FP16) no
-variant uses. A conftest plugin (tests/conftest.py's ``pytest_plugins``).
+variants ran, which this CPU (or its OS: AMX's tile state) cannot run and why, and which of the
+CPU's features (AMX-INT8, AMX-FP16, AVX512-FP16) no variant uses. A conftest plugin
+(tests/conftest.py's ``pytest_plugins``).
 """
 
 from __future__ import annotations
@@ -50,10 +51,7 @@ def summary() -> str:
             parts.append(f"{name} not run ({variant.why_not()}; {_skipped[name]} tests skipped)")
     unused = unused_cpu_features()
     if unused:
-        parts.append(
-            "this CPU's " + ", ".join(unused) + " are used by no variant (there is no AMX or "
-            "AVX512-FP16 kernel), so the variants above are all it can run"
-        )
+        parts.append("this CPU's " + ", ".join(unused) + " are used by no variant")
     return "cpu attention kernel variants: " + "; ".join(parts)
 
 

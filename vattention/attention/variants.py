@@ -1,11 +1,13 @@
 """Which instruction-set variant of the CPU attention kernel runs here, and why.
 
-The kernel (``csrc/attention``) is compiled once per instruction set: ``avx512bf16`` (AVX-512 with
-the bf16 dot product ``vdpbf16ps``), ``avx512``, ``avx2`` (with FMA and F16C) and ``generic``
-(plain C++, any CPU). At its first call it runs the best variant that this build contains and
-this CPU runs, unless ``VATTENTION_ATTENTION_ISA=<name>`` names a runnable one. There is no AMX
-or AVX512-FP16 variant: a CPU with those runs the variants above. ``python -m vattention info``
-prints :func:`kernel_report`.
+The kernel (``csrc/attention``) is compiled once per instruction set: ``amx`` (AMX-BF16 tiles for
+the prefill of bf16 caches, ``avx512bf16``'s code for the rest), ``avx512bf16`` (AVX-512 with the
+bf16 dot product ``vdpbf16ps``), ``avx512``, ``avx2`` (with FMA and F16C) and ``generic`` (plain
+C++, any CPU). At its first call it runs the best variant that this build contains and this CPU
+runs, unless ``VATTENTION_ATTENTION_ISA=<name>`` names a runnable one. ``amx`` also needs the
+operating system to grant the process AMX's tile data (Linux 5.16 and later, on request; the
+kernel asks once); where it refuses, the variant reports why and is not run. No variant uses
+AMX-INT8, AMX-FP16 or AVX512-FP16. ``python -m vattention info`` prints :func:`kernel_report`.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ class KernelVariant(NamedTuple):
     Attributes
     ----------
     name : str
-        ``"avx512bf16"``, ``"avx512"``, ``"avx2"`` or ``"generic"``.
+        ``"amx"``, ``"avx512bf16"``, ``"avx512"``, ``"avx2"`` or ``"generic"``.
     compiled : bool
         Whether this build contains it (``VATTENTION_CPU_KERNELS=generic`` builds, and builds
         off x86-64, contain ``generic`` only).
@@ -36,17 +38,21 @@ class KernelVariant(NamedTuple):
         The CPU features it runs on, spelled as ``/proc/cpuinfo`` and ``lscpu`` spell them.
     missing : tuple of str
         Those of ``needs`` this CPU (with its operating system) lacks.
+    refused : str
+        Why the operating system does not let this process use a state the variant needs
+        although the CPU has it (``amx``: the tile data), ``""`` when it does.
     """
 
     name: str
     compiled: bool
     needs: Tuple[str, ...]
     missing: Tuple[str, ...]
+    refused: str = ""
 
     @property
     def runnable(self) -> bool:
         """Whether the kernel can run this variant here."""
-        return self.compiled and not self.missing
+        return self.compiled and not self.missing and not self.refused
 
     def why_not(self) -> str:
         """Why this variant cannot run here (``""`` when it can).
@@ -55,12 +61,14 @@ class KernelVariant(NamedTuple):
         --------
         >>> KernelVariant("avx2", True, ("avx2", "fma", "f16c"), ("avx2",)).why_not()
         'the CPU lacks avx2'
+        >>> KernelVariant("amx", True, ("amx_tile",), (), "the OS refused it").why_not()
+        'the OS refused it'
         """
         if not self.compiled:
             return "not compiled into this build"
         if self.missing:
             return "the CPU lacks " + ", ".join(self.missing)
-        return ""
+        return self.refused
 
 
 def kernel_variants() -> List[KernelVariant]:
@@ -69,23 +77,23 @@ def kernel_variants() -> List[KernelVariant]:
     Examples
     --------
     >>> [v.name for v in kernel_variants()]
-    ['avx512bf16', 'avx512', 'avx2', 'generic']
+    ['amx', 'avx512bf16', 'avx512', 'avx2', 'generic']
     >>> kernel_variants()[-1].runnable     # generic: any CPU
     True
     """
     return [
-        KernelVariant(name, compiled, tuple(needs), tuple(missing))
-        for name, compiled, needs, missing in _C.attention_kernel_variants()
+        KernelVariant(name, compiled, tuple(needs), tuple(missing), refused)
+        for name, compiled, needs, missing, refused in _C.attention_kernel_variants()
     ]
 
 
 def unused_cpu_features() -> List[str]:
-    """Features of this CPU that no variant uses (AMX tiles, AVX512-FP16), ``lscpu`` spelling.
+    """Features of this CPU that no variant uses (AMX-INT8, AMX-FP16, AVX512-FP16), ``lscpu``
+    spelling.
 
     Examples
     --------
-    >>> set(unused_cpu_features()) <= {"amx_tile", "amx_bf16", "amx_int8", "amx_fp16",
-    ...                                "avx512_fp16"}
+    >>> set(unused_cpu_features()) <= {"amx_int8", "amx_fp16", "avx512_fp16"}
     True
     """
     return list(_C.attention_unused_cpu_features())
@@ -135,6 +143,6 @@ def kernel_report() -> List[str]:
     if unused:
         lines.append(
             "cpu attention kernel: no variant uses this CPU's " + ", ".join(unused) + " (there is"
-            " no AMX or AVX512-FP16 variant; the variants above are all this CPU can run)"
+            " no AMX-INT8, AMX-FP16 or AVX512-FP16 variant)"
         )
     return lines

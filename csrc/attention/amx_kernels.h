@@ -1,0 +1,469 @@
+// AMX-BF16 tiles for the prefill and shared-prefix items of bf16 caches. A fragment: isa_amx.cpp
+// includes it after vec_avx512.h (with VATTN_AVX512_BF16) and isa_kernels.h, inside its own
+// namespace, under a target pragma with amx-tile and amx-bf16; everything else of that variant
+// (decode items, other dtypes, head_dim not a multiple of 32) is the avx512bf16 code.
+//
+// An item's rows (queries x group heads of one KV head, up to 64) against a block of keys, as
+// tile matmuls with fp32 accumulation (TDPBF16PS: C[16][16] fp32 += A[16][32] bf16 . B, B in
+// pairs of rows, "VNNI" order). Every tile is 16 rows x 64 bytes: tiles 0-3 accumulate, 4-5 hold
+// A operands, 6-7 B operands, and the loops run 2 x 2 accumulators at a time (two A and two B
+// loads per four TDPBF16PS).
+// - Scores, transposed: S^T[key][row] = K[key][:] . q[row][:]: A is 16 K rows loaded straight
+//   from the cache (a token stride apart; no copy, no transpose of K), B is q packed once per item
+//   in pairs of d (Qt[d / 2][rows], the avx512bf16 prefill's layout). The scores land in
+//   sc[key][row], the layout of the vector kernel's vertical online softmax.
+// - Softmax and P tiles in two passes per 16 rows (softmax_p_tiles): the block's row max of the
+//   scaled scores, then p = exp2(s c - m) for 32 keys at a time (the scale fused into the
+//   exponent's argument), summed into l, transposed in registers from P^T to P's rows and
+//   written as A tiles of P V: the probabilities never go back to sc.
+// - P V: O[row][d] += P[row][key] . V[key][d]: A is P, rows x 32 keys. B is V with two keys'
+//   rows interleaved value by value (one pass over the block's V rows per item). O stays in
+//   fp32 scratch between blocks (loaded and stored as tiles; rescaled by the vector code).
+// - P is split in two bf16 terms, hi = p truncated to bf16 (its upper 16 bits) and lo = bf16(p -
+//   hi) (p - hi is exact in fp32), both multiplied by V (twice the P V tiles): the weights then
+//   carry 2^-15 of relative error instead of bf16's 2^-8, which keeps the result near the fp32
+//   P V that the other variants compute (tests/support/attention_bound.py derives both).
+//   Truncating hi takes one AND and one word permute where rounding it took a conversion and a
+//   widening back: on the SPR machine (docs/benchmarks.md), one thread, 1024-token prompts at
+//   32 / 8 x 64, the softmax pass went from 47-51% of the items' cycles to 35-43%.
+//
+// The tile state is configured at the start of an item and released at its end (TileScope), on
+// whichever OpenMP thread runs it; the process asked the OS for it once (attention.cpp).
+
+constexpr int64_t kAmxBlockKeys = 128;  // keys per block: 4 P V tiles of 32 keys per O load/store
+
+// Whether an item of this call takes the tiles: bf16 q and cache, d a whole number of 32-value
+// tiles (other head sizes run the avx512bf16 code).
+template <typename KT>
+inline bool amx_rows(const Args& a) {
+  return std::is_same<KT, bf16_t>::value && a.dtype == DType::kBFloat16 && a.head_dim % 32 == 0;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows x 64 bytes for the scope's lifetime; released at its end (tile state in use
+// makes every context switch save 8 KB more, and some CPUs keep a lower frequency meanwhile).
+class TileScope {
+ public:
+  TileScope() {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) {
+      c.colsb[t] = 64;
+      c.rows[t] = 16;
+    }
+    _tile_loadconfig(&c);
+  }
+  ~TileScope() { _tile_release(); }
+  TileScope(const TileScope&) = delete;
+  TileScope& operator=(const TileScope&) = delete;
+};
+
+// Scratch of an AMX item (rp rows, a multiple of 16; bk keys per block; d a multiple of 32).
+struct AmxScratch {
+  int32_t* qt;  // [d / 2][rp] q in pairs of d (bf16, unscaled)
+  float* sc;  // [bk][rp] scores, then probabilities
+  float* o;  // [rp][d] unnormalized output
+  bf16_t* phi;  // [bk / 32][rp / 16][16][32] P tiles, hi terms
+  bf16_t* plo;  // the same, lo terms
+  bf16_t* vv;  // [bk / 2][2 d] V, two keys interleaved
+  bf16_t* ktail;  // [16][d] the last key tile of a row range, zero padded
+  float *m, *l, *alpha;
+  int32_t *lo, *hi;
+  AmxScratch(float* p, int64_t d, int64_t rp, int64_t bk) {
+    qt = reinterpret_cast<int32_t*>(p);
+    sc = p + d / 2 * rp;
+    o = sc + bk * rp;
+    phi = reinterpret_cast<bf16_t*>(o + rp * d);
+    plo = phi + bk * rp;
+    vv = plo + bk * rp;
+    ktail = vv + bk * d;
+    m = reinterpret_cast<float*>(ktail + 16 * d);
+    l = m + rp;
+    alpha = l + rp;
+    lo = reinterpret_cast<int32_t*>(alpha + rp);
+    hi = lo + rp;
+  }
+  static int64_t floats(int64_t d, int64_t rp, int64_t bk) {
+    return d / 2 * rp + bk * rp + rp * d + bk * rp + bk * d / 2 + 8 * d + 5 * rp;
+  }
+};
+
+inline int64_t amx_scratch_floats(const Args& a, const Shape& s) {
+  if (a.head_dim % 32 != 0) return 0;
+  const int64_t rp = round_up(std::max<int64_t>(kPrefillRows, s.group), 16);
+  return AmxScratch::floats(a.head_dim, rp, kAmxBlockKeys) + 16;
+}
+
+// Orders the vector code's stores before the tile loads that read them: GCC's tileloadd asm
+// takes the address only, with no memory operand, so it is no barrier by itself.
+inline void tiles_see_stores() { asm volatile("" ::: "memory"); }
+
+// Row r of Qt: q's d values (bf16) in pairs, one 32-bit lane per pair.
+inline void stage_q_pairs(const void* src, int64_t d, int32_t* qt, int64_t rp, int64_t r) {
+  const bf16_t* q = static_cast<const bf16_t*>(src);
+  for (int64_t x = 0; x < d / 2; ++x)
+    qt[x * rp + r] = static_cast<int32_t>(q[2 * x].bits | (uint32_t{q[2 * x + 1].bits} << 16));
+}
+
+// S^T for NK (1 or 2) key tiles from kt0 on and NR (1 or 2) row tiles from rt0 on: tile (key
+// tile i, row tile j) accumulates in tile 2 i + j, over d / 32 steps. k[i]: key tile i's first
+// row (16 rows, kld bytes apart), qt: Qt (rp pairs per row, its tile j at column 16 (rt0 + j)).
+template <int NK, int NR>
+inline void qk_tiles(const bf16_t* const* k, const int64_t* kld, const int32_t* qt, int64_t rp,
+                     int64_t rt0, int64_t steps, float* sc, int64_t kt0) {
+  tiles_see_stores();
+  _tile_zero(0);
+  if constexpr (NR > 1) _tile_zero(1);
+  if constexpr (NK > 1) _tile_zero(2);
+  if constexpr (NK > 1 && NR > 1) _tile_zero(3);
+  const int32_t* q0 = qt + rt0 * 16;
+  const int64_t qld = rp * 4;
+  for (int64_t x = 0; x < steps; ++x) {
+    _tile_loadd(4, k[0] + x * 32, kld[0]);
+    if constexpr (NK > 1) _tile_loadd(5, k[1] + x * 32, kld[1]);
+    _tile_loadd(6, q0 + x * 16 * rp, qld);
+    if constexpr (NR > 1) _tile_loadd(7, q0 + x * 16 * rp + 16, qld);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NR > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (NK > 1) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (NK > 1 && NR > 1) _tile_dpbf16ps(3, 5, 7);
+  }
+  float* c = sc + kt0 * 16 * rp + rt0 * 16;
+  _tile_stored(0, c, rp * 4);
+  if constexpr (NR > 1) _tile_stored(1, c + 16, rp * 4);
+  if constexpr (NK > 1) _tile_stored(2, c + 16 * rp, rp * 4);
+  if constexpr (NK > 1 && NR > 1) _tile_stored(3, c + 16 * rp + 16, rp * 4);
+}
+
+// O += P V for NR (1 or 2) row tiles from rt0 on and ND (1 or 2) tiles of 16 values of d from dt0
+// on, over `chunks` chunks of 32 keys: accumulator (row tile i, d tile j) is tile 2 i + j, loaded
+// from and stored back to o ([rp][d] fp32). P tiles hi then lo (split) for each chunk.
+template <int NR, int ND>
+inline void pv_tiles(float* o, int64_t d, const bf16_t* phi, const bf16_t* plo, int64_t rt_count,
+                     const bf16_t* vv, int64_t rt0, int64_t dt0, int64_t chunks) {
+  tiles_see_stores();
+  float* c = o + rt0 * 16 * d + dt0 * 16;
+  const int64_t old = d * 4;
+  _tile_loadd(0, c, old);
+  if constexpr (ND > 1) _tile_loadd(1, c + 16, old);
+  if constexpr (NR > 1) _tile_loadd(2, c + 16 * d, old);
+  if constexpr (NR > 1 && ND > 1) _tile_loadd(3, c + 16 * d + 16, old);
+  const int64_t vld = 2 * d * 2;  // bytes per row of vv (two keys' d values)
+  for (int64_t kc = 0; kc < chunks; ++kc) {
+    const bf16_t* b = vv + kc * 16 * 2 * d + dt0 * 32;
+    _tile_loadd(6, b, vld);
+    if constexpr (ND > 1) _tile_loadd(7, b + 32, vld);
+    for (int half = 0; half < 2; ++half) {
+      const bf16_t* pa = (half ? plo : phi) + (kc * rt_count + rt0) * 512;
+      _tile_loadd(4, pa, 64);
+      if constexpr (NR > 1) _tile_loadd(5, pa + 512, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      if constexpr (ND > 1) _tile_dpbf16ps(1, 4, 7);
+      if constexpr (NR > 1) _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NR > 1 && ND > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, old);
+  if constexpr (ND > 1) _tile_stored(1, c + 16, old);
+  if constexpr (NR > 1) _tile_stored(2, c + 16 * d, old);
+  if constexpr (NR > 1 && ND > 1) _tile_stored(3, c + 16 * d + 16, old);
+}
+
+// 16 x 16 fp32 transpose in registers: r[i] lane j <- r[j] lane i.
+inline void transpose16(__m512* r) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 1] =
+        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 2] = _mm512_castpd_ps(
+        _mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    r[i + 3] = _mm512_castpd_ps(
+        _mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+  }
+  // r[4a + b] now holds, in each 128-bit lane L, rows 4a..4a+3 of column 4L + b; t[b] then
+  // columns b and 4 + b (rows 0-7), t[b + 4] columns 8 + b and 12 + b (rows 0-7), t[b + 8] and
+  // t[b + 12] the same of rows 8-15
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], _MM_SHUFFLE(1, 0, 1, 0));
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], _MM_SHUFFLE(3, 2, 3, 2));
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], _MM_SHUFFLE(1, 0, 1, 0));
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], _MM_SHUFFLE(2, 0, 2, 0));
+    r[i + 4] = _mm512_shuffle_f32x4(t[i], t[i + 8], _MM_SHUFFLE(3, 1, 3, 1));
+    r[i + 8] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], _MM_SHUFFLE(2, 0, 2, 0));
+    r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+
+// V rows of keys [c0, c0 + nb) (vst apart) as B tiles: row i of vv holds keys c0 + 2 i and
+// c0 + 2 i + 1 interleaved value by value, for i < pairs; keys at or past nb read as zero rows.
+inline void v_pairs(const bf16_t* v, int64_t vst, int64_t nb, int64_t pairs, int64_t d,
+                    bf16_t* vv) {
+  // lane 2 j: value j of the first key's row, lane 2 j + 1: value j of the second's (index + 32)
+  int16_t idx[32];
+  for (int j = 0; j < 32; ++j) idx[j] = static_cast<int16_t>(j / 2 + (j % 2) * 32);
+  const __m512i lo_idx = _mm512_loadu_si512(idx);
+  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  for (int64_t i = 0; i < pairs; ++i) {
+    const bf16_t* r0 = 2 * i < nb ? v + 2 * i * vst : nullptr;
+    const bf16_t* r1 = 2 * i + 1 < nb ? v + (2 * i + 1) * vst : nullptr;
+    bf16_t* dst = vv + i * 2 * d;
+    for (int64_t x = 0; x < d; x += 32) {
+      const __m512i a = r0 ? _mm512_loadu_si512(r0 + x) : _mm512_setzero_si512();
+      const __m512i b = r1 ? _mm512_loadu_si512(r1 + x) : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + 2 * x, _mm512_permutex2var_epi16(a, lo_idx, b));
+      _mm512_storeu_si512(dst + 2 * x + 32, _mm512_permutex2var_epi16(a, hi_idx, b));
+    }
+  }
+}
+
+// The block's online softmax and its P tiles, in two passes per row tile (16 rows, one vector):
+// the running max of the scaled scores (masked keys left out), then per chunk of 32 keys
+// p = exp2(s c - m) (fused: one rounding where scaling and subtracting took two; masked keys and
+// keys at or past nb 0), summed into l, transposed in registers to the rows' P tiles and split
+// into hi and lo bf16 terms. The scores stay as the tiles stored them. Returns whether any
+// row's rescale factor differs from 1.
+inline bool softmax_p_tiles(const float* sc, int64_t rp, int64_t nb, int64_t chunks, int64_t c0,
+                            const RowRanges& rr, const int32_t* lo, const int32_t* hi, float* m,
+                            float* l, float* alpha, F scale, bf16_t* phi, bf16_t* plo,
+                            int64_t rt_count) {
+  const bool mask = c0 < rr.max_lo || c0 + nb > rr.min_hi;
+  bool rescale = false;
+  const __m512i upper = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  int16_t idx[32];  // 16-bit lane 2 j + 1 of the first vector, then of the second (index + 32)
+  for (int j = 0; j < 32; ++j) idx[j] = static_cast<int16_t>(2 * (j % 16) + 1 + (j / 16) * 32);
+  const __m512i odd = _mm512_loadu_si512(idx);
+  for (int64_t rt = 0; rt < rt_count; ++rt) {
+    const int64_t v = rt * 16;
+    const I vlo = Vec::iload(lo + v), vhi = Vec::iload(hi + v);
+    F mb = Vec::set1(-HUGE_VALF);
+    if (mask) {
+      for (int64_t kc = 0; kc < nb; ++kc) {
+        const F x = Vec::mul(Vec::load(sc + kc * rp + v), scale);
+        mb = Vec::max(mb, Vec::mask_range(x, Vec::iset1(static_cast<int32_t>(c0 + kc)), vlo, vhi));
+      }
+    } else {
+      for (int64_t kc = 0; kc < nb; ++kc)
+        mb = Vec::max(mb, Vec::mul(Vec::load(sc + kc * rp + v), scale));
+    }
+    const F m_old = Vec::load(m + v);
+    const F m_new = Vec::max(m_old, mb);
+    const F m_safe = Vec::replace_neginf(m_new, 0.0f);
+    const F al = Vec::exp2(Vec::sub(m_old, m_safe));
+    const F neg_m = Vec::sub(Vec::zero(), m_safe);
+    F lsum = Vec::zero();
+    auto p_of = [&](int64_t key) {
+      if (key >= nb) return Vec::zero();
+      F x = Vec::fmadd(Vec::load(sc + key * rp + v), scale, neg_m);
+      if (mask) x = Vec::mask_range(x, Vec::iset1(static_cast<int32_t>(c0 + key)), vlo, vhi);
+      const F p = Vec::exp2(x);
+      lsum = Vec::add(lsum, p);
+      return p;
+    };
+    for (int64_t kc = 0; kc < chunks; ++kc) {
+      __m512 a[16], b[16];
+      for (int i = 0; i < 16; ++i) a[i] = p_of(kc * 32 + i);
+      for (int i = 0; i < 16; ++i) b[i] = p_of(kc * 32 + 16 + i);
+      transpose16(a);  // a[r]: row r's probabilities of keys kc * 32 .. kc * 32 + 15
+      transpose16(b);
+      const int64_t tile = (kc * rt_count + rt) * 512;
+      for (int r = 0; r < 16; ++r) {
+        // hi: p truncated to its upper 16 bits (a bf16 as it is), lo: the rest (exact in fp32)
+        // rounded to bf16; one instruction packs the upper halves, one converts both rests
+        const __m512i ai = _mm512_castps_si512(a[r]), bi = _mm512_castps_si512(b[r]);
+        const __m512 ra = _mm512_sub_ps(a[r], _mm512_castsi512_ps(_mm512_and_si512(ai, upper)));
+        const __m512 rb = _mm512_sub_ps(b[r], _mm512_castsi512_ps(_mm512_and_si512(bi, upper)));
+        _mm512_storeu_si512(phi + tile + r * 32, _mm512_permutex2var_epi16(ai, odd, bi));
+        _mm512_storeu_si512(plo + tile + r * 32, (__m512i)_mm512_cvtne2ps_pbh(rb, ra));
+      }
+    }
+    Vec::store(l + v, Vec::fmadd(Vec::load(l + v), al, lsum));
+    Vec::store(m + v, m_new);
+    Vec::store(alpha + v, al);
+    rescale = rescale || !Vec::all_equal(al, Vec::set1(1.0f));
+  }
+  return rescale;
+}
+
+// The rows' online softmax over keys [rr.kb, rr.ke) of one KV head in tiles (attend_rows' contract:
+// on entry the n real q rows are in w.qt as pairs and w.lo / w.hi hold every padded row's range;
+// on return w.o, w.m, w.l hold each row's unnormalized output, running max and sum).
+inline void amx_attend_rows(const Args& a, const Shape& s, const bf16_t* kbase, const bf16_t* vbase,
+                            const AmxScratch& w, const RowRanges& rr, int64_t n, int64_t rp) {
+  const int64_t d = a.head_dim, bk = kAmxBlockKeys, rt_count = rp / 16, steps = d / 32;
+  for (int64_t x = 0; x < d / 2; ++x)
+    for (int64_t r = n; r < rp; ++r) w.qt[x * rp + r] = 0;
+  std::memset(w.o, 0, static_cast<size_t>(rp * d) * sizeof(float));
+  for (int64_t r = 0; r < rp; ++r) {
+    w.m[r] = -HUGE_VALF;
+    w.l[r] = 0.0f;
+  }
+  const F qscale = Vec::set1(s.q_scale);
+  const int64_t kst = a.k_cache.s_token, vst = a.v_cache.s_token;
+  // K and V rows of `tokens` keys from `key` on, to L2 (per_step left to the caller)
+  auto block_prefetch = [&](int64_t key, int64_t tokens) {
+    BlockPrefetch p;
+    p.k = reinterpret_cast<const char*>(kbase + key * kst);
+    p.v = reinterpret_cast<const char*>(vbase + key * vst);
+    p.kst = kst * 2;
+    p.vst = vst * 2;
+    p.run = d * 2;
+    p.tokens = std::max<int64_t>(0, tokens);
+    p.to_l2 = true;
+    return p;
+  };
+  {  // the first block: no block before it to spread over
+    BlockPrefetch first = block_prefetch(rr.kb, std::min(bk, rr.ke - rr.kb));
+    first.per_step = first.tokens * ((first.run + 63) / 64);
+    first.step();
+  }
+  const TileScope tiles;
+  for (int64_t c0 = rr.kb; c0 < rr.ke; c0 += bk) {
+    const int64_t nb = std::min(bk, rr.ke - c0);
+    const int64_t ktiles = (nb + 15) / 16, chunks = (nb + 31) / 32;
+    // The next block's K and V rows to L2, spread over this block's tile calls (one step per
+    // call): a K tile's 16 rows are a token stride apart, each in another 4 KB page where the
+    // hardware prefetchers stop, and without this the tile loads waited on them; issued all at
+    // once (as attend_rows does for fp32 caches), the prefetches stalled on the fill buffers.
+    const int64_t rt_pairs = (rt_count + 1) / 2;
+    BlockPrefetch pf = block_prefetch(c0 + nb, std::min(bk, rr.ke - c0 - nb));
+    const int64_t calls = (ktiles + 1) / 2 * rt_pairs + rt_pairs * d / 32;
+    pf.per_step = (pf.tokens * ((pf.run + 63) / 64) + calls - 1) / calls;
+    // K tiles straight from the cache; a last tile past the range's end from a zero-padded copy
+    auto key_tile = [&](int64_t t, const bf16_t** base, int64_t* ld) {
+      const int64_t k0 = c0 + t * 16;
+      if (k0 + 16 <= rr.ke) {
+        *base = kbase + k0 * kst;
+        *ld = kst * 2;
+        return;
+      }
+      std::memset(static_cast<void*>(w.ktail), 0, static_cast<size_t>(16 * d) * sizeof(bf16_t));
+      for (int64_t k = k0; k < rr.ke; ++k)
+        std::memcpy(static_cast<void*>(w.ktail + (k - k0) * d), kbase + k * kst,
+                    static_cast<size_t>(d) * sizeof(bf16_t));
+      *base = w.ktail;
+      *ld = d * 2;
+    };
+    for (int64_t t = 0; t < ktiles; t += 2) {
+      const bf16_t* kb[2];
+      int64_t kld[2];
+      key_tile(t, &kb[0], &kld[0]);
+      const bool two = t + 1 < ktiles;
+      if (two) key_tile(t + 1, &kb[1], &kld[1]);
+      int64_t rt = 0;
+      for (; rt + 2 <= rt_count; rt += 2) {
+        pf.step();
+        if (two) {
+          qk_tiles<2, 2>(kb, kld, w.qt, rp, rt, steps, w.sc, t);
+        } else {
+          qk_tiles<1, 2>(kb, kld, w.qt, rp, rt, steps, w.sc, t);
+        }
+      }
+      if (rt < rt_count) {
+        pf.step();
+        if (two) {
+          qk_tiles<2, 1>(kb, kld, w.qt, rp, rt, steps, w.sc, t);
+        } else {
+          qk_tiles<1, 1>(kb, kld, w.qt, rp, rt, steps, w.sc, t);
+        }
+      }
+    }
+    const bool rescale = softmax_p_tiles(w.sc, rp, nb, chunks, c0, rr, w.lo, w.hi, w.m, w.l,
+                                         w.alpha, qscale, w.phi, w.plo, rt_count);
+    if (rescale) {
+      for (int64_t r = 0; r < rp; ++r) {
+        if (w.alpha[r] == 1.0f) continue;
+        const F ar = Vec::set1(w.alpha[r]);
+        for (int64_t x = 0; x < d; x += W)
+          Vec::store(w.o + r * d + x, Vec::mul(Vec::load(w.o + r * d + x), ar));
+      }
+    }
+    v_pairs(vbase + c0 * vst, vst, nb, chunks * 16, d, w.vv);
+    const int64_t dtiles = d / 16;  // even: d is a multiple of 32
+    int64_t rt = 0;
+    for (; rt + 2 <= rt_count; rt += 2) {
+      for (int64_t dt = 0; dt < dtiles; dt += 2) {
+        pf.step();
+        pv_tiles<2, 2>(w.o, d, w.phi, w.plo, rt_count, w.vv, rt, dt, chunks);
+      }
+    }
+    if (rt < rt_count) {
+      for (int64_t dt = 0; dt < dtiles; dt += 2) {
+        pf.step();
+        pv_tiles<1, 2>(w.o, d, w.phi, w.plo, rt_count, w.vv, rt, dt, chunks);
+      }
+    }
+    pf.per_step = pf.tokens * ((pf.run + 63) / 64);  // what the steps left, if any
+    pf.step();
+  }
+}
+
+// prefill_item and shared_item (isa_kernels.h) on the tiles: the same rows, ranges and outputs.
+inline void amx_prefill_item(const Args& a, const Shape& s, const Request& rq, const WorkItem& it,
+                             float* scratch, const PartialView* part) {
+  const int64_t d = a.head_dim;
+  const RowMap map{it.q_begin, s.group, it.kv_head};
+  const int64_t n = (it.q_end - it.q_begin) * s.group;
+  const int64_t rp = round_up(n, 16);
+  const AmxScratch w(scratch, d, rp, kAmxBlockKeys);
+  const RowRanges rr = row_ranges(a, rq, it, map, n, rp, w.lo, w.hi);
+  for (int64_t r = 0; r < n; ++r)
+    stage_q_pairs(q_row(a, rq, map.query(r), map.head(r)), d, w.qt, rp, r);
+  amx_attend_rows(a, s, cache_ptr<bf16_t>(a.k_cache, rq.row, 0, it.kv_head),
+                  cache_ptr<bf16_t>(a.v_cache, rq.row, 0, it.kv_head), w, rr, n, rp);
+  for (int64_t r = 0; r < n; ++r)
+    emit_row(a, s, rq, map.query(r), map.head(r), w.o + r * d, w.m[r], w.l[r], part, r);
+}
+
+inline void amx_shared_item(const Args& a, const Shape& s, const Request& rq, const WorkItem& it,
+                            float* scratch) {
+  const int64_t d = a.head_dim, n = it.num_rows;
+  const int64_t rp = round_up(n, 16);
+  const AmxScratch w(scratch, d, rp, kAmxBlockKeys);
+  for (int64_t r = 0; r < rp; ++r) {
+    w.lo[r] = static_cast<int32_t>(it.k_begin);
+    w.hi[r] = static_cast<int32_t>(it.k_end);
+  }
+  RowRanges rr;
+  rr.kb = rr.max_lo = it.k_begin;
+  rr.ke = rr.min_hi = it.k_end;
+  for (int64_t r = 0; r < n; ++r) stage_q_pairs(it.rows[r].q, d, w.qt, rp, r);
+  amx_attend_rows(a, s, cache_ptr<bf16_t>(a.k_cache, rq.row, 0, it.kv_head),
+                  cache_ptr<bf16_t>(a.v_cache, rq.row, 0, it.kv_head), w, rr, n, rp);
+  for (int64_t r = 0; r < n; ++r) {
+    const SharedRow& row = it.rows[r];
+    *row.m = w.m[r];
+    *row.l = w.l[r];
+    std::memcpy(row.acc, w.o + r * d, static_cast<size_t>(d) * sizeof(float));
+  }
+}
+
+inline void amx_run_item(const Args& a, const Shape& s, const Request& rq, const WorkItem& it,
+                         float* scratch, const PartialView* part) {
+  if (a.cache_dtype == DType::kBFloat16 && amx_rows<bf16_t>(a)) {
+    if (it.kind == ItemKind::kPrefill) return amx_prefill_item(a, s, rq, it, scratch, part);
+    if (it.kind == ItemKind::kShared) return amx_shared_item(a, s, rq, it, scratch);
+  }
+  run_item(a, s, rq, it, scratch, part);
+}
+
+inline int64_t amx_kernel_scratch_floats(const Args& a, const Shape& s) {
+  return std::max(scratch_floats(a, s), amx_scratch_floats(a, s));
+}
+
+inline KernelTable amx_table(const char* name) {
+  return KernelTable{name, W, &amx_run_item, &amx_kernel_scratch_floats};
+}
