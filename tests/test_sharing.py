@@ -19,7 +19,10 @@ def full_pages(cache, num_tokens):
 
 
 def pages_for(cache, num_tokens):
-    return cache.config.pages_for_tokens(num_tokens)
+    """Physical pages holding any of num_tokens, over all tensors (not what a tile rule maps
+    past them: a fork copies the page its last token straddles, and shares the rest)."""
+    geo = cache.config.geometry
+    return geo.pages_for(num_tokens) * geo.columns
 
 
 def test_fork_then_grow_parent_and_child_independently(make_cache):

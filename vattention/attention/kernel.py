@@ -27,13 +27,14 @@ _INT32_MAX = 2**31 - 1
 def kernel_isa() -> str:
     """The instruction set the CPU kernel runs here.
 
+    ``"amx"`` (AMX-BF16 tiles for bf16 prefill, where the OS grants the tile state),
     ``"avx512bf16"`` (AVX-512 with the bf16 dot product), ``"avx512"``, ``"avx2"`` (with FMA and
     F16C) or ``"generic"`` (plain C++), chosen once from the CPU;
     ``VATTENTION_ATTENTION_ISA=<name>`` picks a lower one.
 
     Examples
     --------
-    >>> kernel_isa() in ("avx512bf16", "avx512", "avx2", "generic")
+    >>> kernel_isa() in ("amx", "avx512bf16", "avx512", "avx2", "generic")
     True
     """
     return _C.attention_kernel_isa()
