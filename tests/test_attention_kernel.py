@@ -482,6 +482,22 @@ def test_prefill_query_blocks_of_every_row_count(isa, lq, d, dtype):
     check_against_reference(q, kc, vc, k, v, cache_seqlens=torch.tensor([0, 150]), causal=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [-0.3, 0.0])
+def test_negative_and_zero_softmax_scales(isa, scale, dtype):
+    """A scale at or below zero is finite, so the kernel takes it: the softmax's max is then the
+    smallest raw score scaled (amx takes the block's max before scaling), and with a zero scale
+    a row's masked keys (causal: every key past its query) still weigh nothing."""
+    gen = torch.Generator().manual_seed(13)
+    kc, vc = make_caches(2, 400, 2, 64, dtype, gen=gen)
+    q = torch.randn(2, 40, 4, 64, generator=gen).to(dtype)
+    k = torch.randn(2, 40, 2, 64, generator=gen).to(dtype)
+    v = torch.randn(2, 40, 2, 64, generator=gen).to(dtype)
+    check_against_reference(
+        q, kc, vc, k, v, cache_seqlens=torch.tensor([0, 150]), causal=True, softmax_scale=scale
+    )
+
+
 def test_output_written_in_place_into_a_given_buffer():
     """The vLLM plugin's path: the kernel writes into a slice of the engine's output buffer (no
     new tensor, no copy); a buffer of the wrong shape, dtype or strides is refused, nothing

@@ -72,7 +72,7 @@ struct AmxScratch {
   bf16_t* phi;  // [bk / 32][rp / 16][16][32] P tiles, hi terms
   bf16_t* plo;  // the same, lo terms
   bf16_t* vv;  // [bk / 2][2 d] V, two keys interleaved
-  bf16_t* ktail;  // [16][d] the last key tile of a row range, zero padded
+  bf16_t* kp;  // [bk / 16][d / 32][16][32] the block's K rows as tiles (keys past the range 0)
   float *m, *l, *alpha;
   int32_t *lo, *hi;
   AmxScratch(float* p, int64_t d, int64_t rp, int64_t bk) {
@@ -82,15 +82,15 @@ struct AmxScratch {
     phi = reinterpret_cast<bf16_t*>(o + rp * d);
     plo = phi + bk * rp;
     vv = plo + bk * rp;
-    ktail = vv + bk * d;
-    m = reinterpret_cast<float*>(ktail + 16 * d);
+    kp = vv + bk * d;
+    m = reinterpret_cast<float*>(kp + bk * d);
     l = m + rp;
     alpha = l + rp;
     lo = reinterpret_cast<int32_t*>(alpha + rp);
     hi = lo + rp;
   }
   static int64_t floats(int64_t d, int64_t rp, int64_t bk) {
-    return d / 2 * rp + bk * rp + rp * d + bk * rp + bk * d / 2 + 8 * d + 5 * rp;
+    return d / 2 * rp + bk * rp + rp * d + bk * rp + bk * d / 2 + bk * d / 2 + 5 * rp;
   }
 };
 
@@ -115,8 +115,10 @@ inline void stage_q_pairs(const void* src, int64_t d, int32_t* qt, int64_t rp, i
 // tile i, row tile j) accumulates in tile 2 i + j, over d / 32 steps. k[i]: key tile i's first
 // row (16 rows, kld bytes apart), qt: Qt (rp pairs per row, its tile j at column 16 (rt0 + j)).
 template <int NK, int NR>
-inline void qk_tiles(const bf16_t* const* k, const int64_t* kld, const int32_t* qt, int64_t rp,
-                     int64_t rt0, int64_t steps, float* sc, int64_t kt0) {
+inline void qk_tiles(const bf16_t* kp, const int32_t* qt, int64_t rp, int64_t rt0, int64_t steps,
+                     float* sc, int64_t kt0) {
+  const bf16_t* k0 = kp + kt0 * steps * 512;
+  const bf16_t* k1 = k0 + steps * 512;
   tiles_see_stores();
   _tile_zero(0);
   if constexpr (NR > 1) _tile_zero(1);
@@ -125,14 +127,18 @@ inline void qk_tiles(const bf16_t* const* k, const int64_t* kld, const int32_t* 
   const int32_t* q0 = qt + rt0 * 16;
   const int64_t qld = rp * 4;
   for (int64_t x = 0; x < steps; ++x) {
-    _tile_loadd(4, k[0] + x * 32, kld[0]);
-    if constexpr (NK > 1) _tile_loadd(5, k[1] + x * 32, kld[1]);
+    _tile_loadd(4, k0 + x * 512, 64);
     _tile_loadd(6, q0 + x * 16 * rp, qld);
-    if constexpr (NR > 1) _tile_loadd(7, q0 + x * 16 * rp + 16, qld);
     _tile_dpbf16ps(0, 4, 6);
-    if constexpr (NR > 1) _tile_dpbf16ps(1, 4, 7);
-    if constexpr (NK > 1) _tile_dpbf16ps(2, 5, 6);
-    if constexpr (NK > 1 && NR > 1) _tile_dpbf16ps(3, 5, 7);
+    if constexpr (NR > 1) {
+      _tile_loadd(7, q0 + x * 16 * rp + 16, qld);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (NK > 1) {
+      _tile_loadd(5, k1 + x * 512, 64);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NR > 1) _tile_dpbf16ps(3, 5, 7);
+    }
   }
   float* c = sc + kt0 * 16 * rp + rt0 * 16;
   _tile_stored(0, c, rp * 4);
@@ -157,16 +163,22 @@ inline void pv_tiles(float* o, int64_t d, const bf16_t* phi, const bf16_t* plo, 
   const int64_t vld = 2 * d * 2;  // bytes per row of vv (two keys' d values)
   for (int64_t kc = 0; kc < chunks; ++kc) {
     const bf16_t* b = vv + kc * 16 * 2 * d + dt0 * 32;
-    _tile_loadd(6, b, vld);
-    if constexpr (ND > 1) _tile_loadd(7, b + 32, vld);
     for (int half = 0; half < 2; ++half) {
+      // each load just before its first use: loads grouped ahead of the products ran at a
+      // quarter of the products' rate on the SPR machine (docs/benchmarks.md)
       const bf16_t* pa = (half ? plo : phi) + (kc * rt_count + rt0) * 512;
       _tile_loadd(4, pa, 64);
-      if constexpr (NR > 1) _tile_loadd(5, pa + 512, 64);
+      if (half == 0) _tile_loadd(6, b, vld);
       _tile_dpbf16ps(0, 4, 6);
-      if constexpr (ND > 1) _tile_dpbf16ps(1, 4, 7);
-      if constexpr (NR > 1) _tile_dpbf16ps(2, 5, 6);
-      if constexpr (NR > 1 && ND > 1) _tile_dpbf16ps(3, 5, 7);
+      if constexpr (ND > 1) {
+        if (half == 0) _tile_loadd(7, b + 32, vld);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+      if constexpr (NR > 1) {
+        _tile_loadd(5, pa + 512, 64);
+        _tile_dpbf16ps(2, 5, 6);
+        if constexpr (ND > 1) _tile_dpbf16ps(3, 5, 7);
+      }
     }
   }
   _tile_stored(0, c, old);
@@ -208,6 +220,23 @@ inline void transpose16(__m512* r) {
   }
 }
 
+// K rows of a block's nb keys (kst apart) as A tiles, each 16 rows of 32 values contiguous
+// ([tile][step][16][32]); rows past nb zero.
+inline void k_tiles(const bf16_t* k, int64_t kst, int64_t nb, int64_t ktiles, int64_t d,
+                    bf16_t* kp) {
+  const int64_t steps = d / 32;
+  for (int64_t key = 0; key < ktiles * 16; ++key) {
+    bf16_t* dst = kp + ((key / 16) * steps * 16 + key % 16) * 32;
+    if (key < nb) {
+      const bf16_t* src = k + key * kst;
+      for (int64_t x = 0; x < steps; ++x)
+        _mm512_storeu_si512(dst + x * 512, _mm512_loadu_si512(src + x * 32));
+    } else {
+      for (int64_t x = 0; x < steps; ++x) _mm512_storeu_si512(dst + x * 512, _mm512_setzero_si512());
+    }
+  }
+}
+
 // V rows of keys [c0, c0 + nb) (vst apart) as B tiles: row i of vv holds keys c0 + 2 i and
 // c0 + 2 i + 1 interleaved value by value, for i < pairs; keys at or past nb read as zero rows.
 inline void v_pairs(const bf16_t* v, int64_t vst, int64_t nb, int64_t pairs, int64_t d,
@@ -241,6 +270,7 @@ inline bool softmax_p_tiles(const float* sc, int64_t rp, int64_t nb, int64_t chu
                             float* l, float* alpha, F scale, bf16_t* phi, bf16_t* plo,
                             int64_t rt_count) {
   const bool mask = c0 < rr.max_lo || c0 + nb > rr.min_hi;
+  const bool negative = Vec::lane0(scale) < 0.0f;
   bool rescale = false;
   const __m512i upper = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   int16_t idx[32];  // 16-bit lane 2 j + 1 of the first vector, then of the second (index + 32)
@@ -249,16 +279,19 @@ inline bool softmax_p_tiles(const float* sc, int64_t rp, int64_t nb, int64_t chu
   for (int64_t rt = 0; rt < rt_count; ++rt) {
     const int64_t v = rt * 16;
     const I vlo = Vec::iload(lo + v), vhi = Vec::iload(hi + v);
-    F mb = Vec::set1(-HUGE_VALF);
-    if (mask) {
-      for (int64_t kc = 0; kc < nb; ++kc) {
-        const F x = Vec::mul(Vec::load(sc + kc * rp + v), scale);
-        mb = Vec::max(mb, Vec::mask_range(x, Vec::iset1(static_cast<int32_t>(c0 + kc)), vlo, vhi));
-      }
-    } else {
-      for (int64_t kc = 0; kc < nb; ++kc)
-        mb = Vec::max(mb, Vec::mul(Vec::load(sc + kc * rp + v), scale));
+    // The largest scaled score as the largest raw one, scaled (the smallest where the scale is
+    // negative): rounding is monotonic, so this is the max of the products, one multiply a row
+    // where each score took one. Masked keys are -inf (+inf when negative), which scale to -inf.
+    F mb = Vec::set1(negative ? HUGE_VALF : -HUGE_VALF);
+    const F cut = mb;
+    for (int64_t kc = 0; kc < nb; ++kc) {
+      F x = Vec::load(sc + kc * rp + v);
+      if (mask) x = Vec::mask_range(x, Vec::iset1(static_cast<int32_t>(c0 + kc)), vlo, vhi, cut);
+      mb = negative ? _mm512_min_ps(mb, x) : Vec::max(mb, x);
     }
+    // a row with every key masked stays at -inf (cut times a zero scale would be NaN)
+    mb = _mm512_mask_mov_ps(Vec::mul(mb, scale), _mm512_cmp_ps_mask(mb, cut, _CMP_EQ_OQ),
+                            Vec::set1(-HUGE_VALF));
     const F m_old = Vec::load(m + v);
     const F m_new = Vec::max(m_old, mb);
     const F m_safe = Vec::replace_neginf(m_new, 0.0f);
@@ -342,42 +375,24 @@ inline void amx_attend_rows(const Args& a, const Shape& s, const bf16_t* kbase, 
     BlockPrefetch pf = block_prefetch(c0 + nb, std::min(bk, rr.ke - c0 - nb));
     const int64_t calls = (ktiles + 1) / 2 * rt_pairs + rt_pairs * d / 32;
     pf.per_step = (pf.tokens * ((pf.run + 63) / 64) + calls - 1) / calls;
-    // K tiles straight from the cache; a last tile past the range's end from a zero-padded copy
-    auto key_tile = [&](int64_t t, const bf16_t** base, int64_t* ld) {
-      const int64_t k0 = c0 + t * 16;
-      if (k0 + 16 <= rr.ke) {
-        *base = kbase + k0 * kst;
-        *ld = kst * 2;
-        return;
-      }
-      std::memset(static_cast<void*>(w.ktail), 0, static_cast<size_t>(16 * d) * sizeof(bf16_t));
-      for (int64_t k = k0; k < rr.ke; ++k)
-        std::memcpy(static_cast<void*>(w.ktail + (k - k0) * d), kbase + k * kst,
-                    static_cast<size_t>(d) * sizeof(bf16_t));
-      *base = w.ktail;
-      *ld = d * 2;
-    };
+    k_tiles(kbase + c0 * kst, kst, nb, ktiles, d, w.kp);
     for (int64_t t = 0; t < ktiles; t += 2) {
-      const bf16_t* kb[2];
-      int64_t kld[2];
-      key_tile(t, &kb[0], &kld[0]);
       const bool two = t + 1 < ktiles;
-      if (two) key_tile(t + 1, &kb[1], &kld[1]);
       int64_t rt = 0;
       for (; rt + 2 <= rt_count; rt += 2) {
         pf.step();
         if (two) {
-          qk_tiles<2, 2>(kb, kld, w.qt, rp, rt, steps, w.sc, t);
+          qk_tiles<2, 2>(w.kp, w.qt, rp, rt, steps, w.sc, t);
         } else {
-          qk_tiles<1, 2>(kb, kld, w.qt, rp, rt, steps, w.sc, t);
+          qk_tiles<1, 2>(w.kp, w.qt, rp, rt, steps, w.sc, t);
         }
       }
       if (rt < rt_count) {
         pf.step();
         if (two) {
-          qk_tiles<2, 1>(kb, kld, w.qt, rp, rt, steps, w.sc, t);
+          qk_tiles<2, 1>(w.kp, w.qt, rp, rt, steps, w.sc, t);
         } else {
-          qk_tiles<1, 1>(kb, kld, w.qt, rp, rt, steps, w.sc, t);
+          qk_tiles<1, 1>(w.kp, w.qt, rp, rt, steps, w.sc, t);
         }
       }
     }

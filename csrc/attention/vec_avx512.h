@@ -139,8 +139,8 @@ struct Vec {
   static I iload(const int32_t* p) { return _mm512_loadu_si512(p); }
   static I iset1(int32_t v) { return _mm512_set1_epi32(v); }
   static I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
-  static F mask_range(F x, I key, I lo, I hi) {
+  static F mask_range(F x, I key, I lo, I hi, F out = _mm512_set1_ps(-__builtin_inff())) {
     const __mmask16 ok = _mm512_cmpge_epi32_mask(key, lo) & _mm512_cmplt_epi32_mask(key, hi);
-    return _mm512_mask_mov_ps(_mm512_set1_ps(-__builtin_inff()), ok, x);
+    return _mm512_mask_mov_ps(out, ok, x);
   }
 };

@@ -39,8 +39,8 @@ The bound. Per output row (one query token and head) seeing N keys, with u = 2^-
 gamma(n) = n u / (1 - n u) (a sum of n terms in fp32, in any order, errs by at most
 gamma(n) sum |terms|): c = softmax_scale log2(e), s_j = c q.K_j the exact base-2 scores,
 w_j = 2^(s_j - max s) / sum 2^(s - max s) the exact weights, o = sum_j w_j V_j, A = sum_j w_j |V_j|
-(per element of head_dim: the oracle on |V|), and S >= c sum_x |q_x K_jx| for every key j (here
-S = c |q|_2 max_j |K_j|_2, Cauchy-Schwarz).
+(per element of head_dim: the oracle on |V|), and S >= |c| sum_x |q_x K_jx| for every key j (here
+S = |c| |q|_2 max_j |K_j|_2, Cauchy-Schwarz).
 
 1. Scores. Each product q_x K_jx passes at most d + 15 roundings of the dot product (the longest
    chain: prefill's d, or decode's ceil(d / W) plus the lane sum, at most d + 15 for d < W; amx's
@@ -201,7 +201,8 @@ def reference_and_bound(
     d = q.shape[-1]
     heads, kv_heads = q.shape[-2], k_cache.shape[2]
     scale = kw.get("softmax_scale")
-    c = (1.0 / math.sqrt(d) if scale is None else float(scale)) * math.log2(math.e)
+    # |c|: a negative scale (finite, so the kernel takes it) bounds the scores' magnitudes alike
+    c = abs(1.0 / math.sqrt(d) if scale is None else float(scale)) * math.log2(math.e)
     s = torch.zeros(q.shape[:-1], dtype=torch.float64)  # S per row
     n = torch.zeros(q.shape[:-1], dtype=torch.float64)  # keys per row (at most)
     vmax = torch.zeros(q.shape[:-1], dtype=torch.float64)  # max |V| per row
