@@ -856,6 +856,7 @@ def test_bench_vllm_alternates_both_engines_and_compares_tokens(runs, workdir):
     # (63 of 64 requests hit them in a run here; at least half must)
     assert result["plugin_stats"]["block_hits"] >= 2 * 32 * (768 // BLOCK)
     assert result["plugin_stats"]["oom_events"] == 0
+    check_engines_reported(result, out)
 
 
 def test_bench_vllm_serves_a_bf16_preset_and_reports_tokens(runs, workdir):
@@ -894,6 +895,21 @@ def test_bench_vllm_serves_a_bf16_preset_and_reports_tokens(runs, workdir):
     # the plugin's cache holds bf16: a 128-token page of one layer, 2 KV heads x 64, 2 bytes each
     stats = result["plugin_stats"]
     assert stats["layout"] == "layer" and stats["page_bytes"] == 128 * 2 * 64 * 2
+    check_engines_reported(result, out)
+
+
+def check_engines_reported(result, out):
+    """Each engine said on which CPU and attention kernel it ran: stock the ISA vLLM's backend
+    gave its layers, the plugin its kernel variant; the run prints both."""
+    from vattention.attention import kernel_isa
+    from vattention.bench.vllm_run import cpu_model
+
+    engines = result["engines"]
+    assert {e["cpu"] for e in engines.values()} == {cpu_model()}
+    assert re.fullmatch(r"vLLM's op, isa [a-z0-9]+(/[a-z0-9]+)*", engines["stock"]["attention"])
+    assert engines["vattention"]["attention"] == f"vattention kernel, {kernel_isa()}"
+    line = f"stock: {cpu_model()}, attention {engines['stock']['attention']}; vattention: "
+    assert line in out
 
 
 def fail_fast_code(model: str) -> str:

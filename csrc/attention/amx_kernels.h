@@ -235,7 +235,8 @@ inline void k_tiles(const bf16_t* k, int64_t kst, int64_t nb, int64_t ktiles, in
       for (int64_t x = 0; x < steps; ++x)
         _mm512_storeu_si512(dst + x * 512, _mm512_loadu_si512(src + x * 32));
     } else {
-      for (int64_t x = 0; x < steps; ++x) _mm512_storeu_si512(dst + x * 512, _mm512_setzero_si512());
+      for (int64_t x = 0; x < steps; ++x)
+        _mm512_storeu_si512(dst + x * 512, _mm512_setzero_si512());
     }
   }
 }

@@ -391,6 +391,7 @@ class Engine:
         new_session: bool = False,
     ) -> None:
         self.name = name
+        self.info: Dict = {}  # the engine's first answer (ready)
         self.stats_file = os.path.join(workdir, "stats.json")
         if env is None:
             env = engine_env(name, os.environ, self.stats_file)
@@ -421,7 +422,9 @@ class Engine:
         return json.loads(line)
 
     def ready(self) -> None:
-        assert self.answer().get("ready")
+        """Waits for the engine; keeps its first answer (the CPU and attention it runs)."""
+        self.info = self.answer()
+        assert self.info.get("ready")
 
     def send(self, command: Dict) -> None:
         """One command line to the engine (its answer: :meth:`answer`)."""
@@ -562,6 +565,14 @@ def build_model(model: ModelPreset, args: argparse.Namespace, workdir: str) -> s
     return path
 
 
+def _engines_line(engines: Dict[str, Engine]) -> str:
+    """Each engine's CPU model and attention kernel, as it reported them."""
+    return "; ".join(
+        f"{name}: {e.info.get('cpu', '?')}, attention {e.info.get('attention', '?')}"
+        for name, e in engines.items()
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     """Run every workload on both engines and print the table; 1 if tokens differed in an fp32
     model (bf16 differences are reported only, see the module docstring), else 0."""
@@ -606,6 +617,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         for engine in engines.values():
             engine.ready()
+        print(f"  {_engines_line(engines)}", file=sys.stderr)
         warm = make_workload(
             "sharegpt", 10_000, argparse.Namespace(**{**vars(args), "num_requests": 4})
         )
@@ -652,7 +664,8 @@ def run(args: argparse.Namespace) -> int:
         f"\nmodel {model.name}; {2 * args.repetitions} timed rounds per engine and "
         f"workload (A B B A), after a warm-up; load average {load_before[0]:.2f} before, "
         f"{load_after[0]:.2f} after; plugin: {stats.get('block_hits', 0)} prefix-cache block "
-        f"hits mapped zero-copy, {stats.get('oom_events', '?')} OOM events"
+        f"hits mapped zero-copy, {stats.get('oom_events', '?')} OOM events\n"
+        + _engines_line(engines)
     )
     if args.json:
         with open(args.json, "w") as f:
@@ -665,6 +678,7 @@ def run(args: argparse.Namespace) -> int:
                     "load": [load_before, load_after],
                     "plugin_settings": plugin_settings(os.environ),
                     "plugin_stats": stats,
+                    "engines": {name: engine.info for name, engine in engines.items()},
                 },
                 f,
             )

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import resource
 import sys
 import time
@@ -96,14 +97,54 @@ def _line_driven_engine(spec: Dict[str, Any]):
     return vllm.LLM(model=spec["model"], **spec.get("engine", {})), answer
 
 
+def cpu_model() -> str:
+    """The CPU's model name as Linux reports it (``/proc/cpuinfo``), else the platform's."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def attention_kernel(llm, plugin: bool) -> str:
+    """What this engine's attention runs on the CPU: the plugin's kernel variant, or the
+    instruction set vLLM's CPU_ATTN backend gave its layers (their ``isa``, from its own
+    ``_get_attn_isa``: ``amx`` for bf16 on a CPU with AMX tiles, ``vec``, ``vec16``...)."""
+    if plugin:
+        from vattention.attention import kernel_isa
+
+        return f"vattention kernel, {kernel_isa()}"
+
+    def layer_isas(model):
+        return sorted({m.isa for m in model.modules() if isinstance(getattr(m, "isa", None), str)})
+
+    try:
+        isas = sorted({isa for worker in llm.apply_model(layer_isas) for isa in worker})
+    except Exception as exc:  # an engine without apply_model: say so rather than guess
+        return f"vLLM's op, isa unknown ({type(exc).__name__})"
+    return f"vLLM's op, isa {'/'.join(isas) or 'unknown'}"
+
+
 def serve(spec: Dict[str, Any]) -> int:
-    """``--serve``: one engine, one workload per stdin line; 0 after a clean quit."""
+    """``--serve``: one engine, one workload per stdin line; 0 after a clean quit. Its first
+    answer says it is ready, and on which CPU and attention kernel it runs."""
     import vllm
 
     llm, answer = _line_driven_engine(spec)
     peak = _track_running(llm)
+    plugin = os.environ.get("VATTENTION_VLLM") == "1"
     print(
-        json.dumps({"ready": True, "plugin": os.environ.get("VATTENTION_VLLM") == "1"}),
+        json.dumps(
+            {
+                "ready": True,
+                "plugin": plugin,
+                "cpu": cpu_model(),
+                "attention": attention_kernel(llm, plugin),
+            }
+        ),
         file=answer,
         flush=True,
     )
