@@ -9,7 +9,8 @@
 // A operands, 6-7 B operands, and the loops run 2 x 2 accumulators at a time (two A and two B
 // loads per four TDPBF16PS), each load issued just before the first product that reads it: with
 // the four loads grouped ahead of the four products, the products ran at a quarter of their rate
-// on the SPR machine (7 ns a TDPBF16PS interleaved, 28 ns grouped; a bf16 prefill 1.5x faster).
+// on the SPR machine (7 ns a TDPBF16PS interleaved, 28 ns grouped; a bf16 prefill about 1.6x
+// faster).
 // - Scores, transposed: S^T[key][row] = K[key][:] . q[row][:]: A is 16 K rows, copied once per
 //   block into contiguous tiles (k_tiles: the cache's rows are a token stride apart, often a
 //   multiple of 4 KB, and a block's last tile needs zero rows past the range anyway), B is q
@@ -115,8 +116,8 @@ inline void stage_q_pairs(const void* src, int64_t d, int32_t* qt, int64_t rp, i
 }
 
 // S^T for NK (1 or 2) key tiles from kt0 on and NR (1 or 2) row tiles from rt0 on: tile (key
-// tile i, row tile j) accumulates in tile 2 i + j, over d / 32 steps. k[i]: key tile i's first
-// row (16 rows, kld bytes apart), qt: Qt (rp pairs per row, its tile j at column 16 (rt0 + j)).
+// tile i, row tile j) accumulates in tile 2 i + j, over d / 32 steps. kp: the block's K tiles
+// (k_tiles), qt: Qt (rp pairs per row, its tile j at column 16 (rt0 + j)).
 template <int NK, int NR>
 inline void qk_tiles(const bf16_t* kp, const int32_t* qt, int64_t rp, int64_t rt0, int64_t steps,
                      float* sc, int64_t kt0) {
