@@ -906,7 +906,8 @@ def check_engines_reported(result, out):
 
     engines = result["engines"]
     assert {e["cpu"] for e in engines.values()} == {cpu_model()}
-    assert re.fullmatch(r"vLLM's op, isa [a-z0-9]+(/[a-z0-9]+)*", engines["stock"]["attention"])
+    stock = engines["stock"]["attention"]
+    assert re.fullmatch(r"vLLM's op, isa [a-z0-9]+(/[a-z0-9]+)*", stock) and "unknown" not in stock
     assert engines["vattention"]["attention"] == f"vattention kernel, {kernel_isa()}"
     line = f"stock: {cpu_model()}, attention {engines['stock']['attention']}; vattention: "
     assert line in out
