@@ -35,6 +35,10 @@
 // whichever OpenMP thread runs it; the process asked the OS for it once (attention.cpp).
 
 constexpr int64_t kAmxBlockKeys = 128;  // keys per block: 4 P V tiles of 32 keys per O load/store
+// Rows per item: a block's K tiles and V pairs are copied once per item, so four times the vector
+// kernels' 64 rows spends a quarter of that copy per row; row tiles that see none of a block skip
+// it (a causal item's early rows stop at their diagonal as 64-row items did).
+constexpr int64_t kAmxRows = 256;
 
 // Whether an item of this call takes the tiles: bf16 q and cache, d a whole number of 32-value
 // tiles (other head sizes run the avx512bf16 code).
@@ -79,6 +83,9 @@ struct AmxScratch {
   bf16_t* kp;  // [bk / 16][d / 32][16][32] the block's K rows as tiles (keys past the range 0)
   float *m, *l, *alpha;
   int32_t *lo, *hi;
+  // per row tile (16 rows): the union of its real rows' key ranges [kb, ke), the keys none of
+  // them masks [max_lo, min_hi), and whether it sees the current block
+  int32_t *tkb, *tke, *tmax_lo, *tmin_hi, *active;
   AmxScratch(float* p, int64_t d, int64_t rp, int64_t bk) {
     qt = reinterpret_cast<int32_t*>(p);
     sc = p + d / 2 * rp;
@@ -92,15 +99,22 @@ struct AmxScratch {
     alpha = l + rp;
     lo = reinterpret_cast<int32_t*>(alpha + rp);
     hi = lo + rp;
+    const int64_t tiles = rp / 16;
+    tkb = hi + rp;
+    tke = tkb + tiles;
+    tmax_lo = tke + tiles;
+    tmin_hi = tmax_lo + tiles;
+    active = tmin_hi + tiles;
   }
   static int64_t floats(int64_t d, int64_t rp, int64_t bk) {
-    return d / 2 * rp + bk * rp + rp * d + bk * rp + bk * d / 2 + bk * d / 2 + 5 * rp;
+    return d / 2 * rp + bk * rp + rp * d + bk * rp + bk * d / 2 + bk * d / 2 + 5 * rp +
+           5 * (rp / 16);
   }
 };
 
 inline int64_t amx_scratch_floats(const Args& a, const Shape& s) {
   if (a.head_dim % 32 != 0) return 0;
-  const int64_t rp = round_up(std::max<int64_t>(kPrefillRows, s.group), 16);
+  const int64_t rp = round_up(std::max<int64_t>(s.prefill_rows, s.group), 16);
   return AmxScratch::floats(a.head_dim, rp, kAmxBlockKeys) + 16;
 }
 
@@ -264,17 +278,17 @@ inline void v_pairs(const bf16_t* v, int64_t vst, int64_t nb, int64_t pairs, int
   }
 }
 
-// The block's online softmax and its P tiles, in two passes per row tile (16 rows, one vector):
+// The block's online softmax and its P tiles, in two passes per active row tile (16 rows, one
+// vector; tiles that see none of the block keep their state, their P tiles are not read):
 // the running max of the scaled scores (masked keys left out), then per chunk of 32 keys
 // p = exp2(s c - m) (fused: one rounding where scaling and subtracting took two; masked keys and
 // keys at or past nb 0), summed into l, transposed in registers to the rows' P tiles and split
 // into hi and lo bf16 terms. The scores stay as the tiles stored them. Returns whether any
 // row's rescale factor differs from 1.
 inline bool softmax_p_tiles(const float* sc, int64_t rp, int64_t nb, int64_t chunks, int64_t c0,
-                            const RowRanges& rr, const int32_t* lo, const int32_t* hi, float* m,
-                            float* l, float* alpha, F scale, bf16_t* phi, bf16_t* plo,
-                            int64_t rt_count) {
-  const bool mask = c0 < rr.max_lo || c0 + nb > rr.min_hi;
+                            const AmxScratch& w, float* m, float* l, float* alpha, F scale,
+                            bf16_t* phi, bf16_t* plo, int64_t rt_count) {
+  const int32_t *lo = w.lo, *hi = w.hi;
   const bool negative = Vec::lane0(scale) < 0.0f;
   bool rescale = false;
   const __m512i upper = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
@@ -282,6 +296,8 @@ inline bool softmax_p_tiles(const float* sc, int64_t rp, int64_t nb, int64_t chu
   for (int j = 0; j < 32; ++j) idx[j] = static_cast<int16_t>(2 * (j % 16) + 1 + (j / 16) * 32);
   const __m512i odd = _mm512_loadu_si512(idx);
   for (int64_t rt = 0; rt < rt_count; ++rt) {
+    if (!w.active[rt]) continue;
+    const bool mask = c0 < w.tmax_lo[rt] || c0 + nb > w.tmin_hi[rt];
     const int64_t v = rt * 16;
     const I vlo = Vec::iload(lo + v), vhi = Vec::iload(hi + v);
     // The largest scaled score as the largest raw one, scaled (the smallest where the scale is
@@ -349,6 +365,27 @@ inline void amx_attend_rows(const Args& a, const Shape& s, const bf16_t* kbase, 
     w.m[r] = -HUGE_VALF;
     w.l[r] = 0.0f;
   }
+  for (int64_t rt = 0; rt < rt_count; ++rt) {  // the tiles' ranges over their real rows
+    int32_t kb = 0, ke = 0, max_lo = 0, min_hi = INT32_MAX;
+    bool any = false;
+    for (int64_t r = rt * 16; r < std::min(n, rt * 16 + 16); ++r) {
+      if (w.hi[r] > w.lo[r]) {
+        kb = any ? std::min(kb, w.lo[r]) : w.lo[r];
+        ke = any ? std::max(ke, w.hi[r]) : w.hi[r];
+        any = true;
+      }
+      max_lo = std::max(max_lo, w.lo[r]);
+      min_hi = std::min(min_hi, w.hi[r]);
+    }
+    if (rt * 16 + 16 > n) {  // padded rows copy row 0's range
+      max_lo = std::max(max_lo, w.lo[0]);
+      min_hi = std::min(min_hi, w.hi[0]);
+    }
+    w.tkb[rt] = kb;
+    w.tke[rt] = ke;
+    w.tmax_lo[rt] = max_lo;
+    w.tmin_hi[rt] = min_hi;
+  }
   const F qscale = Vec::set1(s.q_scale);
   const int64_t kst = a.k_cache.s_token, vst = a.v_cache.s_token;
   // K and V rows of `tokens` keys from `key` on, to L2 (per_step left to the caller)
@@ -376,36 +413,42 @@ inline void amx_attend_rows(const Args& a, const Shape& s, const bf16_t* kbase, 
     // call): a K tile's 16 rows are a token stride apart, each in another 4 KB page where the
     // hardware prefetchers stop, and without this the tile loads waited on them; issued all at
     // once (as attend_rows does for fp32 caches), the prefetches stalled on the fill buffers.
-    const int64_t rt_pairs = (rt_count + 1) / 2;
+    // Pairs of row tiles (the tile loops' unit) of which a row sees a key of the block.
+    int64_t rt_pairs = 0;
+    for (int64_t rt = 0; rt < rt_count; rt += 2) {
+      bool sees = false;
+      for (int64_t t = rt; t < std::min(rt + 2, rt_count); ++t)
+        sees = sees || (w.tkb[t] < c0 + nb && w.tke[t] > c0);
+      for (int64_t t = rt; t < std::min(rt + 2, rt_count); ++t) w.active[t] = sees;
+      rt_pairs += sees;
+    }
     BlockPrefetch pf = block_prefetch(c0 + nb, std::min(bk, rr.ke - c0 - nb));
-    const int64_t calls = (ktiles + 1) / 2 * rt_pairs + rt_pairs * d / 32;
+    const int64_t calls = std::max<int64_t>(1, (ktiles + 1) / 2 * rt_pairs + rt_pairs * d / 32);
     pf.per_step = (pf.tokens * ((pf.run + 63) / 64) + calls - 1) / calls;
     k_tiles(kbase + c0 * kst, kst, nb, ktiles, d, w.kp);
     for (int64_t t = 0; t < ktiles; t += 2) {
       const bool two = t + 1 < ktiles;
-      int64_t rt = 0;
-      for (; rt + 2 <= rt_count; rt += 2) {
+      for (int64_t rt = 0; rt < rt_count; rt += 2) {
+        if (!w.active[rt]) continue;
         pf.step();
-        if (two) {
-          qk_tiles<2, 2>(w.kp, w.qt, rp, rt, steps, w.sc, t);
-        } else {
-          qk_tiles<1, 2>(w.kp, w.qt, rp, rt, steps, w.sc, t);
-        }
-      }
-      if (rt < rt_count) {
-        pf.step();
-        if (two) {
+        if (rt + 1 < rt_count) {
+          if (two) {
+            qk_tiles<2, 2>(w.kp, w.qt, rp, rt, steps, w.sc, t);
+          } else {
+            qk_tiles<1, 2>(w.kp, w.qt, rp, rt, steps, w.sc, t);
+          }
+        } else if (two) {
           qk_tiles<2, 1>(w.kp, w.qt, rp, rt, steps, w.sc, t);
         } else {
           qk_tiles<1, 1>(w.kp, w.qt, rp, rt, steps, w.sc, t);
         }
       }
     }
-    const bool rescale = softmax_p_tiles(w.sc, rp, nb, chunks, c0, rr, w.lo, w.hi, w.m, w.l,
-                                         w.alpha, qscale, w.phi, w.plo, rt_count);
+    const bool rescale = softmax_p_tiles(w.sc, rp, nb, chunks, c0, w, w.m, w.l, w.alpha, qscale,
+                                         w.phi, w.plo, rt_count);
     if (rescale) {
       for (int64_t r = 0; r < rp; ++r) {
-        if (w.alpha[r] == 1.0f) continue;
+        if (!w.active[r / 16] || w.alpha[r] == 1.0f) continue;
         const F ar = Vec::set1(w.alpha[r]);
         for (int64_t x = 0; x < d; x += W)
           Vec::store(w.o + r * d + x, Vec::mul(Vec::load(w.o + r * d + x), ar));
@@ -413,17 +456,15 @@ inline void amx_attend_rows(const Args& a, const Shape& s, const bf16_t* kbase, 
     }
     v_pairs(vbase + c0 * vst, vst, nb, chunks * 16, d, w.vv);
     const int64_t dtiles = d / 16;  // even: d is a multiple of 32
-    int64_t rt = 0;
-    for (; rt + 2 <= rt_count; rt += 2) {
+    for (int64_t rt = 0; rt < rt_count; rt += 2) {
+      if (!w.active[rt]) continue;
       for (int64_t dt = 0; dt < dtiles; dt += 2) {
         pf.step();
-        pv_tiles<2, 2>(w.o, d, w.phi, w.plo, rt_count, w.vv, rt, dt, chunks);
-      }
-    }
-    if (rt < rt_count) {
-      for (int64_t dt = 0; dt < dtiles; dt += 2) {
-        pf.step();
-        pv_tiles<1, 2>(w.o, d, w.phi, w.plo, rt_count, w.vv, rt, dt, chunks);
+        if (rt + 1 < rt_count) {
+          pv_tiles<2, 2>(w.o, d, w.phi, w.plo, rt_count, w.vv, rt, dt, chunks);
+        } else {
+          pv_tiles<1, 2>(w.o, d, w.phi, w.plo, rt_count, w.vv, rt, dt, chunks);
+        }
       }
     }
     pf.per_step = pf.tokens * ((pf.run + 63) / 64);  // what the steps left, if any
@@ -484,6 +525,10 @@ inline int64_t amx_kernel_scratch_floats(const Args& a, const Shape& s) {
   return std::max(scratch_floats(a, s), amx_scratch_floats(a, s));
 }
 
+inline int64_t amx_prefill_rows(const Args& a) {
+  return a.cache_dtype == DType::kBFloat16 && amx_rows<bf16_t>(a) ? kAmxRows : kPrefillRows;
+}
+
 inline KernelTable amx_table(const char* name) {
-  return KernelTable{name, W, &amx_run_item, &amx_kernel_scratch_floats};
+  return KernelTable{name, W, &amx_run_item, &amx_kernel_scratch_floats, &amx_prefill_rows};
 }

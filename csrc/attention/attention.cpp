@@ -461,7 +461,7 @@ Plan make_plan(const Args& a, const Shape& s, const std::vector<Request>& reqs, 
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     const ShareGroup& sg = groups[gi];
     for (int32_t m : sg.members) group_of[static_cast<size_t>(m)] = static_cast<int32_t>(gi);
-    // one item per KV head and run of members whose rows fill at most kPrefillRows
+    // one item per KV head and run of members whose rows fill at most s.prefill_rows
     for (int64_t h = 0; h < a.num_kv_heads; ++h) {
       size_t x = 0;
       while (x < sg.members.size()) {
@@ -475,7 +475,7 @@ Plan make_plan(const Args& a, const Shape& s, const std::vector<Request>& reqs, 
         it.rows_begin = static_cast<int32_t>(plan.shared_refs.size());
         for (; x < sg.members.size(); ++x) {
           const Request& rq = reqs[static_cast<size_t>(sg.members[x])];
-          if (it.num_rows > 0 && it.num_rows + rq.lq * g > kPrefillRows) break;
+          if (it.num_rows > 0 && it.num_rows + rq.lq * g > s.prefill_rows) break;
           for (int64_t j = 0; j < rq.lq; ++j) {
             for (int64_t gm = 0; gm < g; ++gm) {  // group member: query head h * g + gm
               plan.shared_refs.push_back({static_cast<int32_t>(rq.index), static_cast<int32_t>(j),
@@ -497,7 +497,7 @@ Plan make_plan(const Args& a, const Shape& s, const std::vector<Request>& reqs, 
     }
     if (rq.lq == 0) continue;
     const bool decode = rq.lq * g <= kMaxDecodeRows;
-    const int64_t qblock = decode ? rq.lq : std::max<int64_t>(1, kPrefillRows / g);
+    const int64_t qblock = decode ? rq.lq : std::max<int64_t>(1, s.prefill_rows / g);
     for (int64_t q0 = 0; q0 < rq.lq; q0 += qblock) {
       const int64_t q1 = std::min(rq.lq, q0 + qblock);
       int64_t kb = 0, ke = 0;
@@ -737,6 +737,7 @@ void flash_attn_with_kvcache(const Args& a) {
   const bool fp8 = is_fp8(a.cache_dtype);
   s.q_scale = a.softmax_scale * kLog2e * (fp8 ? a.k_descale : 1.0f);
   s.out_scale = fp8 ? a.v_descale : 1.0f;
+  s.prefill_rows = kt.prefill_rows(a);
 
   Plan plan = make_plan(a, s, reqs, a.num_threads);
   const int threads = plan.total_cost >= kSerialCost ? a.num_threads : 1;

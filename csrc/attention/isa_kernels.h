@@ -1173,11 +1173,13 @@ inline int64_t scratch_floats(const Args& a, const Shape& s) {
   for (int64_t p = 1; p <= kMaxDecodeRows; p *= 2) {
     decode = std::max(decode, decode_scratch_floats(a.num_kv_heads, p, dp, bk));
   }
-  const int64_t rp = round_up(std::max<int64_t>(kPrefillRows, s.group), W);
+  const int64_t rp = round_up(std::max<int64_t>(s.prefill_rows, s.group), W);
   const int64_t prefill = d * rp + bk * rp + rp * dp + 2 * bk * dp + 5 * rp + 64;
   return std::max(decode, prefill);
 }
 
+inline int64_t prefill_rows(const Args&) { return kPrefillRows; }
+
 inline KernelTable table(const char* name) {
-  return KernelTable{name, W, &run_item, &scratch_floats};
+  return KernelTable{name, W, &run_item, &scratch_floats, &prefill_rows};
 }

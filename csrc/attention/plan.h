@@ -109,6 +109,7 @@ struct Shape {
   int64_t block_keys = 0;  // keys per block (softmax granularity)
   float q_scale = 1.0f;  // softmax_scale * log2(e) * k_descale, folded into q
   float out_scale = 1.0f;  // v_descale
+  int64_t prefill_rows = 64;  // rows (queries x group heads) per prefill or shared-prefix item
 };
 
 // Entry points of one instruction set.
@@ -119,10 +120,13 @@ struct KernelTable {
   void (*run_item)(const Args& a, const Shape& s, const Request& rq, const WorkItem& it,
                    float* scratch, const PartialView* partial);
   int64_t (*scratch_floats)(const Args& a, const Shape& s);
+  // Rows per prefill or shared-prefix item for this call (a multiple of 16).
+  int64_t (*prefill_rows)(const Args& a);
 };
 
 constexpr int kMaxDecodeRows = 8;    // rows (queries x group heads) per KV head of a decode item
-constexpr int kPrefillRows = 64;     // rows per prefill item (multiple of every vector width)
+constexpr int kPrefillRows = 64;     // rows per prefill item of the vector kernels (a multiple of
+                                     // every vector width)
 
 KernelTable kernels_amx();
 KernelTable kernels_avx512bf16();

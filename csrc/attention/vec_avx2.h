@@ -71,13 +71,12 @@ struct Vec {
     x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
     const F n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const F f = _mm256_sub_ps(x, n);
-    F p = _mm256_set1_ps(1.5252733e-5f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530e-4f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504109e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022651e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
+    F p = _mm256_set1_ps(1.53467074e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.33999391e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.61848535e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.55032864e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.40226462e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.93147182e-1f));
     p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
     const __m256i e =
         _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);

@@ -22,8 +22,8 @@ QK^T          fp32 on q pre-scaled by c' = fl(fl(softmax_scale) fl(log2 e)) (x k
               products, accumulated in two chains of 16 per instruction, summed, then added to
               the score (at most 18 + d / 32 roundings), denormals flushed as vdpbf16ps does.
 softmax       base 2: p = exp2(s - m), running max m per block of >= 16 keys, earlier sums
-              rescaled by exp2(m_old - m_new); exp2 is a degree-7 polynomial (avx2, avx512*:
-              relative error 1.23 u at most over 2e8 points of [-0.5, 0.5]) or std::exp2 (generic,
+              rescaled by exp2(m_old - m_new); exp2 is a degree-6 polynomial (avx2, avx512*:
+              relative error 1.34 u at most over 2e8 points of [-0.5, 0.5]) or std::exp2 (generic,
               < 1 ulp); results below 2^-126 are 0. Key splits (flash-decoding, shared prefixes)
               are merged by weights exp2(m_part - m_max), in fp32.
 P V           fp32 multiply-adds on V widened exactly (never on bf16 probabilities), sum of
@@ -101,7 +101,7 @@ from vattention.attention import reference_attention
 
 U = 2.0**-24  # fp32 unit roundoff
 U_ORACLE = 2.0**-53  # float64's, for the oracle's own error
-EXP2_ERROR = 4 * U  # per exp2 (the polynomial's 1.23 u, glibc's < 1 ulp, with room)
+EXP2_ERROR = 4 * U  # per exp2 (the polynomial's 1.34 u, glibc's < 1 ulp, with room)
 MIN_BLOCK_KEYS = 16  # the kernel's smallest key block (attention.cpp: block_keys)
 MAX_PARTIALS = 2 * 64  # kMaxSplits parts of a shared prefix plus as many of a row's own keys
 DOT_CHAIN = 22  # roundings of a score beyond d (see the module docstring, step 1)
