@@ -24,10 +24,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _machine import cpu_name  # noqa: E402
 from bench_attention import vllm_call, vllm_ops, vllm_paged  # noqa: E402
 
 import vattention  # noqa: E402
+from vattention.bench.machine import cpu_name  # noqa: E402
 from vattention.bench.model_presets import PRESETS  # noqa: E402
 from vattention.integrations import flash_attn as fa  # noqa: E402
 

@@ -902,14 +902,14 @@ def check_engines_reported(result, out):
     """Each engine said on which CPU and attention kernel it ran: stock the ISA vLLM's backend
     gave its layers, the plugin its kernel variant; the run prints both."""
     from vattention.attention import kernel_isa
-    from vattention.bench.vllm_run import cpu_model
+    from vattention.bench.machine import cpu_name
 
     engines = result["engines"]
-    assert {e["cpu"] for e in engines.values()} == {cpu_model()}
+    assert {e["cpu"] for e in engines.values()} == {cpu_name()}
     stock = engines["stock"]["attention"]
     assert re.fullmatch(r"vLLM's op, isa [a-z0-9]+(/[a-z0-9]+)*", stock) and "unknown" not in stock
     assert engines["vattention"]["attention"] == f"vattention kernel, {kernel_isa()}"
-    line = f"stock: {cpu_model()}, attention {engines['stock']['attention']}; vattention: "
+    line = f"stock: {cpu_name()}, attention {engines['stock']['attention']}; vattention: "
     assert line in out
 
 

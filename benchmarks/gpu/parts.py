@@ -596,7 +596,7 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 def cpu_line() -> str:
     """This machine's CPU as /proc/cpuinfo names it, the flags the kernel dispatches on, the
     cores this process may use and the load average."""
-    from _machine import cpu_flags, cpu_name
+    from vattention.bench.machine import cpu_flags, cpu_name
 
     flags = cpu_flags()
     have = " ".join(x for x in CPU_FLAGS if x in flags) or "none of " + "/".join(CPU_FLAGS)

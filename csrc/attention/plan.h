@@ -125,8 +125,8 @@ struct KernelTable {
 };
 
 constexpr int kMaxDecodeRows = 8;    // rows (queries x group heads) per KV head of a decode item
-constexpr int kPrefillRows = 64;     // rows per prefill item of the vector kernels (a multiple of
-                                     // every vector width)
+// Rows per prefill item of the vector kernels (a multiple of every vector width).
+constexpr int kPrefillRows = 64;
 
 KernelTable kernels_amx();
 KernelTable kernels_avx512bf16();

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import resource
 import sys
 import time
 from typing import Any, Dict, List
+
+from .machine import cpu_name
 
 __all__ = ["main", "run"]
 
@@ -97,18 +98,6 @@ def _line_driven_engine(spec: Dict[str, Any]):
     return vllm.LLM(model=spec["model"], **spec.get("engine", {})), answer
 
 
-def cpu_model() -> str:
-    """The CPU's model name as Linux reports it (``/proc/cpuinfo``), else the platform's."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def attention_kernel(llm, plugin: bool) -> str:
     """What this engine's attention runs on the CPU: the plugin's kernel variant, or the
     instruction set vLLM's CPU_ATTN backend gave its layers (their ``isa``, from its own
@@ -141,7 +130,7 @@ def serve(spec: Dict[str, Any]) -> int:
             {
                 "ready": True,
                 "plugin": plugin,
-                "cpu": cpu_model(),
+                "cpu": cpu_name(),
                 "attention": attention_kernel(llm, plugin),
             }
         ),

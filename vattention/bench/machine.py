@@ -1,4 +1,5 @@
-"""What the benchmarks say of the machine they ran on: the CPU's model name and flags (Linux)."""
+"""What a benchmark says of the machine it ran on: the CPU's model name and feature flags, as
+Linux reports them (/proc/cpuinfo), read in the process that measured."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ def _cpuinfo_field(name: str) -> str | None:
 
 
 def cpu_name() -> str:
-    """The CPU's model name (Linux), else the machine type."""
-    return _cpuinfo_field("model name") or platform.machine()
+    """The CPU's model name (Linux), else the platform's processor or machine type."""
+    return _cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 def cpu_flags() -> set[str]:
