@@ -42,6 +42,7 @@ from vattention.attention import (
     reference_attention,
 )
 from vattention.attention.variants import ISA_ENV
+from vattention.bench.machine import cpu_flags
 
 from support.attention_bound import check_within_bound, reference_and_bound
 
@@ -502,6 +503,22 @@ def test_prefill_items_of_many_row_tiles(isa, group, window):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("key", [0.25, 1.0, 4.0])
+def test_a_late_key_far_above_the_running_max(isa, key, dtype):
+    """One key late in the rows (after two key blocks of small scores) whose score is above every
+    earlier one by about 11, 46 or 184 in base 2: amx keeps a tile's running max while its
+    probabilities stay at most 2^16 (the first: the key weighs 2^11 against that max) and
+    otherwise takes the block's max and rescales (the last would be 2^184, past fp32's range);
+    the other variants always rescale."""
+    gen = torch.Generator().manual_seed(15)
+    kc, vc = make_caches(1, 400, 1, 64, dtype, gen=gen)
+    kc[0, :300] = (torch.randn(300, 1, 64, generator=gen) * 0.01).to(dtype)
+    kc[0, 280] = key
+    q = (4 + torch.randn(1, 32, 1, 64, generator=gen) * 0.1).to(dtype)
+    check_against_reference(q, kc, vc, cache_seqlens=torch.tensor([300]), causal=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scale", [-0.3, 0.0])
 def test_negative_and_zero_softmax_scales(isa, scale, dtype):
     """A scale at or below zero is finite, so the kernel takes it: the softmax's max is then the
@@ -942,18 +959,6 @@ def test_kernel_releases_the_gil():
         torch.set_num_threads(before)
 
 
-def _cpu_flags():
-    """This CPU's feature flags as Linux reports them (/proc/cpuinfo), or None."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return None
-
-
 @pytest.mark.parametrize(
     "dtype, cache_dtype, lq, d, tiles",
     [
@@ -1009,8 +1014,8 @@ def test_kernel_variants_are_what_the_build_and_the_cpu_offer():
         assert kernel_isa() == next(v.name for v in variants if v.runnable)
     finally:
         _C.set_attention_kernel_isa(before)
-    flags = _cpu_flags()
-    if flags is not None and "fpu" in flags:  # x86 (other CPUs spell their features otherwise)
+    flags = cpu_flags()
+    if "fpu" in flags:  # x86 (other CPUs spell their features otherwise)
         for v in variants:
             assert v.missing == tuple(f for f in v.needs if f not in flags), (v, sorted(flags))
     if ISA_ENV not in os.environ:

@@ -278,13 +278,20 @@ inline void v_pairs(const bf16_t* v, int64_t vst, int64_t nb, int64_t pairs, int
   }
 }
 
-// The block's online softmax and its P tiles, in two passes per active row tile (16 rows, one
-// vector; tiles that see none of the block keep their state, their P tiles are not read):
-// the running max of the scaled scores (masked keys left out), then per chunk of 32 keys
-// p = exp2(s c - m) (fused: one rounding where scaling and subtracting took two; masked keys and
-// keys at or past nb 0), summed into l, transposed in registers to the rows' P tiles and split
-// into hi and lo bf16 terms. The scores stay as the tiles stored them. Returns whether any
-// row's rescale factor differs from 1.
+// A tile whose rows all have a running max keeps it while the block's probabilities stay at most
+// this (2^16, the largest a key could outweigh the max it is measured from): its sums and O go
+// unrescaled, and its scores take one pass.
+constexpr float kAmxLazyLimit = 65536.0f;
+
+// The block's online softmax and its P tiles, per active row tile (16 rows, one vector; tiles
+// that see none of the block keep their state, their P tiles are not read): p = exp2(s c - m)
+// for 32 keys at a time (the scale fused into the exponent's argument: one rounding where
+// scaling and subtracting took two; masked keys and keys at or past nb 0), summed into l,
+// transposed in registers to the rows' P tiles and split into hi and lo bf16 terms. m is the
+// rows' running max as it stands (one pass; any m measures the weights exactly as well, as long
+// as one key's weight is 1 and none overflows) unless a row has none yet or the block's sums
+// pass kAmxLazyLimit: then the block's max first (a second pass) and the earlier sums rescaled.
+// The scores stay as the tiles stored them. Returns whether any row's rescale factor is not 1.
 inline bool softmax_p_tiles(const float* sc, int64_t rp, int64_t nb, int64_t chunks, int64_t c0,
                             const AmxScratch& w, float* m, float* l, float* alpha, F scale,
                             bf16_t* phi, bf16_t* plo, int64_t rt_count) {
@@ -300,6 +307,45 @@ inline bool softmax_p_tiles(const float* sc, int64_t rp, int64_t nb, int64_t chu
     const bool mask = c0 < w.tmax_lo[rt] || c0 + nb > w.tmin_hi[rt];
     const int64_t v = rt * 16;
     const I vlo = Vec::iload(lo + v), vhi = Vec::iload(hi + v);
+    // the tile's probabilities against max m (as -m), to its P tiles; returns their sums
+    auto p_tiles = [&](const F neg_m) {
+      F lsum = Vec::zero();
+      auto p_of = [&](int64_t key) {
+        if (key >= nb) return Vec::zero();
+        F x = Vec::fmadd(Vec::load(sc + key * rp + v), scale, neg_m);
+        if (mask) x = Vec::mask_range(x, Vec::iset1(static_cast<int32_t>(c0 + key)), vlo, vhi);
+        const F p = Vec::exp2(x);
+        lsum = Vec::add(lsum, p);
+        return p;
+      };
+      for (int64_t kc = 0; kc < chunks; ++kc) {
+        __m512 a[16], b[16];
+        for (int i = 0; i < 16; ++i) a[i] = p_of(kc * 32 + i);
+        for (int i = 0; i < 16; ++i) b[i] = p_of(kc * 32 + 16 + i);
+        transpose16(a);  // a[r]: row r's probabilities of keys kc * 32 .. kc * 32 + 15
+        transpose16(b);
+        const int64_t tile = (kc * rt_count + rt) * 512;
+        for (int r = 0; r < 16; ++r) {
+          // hi: p truncated to its upper 16 bits (a bf16 as it is), lo: the rest (exact in fp32)
+          // rounded to bf16; one instruction packs the upper halves, one converts both rests
+          const __m512i ai = _mm512_castps_si512(a[r]), bi = _mm512_castps_si512(b[r]);
+          const __m512 ra = _mm512_sub_ps(a[r], _mm512_castsi512_ps(_mm512_and_si512(ai, upper)));
+          const __m512 rb = _mm512_sub_ps(b[r], _mm512_castsi512_ps(_mm512_and_si512(bi, upper)));
+          _mm512_storeu_si512(phi + tile + r * 32, _mm512_permutex2var_epi16(ai, odd, bi));
+          _mm512_storeu_si512(plo + tile + r * 32, (__m512i)_mm512_cvtne2ps_pbh(rb, ra));
+        }
+      }
+      return lsum;
+    };
+    const F m_old = Vec::load(m + v);
+    if (_mm512_cmp_ps_mask(m_old, Vec::set1(-HUGE_VALF), _CMP_EQ_OQ) == 0) {
+      const F lsum = p_tiles(Vec::sub(Vec::zero(), m_old));
+      if (_mm512_cmp_ps_mask(lsum, Vec::set1(kAmxLazyLimit), _CMP_LE_OQ) == 0xFFFF) {
+        Vec::store(l + v, Vec::add(Vec::load(l + v), lsum));
+        Vec::store(alpha + v, Vec::set1(1.0f));
+        continue;
+      }
+    }
     // The largest scaled score as the largest raw one, scaled (the smallest where the scale is
     // negative): rounding is monotonic, so this is the max of the products, one multiply a row
     // where each score took one. Masked keys are -inf (+inf when negative), which scale to -inf.
@@ -313,37 +359,10 @@ inline bool softmax_p_tiles(const float* sc, int64_t rp, int64_t nb, int64_t chu
     // a row with every key masked stays at -inf (cut times a zero scale would be NaN)
     mb = _mm512_mask_mov_ps(Vec::mul(mb, scale), _mm512_cmp_ps_mask(mb, cut, _CMP_EQ_OQ),
                             Vec::set1(-HUGE_VALF));
-    const F m_old = Vec::load(m + v);
     const F m_new = Vec::max(m_old, mb);
     const F m_safe = Vec::replace_neginf(m_new, 0.0f);
     const F al = Vec::exp2(Vec::sub(m_old, m_safe));
-    const F neg_m = Vec::sub(Vec::zero(), m_safe);
-    F lsum = Vec::zero();
-    auto p_of = [&](int64_t key) {
-      if (key >= nb) return Vec::zero();
-      F x = Vec::fmadd(Vec::load(sc + key * rp + v), scale, neg_m);
-      if (mask) x = Vec::mask_range(x, Vec::iset1(static_cast<int32_t>(c0 + key)), vlo, vhi);
-      const F p = Vec::exp2(x);
-      lsum = Vec::add(lsum, p);
-      return p;
-    };
-    for (int64_t kc = 0; kc < chunks; ++kc) {
-      __m512 a[16], b[16];
-      for (int i = 0; i < 16; ++i) a[i] = p_of(kc * 32 + i);
-      for (int i = 0; i < 16; ++i) b[i] = p_of(kc * 32 + 16 + i);
-      transpose16(a);  // a[r]: row r's probabilities of keys kc * 32 .. kc * 32 + 15
-      transpose16(b);
-      const int64_t tile = (kc * rt_count + rt) * 512;
-      for (int r = 0; r < 16; ++r) {
-        // hi: p truncated to its upper 16 bits (a bf16 as it is), lo: the rest (exact in fp32)
-        // rounded to bf16; one instruction packs the upper halves, one converts both rests
-        const __m512i ai = _mm512_castps_si512(a[r]), bi = _mm512_castps_si512(b[r]);
-        const __m512 ra = _mm512_sub_ps(a[r], _mm512_castsi512_ps(_mm512_and_si512(ai, upper)));
-        const __m512 rb = _mm512_sub_ps(b[r], _mm512_castsi512_ps(_mm512_and_si512(bi, upper)));
-        _mm512_storeu_si512(phi + tile + r * 32, _mm512_permutex2var_epi16(ai, odd, bi));
-        _mm512_storeu_si512(plo + tile + r * 32, (__m512i)_mm512_cvtne2ps_pbh(rb, ra));
-      }
-    }
+    const F lsum = p_tiles(Vec::sub(Vec::zero(), m_safe));
     Vec::store(l + v, Vec::fmadd(Vec::load(l + v), al, lsum));
     Vec::store(m + v, m_new);
     Vec::store(alpha + v, al);
