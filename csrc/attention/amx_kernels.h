@@ -16,10 +16,13 @@
 //   multiple of 4 KB, and a block's last tile needs zero rows past the range anyway), B is q
 //   packed once per item in pairs of d (Qt[d / 2][rows], the avx512bf16 prefill's layout). The
 //   scores land in sc[key][row], the layout of the vector kernel's vertical online softmax.
-// - Softmax and P tiles in two passes per 16 rows (softmax_p_tiles): the block's row max of the
-//   scaled scores, then p = exp2(s c - m) for 32 keys at a time (the scale fused into the
-//   exponent's argument), summed into l, transposed in registers from P^T to P's rows and
-//   written as A tiles of P V: the probabilities never go back to sc.
+// - Softmax and P tiles per 16 rows (softmax_p_tiles): p = exp2(s c - m) for 32 keys at a time
+//   (the scale fused into the exponent's argument), summed into l, transposed in registers from
+//   P^T to P's rows and written as A tiles of P V: the probabilities never go back to sc. m is
+//   the rows' running max as it stands while the block's p stay small (one pass), else the
+//   block's row max first (two passes, earlier sums rescaled).
+// - The tile products and this vector work run one after the other: a loop alternating them on
+//   the SPR machine took the sum of their times, so interleaving them would buy nothing there.
 // - P V: O[row][d] += P[row][key] . V[key][d]: A is P, rows x 32 keys. B is V with two keys'
 //   rows interleaved value by value (one pass over the block's V rows per item). O stays in
 //   fp32 scratch between blocks (loaded and stored as tiles; rescaled by the vector code).
@@ -278,9 +281,9 @@ inline void v_pairs(const bf16_t* v, int64_t vst, int64_t nb, int64_t pairs, int
   }
 }
 
-// A tile whose rows all have a running max keeps it while the block's probabilities stay at most
-// this (2^16, the largest a key could outweigh the max it is measured from): its sums and O go
-// unrescaled, and its scores take one pass.
+// A tile whose rows all have a running max keeps it while each row's sum of the block's
+// probabilities stays at most this (so no key outweighs that max's key by more than 2^16): its
+// sums and O go unrescaled, and its scores take one pass.
 constexpr float kAmxLazyLimit = 65536.0f;
 
 // The block's online softmax and its P tiles, per active row tile (16 rows, one vector; tiles

@@ -22,9 +22,11 @@ QK^T          fp32 on q pre-scaled by c' = fl(fl(softmax_scale) fl(log2 e)) (x k
               products, accumulated in two chains of 16 per instruction, summed, then added to
               the score (at most 18 + d / 32 roundings), denormals flushed as vdpbf16ps does.
 softmax       base 2: p = exp2(s - m), running max m per block of >= 16 keys, earlier sums
-              rescaled by exp2(m_old - m_new); exp2 is a degree-6 polynomial (avx2, avx512*:
-              relative error 1.34 u at most over 2e8 points of [-0.5, 0.5]) or std::exp2 (generic,
-              < 1 ulp); results below 2^-126 are 0. Key splits (flash-decoding, shared prefixes)
+              rescaled by exp2(m_old - m_new) (amx: a tile of 16 rows keeps its m while a
+              block's p stay <= 2^16; m is then one key's score, below the max, and l >= 1
+              still); exp2 is a degree-6 polynomial (avx2, avx512*: relative error 1.34 u at
+              most over 2e8 points of [-0.5, 0.5]) or std::exp2 (generic, < 1 ulp); results
+              below 2^-126 are 0. Key splits (flash-decoding, shared prefixes)
               are merged by weights exp2(m_part - m_max), in fp32.
 P V           fp32 multiply-adds on V widened exactly (never on bf16 probabilities), sum of
               weights l in fp32; out = acc * fl(v_descale / l). amx (where its QK^T is): each
@@ -72,11 +74,11 @@ S = |c| |q|_2 max_j |K_j|_2, Cauchy-Schwarz).
    moves the result by at most 2^-15 A'.
 3b. Flushes. Per key at most 2^-126 (max |V| + 1): a weight below 2^-126 is 0 (exp2), or amx's
    lo term below 2^-126 is read as 0 (2^-126 |V_j| either way), and amx reads a denormal V as 0
-   (2^-126 p_j <= 2^-126); and amx flushes a P V sum below 2^-126 at most 2^-126 per rounding,
+   (2^-126 p_j <= 2^-126 l); and amx flushes a P V sum below 2^-126 at most 2^-126 per rounding,
    at most 68 roundings (two instructions of 34) per chunk of 32 keys, ceil(N / 32) + ceil(N /
    128) chunks (each block's last one padded), and R rescales: <= 3 N + 68 + R roundings. acc's
-   absolute errors reach the output divided by l >= 1 (the largest weight is 1; vd is 1 on the
-   bf16 caches amx runs).
+   absolute errors reach the output divided by l >= 1 (the key whose score is m weighs 1; vd
+   is 1 on the bf16 caches amx runs).
 4. Output. Rounding out32 to nearest in q's dtype adds at most u_out |out32| + t_out: u_out =
    2^-8 (bf16), 2^-11 (fp16), 0 (fp32: counted in 3), t_out half the smallest subnormal.
 
