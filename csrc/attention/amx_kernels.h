@@ -87,7 +87,8 @@ struct AmxScratch {
   float *m, *l, *alpha;
   int32_t *lo, *hi;
   // per row tile (16 rows): the union of its real rows' key ranges [kb, ke), the keys none of
-  // them masks [max_lo, min_hi), and whether it sees the current block
+  // them masks [max_lo, min_hi), and how many of the current block's keys its pair of tiles
+  // reads (0: none; the keys after the last one a row of the pair sees are left out)
   int32_t *tkb, *tke, *tmax_lo, *tmin_hi, *active;
   AmxScratch(float* p, int64_t d, int64_t rp, int64_t bk) {
     qt = reinterpret_cast<int32_t*>(p);
@@ -287,17 +288,18 @@ inline void v_pairs(const bf16_t* v, int64_t vst, int64_t nb, int64_t pairs, int
 constexpr float kAmxLazyLimit = 65536.0f;
 
 // The block's online softmax and its P tiles, per active row tile (16 rows, one vector; tiles
-// that see none of the block keep their state, their P tiles are not read): p = exp2(s c - m)
-// for 32 keys at a time (the scale fused into the exponent's argument: one rounding where
-// scaling and subtracting took two; masked keys and keys at or past nb 0), summed into l,
-// transposed in registers to the rows' P tiles and split into hi and lo bf16 terms. m is the
-// rows' running max as it stands (one pass; any m measures the weights exactly as well, as long
-// as one key's weight is 1 and none overflows) unless a row has none yet or the block's sums
-// pass kAmxLazyLimit: then the block's max first (a second pass) and the earlier sums rescaled.
-// The scores stay as the tiles stored them. Returns whether any row's rescale factor is not 1.
-inline bool softmax_p_tiles(const float* sc, int64_t rp, int64_t nb, int64_t chunks, int64_t c0,
-                            const AmxScratch& w, float* m, float* l, float* alpha, F scale,
-                            bf16_t* phi, bf16_t* plo, int64_t rt_count) {
+// that see none of the block keep their state, their P tiles are not read; a tile reads the
+// block's first w.active keys, nb below): p = exp2(s c - m) for 32 keys at a time (the scale fused
+// into the exponent's argument: one rounding where scaling and subtracting took two; masked keys
+// and keys at or past nb 0), summed into l, transposed in registers to the rows' P tiles and split
+// into hi and lo bf16 terms. m is the rows' running max as it stands (one pass; any m measures the
+// weights exactly as well, as long as one key's weight is 1 and none overflows) unless a row has
+// none yet or the block's sums pass kAmxLazyLimit: then the block's max first (a second pass) and
+// the earlier sums rescaled. The scores stay as the tiles stored them. Returns whether any row's
+// rescale factor is not 1.
+inline bool softmax_p_tiles(const float* sc, int64_t rp, int64_t c0, const AmxScratch& w, float* m,
+                            float* l, float* alpha, F scale, bf16_t* phi, bf16_t* plo,
+                            int64_t rt_count) {
   const int32_t *lo = w.lo, *hi = w.hi;
   const bool negative = Vec::lane0(scale) < 0.0f;
   bool rescale = false;
@@ -306,7 +308,8 @@ inline bool softmax_p_tiles(const float* sc, int64_t rp, int64_t nb, int64_t chu
   for (int j = 0; j < 32; ++j) idx[j] = static_cast<int16_t>(2 * (j % 16) + 1 + (j / 16) * 32);
   const __m512i odd = _mm512_loadu_si512(idx);
   for (int64_t rt = 0; rt < rt_count; ++rt) {
-    if (!w.active[rt]) continue;
+    const int64_t nb = w.active[rt], chunks = (nb + 31) / 32;
+    if (nb == 0) continue;
     const bool mask = c0 < w.tmax_lo[rt] || c0 + nb > w.tmin_hi[rt];
     const int64_t v = rt * 16;
     const I vlo = Vec::iload(lo + v), vhi = Vec::iload(hi + v);
@@ -435,23 +438,29 @@ inline void amx_attend_rows(const Args& a, const Shape& s, const bf16_t* kbase, 
     // call): a K tile's 16 rows are a token stride apart, each in another 4 KB page where the
     // hardware prefetchers stop, and without this the tile loads waited on them; issued all at
     // once (as attend_rows does for fp32 caches), the prefetches stalled on the fill buffers.
-    // Pairs of row tiles (the tile loops' unit) of which a row sees a key of the block.
+    // Pairs of row tiles (the tile loops' unit) of which a row sees a key of the block, and how
+    // far into the block (a causal item's rows end at their diagonal: whole key tiles and P V
+    // chunks past a pair's last key are skipped).
     int64_t rt_pairs = 0;
     for (int64_t rt = 0; rt < rt_count; rt += 2) {
-      bool sees = false;
+      int64_t keys = 0;
+      for (int64_t t = rt; t < std::min(rt + 2, rt_count); ++t) {
+        if (w.tkb[t] < c0 + nb && w.tke[t] > c0)
+          keys = std::max(keys, std::min<int64_t>(nb, w.tke[t] - c0));
+      }
       for (int64_t t = rt; t < std::min(rt + 2, rt_count); ++t)
-        sees = sees || (w.tkb[t] < c0 + nb && w.tke[t] > c0);
-      for (int64_t t = rt; t < std::min(rt + 2, rt_count); ++t) w.active[t] = sees;
-      rt_pairs += sees;
+        w.active[t] = static_cast<int32_t>(keys);
+      rt_pairs += keys > 0;
     }
     BlockPrefetch pf = block_prefetch(c0 + nb, std::min(bk, rr.ke - c0 - nb));
     const int64_t calls = std::max<int64_t>(1, (ktiles + 1) / 2 * rt_pairs + rt_pairs * d / 32);
     pf.per_step = (pf.tokens * ((pf.run + 63) / 64) + calls - 1) / calls;
     k_tiles(kbase + c0 * kst, kst, nb, ktiles, d, w.kp);
     for (int64_t t = 0; t < ktiles; t += 2) {
-      const bool two = t + 1 < ktiles;
       for (int64_t rt = 0; rt < rt_count; rt += 2) {
-        if (!w.active[rt]) continue;
+        const int64_t pair_tiles = (w.active[rt] + 15) / 16;
+        if (t >= pair_tiles) continue;
+        const bool two = t + 1 < pair_tiles;
         pf.step();
         if (rt + 1 < rt_count) {
           if (two) {
@@ -466,8 +475,8 @@ inline void amx_attend_rows(const Args& a, const Shape& s, const bf16_t* kbase, 
         }
       }
     }
-    const bool rescale = softmax_p_tiles(w.sc, rp, nb, chunks, c0, w, w.m, w.l, w.alpha, qscale,
-                                         w.phi, w.plo, rt_count);
+    const bool rescale =
+        softmax_p_tiles(w.sc, rp, c0, w, w.m, w.l, w.alpha, qscale, w.phi, w.plo, rt_count);
     if (rescale) {
       for (int64_t r = 0; r < rp; ++r) {
         if (!w.active[r / 16] || w.alpha[r] == 1.0f) continue;
@@ -479,13 +488,14 @@ inline void amx_attend_rows(const Args& a, const Shape& s, const bf16_t* kbase, 
     v_pairs(vbase + c0 * vst, vst, nb, chunks * 16, d, w.vv);
     const int64_t dtiles = d / 16;  // even: d is a multiple of 32
     for (int64_t rt = 0; rt < rt_count; rt += 2) {
-      if (!w.active[rt]) continue;
+      const int64_t pair_chunks = (w.active[rt] + 31) / 32;
+      if (pair_chunks == 0) continue;
       for (int64_t dt = 0; dt < dtiles; dt += 2) {
         pf.step();
         if (rt + 1 < rt_count) {
-          pv_tiles<2, 2>(w.o, d, w.phi, w.plo, rt_count, w.vv, rt, dt, chunks);
+          pv_tiles<2, 2>(w.o, d, w.phi, w.plo, rt_count, w.vv, rt, dt, pair_chunks);
         } else {
-          pv_tiles<1, 2>(w.o, d, w.phi, w.plo, rt_count, w.vv, rt, dt, chunks);
+          pv_tiles<1, 2>(w.o, d, w.phi, w.plo, rt_count, w.vv, rt, dt, pair_chunks);
         }
       }
     }
