@@ -503,6 +503,31 @@ def test_prefill_items_of_many_row_tiles(isa, group, window):
     )
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_p_v_in_rows_and_in_columns(isa, d):
+    """amx multiplies P V in rows (O += P V, P transposed per row tile) for items of fewer than
+    3 / 4 d rows and in columns (O^T += V^T P^T, V transposed per block) from there on: a call
+    whose items are under that (d / 2 rows a head), then one whose items are at it (3 / 4 d),
+    over cached keys that span two key blocks, so that each layout rescales its accumulators
+    and carries them across blocks (fails with either layout's lo terms left out: checked)."""
+    gen = torch.Generator().manual_seed(16)
+    kc, vc = make_caches(2, 400, 2, d, torch.bfloat16, gen=gen)
+    rows = (d // 2, 3 * d // 4)
+    q = torch.randn(2, rows[1], 2, d, generator=gen).bfloat16()
+    k = torch.randn(2, rows[1], 2, d, generator=gen).bfloat16()
+    v = torch.randn(2, rows[1], 2, d, generator=gen).bfloat16()
+    check_against_reference(
+        q[:1, : rows[0]],
+        kc[:1],
+        vc[:1],
+        k[:1, : rows[0]],
+        v[:1, : rows[0]],
+        cache_seqlens=torch.tensor([200]),
+        causal=True,
+    )
+    check_against_reference(q, kc, vc, k, v, cache_seqlens=torch.tensor([130, 200]), causal=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("key", [0.25, 1.0, 4.0])
 def test_a_late_key_far_above_the_running_max(isa, key, dtype):

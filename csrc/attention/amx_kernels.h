@@ -3,7 +3,7 @@
 // namespace, under a target pragma with amx-tile and amx-bf16; everything else of that variant
 // (decode items, other dtypes, head_dim not a multiple of 32) is the avx512bf16 code.
 //
-// An item's rows (queries x group heads of one KV head, up to 64) against a block of keys, as
+// An item's rows (queries x group heads of one KV head, up to kAmxRows) against a block of keys, as
 // tile matmuls with fp32 accumulation (TDPBF16PS: C[16][16] fp32 += A[16][32] bf16 . B, B in
 // pairs of rows, "VNNI" order). Every tile is 16 rows x 64 bytes: tiles 0-3 accumulate, 4-5 hold
 // A operands, 6-7 B operands, and the loops run 2 x 2 accumulators at a time (two A and two B
@@ -17,22 +17,31 @@
 //   packed once per item in pairs of d (Qt[d / 2][rows], the avx512bf16 prefill's layout). The
 //   scores land in sc[key][row], the layout of the vector kernel's vertical online softmax.
 // - Softmax and P tiles per 16 rows (softmax_p_tiles): p = exp2(s c - m) for 32 keys at a time
-//   (the scale fused into the exponent's argument), summed into l, transposed in registers from
-//   P^T to P's rows and written as A tiles of P V: the probabilities never go back to sc. m is
-//   the rows' running max as it stands while the block's p stay small (one pass), else the
-//   block's row max first (two passes, earlier sums rescaled).
+//   (the scale fused into the exponent's argument), summed into l and written as P V's tiles:
+//   the probabilities never go back to sc. m is the rows' running max as it stands while the
+//   block's p stay small (one pass), else the block's row max first (two passes, earlier sums
+//   rescaled).
 // - The tile products and this vector work run one after the other: a loop alternating them on
 //   the SPR machine took the sum of their times, so interleaving them would buy nothing there.
-// - P V: O[row][d] += P[row][key] . V[key][d]: A is P, rows x 32 keys. B is V with two keys'
-//   rows interleaved value by value (one pass over the block's V rows per item). O stays in
-//   fp32 scratch between blocks (loaded and stored as tiles; rescaled by the vector code).
+// - P V in columns (items of at least 3 / 4 d rows, pv_in_columns): O^T[d][row] += V^T[d][key]
+//   . P^T[key][row]. The probabilities come out of the vertical softmax as P^T's columns, so
+//   its B tiles are two keys' vectors interleaved (one shuffle per 16 probabilities); A is V^T,
+//   transposed once per block and item (v_tiles). O^T stays in fp32 scratch between blocks
+//   (loaded and stored as tiles; a row's rescale is one vector per row tile) and is transposed
+//   to rows once at the item's end. On the SPR machine this took a bf16 prefill 1.03x-1.11x
+//   faster than P V in rows (calls alternated in one process; d = 64 gains most, where the
+//   transposes of P weighed most, docs/benchmarks.md).
+// - P V in rows (smaller items, where transposing V would cost more than P): O[row][d] +=
+//   P[row][key] . V[key][d]: A is P, transposed in registers from P^T to rows (four shuffles
+//   per 16 probabilities), rows x 32 keys. B is V with two keys' rows interleaved value by value
+//   (v_pairs). O stays in fp32 scratch between blocks, rescaled row by row.
 // - P is split in two bf16 terms, hi = p truncated to bf16 (its upper 16 bits) and lo = bf16(p -
 //   hi) (p - hi is exact in fp32), both multiplied by V (twice the P V tiles): the weights then
 //   carry 2^-15 of relative error instead of bf16's 2^-8, which keeps the result near the fp32
 //   P V that the other variants compute (tests/support/attention_bound.py derives both).
-//   Truncating hi takes one AND and one word permute where rounding it took a conversion and a
-//   widening back: on the SPR machine (docs/benchmarks.md), one thread, 1024-token prompts at
-//   32 / 8 x 64, the softmax pass went from 47-51% of the items' cycles to 35-43%.
+//   Truncating hi takes one AND and one word permute (either layout) where rounding it took a
+//   conversion and a widening back: on the SPR machine (docs/benchmarks.md), one thread, 1024-token
+//   prompts at 32 / 8 x 64, the softmax pass went from 47-51% of the items' cycles to 35-43%.
 //
 // The tile state is configured at the start of an item and released at its end (TileScope), on
 // whichever OpenMP thread runs it; the process asked the OS for it once (attention.cpp).
@@ -78,11 +87,16 @@ class TileScope {
 // Scratch of an AMX item (rp rows, a multiple of 16; bk keys per block; d a multiple of 32).
 struct AmxScratch {
   int32_t* qt;  // [d / 2][rp] q in pairs of d (bf16, unscaled)
-  float* sc;  // [bk][rp] scores, then probabilities
-  float* o;  // [rp][d] unnormalized output
-  bf16_t* phi;  // [bk / 32][rp / 16][16][32] P tiles, hi terms
+  float* sc;  // [bk][rp] scores
+  float* ot;  // [d][rp] unnormalized output transposed: P V's accumulators in columns
+  float* o;  // [rp][d] unnormalized output: P V's accumulators in rows, and the result
+  // [bk / 32][rp / 16][16][32] P tiles, hi terms: in rows, a tile's row r holds row r's 32 keys
+  // of the chunk; in columns (P^T), its row i holds keys 2 i and 2 i + 1, interleaved, of 16 rows
+  bf16_t* phi;
   bf16_t* plo;  // the same, lo terms
-  bf16_t* vv;  // [bk / 2][2 d] V, two keys interleaved
+  // [bk / 2][2 d] V, two keys interleaved (v_pairs), or [bk / 32][d / 16][16][32] V^T tiles
+  // (v_tiles): the B or A operands of P V in rows or in columns
+  bf16_t* vp;
   bf16_t* kp;  // [bk / 16][d / 32][16][32] the block's K rows as tiles (keys past the range 0)
   float *m, *l, *alpha;
   int32_t *lo, *hi;
@@ -93,11 +107,12 @@ struct AmxScratch {
   AmxScratch(float* p, int64_t d, int64_t rp, int64_t bk) {
     qt = reinterpret_cast<int32_t*>(p);
     sc = p + d / 2 * rp;
-    o = sc + bk * rp;
+    ot = sc + bk * rp;
+    o = ot + d * rp;
     phi = reinterpret_cast<bf16_t*>(o + rp * d);
     plo = phi + bk * rp;
-    vv = plo + bk * rp;
-    kp = vv + bk * d;
+    vp = plo + bk * rp;
+    kp = vp + bk * d;
     m = reinterpret_cast<float*>(kp + bk * d);
     l = m + rp;
     alpha = l + rp;
@@ -111,7 +126,7 @@ struct AmxScratch {
     active = tmin_hi + tiles;
   }
   static int64_t floats(int64_t d, int64_t rp, int64_t bk) {
-    return d / 2 * rp + bk * rp + rp * d + bk * rp + bk * d / 2 + bk * d / 2 + 5 * rp +
+    return d / 2 * rp + bk * rp + 2 * rp * d + bk * rp + bk * d / 2 + bk * d / 2 + 5 * rp +
            5 * (rp / 16);
   }
 };
@@ -169,12 +184,14 @@ inline void qk_tiles(const bf16_t* kp, const int32_t* qt, int64_t rp, int64_t rt
   if constexpr (NK > 1 && NR > 1) _tile_stored(3, c + 16 * rp + 16, rp * 4);
 }
 
-// O += P V for NR (1 or 2) row tiles from rt0 on and ND (1 or 2) tiles of 16 values of d from dt0
-// on, over `chunks` chunks of 32 keys: accumulator (row tile i, d tile j) is tile 2 i + j, loaded
-// from and stored back to o ([rp][d] fp32). P tiles hi then lo (split) for each chunk.
+// P V in rows (small items, see attend_layout): O += P V for NR (1 or 2) row tiles from rt0 on and
+// ND (1 or 2) tiles of 16 values of d from dt0 on, over `chunks` chunks of 32 keys: accumulator
+// (row tile i, d tile j) is tile 2 i + j, loaded from and stored back to o ([rp][d] fp32). P tiles
+// hi then lo (split) for each chunk.
 template <int NR, int ND>
-inline void pv_tiles(float* o, int64_t d, const bf16_t* phi, const bf16_t* plo, int64_t rt_count,
-                     const bf16_t* vv, int64_t rt0, int64_t dt0, int64_t chunks) {
+inline void pv_row_tiles(float* o, int64_t d, const bf16_t* phi, const bf16_t* plo,
+                         int64_t rt_count, const bf16_t* vv, int64_t rt0, int64_t dt0,
+                         int64_t chunks) {
   tiles_see_stores();
   float* c = o + rt0 * 16 * d + dt0 * 16;
   const int64_t old = d * 4;
@@ -207,6 +224,51 @@ inline void pv_tiles(float* o, int64_t d, const bf16_t* phi, const bf16_t* plo, 
   if constexpr (ND > 1) _tile_stored(1, c + 16, old);
   if constexpr (NR > 1) _tile_stored(2, c + 16 * d, old);
   if constexpr (NR > 1 && ND > 1) _tile_stored(3, c + 16 * d + 16, old);
+}
+
+// P V in columns (large items): O^T += V^T P^T for two d tiles from dt0 on and NR (1 or 2) row
+// tiles from rt0 on, over `chunks` chunks of 32 keys: accumulator (d tile i, row tile j) is tile 2
+// i + j, loaded from and stored back to ot ([d][rp] fp32). A is V^T (v_tiles), B the P^T tiles, hi
+// then lo (split) for each chunk, the V^T tiles read once for both.
+template <int NR>
+inline void pv_col_tiles(float* ot, int64_t rp, const bf16_t* phi, const bf16_t* plo,
+                         int64_t rt_count, const bf16_t* vt, int64_t dtiles, int64_t rt0,
+                         int64_t dt0, int64_t chunks) {
+  tiles_see_stores();
+  float* c = ot + dt0 * 16 * rp + rt0 * 16;
+  const int64_t old = rp * 4;
+  _tile_loadd(0, c, old);
+  if constexpr (NR > 1) _tile_loadd(1, c + 16, old);
+  _tile_loadd(2, c + 16 * rp, old);
+  if constexpr (NR > 1) _tile_loadd(3, c + 16 * rp + 16, old);
+  for (int64_t kc = 0; kc < chunks; ++kc) {
+    // each load just before its first use: loads grouped ahead of the products ran at a quarter
+    // of the products' rate on the SPR machine (docs/benchmarks.md)
+    const bf16_t* va = vt + (kc * dtiles + dt0) * 512;
+    const int64_t pt = (kc * rt_count + rt0) * 512;
+    _tile_loadd(4, va, 64);
+    _tile_loadd(6, phi + pt, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NR > 1) {
+      _tile_loadd(7, phi + pt + 512, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    _tile_loadd(5, va + 512, 64);
+    _tile_dpbf16ps(2, 5, 6);
+    if constexpr (NR > 1) _tile_dpbf16ps(3, 5, 7);
+    _tile_loadd(6, plo + pt, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NR > 1) {
+      _tile_loadd(7, plo + pt + 512, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    _tile_dpbf16ps(2, 5, 6);
+    if constexpr (NR > 1) _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c, old);
+  if constexpr (NR > 1) _tile_stored(1, c + 16, old);
+  _tile_stored(2, c + 16 * rp, old);
+  if constexpr (NR > 1) _tile_stored(3, c + 16 * rp + 16, old);
 }
 
 // 16 x 16 fp32 transpose in registers: r[i] lane j <- r[j] lane i.
@@ -282,6 +344,41 @@ inline void v_pairs(const bf16_t* v, int64_t vst, int64_t nb, int64_t pairs, int
   }
 }
 
+// V rows of a block's nb keys (vst apart) as A tiles of O^T += V^T P^T, per chunk of 32 keys
+// and d tile of 16 values: row x of tile (chunk c, d tile t) holds value t 16 + x of keys
+// c 32 .. c 32 + 31, in pairs per 32-bit lane as the tiles read them; keys at or past nb zero
+// (their probabilities are 0, and 0 times a stale NaN would not be). Two keys' rows interleaved
+// value by value give 16 lanes of pairs along d, and 16 of those transposed, 16 rows of 16 pairs
+// along the keys: once per block and item, where transposing P instead cost every row tile's
+// softmax four shuffles per 16 probabilities.
+inline void v_tiles(const bf16_t* v, int64_t vst, int64_t nb, int64_t chunks, int64_t d,
+                    bf16_t* vt) {
+  // lane 2 j: value j of the first key's row, lane 2 j + 1: value j of the second's (index + 32)
+  int16_t idx[32];
+  for (int j = 0; j < 32; ++j) idx[j] = static_cast<int16_t>(j / 2 + (j % 2) * 32);
+  const __m512i pair_idx = _mm512_loadu_si512(idx);
+  const int64_t dtiles = d / 16;
+  for (int64_t c = 0; c < chunks; ++c) {
+    for (int64_t t = 0; t < dtiles; ++t) {
+      __m512 z[16];
+      for (int i = 0; i < 16; ++i) {
+        const int64_t k0 = c * 32 + 2 * i;
+        const __m512i a = k0 < nb ? _mm512_castsi256_si512(_mm256_loadu_si256(
+                                        reinterpret_cast<const __m256i*>(v + k0 * vst + t * 16)))
+                                  : _mm512_setzero_si512();
+        const __m512i b = k0 + 1 < nb
+                              ? _mm512_castsi256_si512(_mm256_loadu_si256(
+                                    reinterpret_cast<const __m256i*>(v + (k0 + 1) * vst + t * 16)))
+                              : _mm512_setzero_si512();
+        z[i] = _mm512_castsi512_ps(_mm512_permutex2var_epi16(a, pair_idx, b));
+      }
+      transpose16(z);  // z[x] lane i: keys 2 i and 2 i + 1 of value t 16 + x
+      bf16_t* dst = vt + (c * dtiles + t) * 512;
+      for (int x = 0; x < 16; ++x) _mm512_storeu_ps(dst + x * 32, z[x]);
+    }
+  }
+}
+
 // A tile whose rows all have a running max keeps it while each row's sum of the block's
 // probabilities stays at most this (so no key outweighs that max's key by more than 2^16): its
 // sums and O go unrescaled, and its scores take one pass.
@@ -297,6 +394,7 @@ constexpr float kAmxLazyLimit = 65536.0f;
 // none yet or the block's sums pass kAmxLazyLimit: then the block's max first (a second pass) and
 // the earlier sums rescaled. The scores stay as the tiles stored them. Returns whether any row's
 // rescale factor is not 1.
+template <bool kCols>
 inline bool softmax_p_tiles(const float* sc, int64_t rp, int64_t c0, const AmxScratch& w, float* m,
                             float* l, float* alpha, F scale, bf16_t* phi, bf16_t* plo,
                             int64_t rt_count) {
@@ -304,9 +402,17 @@ inline bool softmax_p_tiles(const float* sc, int64_t rp, int64_t c0, const AmxSc
   const bool negative = Vec::lane0(scale) < 0.0f;
   bool rescale = false;
   const __m512i upper = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  int16_t idx[32];  // 16-bit lane 2 j + 1 of the first vector, then of the second (index + 32)
-  for (int j = 0; j < 32; ++j) idx[j] = static_cast<int16_t>(2 * (j % 16) + 1 + (j / 16) * 32);
+  // The upper 16 bits of each lane of two vectors: rows, the first vector's 16 then the
+  // second's; columns, interleaved (lane 2 j from the first's lane j, 2 j + 1 the second's).
+  int16_t idx[32];
+  for (int j = 0; j < 32; ++j) {
+    idx[j] = static_cast<int16_t>(kCols ? 2 * (j / 2) + 1 + (j % 2) * 32
+                                        : 2 * (j % 16) + 1 + (j / 16) * 32);
+  }
   const __m512i odd = _mm512_loadu_si512(idx);
+  // columns: 16-bit lane j of the lower half to 2 j, of the upper half to 2 j + 1
+  for (int j = 0; j < 32; ++j) idx[j] = static_cast<int16_t>(j / 2 + (j % 2) * 16);
+  const __m512i halves = _mm512_loadu_si512(idx);
   for (int64_t rt = 0; rt < rt_count; ++rt) {
     const int64_t nb = w.active[rt], chunks = (nb + 31) / 32;
     if (nb == 0) continue;
@@ -325,20 +431,33 @@ inline bool softmax_p_tiles(const float* sc, int64_t rp, int64_t c0, const AmxSc
         return p;
       };
       for (int64_t kc = 0; kc < chunks; ++kc) {
+        // pairs of vectors whose 16-bit halves make the tiles' rows: for P^T (columns), keys 2 i
+        // and 2 i + 1 of the chunk, 16 rows each; for P (rows), row r's keys 0-15 and 16-31 of
+        // the chunk, transposed from the scores' columns
         __m512 a[16], b[16];
-        for (int i = 0; i < 16; ++i) a[i] = p_of(kc * 32 + i);
-        for (int i = 0; i < 16; ++i) b[i] = p_of(kc * 32 + 16 + i);
-        transpose16(a);  // a[r]: row r's probabilities of keys kc * 32 .. kc * 32 + 15
-        transpose16(b);
+        if constexpr (kCols) {
+          for (int i = 0; i < 16; ++i) {
+            a[i] = p_of(kc * 32 + 2 * i);
+            b[i] = p_of(kc * 32 + 2 * i + 1);
+          }
+        } else {
+          for (int i = 0; i < 16; ++i) a[i] = p_of(kc * 32 + i);
+          for (int i = 0; i < 16; ++i) b[i] = p_of(kc * 32 + 16 + i);
+          transpose16(a);
+          transpose16(b);
+        }
         const int64_t tile = (kc * rt_count + rt) * 512;
         for (int r = 0; r < 16; ++r) {
           // hi: p truncated to its upper 16 bits (a bf16 as it is), lo: the rest (exact in fp32)
           // rounded to bf16; one instruction packs the upper halves, one converts both rests
+          // (and, for columns, one interleaves them)
           const __m512i ai = _mm512_castps_si512(a[r]), bi = _mm512_castps_si512(b[r]);
           const __m512 ra = _mm512_sub_ps(a[r], _mm512_castsi512_ps(_mm512_and_si512(ai, upper)));
           const __m512 rb = _mm512_sub_ps(b[r], _mm512_castsi512_ps(_mm512_and_si512(bi, upper)));
+          __m512i lo_terms = (__m512i)_mm512_cvtne2ps_pbh(rb, ra);
+          if constexpr (kCols) lo_terms = _mm512_permutexvar_epi16(halves, lo_terms);
           _mm512_storeu_si512(phi + tile + r * 32, _mm512_permutex2var_epi16(ai, odd, bi));
-          _mm512_storeu_si512(plo + tile + r * 32, (__m512i)_mm512_cvtne2ps_pbh(rb, ra));
+          _mm512_storeu_si512(plo + tile + r * 32, lo_terms);
         }
       }
       return lsum;
@@ -377,15 +496,27 @@ inline bool softmax_p_tiles(const float* sc, int64_t rp, int64_t c0, const AmxSc
   return rescale;
 }
 
+// Whether an item of rp rows takes P V in columns (O^T += V^T P^T: V transposed once per block,
+// no transpose per row tile) or in rows (O += P V: P transposed per row tile, V only paired).
+// Transposing V costs about d / 32 times one row tile's transposes of P (a 16-key chunk of V^T
+// takes 80 shuffles per 16 values of d, a row tile's chunk of P 128 less the 16 its columns
+// add), so columns pay from about 3 / 4 d rows on: on the SPR machine, calls alternated in one
+// process, one thread, 16 rows of d = 64 ran 0.90x and 64 rows 1.06x in columns, 16 rows of
+// d = 128 0.88x.
+inline bool pv_in_columns(int64_t rp, int64_t d) { return 4 * rp >= 3 * d; }
+
 // The rows' online softmax over keys [rr.kb, rr.ke) of one KV head in tiles (attend_rows' contract:
 // on entry the n real q rows are in w.qt as pairs and w.lo / w.hi hold every padded row's range;
-// on return w.o, w.m, w.l hold each row's unnormalized output, running max and sum).
+// on return w.o, w.m, w.l hold each row's unnormalized output, running max and sum). kCols: P V
+// in columns (pv_in_columns).
+template <bool kCols>
 inline void amx_attend_rows(const Args& a, const Shape& s, const bf16_t* kbase, const bf16_t* vbase,
                             const AmxScratch& w, const RowRanges& rr, int64_t n, int64_t rp) {
   const int64_t d = a.head_dim, bk = kAmxBlockKeys, rt_count = rp / 16, steps = d / 32;
   for (int64_t x = 0; x < d / 2; ++x)
     for (int64_t r = n; r < rp; ++r) w.qt[x * rp + r] = 0;
-  std::memset(w.o, 0, static_cast<size_t>(rp * d) * sizeof(float));
+  float* const acc = kCols ? w.ot : w.o;  // O^T or O
+  std::memset(acc, 0, static_cast<size_t>(rp * d) * sizeof(float));
   for (int64_t r = 0; r < rp; ++r) {
     w.m[r] = -HUGE_VALF;
     w.l[r] = 0.0f;
@@ -476,32 +607,68 @@ inline void amx_attend_rows(const Args& a, const Shape& s, const bf16_t* kbase, 
       }
     }
     const bool rescale =
-        softmax_p_tiles(w.sc, rp, c0, w, w.m, w.l, w.alpha, qscale, w.phi, w.plo, rt_count);
+        softmax_p_tiles<kCols>(w.sc, rp, c0, w, w.m, w.l, w.alpha, qscale, w.phi, w.plo, rt_count);
     if (rescale) {
-      for (int64_t r = 0; r < rp; ++r) {
-        if (!w.active[r / 16] || w.alpha[r] == 1.0f) continue;
-        const F ar = Vec::set1(w.alpha[r]);
-        for (int64_t x = 0; x < d; x += W)
-          Vec::store(w.o + r * d + x, Vec::mul(Vec::load(w.o + r * d + x), ar));
+      for (int64_t rt = 0; rt < rt_count; ++rt) {
+        const F al = Vec::load(w.alpha + rt * 16);
+        if (!w.active[rt] || Vec::all_equal(al, Vec::set1(1.0f))) continue;
+        if constexpr (kCols) {  // O^T's columns are the rows: one vector of factors per tile
+          for (int64_t x = 0; x < d; ++x) {
+            float* o = acc + x * rp + rt * 16;
+            Vec::store(o, Vec::mul(Vec::load(o), al));
+          }
+        } else {
+          for (int64_t r = rt * 16; r < rt * 16 + 16; ++r) {
+            if (w.alpha[r] == 1.0f) continue;
+            const F ar = Vec::set1(w.alpha[r]);
+            for (int64_t x = 0; x < d; x += W)
+              Vec::store(acc + r * d + x, Vec::mul(Vec::load(acc + r * d + x), ar));
+          }
+        }
       }
     }
-    v_pairs(vbase + c0 * vst, vst, nb, chunks * 16, d, w.vv);
     const int64_t dtiles = d / 16;  // even: d is a multiple of 32
+    if constexpr (kCols) {
+      v_tiles(vbase + c0 * vst, vst, nb, chunks, d, w.vp);
+    } else {
+      v_pairs(vbase + c0 * vst, vst, nb, chunks * 16, d, w.vp);
+    }
     for (int64_t rt = 0; rt < rt_count; rt += 2) {
       const int64_t pair_chunks = (w.active[rt] + 31) / 32;
       if (pair_chunks == 0) continue;
       for (int64_t dt = 0; dt < dtiles; dt += 2) {
         pf.step();
-        if (rt + 1 < rt_count) {
-          pv_tiles<2, 2>(w.o, d, w.phi, w.plo, rt_count, w.vv, rt, dt, pair_chunks);
+        if constexpr (kCols) {
+          if (rt + 1 < rt_count) {
+            pv_col_tiles<2>(acc, rp, w.phi, w.plo, rt_count, w.vp, dtiles, rt, dt, pair_chunks);
+          } else {
+            pv_col_tiles<1>(acc, rp, w.phi, w.plo, rt_count, w.vp, dtiles, rt, dt, pair_chunks);
+          }
+        } else if (rt + 1 < rt_count) {
+          pv_row_tiles<2, 2>(acc, d, w.phi, w.plo, rt_count, w.vp, rt, dt, pair_chunks);
         } else {
-          pv_tiles<1, 2>(w.o, d, w.phi, w.plo, rt_count, w.vv, rt, dt, pair_chunks);
+          pv_row_tiles<1, 2>(acc, d, w.phi, w.plo, rt_count, w.vp, rt, dt, pair_chunks);
         }
       }
     }
     pf.per_step = pf.tokens * ((pf.run + 63) / 64);  // what the steps left, if any
     pf.step();
   }
+  if (!kCols) return;
+  for (int64_t rt = 0; rt < rt_count; ++rt) {  // O^T to rows
+    for (int64_t dt = 0; dt < d / 16; ++dt) {
+      __m512 z[16];
+      for (int x = 0; x < 16; ++x) z[x] = Vec::load(w.ot + (dt * 16 + x) * rp + rt * 16);
+      transpose16(z);
+      for (int r = 0; r < 16; ++r) Vec::store(w.o + (rt * 16 + r) * d + dt * 16, z[r]);
+    }
+  }
+}
+
+inline void amx_attend(const Args& a, const Shape& s, const bf16_t* kbase, const bf16_t* vbase,
+                       const AmxScratch& w, const RowRanges& rr, int64_t n, int64_t rp) {
+  if (pv_in_columns(rp, a.head_dim)) return amx_attend_rows<true>(a, s, kbase, vbase, w, rr, n, rp);
+  amx_attend_rows<false>(a, s, kbase, vbase, w, rr, n, rp);
 }
 
 // prefill_item and shared_item (isa_kernels.h) on the tiles: the same rows, ranges and outputs.
@@ -515,8 +682,8 @@ inline void amx_prefill_item(const Args& a, const Shape& s, const Request& rq, c
   const RowRanges rr = row_ranges(a, rq, it, map, n, rp, w.lo, w.hi);
   for (int64_t r = 0; r < n; ++r)
     stage_q_pairs(q_row(a, rq, map.query(r), map.head(r)), d, w.qt, rp, r);
-  amx_attend_rows(a, s, cache_ptr<bf16_t>(a.k_cache, rq.row, 0, it.kv_head),
-                  cache_ptr<bf16_t>(a.v_cache, rq.row, 0, it.kv_head), w, rr, n, rp);
+  amx_attend(a, s, cache_ptr<bf16_t>(a.k_cache, rq.row, 0, it.kv_head),
+             cache_ptr<bf16_t>(a.v_cache, rq.row, 0, it.kv_head), w, rr, n, rp);
   for (int64_t r = 0; r < n; ++r)
     emit_row(a, s, rq, map.query(r), map.head(r), w.o + r * d, w.m[r], w.l[r], part, r);
 }
@@ -534,8 +701,8 @@ inline void amx_shared_item(const Args& a, const Shape& s, const Request& rq, co
   rr.kb = rr.max_lo = it.k_begin;
   rr.ke = rr.min_hi = it.k_end;
   for (int64_t r = 0; r < n; ++r) stage_q_pairs(it.rows[r].q, d, w.qt, rp, r);
-  amx_attend_rows(a, s, cache_ptr<bf16_t>(a.k_cache, rq.row, 0, it.kv_head),
-                  cache_ptr<bf16_t>(a.v_cache, rq.row, 0, it.kv_head), w, rr, n, rp);
+  amx_attend(a, s, cache_ptr<bf16_t>(a.k_cache, rq.row, 0, it.kv_head),
+             cache_ptr<bf16_t>(a.v_cache, rq.row, 0, it.kv_head), w, rr, n, rp);
   for (int64_t r = 0; r < n; ++r) {
     const SharedRow& row = it.rows[r];
     *row.m = w.m[r];
