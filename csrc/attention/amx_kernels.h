@@ -28,9 +28,10 @@
 //   its B tiles are two keys' vectors interleaved (one shuffle per 16 probabilities); A is V^T,
 //   transposed once per block and item (v_tiles). O^T stays in fp32 scratch between blocks
 //   (loaded and stored as tiles; a row's rescale is one vector per row tile) and is transposed
-//   to rows once at the item's end. On the SPR machine this took a bf16 prefill 1.03x-1.11x
-//   faster than P V in rows (calls alternated in one process; d = 64 gains most, where the
-//   transposes of P weighed most, docs/benchmarks.md).
+//   to rows once at the item's end. On the SPR machine (calls alternated in one process,
+//   docs/benchmarks.md) bf16 prefills ran 1.06x-1.15x faster than with P V in rows at d = 64,
+//   where the transposes of P weighed most, and 0.91x-1.04x at d = 128, where the tile
+//   products weigh more and transposing V costs twice as much.
 // - P V in rows (smaller items, where transposing V would cost more than P): O[row][d] +=
 //   P[row][key] . V[key][d]: A is P, transposed in registers from P^T to rows (four shuffles
 //   per 16 probabilities), rows x 32 keys. B is V with two keys' rows interleaved value by value
