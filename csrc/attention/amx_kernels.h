@@ -185,7 +185,7 @@ inline void qk_tiles(const bf16_t* kp, const int32_t* qt, int64_t rp, int64_t rt
   if constexpr (NK > 1 && NR > 1) _tile_stored(3, c + 16 * rp + 16, rp * 4);
 }
 
-// P V in rows (small items, see attend_layout): O += P V for NR (1 or 2) row tiles from rt0 on and
+// P V in rows (small items, see pv_in_columns): O += P V for NR (1 or 2) row tiles from rt0 on and
 // ND (1 or 2) tiles of 16 values of d from dt0 on, over `chunks` chunks of 32 keys: accumulator
 // (row tile i, d tile j) is tile 2 i + j, loaded from and stored back to o ([rp][d] fp32). P tiles
 // hi then lo (split) for each chunk.
@@ -499,7 +499,7 @@ inline bool softmax_p_tiles(const float* sc, int64_t rp, int64_t c0, const AmxSc
 
 // Whether an item of rp rows takes P V in columns (O^T += V^T P^T: V transposed once per block,
 // no transpose per row tile) or in rows (O += P V: P transposed per row tile, V only paired).
-// Transposing V costs about d / 32 times one row tile's transposes of P (a 16-key chunk of V^T
+// Transposing V costs about d / 22 times one row tile's transposes of P (a 32-key chunk of V^T
 // takes 80 shuffles per 16 values of d, a row tile's chunk of P 128 less the 16 its columns
 // add), so columns pay from about 3 / 4 d rows on: on the SPR machine, calls alternated in one
 // process, one thread, 16 rows of d = 64 ran 0.90x and 64 rows 1.06x in columns, 16 rows of
