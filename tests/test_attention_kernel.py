@@ -487,9 +487,9 @@ def test_prefill_query_blocks_of_every_row_count(isa, lq, d, dtype):
 @pytest.mark.parametrize("group", [1, 4])
 def test_prefill_items_of_many_row_tiles(isa, group, window):
     """amx items take up to 256 rows (64 queries at a group of 4, 256 at 1; the other variants
-    64): a block's K tiles and V pairs are packed once for all of them, and a pair of row tiles
-    reads a block only up to the last key one of its rows sees (none of it when none). Causal
-    prompts of 300 queries over 0 and 150 cached
+    64): a block's K tiles and V (pairs, or V^T tiles) are packed once for all of them, and a
+    pair of row tiles reads a block only up to the last key one of its rows sees (none of it when
+    none). Causal prompts of 300 queries over 0 and 150 cached
     keys: an item's first rows end long before its last rows (they skip its later blocks), a
     window of 40 keys makes its last rows skip its first blocks, and the second item is a
     partial one (44 rows a head at group 1: an odd count of row tiles)."""
