@@ -323,14 +323,20 @@ inline void k_tiles(const bf16_t* k, int64_t kst, int64_t nb, int64_t ktiles, in
   }
 }
 
+// Indices of a 16-bit permute that interleaves two sources value by value: lane 2 j takes value j
+// of the first, lane 2 j + 1 value j of the second, whose values start at index `second` (32: the
+// other vector of a two-source permute; 16: the upper half of the same vector).
+inline __m512i interleave_idx(int second) {
+  int16_t idx[32];
+  for (int j = 0; j < 32; ++j) idx[j] = static_cast<int16_t>(j / 2 + (j % 2) * second);
+  return _mm512_loadu_si512(idx);
+}
+
 // V rows of keys [c0, c0 + nb) (vst apart) as B tiles: row i of vv holds keys c0 + 2 i and
 // c0 + 2 i + 1 interleaved value by value, for i < pairs; keys at or past nb read as zero rows.
 inline void v_pairs(const bf16_t* v, int64_t vst, int64_t nb, int64_t pairs, int64_t d,
                     bf16_t* vv) {
-  // lane 2 j: value j of the first key's row, lane 2 j + 1: value j of the second's (index + 32)
-  int16_t idx[32];
-  for (int j = 0; j < 32; ++j) idx[j] = static_cast<int16_t>(j / 2 + (j % 2) * 32);
-  const __m512i lo_idx = _mm512_loadu_si512(idx);
+  const __m512i lo_idx = interleave_idx(32);  // the two keys' values 0-15, then 16-31
   const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
   for (int64_t i = 0; i < pairs; ++i) {
     const bf16_t* r0 = 2 * i < nb ? v + 2 * i * vst : nullptr;
@@ -354,10 +360,7 @@ inline void v_pairs(const bf16_t* v, int64_t vst, int64_t nb, int64_t pairs, int
 // softmax four shuffles per 16 probabilities.
 inline void v_tiles(const bf16_t* v, int64_t vst, int64_t nb, int64_t chunks, int64_t d,
                     bf16_t* vt) {
-  // lane 2 j: value j of the first key's row, lane 2 j + 1: value j of the second's (index + 32)
-  int16_t idx[32];
-  for (int j = 0; j < 32; ++j) idx[j] = static_cast<int16_t>(j / 2 + (j % 2) * 32);
-  const __m512i pair_idx = _mm512_loadu_si512(idx);
+  const __m512i pair_idx = interleave_idx(32);  // two keys' 16 values (in the lower halves)
   const int64_t dtiles = d / 16;
   for (int64_t c = 0; c < chunks; ++c) {
     for (int64_t t = 0; t < dtiles; ++t) {
@@ -411,9 +414,7 @@ inline bool softmax_p_tiles(const float* sc, int64_t rp, int64_t c0, const AmxSc
                                         : 2 * (j % 16) + 1 + (j / 16) * 32);
   }
   const __m512i odd = _mm512_loadu_si512(idx);
-  // columns: 16-bit lane j of the lower half to 2 j, of the upper half to 2 j + 1
-  for (int j = 0; j < 32; ++j) idx[j] = static_cast<int16_t>(j / 2 + (j % 2) * 16);
-  const __m512i halves = _mm512_loadu_si512(idx);
+  const __m512i halves = interleave_idx(16);  // columns: the lo terms of two keys interleaved
   for (int64_t rt = 0; rt < rt_count; ++rt) {
     const int64_t nb = w.active[rt], chunks = (nb + 31) / 32;
     if (nb == 0) continue;
