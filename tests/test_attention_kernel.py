@@ -985,38 +985,50 @@ def test_kernel_releases_the_gil():
         torch.set_num_threads(before)
 
 
+BOTH = ("avx512bf16", "avx512")
+
+
 @pytest.mark.parametrize(
-    "dtype, cache_dtype, lq, d, tiles",
+    "dtype, cache_dtype, lq, d, twins",
     [
-        (torch.float32, torch.float32, 40, 64, False),  # fp32: not AMX's
-        (torch.float16, torch.float16, 40, 64, False),
-        (torch.float32, torch.float8_e4m3fn, 40, 64, False),
-        (torch.bfloat16, torch.bfloat16, 1, 64, False),  # decode
-        (torch.bfloat16, torch.bfloat16, 40, 80, False),  # d not a multiple of 32
-        (torch.bfloat16, torch.bfloat16, 40, 64, True),  # prefill: the tiles
-        (torch.bfloat16, torch.bfloat16, 40, 128, True),
+        (torch.float32, torch.float32, 40, 64, BOTH),  # fp32: not AMX's, no bf16 dot product
+        (torch.float16, torch.float16, 40, 64, BOTH),
+        (torch.float32, torch.float8_e4m3fn, 40, 64, BOTH),
+        (torch.bfloat16, torch.bfloat16, 1, 64, ("avx512",)),  # decode: QK^T on FMAs
+        (torch.bfloat16, torch.bfloat16, 1, 128, ("avx512",)),
+        (torch.bfloat16, torch.bfloat16, 40, 80, ("avx512",)),  # d not a multiple of 32
+        (torch.bfloat16, torch.bfloat16, 40, 64, ()),  # prefill: the tiles
+        (torch.bfloat16, torch.bfloat16, 40, 128, ()),
     ],
 )
-def test_amx_runs_avx512bf16s_code_but_for_bf16_prefill(dtype, cache_dtype, lq, d, tiles):
-    """The amx variant is avx512bf16's kernel except for prefill items of bf16 caches with d a
-    multiple of 32: everything else (fp32, fp16 and fp8 caches, decode, other head sizes) gives
-    avx512bf16's output bit for bit, and those prefill items do not (their tiles ran)."""
+def test_amx_runs_avx512s_code_but_for_bf16_prefill(dtype, cache_dtype, lq, d, twins):
+    """The amx variant is avx512's kernel except for prefill items of bf16 caches with d a
+    multiple of 32 (tiles): everything else gives avx512's output bit for bit, bf16 decode and the
+    vector prefill of other head sizes included (QK^T on FMAs over widened K, not avx512bf16's
+    dot product), and fp32, fp16 and fp8 caches avx512bf16's too (no dot product there). Outputs
+    equal exactly the twins named, so each case also shows which code ran."""
     runnable = {v.name for v in kernel_variants() if v.runnable}
-    if not {"amx", "avx512bf16"} <= runnable:
-        pytest.skip(f"needs the amx and avx512bf16 variants; this CPU runs {sorted(runnable)}")
+    if not {"amx", *BOTH} <= runnable:
+        pytest.skip(
+            f"needs the amx, avx512bf16 and avx512 variants; this CPU runs {sorted(runnable)}"
+        )
     gen = torch.Generator().manual_seed(31)
-    kc, vc = make_caches(3, 300, 2, d, cache_dtype, gen=gen)
-    q = torch.randn(3, lq, 8, d, generator=gen).to(dtype)
-    kw = dict(cache_seqlens=torch.tensor([0, 100, 250]), causal=True)
+    # decode: enough outputs that the FMAs' rounding, not the dot product's, shows in some bf16
+    rows, kv_heads = (3, 2) if lq > 1 else (32, 8)
+    kc, vc = make_caches(rows, 300, kv_heads, d, cache_dtype, gen=gen)
+    q = torch.randn(rows, lq, 4 * kv_heads, d, generator=gen).to(dtype)
+    lens = torch.tensor([0, 100, 250]) if lq > 1 else torch.randint(1, 290, (rows,), generator=gen)
+    kw = dict(cache_seqlens=lens, causal=True)
     before = kernel_isa()
     outs = {}
     try:
-        for name in ("amx", "avx512bf16"):
+        for name in ("amx", *BOTH):
             assert _C.set_attention_kernel_isa(name)
             outs[name] = cpu_attention(q, kc, vc, **kw)
     finally:
         _C.set_attention_kernel_isa(before)
-    assert torch.equal(outs["amx"], outs["avx512bf16"]) != tiles
+    equal = tuple(name for name in BOTH if torch.equal(outs["amx"], outs[name]))
+    assert equal == twins
 
 
 def test_kernel_variants_are_what_the_build_and_the_cpu_offer():

@@ -1,7 +1,8 @@
 // AMX-BF16 tiles for the prefill and shared-prefix items of bf16 caches. A fragment: isa_amx.cpp
 // includes it after vec_avx512.h (with VATTN_AVX512_BF16) and isa_kernels.h, inside its own
 // namespace, under a target pragma with amx-tile and amx-bf16; everything else of that variant
-// (decode items, other dtypes, head_dim not a multiple of 32) is the avx512bf16 code.
+// (decode items, other dtypes, head_dim not a multiple of 32) is the avx512 vector code (FMAs over
+// widened bf16, no bf16 dot product: isa_amx.cpp says why).
 //
 // An item's rows (queries x group heads of one KV head, up to kAmxRows) against a block of keys, as
 // tile matmuls with fp32 accumulation (TDPBF16PS: C[16][16] fp32 += A[16][32] bf16 . B, B in
@@ -54,7 +55,7 @@ constexpr int64_t kAmxBlockKeys = 128;  // keys per block: 4 P V tiles of 32 key
 constexpr int64_t kAmxRows = 256;
 
 // Whether an item of this call takes the tiles: bf16 q and cache, d a whole number of 32-value
-// tiles (other head sizes run the avx512bf16 code).
+// tiles (other head sizes run the avx512 vector code).
 template <typename KT>
 inline bool amx_rows(const Args& a) {
   return std::is_same<KT, bf16_t>::value && a.dtype == DType::kBFloat16 && a.head_dim % 32 == 0;

@@ -1,0 +1,140 @@
+"""Two variants of the CPU attention kernel on the same calls, alternated in one process.
+
+    python benchmarks/bench_attention_variants.py amx avx512bf16 [--threads 2] [--rounds 16]
+        [--decode HEADS,KV_HEADS,D,ROWS,TOKENS ...] [--prefill HEADS,KV_HEADS,D,CHUNK,PAST ...]
+
+For each shape it builds one bf16 vattention cache (2 MB pages, as the plugin's), checks that the
+two variants' outputs agree within bf16's tolerance, then times them in rounds that switch the
+variant before every sample (A B B A ...), so that a noisy machine's drift hits both alike. It
+prints each variant's fastest sample and the median over rounds of B's time over A's: how many
+times A's speed B's is, the figure to quote. Runs in separate processes, or whole tables one
+variant after the other, moved by more than the differences this is for on the VMs it was made
+on (docs/benchmarks.md).
+
+Decode shapes: ROWS requests of TOKENS cached tokens, one query each. Prefill shapes: two
+requests, each a causal chunk of CHUNK queries after PAST cached tokens (PAST 0: whole prompts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+import vattention
+from vattention import _C
+from vattention.attention import cpu_attention, kernel_variants
+from vattention.bench.machine import cpu_flags, cpu_name
+
+DECODE = [
+    "16,4,64,16,512",
+    "16,4,64,16,2048",
+    "16,8,64,16,1024",
+    "32,8,128,16,1024",
+    "32,4,128,8,2048",
+]
+PREFILL = ["16,4,80,256,512", "32,8,80,512,0"]
+
+
+def calls(shape: str, prefill: bool):
+    """(the call, the cache to close) for one shape: a bf16 vattention cache filled at random."""
+    heads, kv_heads, d, a, b = (int(x) for x in shape.split(","))
+    rows, tokens = (2, a + b) if prefill else (a, b)
+    cfg = vattention.KVCacheConfig(
+        num_layers=1,
+        num_kv_heads=kv_heads,
+        head_dim=d,
+        max_batch_size=rows,
+        max_seq_len=tokens,
+        dtype=torch.bfloat16,
+        page_size="2MB",
+    )
+    cache = vattention.KVCache(cfg)
+    slots = [cache.alloc() for _ in range(rows)]
+    cache.step({s: tokens for s in slots})
+    k, v = cache.layer(0)
+    gen = torch.Generator().manual_seed(0)
+    for s in slots:
+        k[s, :tokens] = torch.randn(tokens, kv_heads, d, generator=gen).bfloat16()
+        v[s, :tokens] = torch.randn(tokens, kv_heads, d, generator=gen).bfloat16()
+    q = torch.randn(rows, a if prefill else 1, heads, d, generator=gen).bfloat16()
+    out = torch.empty_like(q)
+    kw = dict(
+        cache_seqlens=torch.full((rows,), tokens, dtype=torch.int32),
+        cache_batch_idx=torch.tensor(slots, dtype=torch.int32),
+        causal=True,
+        out=out,
+    )
+    return (lambda: cpu_attention(q, k, v, **kw)), cache
+
+
+def compare(a: str, b: str, fn, rounds: int, per_sample: int) -> tuple[float, float, float]:
+    """(A's fastest sample, B's, median over rounds of B's time / A's), seconds per call."""
+    times: dict[str, list[float]] = {a: [], b: []}
+    for r in range(rounds):
+        for name in (a, b) if r % 2 == 0 else (b, a):
+            _C.set_attention_kernel_isa(name)
+            fn()  # the first call after a switch warms that variant's code and scratch
+            start = time.perf_counter()
+            for _ in range(per_sample):
+                fn()
+            times[name].append((time.perf_counter() - start) / per_sample)
+    ratio = statistics.median(tb / ta for ta, tb in zip(times[a], times[b]))
+    return min(times[a]), min(times[b]), ratio
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("a", help="the variant measured (e.g. amx)")
+    parser.add_argument("b", help="the variant it is measured against (e.g. avx512bf16)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=16)
+    parser.add_argument("--calls", type=int, default=3, help="calls per timed sample")
+    parser.add_argument("--decode", nargs="*", default=DECODE, metavar="H,HKV,D,ROWS,TOKENS")
+    parser.add_argument("--prefill", nargs="*", default=PREFILL, metavar="H,HKV,D,CHUNK,PAST")
+    args = parser.parse_args()
+    runnable = {v.name for v in kernel_variants() if v.runnable}
+    if args.a == args.b:
+        parser.error(f"two different variants, not {args.a!r} twice")
+    for name in (args.a, args.b):
+        if name not in runnable:
+            parser.error(f"variant {name!r} does not run on this CPU (it runs {sorted(runnable)})")
+    torch.set_num_threads(args.threads)
+    isa = sorted(cpu_flags() & {"avx512_bf16", "amx_bf16", "amx_tile", "avx512f", "avx2"})
+    load = os.getloadavg()
+    print(
+        f"{cpu_name()} ({', '.join(isa)}), {os.cpu_count()} CPUs, {args.threads} thread(s), "
+        f"torch {torch.__version__}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at "
+        f"start; {args.rounds} rounds of {args.calls} calls, variants alternated\n"
+    )
+    print(f"| call | shape | {args.a} min | {args.b} min | {args.a} / {args.b} speed |")
+    print("|---|---|---:|---:|---:|")
+    try:
+        for kind, shapes in (("decode", args.decode), ("prefill", args.prefill)):
+            for shape in shapes:
+                fn, cache = calls(shape, kind == "prefill")
+                with cache:
+                    outs = []
+                    for name in (args.a, args.b):
+                        _C.set_attention_kernel_isa(name)
+                        outs.append(fn().float().clone())
+                    torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=2e-2)
+                    ta, tb, ratio = compare(args.a, args.b, fn, args.rounds, args.calls)
+                print(
+                    f"| {kind} | {shape} | {ta * 1e3:.3f} ms | {tb * 1e3:.3f} ms | "
+                    f"**{ratio:.2f}x** |",
+                    flush=True,
+                )
+    finally:
+        _C.set_attention_kernel_isa("")
+    load = os.getloadavg()
+    print(f"\nload average at end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
