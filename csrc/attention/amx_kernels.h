@@ -524,26 +524,14 @@ inline void amx_attend_rows(const Args& a, const Shape& s, const bf16_t* kbase, 
     w.m[r] = -HUGE_VALF;
     w.l[r] = 0.0f;
   }
-  for (int64_t rt = 0; rt < rt_count; ++rt) {  // the tiles' ranges over their real rows
-    int32_t kb = 0, ke = 0, max_lo = 0, min_hi = INT32_MAX;
-    bool any = false;
-    for (int64_t r = rt * 16; r < std::min(n, rt * 16 + 16); ++r) {
-      if (w.hi[r] > w.lo[r]) {
-        kb = any ? std::min(kb, w.lo[r]) : w.lo[r];
-        ke = any ? std::max(ke, w.hi[r]) : w.hi[r];
-        any = true;
-      }
-      max_lo = std::max(max_lo, w.lo[r]);
-      min_hi = std::min(min_hi, w.hi[r]);
-    }
-    if (rt * 16 + 16 > n) {  // padded rows copy row 0's range
-      max_lo = std::max(max_lo, w.lo[0]);
-      min_hi = std::min(min_hi, w.hi[0]);
-    }
-    w.tkb[rt] = kb;
-    w.tke[rt] = ke;
-    w.tmax_lo[rt] = max_lo;
-    w.tmin_hi[rt] = min_hi;
+  for (int64_t rt = 0; rt < rt_count; ++rt) {
+    // the keys the tile's real rows read; the unmasked keys of all 16 (padding rows have row 0's)
+    const RowRanges kr = reduce_ranges(w.lo, w.hi, rt * 16, std::min(n, rt * 16 + 16));
+    const RowRanges all = reduce_ranges(w.lo, w.hi, rt * 16, rt * 16 + 16);
+    w.tkb[rt] = static_cast<int32_t>(kr.kb);
+    w.tke[rt] = static_cast<int32_t>(kr.ke);
+    w.tmax_lo[rt] = static_cast<int32_t>(all.max_lo);
+    w.tmin_hi[rt] = static_cast<int32_t>(all.min_hi);
   }
   const F qscale = Vec::set1(s.q_scale);
   const int64_t kst = a.k_cache.s_token, vst = a.v_cache.s_token;

@@ -106,12 +106,30 @@ struct RowRanges {
   int64_t max_lo = 0, min_hi = 0;  // keys in [max_lo, min_hi) need no mask
 };
 
-inline RowRanges row_ranges(const Args& a, const Request& rq, const WorkItem& it, const RowMap& map,
-                            int64_t n, int64_t padded, int32_t* lo, int32_t* hi) {
+// The union [kb, ke) of the key ranges [lo[r], hi[r]) of rows [r0, r1) (0, 0 if all are empty),
+// and the keys every one of them sees, [max_lo, min_hi).
+inline RowRanges reduce_ranges(const int32_t* lo, const int32_t* hi, int64_t r0, int64_t r1) {
   RowRanges rr;
   bool any = false;
   rr.max_lo = 0;
   rr.min_hi = INT64_MAX;
+  for (int64_t r = r0; r < r1; ++r) {
+    if (hi[r] > lo[r]) {
+      rr.kb = any ? std::min<int64_t>(rr.kb, lo[r]) : lo[r];
+      rr.ke = any ? std::max<int64_t>(rr.ke, hi[r]) : hi[r];
+      any = true;
+    }
+    rr.max_lo = std::max<int64_t>(rr.max_lo, lo[r]);
+    rr.min_hi = std::min<int64_t>(rr.min_hi, hi[r]);
+  }
+  if (!any) rr.kb = rr.ke = 0;
+  return rr;
+}
+
+// Each of the n rows' keys within the item, [lo[r], hi[r]) (empty as 0, 0), padding rows up to
+// `padded` given row 0's, and the ranges of the n rows together.
+inline RowRanges row_ranges(const Args& a, const Request& rq, const WorkItem& it, const RowMap& map,
+                            int64_t n, int64_t padded, int32_t* lo, int32_t* hi) {
   for (int64_t r = 0; r < n; ++r) {
     int64_t l, h;
     key_range(a, rq, map.query(r), &l, &h);
@@ -120,20 +138,12 @@ inline RowRanges row_ranges(const Args& a, const Request& rq, const WorkItem& it
     if (h <= l) l = h = 0;
     lo[r] = static_cast<int32_t>(l);
     hi[r] = static_cast<int32_t>(h);
-    if (h > l) {
-      rr.kb = any ? std::min(rr.kb, l) : l;
-      rr.ke = any ? std::max(rr.ke, h) : h;
-      any = true;
-    }
-    rr.max_lo = std::max(rr.max_lo, l);
-    rr.min_hi = std::min(rr.min_hi, h);
   }
   for (int64_t r = n; r < padded; ++r) {
     lo[r] = lo[0];
     hi[r] = hi[0];
   }
-  if (!any) rr.kb = rr.ke = 0;
-  return rr;
+  return reduce_ranges(lo, hi, 0, n);
 }
 
 // ------------------------------------------------------------------------------------------------
