@@ -1,5 +1,5 @@
 // AMX-BF16 tiles for the prefill and shared-prefix items of bf16 caches. A fragment: isa_amx.cpp
-// includes it after vec_avx512.h (with VATTN_AVX512_BF16) and isa_kernels.h, inside its own
+// includes it after vec_avx512.h (avx512's vector type) and isa_kernels.h, inside its own
 // namespace, under a target pragma with amx-tile and amx-bf16; everything else of that variant
 // (decode items, other dtypes, head_dim not a multiple of 32) is the avx512 vector code (FMAs over
 // widened bf16, no bf16 dot product: isa_amx.cpp says why).

@@ -107,7 +107,7 @@ constexpr int64_t kMaxHeadDim = 512;
 void flash_attn_with_kvcache(const Args& args);
 
 // The instruction set the kernels dispatch to: "amx" (AMX-BF16 tiles for bf16 prefill, with
-// avx512bf16's code for the rest), "avx512bf16" (AVX-512 with vdpbf16ps), "avx512", "avx2" or
+// avx512's vector code for the rest), "avx512bf16" (AVX-512 with vdpbf16ps), "avx512", "avx2" or
 // "generic". The best this CPU supports is chosen once; VATTENTION_ATTENTION_ISA=<name> in the
 // environment, or set_kernel_isa(), selects a lower one (tests, benchmarks).
 const char* kernel_isa();

@@ -1,6 +1,7 @@
 // AVX-512 vector of 16 floats for isa_kernels.h. A fragment: isa_avx512.cpp includes it inside
 // its own namespace, under `#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")`;
-// isa_avx512bf16.cpp too, with avx512bf16 added and VATTN_AVX512_BF16 defined.
+// isa_avx512bf16.cpp too, with avx512bf16 added and VATTN_AVX512_BF16 defined; isa_amx.cpp with
+// AMX added but without VATTN_AVX512_BF16 (its vector code takes no bf16 dot product).
 // (No include guard and no #include: <immintrin.h> and convert.h come first in that file.)
 
 struct Vec {
