@@ -4,9 +4,10 @@
         [--decode HEADS,KV_HEADS,D,ROWS,TOKENS ...] [--prefill HEADS,KV_HEADS,D,CHUNK,PAST ...]
 
 For each shape it builds one bf16 vattention cache (2 MB pages, as the plugin's), checks that the
-two variants' outputs agree within bf16's tolerance, then times them in rounds that switch the
-variant before every sample (A B B A ...), so that a noisy machine's drift hits both alike. It
-prints each variant's fastest sample and the median over rounds of B's time over A's: how many
+two variants' outputs agree within bf16's tolerance (not bit for bit: their arithmetic differs),
+then times them in rounds that switch the variant before every sample (A B B A ...), so that a
+noisy machine's drift hits both alike. It prints each variant's fastest and median sample and
+the median over rounds of B's time over A's: how many
 times A's speed B's is, the figure to quote. Runs in separate processes, or whole tables one
 variant after the other, moved by more than the differences this is for on the VMs it was made
 on (docs/benchmarks.md).
@@ -71,8 +72,10 @@ def calls(shape: str, prefill: bool):
     return (lambda: cpu_attention(q, k, v, **kw)), cache
 
 
-def compare(a: str, b: str, fn, rounds: int, per_sample: int) -> tuple[float, float, float]:
-    """(A's fastest sample, B's, median over rounds of B's time / A's), seconds per call."""
+def compare(a: str, b: str, fn, rounds: int, per_sample: int) -> dict[str, list[float]]:
+    """Seconds per call of each sample of A and B. Like _timing.compare_min_median, but the
+    variant is switched before every sample and warmed by an untimed call after the switch, and
+    the samples are kept so that each round's ratio can be taken."""
     times: dict[str, list[float]] = {a: [], b: []}
     for r in range(rounds):
         for name in (a, b) if r % 2 == 0 else (b, a):
@@ -82,8 +85,7 @@ def compare(a: str, b: str, fn, rounds: int, per_sample: int) -> tuple[float, fl
             for _ in range(per_sample):
                 fn()
             times[name].append((time.perf_counter() - start) / per_sample)
-    ratio = statistics.median(tb / ta for ta, tb in zip(times[a], times[b]))
-    return min(times[a]), min(times[b]), ratio
+    return times
 
 
 def main() -> None:
@@ -112,7 +114,10 @@ def main() -> None:
         f"torch {torch.__version__}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at "
         f"start; {args.rounds} rounds of {args.calls} calls, variants alternated\n"
     )
-    print(f"| call | shape | {args.a} min | {args.b} min | {args.a} / {args.b} speed |")
+    print(
+        f"| call | shape | {args.a} min / median | {args.b} min / median | "
+        f"{args.a} / {args.b} speed |"
+    )
     print("|---|---|---:|---:|---:|")
     try:
         for kind, shapes in (("decode", args.decode), ("prefill", args.prefill)):
@@ -124,12 +129,13 @@ def main() -> None:
                         _C.set_attention_kernel_isa(name)
                         outs.append(fn().float().clone())
                     torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=2e-2)
-                    ta, tb, ratio = compare(args.a, args.b, fn, args.rounds, args.calls)
-                print(
-                    f"| {kind} | {shape} | {ta * 1e3:.3f} ms | {tb * 1e3:.3f} ms | "
-                    f"**{ratio:.2f}x** |",
-                    flush=True,
+                    t = compare(args.a, args.b, fn, args.rounds, args.calls)
+                ratio = statistics.median(tb / ta for ta, tb in zip(t[args.a], t[args.b]))
+                ta, tb = (
+                    f"{min(t[n]) * 1e3:.3f} / {statistics.median(t[n]) * 1e3:.3f} ms"
+                    for n in (args.a, args.b)
                 )
+                print(f"| {kind} | {shape} | {ta} | {tb} | **{ratio:.2f}x** |", flush=True)
     finally:
         _C.set_attention_kernel_isa("")
     load = os.getloadavg()
