@@ -989,24 +989,29 @@ BOTH = ("avx512bf16", "avx512")
 
 
 @pytest.mark.parametrize(
-    "dtype, cache_dtype, lq, d, twins",
+    "dtype, cache_dtype, lq, d, group, twins",
     [
-        (torch.float32, torch.float32, 40, 64, BOTH),  # fp32: not AMX's, no bf16 dot product
-        (torch.float16, torch.float16, 40, 64, BOTH),
-        (torch.float32, torch.float8_e4m3fn, 40, 64, BOTH),
-        (torch.bfloat16, torch.bfloat16, 1, 64, ("avx512",)),  # decode: QK^T on FMAs
-        (torch.bfloat16, torch.bfloat16, 1, 128, ("avx512",)),
-        (torch.bfloat16, torch.bfloat16, 40, 80, ("avx512",)),  # d not a multiple of 32
-        (torch.bfloat16, torch.bfloat16, 40, 64, ()),  # prefill: the tiles
-        (torch.bfloat16, torch.bfloat16, 40, 128, ()),
+        (torch.float32, torch.float32, 40, 64, 4, BOTH),  # fp32: not AMX's, no bf16 dot product
+        (torch.float16, torch.float16, 40, 64, 4, BOTH),
+        (torch.float32, torch.float8_e4m3fn, 40, 64, 4, BOTH),
+        (torch.bfloat16, torch.bfloat16, 1, 64, 1, BOTH),  # decode, GQA 1: FMAs in both
+        (torch.bfloat16, torch.bfloat16, 1, 80, 4, ("avx512",)),  # d not a multiple of 32
+        (torch.bfloat16, torch.bfloat16, 1, 64, 4, ()),  # decode, GQA 4: tile scores
+        (torch.bfloat16, torch.bfloat16, 1, 128, 4, ()),
+        (torch.bfloat16, torch.bfloat16, 1, 64, 8, ()),  # GQA 8: chunks of 2 heads
+        (torch.bfloat16, torch.bfloat16, 40, 80, 4, ("avx512",)),  # d not a multiple of 32
+        (torch.bfloat16, torch.bfloat16, 40, 64, 4, ()),  # prefill: the tiles
+        (torch.bfloat16, torch.bfloat16, 40, 128, 4, ()),
     ],
 )
-def test_amx_runs_avx512s_code_but_for_bf16_prefill(dtype, cache_dtype, lq, d, twins):
-    """The amx variant is avx512's kernel except for prefill items of bf16 caches with d a
-    multiple of 32 (tiles): everything else gives avx512's output bit for bit, bf16 decode and the
-    vector prefill of other head sizes included (QK^T on FMAs over widened K, not avx512bf16's
-    dot product), and fp32, fp16 and fp8 caches avx512bf16's too (no dot product there). Outputs
-    equal exactly the twins named, so each case also shows which code ran."""
+def test_amx_runs_avx512s_code_but_for_bf16_tiles(dtype, cache_dtype, lq, d, group, twins):
+    """The amx variant is avx512's kernel except where bf16 caches with d a multiple of 32 take
+    the tiles: prefill items, and the scores of decode items whose tiles hold one token (GQA 4
+    and 8: a chunk's heads x rows fill the 16 lanes). Everything else gives avx512's output bit
+    for bit (QK^T on FMAs over widened K, not avx512bf16's dot product: GQA 1 decode, other head
+    sizes), and fp32, fp16 and fp8 caches avx512bf16's too (no dot product there). Outputs equal
+    exactly the twins named, so each case also shows which code ran (its accuracy is the
+    reference tests')."""
     runnable = {v.name for v in kernel_variants() if v.runnable}
     if not {"amx", *BOTH} <= runnable:
         pytest.skip(
@@ -1016,7 +1021,7 @@ def test_amx_runs_avx512s_code_but_for_bf16_prefill(dtype, cache_dtype, lq, d, t
     # decode: enough outputs that the FMAs' rounding, not the dot product's, shows in some bf16
     rows, kv_heads = (3, 2) if lq > 1 else (32, 8)
     kc, vc = make_caches(rows, 300, kv_heads, d, cache_dtype, gen=gen)
-    q = torch.randn(rows, lq, 4 * kv_heads, d, generator=gen).to(dtype)
+    q = torch.randn(rows, lq, group * kv_heads, d, generator=gen).to(dtype)
     lens = torch.tensor([0, 100, 250]) if lq > 1 else torch.randint(1, 290, (rows,), generator=gen)
     kw = dict(cache_seqlens=lens, causal=True)
     before = kernel_isa()

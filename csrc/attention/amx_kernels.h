@@ -1,8 +1,9 @@
 // AMX-BF16 tiles for the prefill and shared-prefix items of bf16 caches. A fragment: isa_amx.cpp
-// includes it after vec_avx512.h (avx512's vector type) and isa_kernels.h, inside its own
-// namespace, under a target pragma with amx-tile and amx-bf16; everything else of that variant
-// (decode items, other dtypes, head_dim not a multiple of 32) is the avx512 vector code (FMAs over
-// widened bf16, no bf16 dot product: isa_amx.cpp says why).
+// includes it after vec_avx512.h (avx512's vector type), amx_tiles.h (the tile state) and
+// isa_kernels.h, inside its own namespace, under a target pragma with amx-tile and amx-bf16;
+// everything else of that variant (decode items, whose scores amx_tiles.h computes where a tile
+// holds one token, other dtypes, head_dim not a multiple of 32) is the avx512 vector code (FMAs
+// over widened bf16, no bf16 dot product: isa_amx.cpp says why).
 //
 // An item's rows (queries x group heads of one KV head, up to kAmxRows) against a block of keys, as
 // tile matmuls with fp32 accumulation (TDPBF16PS: C[16][16] fp32 += A[16][32] bf16 . B, B in
@@ -61,31 +62,6 @@ inline bool amx_rows(const Args& a) {
   return std::is_same<KT, bf16_t>::value && a.dtype == DType::kBFloat16 && a.head_dim % 32 == 0;
 }
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Every tile 16 rows x 64 bytes for the scope's lifetime; released at its end (tile state in use
-// makes every context switch save 8 KB more, and some CPUs keep a lower frequency meanwhile).
-class TileScope {
- public:
-  TileScope() {
-    TileConfig c;
-    for (int t = 0; t < 8; ++t) {
-      c.colsb[t] = 64;
-      c.rows[t] = 16;
-    }
-    _tile_loadconfig(&c);
-  }
-  ~TileScope() { _tile_release(); }
-  TileScope(const TileScope&) = delete;
-  TileScope& operator=(const TileScope&) = delete;
-};
-
 // Scratch of an AMX item (rp rows, a multiple of 16; bk keys per block; d a multiple of 32).
 struct AmxScratch {
   int32_t* qt;  // [d / 2][rp] q in pairs of d (bf16, unscaled)
@@ -138,10 +114,6 @@ inline int64_t amx_scratch_floats(const Args& a, const Shape& s) {
   const int64_t rp = round_up(std::max<int64_t>(s.prefill_rows, s.group), 16);
   return AmxScratch::floats(a.head_dim, rp, kAmxBlockKeys) + 16;
 }
-
-// Orders the vector code's stores before the tile loads that read them: GCC's tileloadd asm
-// takes the address only, with no memory operand, so it is no barrier by itself.
-inline void tiles_see_stores() { asm volatile("" ::: "memory"); }
 
 // Row r of Qt: q's d values (bf16) in pairs, one 32-bit lane per pair.
 inline void stage_q_pairs(const void* src, int64_t d, int32_t* qt, int64_t rp, int64_t r) {

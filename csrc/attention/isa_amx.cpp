@@ -1,16 +1,19 @@
 // The attention kernels compiled for AVX-512 (F, BW, VL, DQ) + FMA + F16C + BF16 with AMX tiles
 // (AMX-TILE, AMX-BF16), picked at run time by attention.cpp where the CPU has them and the OS has
 // granted this process the tile state: the avx512 kernels, whose prefill and shared-prefix items
-// on bf16 caches run as tile matmuls (amx_kernels.h). vec_avx512.h, isa_kernels.h and
+// on bf16 caches run as tile matmuls (amx_kernels.h), and whose bf16 decode items take their
+// scores from tile products where a tile holds one token (amx_tiles.h, VATTN_AMX_TILES, which
+// isa_kernels.h's decode_item checks). vec_avx512.h, amx_tiles.h, isa_kernels.h and
 // amx_kernels.h are included inside namespace isa_amx under a target pragma, so only these
 // functions use the tile instructions (the rest of the build stays baseline).
 //
 // Its vector code is avx512's, not avx512bf16's: VATTN_AVX512_BF16 stays undefined, so QK^T of bf16
-// items the tiles do not take (decode, head sizes not a multiple of 32) widens K to fp32 for FMAs
-// instead of taking VDPBF16PS. On the SPR machine VDPBF16PS (32 products) issued once per two
-// cycles where VFMADD231PS (16) issued twice a cycle, so with K widened once for all the rows that
-// read it the FMAs did the same work in fewer cycles (docs/benchmarks.md, "Intel (SPR, AMX): QK^T
-// on FMAs"); on Zen 4, where the dot product runs at full rate, avx512bf16 keeps it.
+// items the tiles do not take (other decode items, head sizes not a multiple of 32) widens K to
+// fp32 for FMAs instead of taking VDPBF16PS. On the SPR machine VDPBF16PS (32 products) issued
+// once per two cycles where VFMADD231PS (16) issued twice a cycle, so with K widened once for all
+// the rows that read it the FMAs did the same work in fewer cycles (docs/benchmarks.md, "Intel
+// (SPR, AMX): QK^T on FMAs"); on Zen 4, where the dot product runs at full rate, avx512bf16 keeps
+// it.
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -34,6 +37,7 @@ namespace attention {
 namespace isa_amx {
 // clang-format off: the vector type must come before the kernels that use it.
 #include "attention/vec_avx512.h"
+#include "attention/amx_tiles.h"
 #include "attention/isa_kernels.h"
 #include "attention/amx_kernels.h"
 // clang-format on

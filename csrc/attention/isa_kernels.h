@@ -531,6 +531,51 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
   bf16_t* qb = reinterpret_cast<bf16_t*>(q);
   const F qscale = Vec::set1(s.q_scale);
 
+  // Dense tiles (qk_tile_dense, pv_dense) where the heads are adjacent and d is 4 or 8 vectors
+  // (d 64 or 128 with AVX-512; 32 or 64 with AVX2): 0 where the general tiles run. kDense16:
+  // also d = 16 vectors (128 with AVX2) for one row per head, QK^T only (16 accumulators would
+  // fill AVX2's registers, so P V stays token by token). The general tile's loop over d, one
+  // (token, head) pair at a time, cost as much per element in bf16 as in fp32; the unrolled tile
+  // cut a bf16 GQA-1 decode call in cache by about 30% and over 4k-token rows by about 11%.
+  constexpr bool kDense16 = Vec::kDenseD16 && P == 1 && !kDotBf16;
+  const int64_t vpd = d / W;
+  const int64_t dense_vpd = a.k_cache.s_head == d && a.v_cache.s_head == d && d % W == 0 &&
+                                    nh % HC == 0 &&
+                                    (vpd == 4 || vpd == 8 || (kDense16 && vpd == 16))
+                                ? vpd
+                                : 0;
+  // The amx variant (VATTN_AMX_TILES, amx_tiles.h): where a tile holds one token (HC P = W = 16
+  // lanes: GQA 4 in chunks of 4 heads, GQA 8 in chunks of 2), bf16 q and K, dense heads and d a
+  // whole number of 32-value tile steps, the scores of a block come from tile products
+  // (decode_tile_scores) instead of the vector dot products; the softmax and P V are the same.
+#ifdef VATTN_AMX_TILES
+  constexpr bool kTileScores = std::is_same<KT, bf16_t>::value && P >= 2 && HC * P == W;
+#else
+  constexpr bool kTileScores = false;
+#endif
+  const bool tile_scores =
+      kTileScores && a.dtype == DType::kBFloat16 && dense_vpd != 0 && d % 32 == 0;
+#ifdef VATTN_AMX_TILES
+  const TileScope tile_state(tile_scores);
+  // after zero_f: q pairs ([chunks][hc][d / 2][16] words), then the partial key group's copy
+  int32_t* qtile = reinterpret_cast<int32_t*>(zero_f + dp);
+  int32_t* tile_pad = qtile + chunks * decode_tile_q_words(hc, d);
+  if (tile_scores) {
+    std::memset(qtile, 0, static_cast<size_t>(chunks * decode_tile_q_words(hc, d)) * 4);
+    for (int64_t h = 0; h < nh; ++h) {
+      int32_t* qh = qtile + h * decode_tile_q_words(1, d) + (h % hc) * P;
+      for (int64_t r = 0; r < nrow; ++r) {
+        const bf16_t* src =
+            static_cast<const bf16_t*>(q_row(a, rq, map.query(r), (it.kv_head + h) * g + r % g));
+        for (int64_t x = 0; x < d / 2; ++x) {
+          qh[x * 16 + r] =
+              static_cast<int32_t>(src[2 * x].bits | (uint32_t{src[2 * x + 1].bits} << 16));
+        }
+      }
+    }
+  }
+#endif
+
   int32_t lo[W], hi[W], lane_lo[W], lane_hi[W], lane_key[W];
   const RowRanges rr = row_ranges(a, rq, it, map, nrow, P, lo, hi);
   for (int64_t h = 0; h < chunks * hc; ++h) {
@@ -563,19 +608,6 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
     Vec::store(lrun + c * W, Vec::zero());
   }
 
-  // Dense tiles (qk_tile_dense, pv_dense) where the heads are adjacent and d is 4 or 8 vectors
-  // (d 64 or 128 with AVX-512; 32 or 64 with AVX2): 0 where the general tiles run. kDense16:
-  // also d = 16 vectors (128 with AVX2) for one row per head, QK^T only (16 accumulators would
-  // fill AVX2's registers, so P V stays token by token). The general tile's loop over d, one
-  // (token, head) pair at a time, cost as much per element in bf16 as in fp32; the unrolled tile
-  // cut a bf16 GQA-1 decode call in cache by about 30% and over 4k-token rows by about 11%.
-  constexpr bool kDense16 = Vec::kDenseD16 && P == 1 && !kDotBf16;
-  const int64_t vpd = d / W;
-  const int64_t dense_vpd = a.k_cache.s_head == d && a.v_cache.s_head == d && d % W == 0 &&
-                                    nh % HC == 0 &&
-                                    (vpd == 4 || vpd == 8 || (kDense16 && vpd == 16))
-                                ? vpd
-                                : 0;
   // P = 1: P V by pv_dense, a chunk's accumulators in registers (else token by token, pv_token)
   const bool pv_dense_chunks =
       P == 1 && (dense_vpd == 4 || dense_vpd == 8) && HC * dense_vpd <= Vec::kRegs / 2;
@@ -642,6 +674,15 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
       const int64_t steps = tiles * chunks + pv_steps;
       pf.per_step = (lines + steps - 1) / steps;
     }
+#ifdef VATTN_AMX_TILES
+    if (tile_scores) {
+      for (int64_t c = 0; c < chunks; ++c) {
+        decode_tile_scores(qtile + c * decode_tile_q_words(hc, d), hc,
+                           reinterpret_cast<const bf16_t*>(kbase + c0 * kst + c * HC * d), kst, d,
+                           nb, tile_pad, sc + c * tpb * W);
+      }
+    }
+#endif
     // QK^T, token by token (all chunks of heads of a tile's tokens before the next tile)
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t key0 = c0 + t * kt;
@@ -656,7 +697,9 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
       for (int64_t c = 0; c < chunks; ++c) {
         pf.step();
         F sv;
-        if (full_tile) {
+        if (tile_scores) {  // the tile products' scores, unscaled (kt == 1: token t)
+          sv = Vec::mul(Vec::load(sc + (c * tpb + t) * W), qscale);
+        } else if (full_tile) {
           const KT* kc = kbase + key0 * kst + c * HC * d;
           if constexpr (kDotBf16) {
             // dq == d: d is 4 or 8 vectors of fp32, so a whole number of bf16 dot steps
@@ -1173,7 +1216,11 @@ inline void run_item(const Args& a, const Shape& s, const Request& rq, const Wor
 inline int64_t decode_scratch_floats(int64_t nh, int64_t p, int64_t dp, int64_t bk) {
   const int64_t hc = decode_chunk_heads(nh, p), chunks = (nh + hc - 1) / hc, kt = W / (hc * p);
   const int64_t rows = chunks * hc * p, tpb = (bk + kt - 1) / kt;
-  return 2 * rows * dp + chunks * tpb * W + 3 * chunks * W + dp;
+  int64_t tile = 0;  // decode_item's tile scores (amx): q pairs and a partial key group
+#ifdef VATTN_AMX_TILES
+  tile = chunks * decode_tile_q_words(hc, dp) + kDecodeTilePadWords;
+#endif
+  return 2 * rows * dp + chunks * tpb * W + 3 * chunks * W + dp + tile;
 }
 
 // Floats of scratch one thread needs for any item of this call.

@@ -18,9 +18,12 @@ QK^T          fp32 on q pre-scaled by c' = fl(fl(softmax_scale) fl(log2 e)) (x k
               (two roundings), avx2/avx512 fuse them (FMA). avx512bf16, bf16 K: vdpbf16ps on q and
               K as they are (products exact, two fp32 additions per instruction, denormal inputs
               and results flushed to zero), the scores then multiplied by c'. amx, bf16 q and cache,
-              d a multiple of 32 (prefill and shared-prefix items): TDPBF16PS tiles, the same
-              products, accumulated in two chains of 16 per instruction, summed, then added to
-              the score (at most 18 + d / 32 roundings), denormals flushed as vdpbf16ps does.
+              d a multiple of 32 (prefill and shared-prefix items, and decode items whose tiles
+              hold one token, where the other heads' lanes add exact zeros): TDPBF16PS tiles,
+              the same products, accumulated in two chains of 16 per instruction, summed, then
+              added to the score (at most 18 + d / 32 roundings), denormals flushed as
+              vdpbf16ps does, then scaled by c' (decode: a multiply; prefill: in exp2's
+              argument).
 softmax       base 2: p = exp2(s - m), running max m per block of >= 16 keys, earlier sums
               rescaled by exp2(m_old - m_new) (amx: a tile of 16 rows keeps its m while a
               block's p stay <= 2^16; m is then one key's score, below the max, and l >= 1
@@ -29,7 +32,8 @@ softmax       base 2: p = exp2(s - m), running max m per block of >= 16 keys, ea
               below 2^-126 are 0. Key splits (flash-decoding, shared prefixes)
               are merged by weights exp2(m_part - m_max), in fp32.
 P V           fp32 multiply-adds on V widened exactly (never on bf16 probabilities), sum of
-              weights l in fp32; out = acc * fl(v_descale / l). amx (where its QK^T is): each
+              weights l in fp32; out = acc * fl(v_descale / l). amx (prefill and shared-prefix
+              items' tiles; its decode's P V is the vector code's): each
               probability p split into two bf16 terms, hi = p truncated to bf16 and
               lo = bf16(p - hi), both
               multiplied by V in TDPBF16PS tiles (exact products, fp32 sums as above); l sums

@@ -1,0 +1,119 @@
+// The AMX tile state, and the tile products of bf16 decode items' scores. A fragment: isa_amx.cpp
+// includes it after vec_avx512.h and before isa_kernels.h (whose decode_item calls
+// decode_tile_scores where VATTN_AMX_TILES is defined), inside its own namespace, under a target
+// pragma with amx-tile and amx-bf16; amx_kernels.h (prefill and shared-prefix items) uses the
+// tile state too.
+#define VATTN_AMX_TILES 1
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows x 64 bytes for the scope's lifetime; released at its end (tile state in use
+// makes every context switch save 8 KB more, and some CPUs keep a lower frequency meanwhile).
+// Inactive (active false): touches no tile state.
+class TileScope {
+ public:
+  explicit TileScope(bool active = true) : active_(active) {
+    if (!active_) return;
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) {
+      c.colsb[t] = 64;
+      c.rows[t] = 16;
+    }
+    _tile_loadconfig(&c);
+  }
+  ~TileScope() {
+    if (active_) _tile_release();
+  }
+  TileScope(const TileScope&) = delete;
+  TileScope& operator=(const TileScope&) = delete;
+
+ private:
+  bool active_;
+};
+
+// Orders the vector code's stores before the tile loads that read them: GCC's tileloadd asm
+// takes the address only, with no memory operand, so it is no barrier by itself.
+inline void tiles_see_stores() { asm volatile("" ::: "memory"); }
+
+// Scratch (in 32-bit words) of decode_tile_scores' q pairs for hc heads, and of its copy of a
+// block's last, partial group of keys.
+inline int64_t decode_tile_q_words(int64_t hc, int64_t d) { return hc * (d / 2) * 16; }
+constexpr int64_t kDecodeTilePadWords = 16 * 16;  // 16 rows x 64 bytes
+
+// Scores of one chunk of a decode item's heads over a block of nb keys, on the tiles, unscaled:
+// sc[key][lane] = K_hh[key] . q_lane, the lanes being the chunk's (head hh, row r) pairs,
+// lane = hh P + r, so that a key's 16 scores are one vector of decode_item's score tiles (there a
+// tile holds one token when HC P = 16). The product is S^T = K Q^T, whose A operand, 16 keys' rows
+// of one head and 32 values of d, is read from the cache where it lies (a token stride apart),
+// with no repacking: q is the operand that goes in pairs (qt: [hc][d / 2][16] words, head hh's
+// rows in its own lanes and zeros in the other heads', packed once per item), and each head's
+// products accumulate into the same C tile. A TDPBF16PS takes the same time whatever A's row count
+// (SPR: 5.6-7 ns each, 1 to 16 rows), so the 16 keys by 16 lanes of a tile cost what vLLM's
+// decode tiles (a head's rows against 32 keys packed in its cache) spend for as many products.
+// Four groups of 16 keys at a time (accumulators 0-3, A in 4 and 5, B in 6): one B load per four
+// products. The block's last group, where fewer than 16 keys remain, is copied to pad with zero
+// rows past nb (rows past the item's range may not be mapped at all).
+inline void decode_tile_scores(const int32_t* qt, int64_t hc, const bf16_t* k, int64_t kst,
+                               int64_t d, int64_t nb, int32_t* pad, float* sc) {
+  const int64_t steps = d / 32, groups = (nb + 15) / 16;
+  bf16_t* padk = reinterpret_cast<bf16_t*>(pad);
+  for (int64_t g0 = 0; g0 < groups; g0 += 4) {
+    const int64_t ng = std::min<int64_t>(4, groups - g0);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t hh = 0; hh < hc; ++hh) {
+      const bf16_t* kh = k + hh * d;
+      for (int64_t x = 0; x < steps; ++x) {
+        tiles_see_stores();
+        _tile_loadd(6, qt + (hh * (d / 2) + x * 16) * 16, 64);
+        for (int64_t j = 0; j < ng; ++j) {
+          const int64_t key = (g0 + j) * 16;
+          const void* src = kh + key * kst + x * 32;
+          int64_t stride = kst * static_cast<int64_t>(sizeof(bf16_t));
+          if (key + 16 > nb) {
+            for (int64_t r = 0; r < 16; ++r) {
+              const __m512i row = key + r < nb ? _mm512_loadu_si512(kh + (key + r) * kst + x * 32)
+                                               : _mm512_setzero_si512();
+              _mm512_storeu_si512(padk + r * 32, row);
+            }
+            tiles_see_stores();
+            src = padk;
+            stride = 64;
+          }
+          // tile numbers are immediates: one case per accumulator, A alternating between 4 and 5
+          switch (j) {
+            case 0:
+              _tile_loadd(4, src, stride);
+              _tile_dpbf16ps(0, 4, 6);
+              break;
+            case 1:
+              _tile_loadd(5, src, stride);
+              _tile_dpbf16ps(1, 5, 6);
+              break;
+            case 2:
+              _tile_loadd(4, src, stride);
+              _tile_dpbf16ps(2, 4, 6);
+              break;
+            default:
+              _tile_loadd(5, src, stride);
+              _tile_dpbf16ps(3, 5, 6);
+              break;
+          }
+        }
+      }
+    }
+    float* c = sc + g0 * 16 * 16;
+    _tile_stored(0, c, 64);
+    if (ng > 1) _tile_stored(1, c + 256, 64);
+    if (ng > 2) _tile_stored(2, c + 512, 64);
+    if (ng > 3) _tile_stored(3, c + 768, 64);
+  }
+}
