@@ -989,25 +989,27 @@ BOTH = ("avx512bf16", "avx512")
 
 
 @pytest.mark.parametrize(
-    "dtype, cache_dtype, lq, d, group, twins",
+    "dtype, cache_dtype, lq, d, group, keys, twins",
     [
-        (torch.float32, torch.float32, 40, 64, 4, BOTH),  # fp32: not AMX's, no bf16 dot product
-        (torch.float16, torch.float16, 40, 64, 4, BOTH),
-        (torch.float32, torch.float8_e4m3fn, 40, 64, 4, BOTH),
-        (torch.bfloat16, torch.bfloat16, 1, 64, 1, BOTH),  # decode, GQA 1: FMAs in both
-        (torch.bfloat16, torch.bfloat16, 1, 80, 4, ("avx512",)),  # d not a multiple of 32
-        (torch.bfloat16, torch.bfloat16, 1, 64, 4, ()),  # decode, GQA 4: tile scores
-        (torch.bfloat16, torch.bfloat16, 1, 128, 4, ()),
-        (torch.bfloat16, torch.bfloat16, 1, 64, 8, ()),  # GQA 8: chunks of 2 heads
-        (torch.bfloat16, torch.bfloat16, 40, 80, 4, ("avx512",)),  # d not a multiple of 32
-        (torch.bfloat16, torch.bfloat16, 40, 64, 4, ()),  # prefill: the tiles
-        (torch.bfloat16, torch.bfloat16, 40, 128, 4, ()),
+        (torch.float32, torch.float32, 40, 64, 4, 300, BOTH),  # fp32: not AMX's, no dot product
+        (torch.float16, torch.float16, 40, 64, 4, 300, BOTH),
+        (torch.float32, torch.float8_e4m3fn, 40, 64, 4, 300, BOTH),
+        (torch.bfloat16, torch.bfloat16, 1, 64, 1, 300, BOTH),  # decode, GQA 1: FMAs in both
+        (torch.bfloat16, torch.bfloat16, 1, 80, 4, 300, ("avx512",)),  # d not a multiple of 32
+        (torch.bfloat16, torch.bfloat16, 1, 64, 4, 300, ()),  # decode, GQA 4: tile scores
+        (torch.bfloat16, torch.bfloat16, 1, 128, 4, 300, ()),
+        (torch.bfloat16, torch.bfloat16, 1, 64, 8, 300, ()),  # GQA 8: chunks of 2 heads
+        (torch.bfloat16, torch.bfloat16, 1, 64, 4, 120, ("avx512",)),  # rows under 128 keys
+        (torch.bfloat16, torch.bfloat16, 40, 80, 4, 300, ("avx512",)),  # d not a multiple of 32
+        (torch.bfloat16, torch.bfloat16, 40, 64, 4, 300, ()),  # prefill: the tiles
+        (torch.bfloat16, torch.bfloat16, 40, 128, 4, 300, ()),
     ],
 )
-def test_amx_runs_avx512s_code_but_for_bf16_tiles(dtype, cache_dtype, lq, d, group, twins):
+def test_amx_runs_avx512s_code_but_for_bf16_tiles(dtype, cache_dtype, lq, d, group, keys, twins):
     """The amx variant is avx512's kernel except where bf16 caches with d a multiple of 32 take
     the tiles: prefill items, and the scores of decode items whose tiles hold one token (GQA 4
-    and 8: a chunk's heads x rows fill the 16 lanes). Everything else gives avx512's output bit
+    and 8: a chunk's heads x rows fill the 16 lanes) over 128 keys or more (decode rows of
+    ``keys`` / 2 to ``keys`` tokens here). Everything else gives avx512's output bit
     for bit (QK^T on FMAs over widened K, not avx512bf16's dot product: GQA 1 decode, other head
     sizes), and fp32, fp16 and fp8 caches avx512bf16's too (no dot product there). Outputs equal
     exactly the twins named, so each case also shows which code ran (its accuracy is the
@@ -1022,7 +1024,11 @@ def test_amx_runs_avx512s_code_but_for_bf16_tiles(dtype, cache_dtype, lq, d, gro
     rows, kv_heads = (3, 2) if lq > 1 else (32, 8)
     kc, vc = make_caches(rows, 300, kv_heads, d, cache_dtype, gen=gen)
     q = torch.randn(rows, lq, group * kv_heads, d, generator=gen).to(dtype)
-    lens = torch.tensor([0, 100, 250]) if lq > 1 else torch.randint(1, 290, (rows,), generator=gen)
+    lens = (
+        torch.tensor([0, 100, 250])
+        if lq > 1
+        else torch.randint(keys // 2, keys - 1, (rows,), generator=gen)
+    )
     kw = dict(cache_seqlens=lens, causal=True)
     before = kernel_isa()
     outs = {}

@@ -41,6 +41,14 @@ class TileScope {
 // takes the address only, with no memory operand, so it is no barrier by itself.
 inline void tiles_see_stores() { asm volatile("" ::: "memory"); }
 
+// The fewest keys of a decode item whose scores take the tiles: an item pays for the tile state
+// (configured and released), its q pairs' packing and a partial group's copy, which cost more
+// than the vector dot products over short rows (SPR, `bench_attention_variants.py amx avx512`,
+// 16 / 4 x 64, two threads; with every item on the tiles: 0.83x at 16 rows x 16 keys, 0.97x at
+// 48, 0.90x at 64 rows x 64, 1.03x at 16 x 128, 1.13x-1.26x from 512 on; with this floor: 16 x
+// 128 1.02x-1.05x, 16 x 256 1.11x, 64 x 256 1.05x, and the same code under it).
+constexpr int64_t kDecodeTileMinKeys = 128;
+
 // Scratch (in 32-bit words) of decode_tile_scores' q pairs for hc heads, and of its copy of a
 // block's last, partial group of keys.
 inline int64_t decode_tile_q_words(int64_t hc, int64_t d) { return hc * (d / 2) * 16; }

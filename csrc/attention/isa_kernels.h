@@ -544,18 +544,17 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
                                     (vpd == 4 || vpd == 8 || (kDense16 && vpd == 16))
                                 ? vpd
                                 : 0;
+  int32_t lo[W], hi[W], lane_lo[W], lane_hi[W], lane_key[W];
+  const RowRanges rr = row_ranges(a, rq, it, map, nrow, P, lo, hi);
   // The amx variant (VATTN_AMX_TILES, amx_tiles.h): where a tile holds one token (HC P = W = 16
-  // lanes: GQA 4 in chunks of 4 heads, GQA 8 in chunks of 2), bf16 q and K, dense heads and d a
-  // whole number of 32-value tile steps, the scores of a block come from tile products
-  // (decode_tile_scores) instead of the vector dot products; the softmax and P V are the same.
+  // lanes: GQA 4 in chunks of 4 heads, GQA 8 in chunks of 2), bf16 q and K, dense heads, d a
+  // whole number of 32-value tile steps and at least kDecodeTileMinKeys keys, the scores of a
+  // block come from tile products (decode_tile_scores) instead of the vector dot products; the
+  // softmax and P V are the same.
 #ifdef VATTN_AMX_TILES
   constexpr bool kTileScores = std::is_same<KT, bf16_t>::value && P >= 2 && HC * P == W;
-#else
-  constexpr bool kTileScores = false;
-#endif
-  const bool tile_scores =
-      kTileScores && a.dtype == DType::kBFloat16 && dense_vpd != 0 && d % 32 == 0;
-#ifdef VATTN_AMX_TILES
+  const bool tile_scores = kTileScores && a.dtype == DType::kBFloat16 && dense_vpd != 0 &&
+                           d % 32 == 0 && rr.ke - rr.kb >= kDecodeTileMinKeys;
   const TileScope tile_state(tile_scores);
   // after zero_f: q pairs ([chunks][hc][d / 2][16] words), then the partial key group's copy
   int32_t* qtile = reinterpret_cast<int32_t*>(zero_f + dp);
@@ -574,10 +573,10 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
       }
     }
   }
+#else
+  constexpr bool tile_scores = false;
 #endif
 
-  int32_t lo[W], hi[W], lane_lo[W], lane_hi[W], lane_key[W];
-  const RowRanges rr = row_ranges(a, rq, it, map, nrow, P, lo, hi);
   for (int64_t h = 0; h < chunks * hc; ++h) {
     for (int r = 0; r < P; ++r) {
       const bool real = h < nh && r < nrow;
