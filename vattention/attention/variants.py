@@ -3,11 +3,12 @@
 The kernel (``csrc/attention``) is compiled once per instruction set: ``amx`` (AMX-BF16 tiles for
 the prefill of bf16 caches and the scores of their GQA decode, ``avx512``'s code for the rest),
 ``avx512bf16`` (AVX-512 with the bf16 dot product ``vdpbf16ps``), ``avx512``, ``avx2`` (with FMA
-and F16C) and ``generic`` (plain C++, any CPU). At its first call it runs the best variant that this build contains and this CPU
-runs, unless ``VATTENTION_ATTENTION_ISA=<name>`` names a runnable one. ``amx`` also needs the
-operating system to grant the process AMX's tile data (Linux 5.16 and later, on request; the
-kernel asks once); where it refuses, the variant reports why and is not run. No variant uses
-AMX-INT8, AMX-FP16 or AVX512-FP16. ``python -m vattention info`` prints :func:`kernel_report`.
+and F16C) and ``generic`` (plain C++, any CPU). At its first call it runs the best variant that
+this build contains and this CPU runs, unless ``VATTENTION_ATTENTION_ISA=<name>`` names a
+runnable one. ``amx`` also needs the operating system to grant the process AMX's tile data (Linux
+5.16 and later, on request; the kernel asks once); where it refuses, the variant reports why and
+is not run. No variant uses AMX-INT8, AMX-FP16 or AVX512-FP16. ``python -m vattention info``
+prints :func:`kernel_report`.
 """
 
 from __future__ import annotations
