@@ -115,13 +115,6 @@ inline int64_t amx_scratch_floats(const Args& a, const Shape& s) {
   return AmxScratch::floats(a.head_dim, rp, kAmxBlockKeys) + 16;
 }
 
-// Row r of Qt: q's d values (bf16) in pairs, one 32-bit lane per pair.
-inline void stage_q_pairs(const void* src, int64_t d, int32_t* qt, int64_t rp, int64_t r) {
-  const bf16_t* q = static_cast<const bf16_t*>(src);
-  for (int64_t x = 0; x < d / 2; ++x)
-    qt[x * rp + r] = static_cast<int32_t>(q[2 * x].bits | (uint32_t{q[2 * x + 1].bits} << 16));
-}
-
 // S^T for NK (1 or 2) key tiles from kt0 on and NR (1 or 2) row tiles from rt0 on: tile (key
 // tile i, row tile j) accumulates in tile 2 i + j, over d / 32 steps. kp: the block's K tiles
 // (k_tiles), qt: Qt (rp pairs per row, its tile j at column 16 (rt0 + j)).
@@ -275,24 +268,6 @@ inline void transpose16(__m512* r) {
     r[i + 4] = _mm512_shuffle_f32x4(t[i], t[i + 8], _MM_SHUFFLE(3, 1, 3, 1));
     r[i + 8] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], _MM_SHUFFLE(2, 0, 2, 0));
     r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], _MM_SHUFFLE(3, 1, 3, 1));
-  }
-}
-
-// K rows of a block's nb keys (kst apart) as A tiles, each 16 rows of 32 values contiguous
-// ([tile][step][16][32]); rows past nb zero.
-inline void k_tiles(const bf16_t* k, int64_t kst, int64_t nb, int64_t ktiles, int64_t d,
-                    bf16_t* kp) {
-  const int64_t steps = d / 32;
-  for (int64_t key = 0; key < ktiles * 16; ++key) {
-    bf16_t* dst = kp + ((key / 16) * steps * 16 + key % 16) * 32;
-    if (key < nb) {
-      const bf16_t* src = k + key * kst;
-      for (int64_t x = 0; x < steps; ++x)
-        _mm512_storeu_si512(dst + x * 512, _mm512_loadu_si512(src + x * 32));
-    } else {
-      for (int64_t x = 0; x < steps; ++x)
-        _mm512_storeu_si512(dst + x * 512, _mm512_setzero_si512());
-    }
   }
 }
 

@@ -49,10 +49,28 @@ inline void tiles_see_stores() { asm volatile("" ::: "memory"); }
 // 128 1.02x-1.05x, 16 x 256 1.11x, 64 x 256 1.05x, and the same code under it).
 constexpr int64_t kDecodeTileMinKeys = 128;
 
+// K rows of a block's nb keys (kst apart) as A tiles, each 16 rows of 32 values contiguous
+// ([tile][step][16][32]); rows past nb zero.
+inline void k_tiles(const bf16_t* k, int64_t kst, int64_t nb, int64_t ktiles, int64_t d,
+                    bf16_t* kp) {
+  const int64_t steps = d / 32;
+  for (int64_t key = 0; key < ktiles * 16; ++key) {
+    bf16_t* dst = kp + ((key / 16) * steps * 16 + key % 16) * 32;
+    if (key < nb) {
+      const bf16_t* src = k + key * kst;
+      for (int64_t x = 0; x < steps; ++x)
+        _mm512_storeu_si512(dst + x * 512, _mm512_loadu_si512(src + x * 32));
+    } else {
+      for (int64_t x = 0; x < steps; ++x)
+        _mm512_storeu_si512(dst + x * 512, _mm512_setzero_si512());
+    }
+  }
+}
+
 // Scratch (in 32-bit words) of decode_tile_scores' q pairs for hc heads, and of its copy of a
-// block's last, partial group of keys.
+// block's last, partial group of keys (k_tiles: one tile of 16 rows x 64 bytes per 32 values of d).
 inline int64_t decode_tile_q_words(int64_t hc, int64_t d) { return hc * (d / 2) * 16; }
-constexpr int64_t kDecodeTilePadWords = 16 * 16;  // 16 rows x 64 bytes
+inline int64_t decode_tile_pad_words(int64_t d) { return d / 32 * 16 * 16; }
 
 // Scores of one chunk of a decode item's heads over a block of nb keys, on the tiles, unscaled:
 // sc[key][lane] = K_hh[key] . q_lane, the lanes being the chunk's (head hh, row r) pairs,
@@ -61,41 +79,35 @@ constexpr int64_t kDecodeTilePadWords = 16 * 16;  // 16 rows x 64 bytes
 // of one head and 32 values of d, is read from the cache where it lies (a token stride apart),
 // with no repacking: q is the operand that goes in pairs (qt: [hc][d / 2][16] words, head hh's
 // rows in its own lanes and zeros in the other heads', packed once per item), and each head's
-// products accumulate into the same C tile. A TDPBF16PS takes the same time whatever A's row count
-// (SPR: 5.6-7 ns each, 1 to 16 rows), so the 16 keys by 16 lanes of a tile cost what vLLM's
-// decode tiles (a head's rows against 32 keys packed in its cache) spend for as many products.
+// products accumulate into the same C tile. A product of 16 rows took about 1.7 times one of a
+// head's 4 rows on the SPR machine (10.3 against 6.0 ns, benchmarks/amx_tile_rows.cpp), so these
+// tiles spend that much more than vLLM's decode tiles (a head's rows against keys packed in its
+// cache) for the same scores, and no repacking of K; still far less than the vector dot products.
 // Four groups of 16 keys at a time (accumulators 0-3, A in 4 and 5, B in 6): one B load per four
 // products. The block's last group, where fewer than 16 keys remain, is copied to pad with zero
-// rows past nb (rows past the item's range may not be mapped at all).
+// rows past nb (k_tiles, once per head; rows past the item's range may not be mapped at all).
 inline void decode_tile_scores(const int32_t* qt, int64_t hc, const bf16_t* k, int64_t kst,
                                int64_t d, int64_t nb, int32_t* pad, float* sc) {
-  const int64_t steps = d / 32, groups = (nb + 15) / 16;
+  const int64_t steps = d / 32, groups = (nb + 15) / 16, last = (groups - 1) * 16;
   bf16_t* padk = reinterpret_cast<bf16_t*>(pad);
   for (int64_t g0 = 0; g0 < groups; g0 += 4) {
     const int64_t ng = std::min<int64_t>(4, groups - g0);
+    const bool partial = g0 + ng == groups && nb % 16 != 0;  // this batch ends in the last group
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t hh = 0; hh < hc; ++hh) {
       const bf16_t* kh = k + hh * d;
+      if (partial) k_tiles(kh + last * kst, kst, nb - last, 1, d, padk);
       for (int64_t x = 0; x < steps; ++x) {
         tiles_see_stores();
         _tile_loadd(6, qt + (hh * (d / 2) + x * 16) * 16, 64);
         for (int64_t j = 0; j < ng; ++j) {
           const int64_t key = (g0 + j) * 16;
-          const void* src = kh + key * kst + x * 32;
-          int64_t stride = kst * static_cast<int64_t>(sizeof(bf16_t));
-          if (key + 16 > nb) {
-            for (int64_t r = 0; r < 16; ++r) {
-              const __m512i row = key + r < nb ? _mm512_loadu_si512(kh + (key + r) * kst + x * 32)
-                                               : _mm512_setzero_si512();
-              _mm512_storeu_si512(padk + r * 32, row);
-            }
-            tiles_see_stores();
-            src = padk;
-            stride = 64;
-          }
+          const bool padded = partial && key == last;
+          const void* src = padded ? padk + x * 512 : kh + key * kst + x * 32;
+          const int64_t stride = padded ? 64 : kst * static_cast<int64_t>(sizeof(bf16_t));
           // tile numbers are immediates: one case per accumulator, A alternating between 4 and 5
           switch (j) {
             case 0:

@@ -77,6 +77,14 @@ inline void load_q_row(const void* src, DType dt, int64_t d, float scale, float*
   }
 }
 
+// Row r of Qt ([d / 2][rp] words): q's d values (bf16) in pairs, one 32-bit lane per pair, as the
+// bf16 dot products and the AMX tiles read them.
+inline void stage_q_pairs(const void* src, int64_t d, int32_t* qt, int64_t rp, int64_t r) {
+  const bf16_t* q = static_cast<const bf16_t*>(src);
+  for (int64_t x = 0; x < d / 2; ++x)
+    qt[x * rp + r] = static_cast<int32_t>(q[2 * x].bits | (uint32_t{q[2 * x + 1].bits} << 16));
+}
+
 template <typename T>
 inline void f32_to_row(const float* src, float scale, T* dst, int64_t d) {
   const F s = Vec::set1(scale);
@@ -561,16 +569,10 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
   int32_t* tile_pad = qtile + chunks * decode_tile_q_words(hc, d);
   if (tile_scores) {
     std::memset(qtile, 0, static_cast<size_t>(chunks * decode_tile_q_words(hc, d)) * 4);
-    for (int64_t h = 0; h < nh; ++h) {
+    for (int64_t h = 0; h < nh; ++h) {  // head h's rows in its lanes (h % hc) P + r
       int32_t* qh = qtile + h * decode_tile_q_words(1, d) + (h % hc) * P;
-      for (int64_t r = 0; r < nrow; ++r) {
-        const bf16_t* src =
-            static_cast<const bf16_t*>(q_row(a, rq, map.query(r), (it.kv_head + h) * g + r % g));
-        for (int64_t x = 0; x < d / 2; ++x) {
-          qh[x * 16 + r] =
-              static_cast<int32_t>(src[2 * x].bits | (uint32_t{src[2 * x + 1].bits} << 16));
-        }
-      }
+      for (int64_t r = 0; r < nrow; ++r)
+        stage_q_pairs(q_row(a, rq, map.query(r), (it.kv_head + h) * g + r % g), d, qh, 16, r);
     }
   }
 #else
@@ -1001,11 +1003,7 @@ inline bool rows_dot_bf16(const Args& a) {
 inline void stage_q_row(const Args& a, const Shape& s, const RowsScratch& w, int64_t rp, int64_t r,
                         const void* src, bool dot) {
   if (dot) {
-    const bf16_t* q = static_cast<const bf16_t*>(src);
-    int32_t* qt2 = reinterpret_cast<int32_t*>(w.qt);
-    for (int64_t x = 0; x < a.head_dim / 2; ++x) {
-      qt2[x * rp + r] = static_cast<int32_t>(q[2 * x].bits | (uint32_t{q[2 * x + 1].bits} << 16));
-    }
+    stage_q_pairs(src, a.head_dim, reinterpret_cast<int32_t*>(w.qt), rp, r);
   } else {
     load_q_row(src, a.dtype, a.head_dim, s.q_scale, w.o + r * s.dp, s.dp);
   }
@@ -1217,7 +1215,7 @@ inline int64_t decode_scratch_floats(int64_t nh, int64_t p, int64_t dp, int64_t 
   const int64_t rows = chunks * hc * p, tpb = (bk + kt - 1) / kt;
   int64_t tile = 0;  // decode_item's tile scores (amx): q pairs and a partial key group
 #ifdef VATTN_AMX_TILES
-  tile = chunks * decode_tile_q_words(hc, dp) + kDecodeTilePadWords;
+  tile = chunks * decode_tile_q_words(hc, dp) + decode_tile_pad_words(dp);
 #endif
   return 2 * rows * dp + chunks * tpb * W + 3 * chunks * W + dp + tile;
 }
