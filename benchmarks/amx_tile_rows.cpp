@@ -1,10 +1,12 @@
 // How long one TDPBF16PS takes when its A operand (and C) has 16, 8, 4 or 1 rows: four
-// independent accumulators, two A and two B tile loads per four products (the kernel's loop), the
-// row counts alternated over many rounds and the fastest round kept, as the machine this was made
-// for shares its AMX unit with another tenant at times (products then take about three times as
-// long). The CPU attention kernel's decode scores (csrc/attention/amx_tiles.h) rest on the
-// answer: on the SPR machine every row count took the same time (docs/benchmarks.md), so a tile
-// of 16 keys by 16 (head, row) lanes costs what a tile of one head's 4 rows costs. x86-64 Linux
+// independent accumulators, two A and two B tile loads per four products (the kernel's loop), each
+// row count warmed up once outside the timing, then the row counts alternated over many rounds;
+// it prints the fastest and the median round, as the machine this was made for shares its AMX
+// unit with another tenant at times (products then take about three times as long), and checks
+// that each row count's C rows equal the first rows of the 16-row product. The CPU attention
+// kernel's decode scores (csrc/attention/amx_tiles.h) use 16-row tiles where vLLM's use a head's
+// 4 rows: on the SPR machine a 16-row product took about 1.7 times a 4-row one (10.3 against 6.0
+// ns; with all-zero operands every row count took about 6 ns, docs/benchmarks.md). x86-64 Linux
 // with AMX-BF16 only:
 //
 //   g++ -O2 -mamx-tile -mamx-bf16 benchmarks/amx_tile_rows.cpp -o /tmp/tile_rows
@@ -13,9 +15,12 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
+#include <vector>
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
@@ -56,27 +61,52 @@ int main() {
     std::puts("the OS refused the AMX tile state");
     return 1;
   }
+  // bf16 values 1 + i / 128 and 1 - i / 256 (exact), so that the products are not all zero
+  for (int i = 0; i < 2 * kSteps * 512; ++i) {
+    const float av = 1.0f + static_cast<float>(i % 64) / 128,
+                bv = 1.0f - static_cast<float>(i % 32) / 256;
+    uint32_t ab, bb;
+    std::memcpy(&ab, &av, 4);
+    std::memcpy(&bb, &bv, 4);
+    a_src[i] = static_cast<uint16_t>(ab >> 16);
+    b_src[i] = static_cast<uint16_t>(bb >> 16);
+  }
   const int row_counts[] = {16, 8, 4, 1};
-  double best[4] = {1e9, 1e9, 1e9, 1e9};
+  auto configure = [](int rows) {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) {
+      c.colsb[t] = 64;
+      c.rows[t] = t == 6 || t == 7 ? 16 : rows;  // B keeps 16 rows (K = 32)
+    }
+    _tile_loadconfig(&c);
+  };
+  float full[4 * 256];
+  bool equal = true;
+  for (int i = 0; i < 4; ++i) {  // warm-up, and the outputs compared
+    configure(row_counts[i]);
+    products();
+    if (i == 0) std::memcpy(full, c_out, sizeof(full));
+    for (int t = 0; t < 4; ++t)
+      equal = equal && std::memcmp(c_out + t * 256, full + t * 256, row_counts[i] * 64) == 0;
+  }
   constexpr int kRounds = 200, kCalls = 20000;
+  std::vector<double> times[4];
   for (int round = 0; round < kRounds; ++round) {
     for (int i = 0; i < 4; ++i) {
-      TileConfig c;
-      for (int t = 0; t < 8; ++t) {
-        c.colsb[t] = 64;
-        c.rows[t] = t == 6 || t == 7 ? 16 : row_counts[i];  // B keeps 16 rows (K = 32)
-      }
-      _tile_loadconfig(&c);
+      configure(row_counts[i]);
       const auto t0 = std::chrono::steady_clock::now();
       for (int n = 0; n < kCalls; ++n) products();
-      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      if (s < best[i]) best[i] = s;
+      times[i].push_back(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
   }
   _tile_release();
   for (int i = 0; i < 4; ++i) {
-    std::printf("A with %2d rows: %.1f ns per TDPBF16PS (fastest of %d rounds)\n", row_counts[i],
-                best[i] / kCalls / (4 * kSteps) * 1e9, kRounds);
+    std::sort(times[i].begin(), times[i].end());
+    const double per = 1e9 / kCalls / (4 * kSteps);
+    std::printf("A with %2d rows: %.1f / %.1f ns per TDPBF16PS (fastest / median of %d rounds)\n",
+                row_counts[i], times[i].front() * per, times[i][kRounds / 2] * per, kRounds);
   }
-  return 0;
+  std::printf("C rows equal to the 16-row product's: %s\n", equal ? "yes" : "NO");
+  return equal ? 0 : 1;
 }
