@@ -92,6 +92,16 @@ bool cpu_has(const std::string& feature) {
   return false;
 }
 
+// Whether this is an AMD CPU (fp32 prefill's block prefetch, see Shape::prefetch_prefill_blocks).
+bool cpu_is_amd() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return __builtin_cpu_is("amd");
+#else
+  return false;
+#endif
+}
+
 // Why this process may not use AMX tiles although the CPU has them ("" when it may). Linux (5.16
 // and later) enables the tile state in XCR0 but hands the 8 KB of tile data to a process only when
 // it asks, once: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA). The request fails on older
@@ -738,6 +748,8 @@ void flash_attn_with_kvcache(const Args& a) {
   s.q_scale = a.softmax_scale * kLog2e * (fp8 ? a.k_descale : 1.0f);
   s.out_scale = fp8 ? a.v_descale : 1.0f;
   s.prefill_rows = kt.prefill_rows(a);
+  static const bool amd = cpu_is_amd();
+  s.prefetch_prefill_blocks = amd;
 
   Plan plan = make_plan(a, s, reqs, a.num_threads);
   const int threads = plan.total_cost >= kSerialCost ? a.num_threads : 1;
