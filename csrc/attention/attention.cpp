@@ -92,11 +92,11 @@ bool cpu_has(const std::string& feature) {
   return false;
 }
 
-// Whether this is an AMD CPU (fp32 prefill's block prefetch, see Shape::prefetch_prefill_blocks).
-bool cpu_is_amd() {
+// Whether this is an Intel CPU (fp32 prefill's block prefetch, Shape::prefetch_prefill_blocks).
+bool cpu_is_intel() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
-  return __builtin_cpu_is("amd");
+  return __builtin_cpu_is("intel");
 #else
   return false;
 #endif
@@ -748,8 +748,8 @@ void flash_attn_with_kvcache(const Args& a) {
   s.q_scale = a.softmax_scale * kLog2e * (fp8 ? a.k_descale : 1.0f);
   s.out_scale = fp8 ? a.v_descale : 1.0f;
   s.prefill_rows = kt.prefill_rows(a);
-  static const bool amd = cpu_is_amd();
-  s.prefetch_prefill_blocks = amd;
+  static const bool intel = cpu_is_intel();
+  s.prefetch_prefill_blocks = !intel;
 
   Plan plan = make_plan(a, s, reqs, a.num_threads);
   const int threads = plan.total_cost >= kSerialCost ? a.num_threads : 1;

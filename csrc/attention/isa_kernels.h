@@ -1041,20 +1041,20 @@ void attend_rows(const Args& a, const Shape& s, const KT* kbase, const KT* vbase
   const bool v_direct = kF32 && d % W == 0;
   for (int64_t c0 = rr.kb; c0 < rr.ke; c0 += bk) {
     const int64_t nb = std::min(bk, rr.ke - c0);
-    // fp32 caches on AMD cores (s.prefetch_prefill_blocks): the next block's K and V rows go to
-    // L2 at once, before this block's work. The micro-kernels read them straight from the cache,
-    // one head's row per token (a token stride apart, each row in another 4 KB page, where the
-    // hardware prefetchers stop), so without this a block began with its rows' misses. Zen 4,
-    // builds alternated, 2 threads: a 2048-token prompt at 32 / 8 heads x 128 took 183-199 ->
-    // 176-185 ms, 512 keys after 1536 cached 80-86 -> 76-79 ms (one thread, the prompt: 364-388
-    // -> 353-357 ms), 1024 after 2048 cached at 8 / 8 x 64 28-34 -> 28-29 ms, a 1024-token
-    // prompt at 8 / 8 x 64 the same. On Intel's Sapphire Rapids the same prefetches made calls
-    // slower (one thread, alternated, five shapes: without them min times 1.02x-1.15x faster,
-    // medians 0.96x-1.15x; spread over the block's micro-kernels, in between). The prefetches
-    // alone, every phase skipped, took a tenth of a call's time there: likely a burst of a
-    // thousand prefetches that the core cannot keep in flight stalls it (no counters to
-    // confirm). bf16 caches were 1-5% slower with it on Zen 4 too (half the bytes per block; V is
-    // read once anyway, to be widened), so they go without.
+    // fp32 caches, except on Intel cores (s.prefetch_prefill_blocks): the next block's K and V rows
+    // go to L2 at once, before this block's work. The micro-kernels read them straight from the
+    // cache, one head's row per token (a token stride apart, each row in another 4 KB page, where
+    // the hardware prefetchers stop), so without this a block began with its rows' misses on Zen 4
+    // (builds alternated, 2 threads): a 2048-token prompt at 32 / 8 heads x 128 took 183-199 ->
+    // 176-185 ms, 512 keys after 1536 cached 80-86 -> 76-79 ms (one thread, the prompt: 364-388 ->
+    // 353-357 ms), 1024 after 2048 cached at 8 / 8 x 64 28-34 -> 28-29 ms, a 1024-token prompt at
+    // 8 / 8 x 64 the same. On Intel's Sapphire Rapids the same prefetches made calls slower (one
+    // thread, alternated, six shapes: without them min times 1.02x-1.15x faster, medians
+    // 0.96x-1.15x; spread over the block's micro-kernels, in between). The prefetches alone, every
+    // phase skipped, took a tenth of a call's time there: likely a burst of a thousand prefetches
+    // that the core cannot keep in flight stalls it (no counters to confirm). bf16 caches were 1-5%
+    // slower with it on Zen 4 too (half the bytes per block; V is read once anyway, to be widened),
+    // so they go without.
     if (kF32 && s.prefetch_prefill_blocks && c0 + nb < rr.ke) {
       BlockPrefetch next;
       next.k = reinterpret_cast<const char*>(kbase + (c0 + nb) * kst);

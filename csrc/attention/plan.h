@@ -110,8 +110,8 @@ struct Shape {
   float q_scale = 1.0f;  // softmax_scale * log2(e) * k_descale, folded into q
   float out_scale = 1.0f;  // v_descale
   int64_t prefill_rows = 64;  // rows (queries x group heads) per prefill or shared-prefix item
-  // Whether fp32 prefill items prefetch each next key block into L2 (attend_rows): on AMD cores,
-  // where it was measured to help; on Intel's the burst of prefetches cost more than it saved.
+  // Whether fp32 prefill items prefetch each next key block into L2 (attend_rows): not on Intel
+  // cores, where it cost more than it saved; elsewhere (measured on AMD's, where it helps) yes.
   bool prefetch_prefill_blocks = true;
 };
 
