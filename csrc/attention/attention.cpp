@@ -750,6 +750,7 @@ void flash_attn_with_kvcache(const Args& a) {
   s.prefill_rows = kt.prefill_rows(a);
   static const bool intel = cpu_is_intel();
   s.prefetch_prefill_blocks = !intel;
+  s.prefetch_single_rows = intel;
 
   Plan plan = make_plan(a, s, reqs, a.num_threads);
   const int threads = plan.total_cost >= kSerialCost ? a.num_threads : 1;

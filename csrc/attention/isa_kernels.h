@@ -634,10 +634,18 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
   // per head (P = 1) only scattered rows are prefetched (contiguous ones stream on their own):
   // the decode-only calls of a long-prompt capture of the fp32 GQA-1 `small` model, replayed in a
   // mega cache (bench_attention_replay.py, 2 threads, Zen 4), went from 0.97-1.01 of vLLM's op's
-  // time to 0.72-0.82 (prefetcht0: 1.06-1.07; the layer layout: 0.45-0.62).
+  // time to 0.72-0.82 (prefetcht0: 1.06-1.07; the layer layout: 0.45-0.62). On Intel cores
+  // (s.prefetch_single_rows) contiguous rows of 16-bit caches are prefetched too, with
+  // prefetcht0. Sapphire Rapids, 2 threads, alternated, caches that leave the CPU's caches
+  // between calls (several used in turn, as a model's layers are): bf16 GQA 1 decode 1.19x-1.42x
+  // the speed on seven of nine shapes (13-20 GB/s -> 17-28), level at 16 rows x 256 tokens and at
+  // 32 KV heads x 128; fp16 1.25x-1.29x; fp32 0.94x-1.17x, so it streams on its own. Over one
+  // cache that stays in L3 from call to call, bf16 went 0.90x-0.92x: a benchmark's loop, not a
+  // model.
   const int64_t es = static_cast<int64_t>(sizeof(KT));
   const int64_t run = ((nh - 1) * std::max(ksh, vsh) + d) * es;
   const bool scattered = kst * es >= 2 * run || vst * es >= 2 * run;
+  const bool prefetch_rows = P >= 2 || scattered || (s.prefetch_single_rows && es == 2);
   const int64_t lines_per_token = (run + 63) / 64;
   // The K and V rows of `tokens` keys from `key` on (per_step left to the caller)
   auto prefetch_from = [&](int64_t key, int64_t tokens) {
@@ -660,12 +668,12 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
     const int64_t nb = std::min(bk, rr.ke - c0);
     const int64_t tiles = (nb + kt - 1) / kt;
     for (int64_t c = 0; c < chunks; ++c) Vec::store(mblk + c * W, neg_inf);
-    // P >= 2 or scattered rows: the next block's K and V rows, prefetched over this block's QK^T
-    // tiles and P V passes (the first block's are read as the QK^T pass goes, K by its tiles and V
-    // touched, or prefetched at once where scattered)
+    // prefetch_rows: the next block's K and V rows, prefetched over this block's QK^T tiles and
+    // P V passes (the first block's are read as the QK^T pass goes, K by its tiles and V touched,
+    // or prefetched at once where scattered)
     BlockPrefetch pf;
     const int64_t next = std::min(bk, rr.ke - (c0 + nb));
-    if ((P >= 2 || scattered) && next > 0) {
+    if (prefetch_rows && next > 0) {
       pf = prefetch_from(c0 + nb, next);
       const int64_t lines = next * lines_per_token;
       // pf.step() calls: one per QK^T tile and chunk, and one per key of each P V pass (P = 1:

@@ -113,6 +113,9 @@ struct Shape {
   // Whether fp32 prefill items prefetch each next key block into L2 (attend_rows): not on Intel
   // cores, where it cost more than it saved; elsewhere (measured on AMD's, where it helps) yes.
   bool prefetch_prefill_blocks = true;
+  // Whether decode items with one row per KV head over contiguous rows of a 16-bit cache
+  // prefetch each next key block (decode_item): on Intel cores, where it was measured to help.
+  bool prefetch_single_rows = false;
 };
 
 // Entry points of one instruction set.
