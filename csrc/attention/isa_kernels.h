@@ -638,10 +638,10 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
   // (s.prefetch_single_rows) contiguous rows of 16-bit caches are prefetched too, with
   // prefetcht0. Sapphire Rapids, 2 threads, alternated, caches that leave the CPU's caches
   // between calls (several used in turn, as a model's layers are): bf16 GQA 1 decode 1.19x-1.42x
-  // the speed on seven of nine shapes (13-20 GB/s -> 17-28), level at 16 rows x 256 tokens and at
-  // 32 KV heads x 128; fp16 1.25x-1.29x; fp32 0.94x-1.17x, so it streams on its own. Over one
-  // cache that stays in L3 from call to call, bf16 went 0.90x-0.92x: a benchmark's loop, not a
-  // model.
+  // the speed on seven of nine shapes, level at 16 rows x 256 tokens and at 32 KV heads x 128;
+  // fp16 1.25x-1.29x; fp32 0.94x-1.17x, so it streams on its own. Over one cache that stays in
+  // L3 from call to call, bf16 went 0.90x-1.06x: a benchmark's loop, not a model
+  // (docs/benchmarks.md, "Intel (SPR, AMX): where the prefetches help").
   const int64_t es = static_cast<int64_t>(sizeof(KT));
   const int64_t run = ((nh - 1) * std::max(ksh, vsh) + d) * es;
   const bool scattered = kst * es >= 2 * run || vst * es >= 2 * run;
