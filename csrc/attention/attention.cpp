@@ -92,7 +92,8 @@ bool cpu_has(const std::string& feature) {
   return false;
 }
 
-// Whether this is an Intel CPU (fp32 prefill's block prefetch, Shape::prefetch_prefill_blocks).
+// Whether this is an Intel CPU, where the kernels' prefetches were measured differently
+// (Shape::prefetch_prefill_blocks, Shape::prefetch_single_rows).
 bool cpu_is_intel() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
