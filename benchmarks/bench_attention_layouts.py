@@ -4,9 +4,11 @@ venv, vLLM's CPU op on its own paged layout:
 
     .venv-vllm/bin/python benchmarks/bench_attention_layouts.py
     .venv-vllm/bin/python benchmarks/bench_attention_layouts.py --model llama-3.2-1b --tokens 1024
+    .venv-vllm/bin/python benchmarks/bench_attention_layouts.py --model-size small
 
 What the vLLM plugin's decode-only steps do: `--rows` requests of `--tokens` cached tokens, one
-query token each, the model's heads, KV heads, head_dim and dtype (`bench vllm`'s presets), one
+query token each, the model's heads, KV heads, head_dim and dtype (`bench vllm`'s presets, or with
+`--model-size` its random fp32 Llamas: `small` is GQA 1 in fp32), one
 call per layer, all layers in turn, so each layer's K/V comes from memory as in an engine's step
 (the layers together are far larger than the L3 cache). Pages hold 128 tokens (vLLM's CPU block:
 the plugin's page is one block); K/V are random. Each candidate is warmed up, then timed over
@@ -28,7 +30,8 @@ from bench_attention import vllm_call, vllm_ops, vllm_paged  # noqa: E402
 
 import vattention  # noqa: E402
 from vattention.bench.machine import cpu_name  # noqa: E402
-from vattention.bench.model_presets import PRESETS  # noqa: E402
+from vattention.bench.model_presets import PRESETS, ModelPreset  # noqa: E402
+from vattention.bench.vllm_bench import MODEL_SIZES, size_model  # noqa: E402
 from vattention.integrations import flash_attn as fa  # noqa: E402
 
 from _timing import compare_min_median  # noqa: E402
@@ -67,8 +70,8 @@ def cache_views(preset, layout: str, values, tokens: int, dtype):
     return cache, views
 
 
-def run_model(name: str, args, ops) -> None:
-    preset = PRESETS[name]
+def run_model(preset: ModelPreset, args, ops) -> None:
+    name = preset.name
     dtype = getattr(torch, preset.dtype)
     n, s, layers = args.rows, args.tokens, preset.num_layers
     gen = torch.Generator().manual_seed(0)
@@ -120,6 +123,12 @@ def run_model(name: str, args, ops) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", action="append", choices=tuple(PRESETS))
+    p.add_argument(
+        "--model-size",
+        action="append",
+        choices=tuple(MODEL_SIZES),
+        help="bench vllm's random Llama of this size (fp32)",
+    )
     p.add_argument("--rows", type=int, default=16)
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -138,8 +147,9 @@ def main(argv=None) -> int:
     )
     print("| model | heads / KV heads x d | cache | us per layer, min (median) | / vLLM op |")
     print("|---|---|---|---:|---:|")
-    for name in args.model or ("llama-3.2-1b", "qwen2.5-0.5b"):
-        run_model(name, args, ops)
+    models = [PRESETS[m] for m in args.model or ()] + [size_model(m) for m in args.model_size or ()]
+    for preset in models or [PRESETS["llama-3.2-1b"], PRESETS["qwen2.5-0.5b"]]:
+        run_model(preset, args, ops)
     print(f"\nload average at end: {os.getloadavg()[0]:.2f}")
     return 0
 
