@@ -1042,6 +1042,54 @@ def test_amx_runs_avx512s_code_but_for_bf16_tiles(dtype, cache_dtype, lq, d, gro
     assert equal == twins
 
 
+TUNING_CASES = {
+    # fp32 decode, one row per KV head, 8 heads x 64 (4 x 128; 16 x 64) in a chunk: intel runs
+    # P V in passes of 4 heads (2; 4 passes of 4), other token by token
+    "fp32 GQA 1 x 8 x 64": (torch.float32, 1, 8, 64, 1, False),
+    "fp32 GQA 1 x 4 x 128": (torch.float32, 1, 4, 128, 1, False),
+    "fp32 GQA 1 x 16 x 64": (torch.float32, 1, 16, 64, 1, False),
+    "fp32 GQA 1 x 8 x 64, mega": (torch.float32, 1, 8, 64, 1, True),  # and prefetched rows
+    "bf16 GQA 1 x 8 x 64": (torch.bfloat16, 1, 8, 64, 1, False),  # intel prefetches the rows
+    "fp32 prefill": (torch.float32, 40, 2, 64, 4, False),  # other prefetches each next block
+}
+
+
+@pytest.mark.parametrize("case", list(TUNING_CASES))
+def test_the_tunings_give_the_same_bits(isa, threads, case):
+    """The kernels' two tunings (intel, other: software prefetches, the order of fp32 decode's
+    P V) give the same output bit for bit, each within the reference's bound, on any CPU."""
+    dtype, lq, kv_heads, d, group, mega = TUNING_CASES[case]
+    gen = torch.Generator().manual_seed(41)
+    rows = 6
+    kc, vc = make_caches(rows, 700, kv_heads, d, dtype, mega=mega, gen=gen)
+    q = torch.randn(rows, lq, group * kv_heads, d, generator=gen).to(dtype)
+    kw = dict(cache_seqlens=torch.tensor([1, 130, 255, 300, 513, 640]), causal=True)
+    outs = {}
+    try:
+        for tuning in ("intel", "other"):
+            assert _C.set_attention_kernel_tuning(tuning)
+            assert _C.attention_kernel_tuning() == tuning
+            outs[tuning] = check_against_reference(q, kc, vc, **kw)
+    finally:
+        assert _C.set_attention_kernel_tuning("")
+    assert torch.equal(outs["intel"], outs["other"])
+
+
+def test_the_tuning_is_the_cpus_unless_set():
+    """'' puts back this CPU's tuning (intel on Intel CPUs); an unknown name changes nothing."""
+    vendor = "intel" if "GenuineIntel" in open("/proc/cpuinfo").read() else "other"
+    assert _C.attention_kernel_tuning() == vendor
+    assert not _C.set_attention_kernel_tuning("zen4")
+    assert _C.attention_kernel_tuning() == vendor
+    try:
+        other = "other" if vendor == "intel" else "intel"
+        assert _C.set_attention_kernel_tuning(other)
+        assert _C.attention_kernel_tuning() == other
+    finally:
+        assert _C.set_attention_kernel_tuning("")
+    assert _C.attention_kernel_tuning() == vendor
+
+
 def test_kernel_variants_are_what_the_build_and_the_cpu_offer():
     """kernel_variants() names every variant, best first; the kernel runs exactly the runnable
     ones (and reports the one it runs), a variant lacks exactly the features Linux does not list

@@ -92,8 +92,9 @@ bool cpu_has(const std::string& feature) {
   return false;
 }
 
-// Whether this is an Intel CPU, where the kernels' prefetches were measured differently
-// (Shape::prefetch_prefill_blocks, Shape::prefetch_single_rows).
+// Whether this is an Intel CPU, where the kernels' prefetches and fp32 decode's P V were measured
+// differently (Shape::prefetch_prefill_blocks, Shape::prefetch_single_rows,
+// Shape::pv_head_groups).
 bool cpu_is_intel() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
@@ -101,6 +102,16 @@ bool cpu_is_intel() {
 #else
   return false;
 #endif
+}
+
+// -1: this CPU's tuning; 0 "other", 1 "intel" (set_kernel_tuning)
+std::atomic<int> g_tuning{-1};
+
+bool tuned_for_intel() {
+  const int t = g_tuning.load(std::memory_order_relaxed);
+  if (t >= 0) return t == 1;
+  static const bool intel = cpu_is_intel();
+  return intel;
 }
 
 // Why this process may not use AMX tiles although the CPU has them ("" when it may). Linux (5.16
@@ -737,6 +748,16 @@ bool set_kernel_isa(const char* name) {
   return true;
 }
 
+const char* kernel_tuning() { return tuned_for_intel() ? "intel" : "other"; }
+
+bool set_kernel_tuning(const char* name) {
+  const std::string n = name ? name : "";
+  const int t = n.empty() ? -1 : n == "intel" ? 1 : n == "other" ? 0 : -2;
+  if (t == -2) return false;
+  g_tuning.store(t, std::memory_order_relaxed);
+  return true;
+}
+
 void flash_attn_with_kvcache(const Args& a) {
   const std::vector<Request> reqs = check_args(a);
   if (reqs.empty()) return;
@@ -749,9 +770,10 @@ void flash_attn_with_kvcache(const Args& a) {
   s.q_scale = a.softmax_scale * kLog2e * (fp8 ? a.k_descale : 1.0f);
   s.out_scale = fp8 ? a.v_descale : 1.0f;
   s.prefill_rows = kt.prefill_rows(a);
-  static const bool intel = cpu_is_intel();
+  const bool intel = tuned_for_intel();
   s.prefetch_prefill_blocks = !intel;
   s.prefetch_single_rows = intel;
+  s.pv_head_groups = intel;
 
   Plan plan = make_plan(a, s, reqs, a.num_threads);
   const int threads = plan.total_cost >= kSerialCost ? a.num_threads : 1;

@@ -137,5 +137,15 @@ std::vector<std::string> unused_cpu_features();
 // thread is inside flash_attn_with_kvcache.
 bool set_kernel_isa(const char* name);
 
+// The tuning the kernels take: "intel" on Intel CPUs, "other" elsewhere. It picks among
+// choices that were measured differently on the two vendors' cores (software prefetches, the
+// order of fp32 decode's P V) and never changes a result, bit for bit.
+const char* kernel_tuning();
+
+// Selects the tuning by name for the whole process ("intel", "other"; "" = this CPU's), so that
+// either is tested on any CPU. Returns false, changing nothing, for another name. Not for use
+// while another thread is inside flash_attn_with_kvcache.
+bool set_kernel_tuning(const char* name);
+
 }  // namespace attention
 }  // namespace vattention

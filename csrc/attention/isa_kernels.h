@@ -454,6 +454,19 @@ inline void pv_dense(float* acc, const float* pt, int64_t pst, const VT* v, int6
   pf_io = pf;
 }
 
+// P V of a dense chunk of HC heads (P = 1) in passes of SH heads (SH divides HC), each pass
+// pv_dense over the block's V rows: SH * VPD accumulators in registers where all HC * VPD do not
+// fit (Shape::pv_head_groups). Steps `pf` once per key of each pass.
+template <int HC, int SH, int VPD, typename VT>
+inline void pv_dense_groups(float* acc, const float* pt, const VT* v, int64_t vst, int64_t nb,
+                            BlockPrefetch& pf) {
+  static_assert(HC % SH == 0, "passes of whole groups");
+  constexpr int64_t kHeadFloats = VPD * W;
+  VATTN_UNROLL
+  for (int g0 = 0; g0 < HC; g0 += SH)
+    pv_dense<SH, VPD>(acc + g0 * kHeadFloats, pt + g0, HC, v + g0 * kHeadFloats, vst, nb, pf);
+}
+
 // Accumulator vectors of one pv_head pass in pv_head_all, and its passes over a block at d.
 template <int P>
 constexpr int pv_head_vectors() {
@@ -609,9 +622,19 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
     Vec::store(lrun + c * W, Vec::zero());
   }
 
-  // P = 1: P V by pv_dense, a chunk's accumulators in registers (else token by token, pv_token)
-  const bool pv_dense_chunks =
-      P == 1 && (dense_vpd == 4 || dense_vpd == 8) && HC * dense_vpd <= Vec::kRegs / 2;
+  // P = 1: P V by pv_dense, a chunk's accumulators in registers: all its heads at once where they
+  // fit (half the registers), else, for fp32 caches where s.pv_head_groups, in passes of as many
+  // heads as fit (pv_dense_groups); otherwise token by token (pv_token)
+  constexpr int kPvRegs = Vec::kRegs / 2;
+  int64_t pv_passes = 0;
+  if (P == 1 && (dense_vpd == 4 || dense_vpd == 8)) {
+    if (HC * dense_vpd <= kPvRegs) {
+      pv_passes = 1;
+    } else if (s.pv_head_groups && sizeof(KT) == 4) {
+      pv_passes = HC * dense_vpd / kPvRegs;
+    }
+  }
+  const bool pv_dense_chunks = pv_passes > 0;
   const KT* kbase = cache_ptr<KT>(a.k_cache, rq.row, 0, it.kv_head);
   const KT* vbase = cache_ptr<KT>(a.v_cache, rq.row, 0, it.kv_head);
   const int64_t kst = a.k_cache.s_token, ksh = a.k_cache.s_head;
@@ -678,8 +701,8 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
       const int64_t lines = next * lines_per_token;
       // pf.step() calls: one per QK^T tile and chunk, and one per key of each P V pass (P = 1:
       // pv_dense per chunk, or the token-by-token loop)
-      const int64_t pv_steps =
-          P >= 2 ? nh * pv_head_passes<P>(d) * nb : (pv_dense_chunks ? chunks * nb : nb);
+      const int64_t pv_steps = P >= 2 ? nh * pv_head_passes<P>(d) * nb
+                                      : (pv_dense_chunks ? chunks * pv_passes * nb : nb);
       const int64_t steps = tiles * chunks + pv_steps;
       pf.per_step = (lines + steps - 1) / steps;
     }
@@ -784,19 +807,21 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
                        HC * P, pf);
       }
     } else if (pv_dense_chunks) {
-      // every head's accumulators of a chunk in registers at once: V read in one pass (in groups
-      // of heads, each group a pass over the block's rows, 8 heads x 128 at 2 threads on the Zen 4
-      // machine took 1.3-1.5x the token-by-token time in fp32 and 1.1x in bf16)
+      // a chunk's accumulators in registers: V read in one pass where they all fit, else in
+      // passes of as many heads as fit (pv_passes). The passes against the token-by-token loop:
+      // on the Zen 4 machine, 8 heads x 128 at 2 threads, 1.3-1.5x the time in fp32 and 1.1x in
+      // bf16; on Sapphire Rapids, fp32 caches read in turn as a model's layers are (8-16 rows x
+      // 512-1024 tokens, 1 and 2 threads), 1.09x-1.28x the speed over six shapes of 8-32 heads
+      // x 64 and 128 (the mega layout 1.04x), bf16 and fp16 0.93x-1.06x. Hence fp32 only, where
+      // s.pv_head_groups (Intel cores).
       for (int64_t c = 0; c < chunks; ++c) {
         float* ac = acc + c * HC * d;
         const float* pt = sc + c * tpb * W;  // P = 1: token kk's HC probabilities at kk * HC
         const KT* vc = vbase + c0 * vst + c * HC * d;
-        // (only the shapes the condition above admits are instantiated)
-        if constexpr (HC * 4 <= Vec::kRegs / 2) {
-          if (dense_vpd == 4) pv_dense<HC, 4>(ac, pt, HC, vc, vst, nb, pf);
-        }
-        if constexpr (HC * 8 <= Vec::kRegs / 2) {
-          if (dense_vpd == 8) pv_dense<HC, 8>(ac, pt, HC, vc, vst, nb, pf);
+        if (dense_vpd == 4) {
+          pv_dense_groups<HC, std::min(HC, kPvRegs / 4), 4>(ac, pt, vc, vst, nb, pf);
+        } else {
+          pv_dense_groups<HC, std::max(1, std::min(HC, kPvRegs / 8)), 8>(ac, pt, vc, vst, nb, pf);
         }
       }
     } else {

@@ -116,6 +116,10 @@ struct Shape {
   // Whether decode items with one row per KV head over contiguous rows of a 16-bit cache
   // prefetch each next key block (decode_item): on Intel cores, where it was measured to help.
   bool prefetch_single_rows = false;
+  // Whether fp32 decode items with one row per KV head run P V in passes of as many heads as fit
+  // the registers where a chunk's heads do not all fit (decode_item): on Intel cores, where it
+  // was measured faster than the token-by-token loop; on Zen 4 it was slower.
+  bool pv_head_groups = false;
 };
 
 // Entry points of one instruction set.

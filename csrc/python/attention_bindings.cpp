@@ -116,4 +116,12 @@ void register_attention(py::module_& m) {
       "Select the CPU attention kernels ('amx', 'avx512bf16', 'avx512', 'avx2', 'generic'; '' =\n"
       "best).\n"
       "False if this CPU cannot run them.");
+  m.def("attention_kernel_tuning", &at::kernel_tuning,
+        "The tuning the CPU attention kernels take: 'intel' on Intel CPUs, else 'other' (measured\n"
+        "choices of prefetch and loop order; results are the same bits either way).");
+  m.def(
+      "set_attention_kernel_tuning",
+      [](const std::string& name) { return at::set_kernel_tuning(name.c_str()); }, py::arg("name"),
+      "Select the CPU attention kernels' tuning ('intel', 'other'; '' = this CPU's), so either\n"
+      "is tested on any CPU. False, changing nothing, for another name.");
 }
