@@ -78,8 +78,9 @@ def _kernel_lines(stdout):
 def test_info_names_the_cpu_kernel_variant_and_why():
     """`info` says which variant of the CPU attention kernel a call runs (the best one this build
     and CPU run), with the CPU features it runs on, why each better variant does not run, every
-    variant's status (amx: also whether the OS granted the tile state), and the CPU's features
-    that no variant uses (AMX-INT8, AMX-FP16, AVX512-FP16)."""
+    variant's status (amx: also whether the OS granted the tile state), the kernels' tuning (the
+    CPU's vendor), and the CPU's features that no variant uses (AMX-INT8, AMX-FP16,
+    AVX512-FP16)."""
     from vattention.attention import kernel_variants
     from vattention.attention.variants import ISA_ENV, unused_cpu_features
 
@@ -104,9 +105,12 @@ def test_info_names_the_cpu_kernel_variant_and_why():
     better = "".join(f"; {v.name}: {v.why_not()}" for v in variants[: variants.index(best)])
     summary = ", ".join(v.name for v in runnable) + " run here"
     summary += "".join(f"; {v.name} does not: {v.why_not()}" for v in variants if not v.runnable)
+    vendor = "intel" if "GenuineIntel" in open("/proc/cpuinfo").read() else "other"
     want = [
         f"cpu attention kernel: {best.name} (the best variant here: {has}{better})",
         f"cpu attention kernel variants: {summary}",
+        f"cpu attention kernel tuning: {vendor} (prefetches and fp32 decode's P V order as"
+        " measured on this CPU vendor's cores; the same results either way)",
     ]
     if unused_cpu_features():
         want.append(

@@ -811,7 +811,7 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
       // passes of as many heads as fit (pv_passes). The passes against the token-by-token loop:
       // on the Zen 4 machine, 8 heads x 128 at 2 threads, 1.3-1.5x the time in fp32 and 1.1x in
       // bf16; on Sapphire Rapids, fp32 caches read in turn as a model's layers are (8-16 rows x
-      // 512-1024 tokens, 1 and 2 threads), 1.09x-1.28x the speed over six shapes of 8-32 heads
+      // 512-2048 tokens, 1 and 2 threads), 1.08x-1.32x the speed over five shapes of 8-32 heads
       // x 64 and 128 (the mega layout 1.04x), bf16 and fp16 0.93x-1.06x. Hence fp32 only, where
       // s.pv_head_groups (Intel cores).
       for (int64_t c = 0; c < chunks; ++c) {

@@ -119,7 +119,8 @@ def _why_chosen(chosen: KernelVariant, best: KernelVariant, better: List[KernelV
 
 def kernel_report() -> List[str]:
     """What ``python -m vattention info`` says of the CPU attention kernel: the variant a call
-    runs and why, what every variant needs, and the CPU's features that none uses.
+    runs and why, what every variant needs, its tuning (``intel`` on Intel CPUs, else ``other``),
+    and the CPU's features that none uses.
 
     Examples
     --------
@@ -127,6 +128,9 @@ def kernel_report() -> List[str]:
     >>> lines[0].startswith("cpu attention kernel: " + kernel_isa() + " (")
     True
     >>> lines[1].startswith("cpu attention kernel variants: ")
+    True
+    >>> lines[2].split(" (")[0] in ("cpu attention kernel tuning: intel",
+    ...                             "cpu attention kernel tuning: other")
     True
     """
     variants = kernel_variants()
@@ -140,6 +144,10 @@ def kernel_report() -> List[str]:
         if not v.runnable:
             summary += f"; {v.name} does not: {v.why_not()}"
     lines.append(f"cpu attention kernel variants: {summary}")
+    lines.append(
+        f"cpu attention kernel tuning: {_C.attention_kernel_tuning()} (prefetches and fp32"
+        " decode's P V order as measured on this CPU vendor's cores; the same results either way)"
+    )
     unused = unused_cpu_features()
     if unused:
         lines.append(
