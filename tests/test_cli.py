@@ -109,8 +109,9 @@ def test_info_names_the_cpu_kernel_variant_and_why():
     want = [
         f"cpu attention kernel: {best.name} (the best variant here: {has}{better})",
         f"cpu attention kernel variants: {summary}",
-        f"cpu attention kernel tuning: {vendor} (prefetches and fp32 decode's P V order as"
-        " measured on this CPU vendor's cores; the same results either way)",
+        f"cpu attention kernel tuning: {vendor} (prefetches and fp32 decode's P V order: intel"
+        " as measured on Intel cores, other as on AMD's, for every other CPU; the same results"
+        " either way)",
     ]
     if unused_cpu_features():
         want.append(

@@ -146,7 +146,8 @@ def kernel_report() -> List[str]:
     lines.append(f"cpu attention kernel variants: {summary}")
     lines.append(
         f"cpu attention kernel tuning: {_C.attention_kernel_tuning()} (prefetches and fp32"
-        " decode's P V order as measured on this CPU vendor's cores; the same results either way)"
+        " decode's P V order: intel as measured on Intel cores, other as on AMD's, for every other"
+        " CPU; the same results either way)"
     )
     unused = unused_cpu_features()
     if unused:
