@@ -137,6 +137,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.rows < 1 or args.tokens < BLOCK or args.tokens % BLOCK:
         p.error(f"--rows {args.rows} must be >= 1 and --tokens {args.tokens} a multiple of {BLOCK}")
+    if args.rounds < 2 or args.calls < 1:  # alternation needs two rounds at least (A B, B A)
+        p.error(f"--rounds {args.rounds} must be >= 2 and --calls {args.calls} >= 1")
     ops, why = vllm_ops()
     torch.set_num_threads(args.threads)
     print(

@@ -42,7 +42,7 @@ from vattention.attention import (
     reference_attention,
 )
 from vattention.attention.variants import ISA_ENV
-from vattention.bench.machine import cpu_flags
+from vattention.bench.machine import cpu_flags, cpu_vendor
 
 from support.attention_bound import check_within_bound, reference_and_bound
 
@@ -1077,7 +1077,7 @@ def test_the_tunings_give_the_same_bits(isa, threads, case):
 
 def test_the_tuning_is_the_cpus_unless_set():
     """'' puts back this CPU's tuning (intel on Intel CPUs); an unknown name changes nothing."""
-    vendor = "intel" if "GenuineIntel" in open("/proc/cpuinfo").read() else "other"
+    vendor = "intel" if cpu_vendor() == "GenuineIntel" else "other"
     assert _C.attention_kernel_tuning() == vendor
     assert not _C.set_attention_kernel_tuning("zen4")
     assert _C.attention_kernel_tuning() == vendor

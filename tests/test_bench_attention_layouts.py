@@ -36,8 +36,10 @@ def test_a_model_size_gets_a_row_per_layout():
     assert all(int(r[1]) > 0 and int(r[2]) >= int(r[1]) for r in rows), rows
 
 
-def test_refuses_a_size_it_does_not_have_and_a_partial_block():
+def test_refuses_a_size_it_does_not_have_a_partial_block_and_one_round():
     bad = run("--model-size", "huge")
     assert bad.returncode == 2 and "invalid choice: 'huge'" in bad.stderr
     part = run("--model-size", "tiny", "--tokens", "200")
     assert part.returncode == 2 and "--tokens 200" in part.stderr
+    once = run("--model-size", "tiny", "--rounds", "1")
+    assert once.returncode == 2 and "--rounds 1 must be >= 2" in once.stderr

@@ -83,6 +83,7 @@ def test_info_names_the_cpu_kernel_variant_and_why():
     AVX512-FP16)."""
     from vattention.attention import kernel_variants
     from vattention.attention.variants import ISA_ENV, unused_cpu_features
+    from vattention.bench.machine import cpu_vendor
 
     env = {k: v for k, v in os.environ.items() if k != ISA_ENV}
     proc = subprocess.run(
@@ -105,7 +106,7 @@ def test_info_names_the_cpu_kernel_variant_and_why():
     better = "".join(f"; {v.name}: {v.why_not()}" for v in variants[: variants.index(best)])
     summary = ", ".join(v.name for v in runnable) + " run here"
     summary += "".join(f"; {v.name} does not: {v.why_not()}" for v in variants if not v.runnable)
-    vendor = "intel" if "GenuineIntel" in open("/proc/cpuinfo").read() else "other"
+    vendor = "intel" if cpu_vendor() == "GenuineIntel" else "other"
     want = [
         f"cpu attention kernel: {best.name} (the best variant here: {has}{better})",
         f"cpu attention kernel variants: {summary}",

@@ -22,6 +22,12 @@ def cpu_name() -> str:
     return _cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor as /proc/cpuinfo names it (``GenuineIntel``, ``AuthenticAMD``; ``""`` where
+    it names none)."""
+    return _cpuinfo_field("vendor_id") or ""
+
+
 def cpu_flags() -> set[str]:
     """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
     return set((_cpuinfo_field("flags") or "").split())
