@@ -5,6 +5,10 @@ kernels on the same K/V values.
     .venv-vllm/bin/python benchmarks/bench_attention_replay.py capture long-context small calls.json
     .venv-vllm/bin/python benchmarks/bench_attention_replay.py replay calls.json
 
+The model is a ``bench vllm`` size (``small``: fp32) or preset (``gqa4-bf16``, ``qwen2.5-0.5b``:
+bf16, at their real depth); the replay runs in the model's dtype, and vLLM's op at the ISA its CPU
+backend picks for it (``amx`` for bf16 on a CPU with AMX tiles, else ``vec``), as stock runs it.
+
 ``capture`` runs the plugin in this process at vLLM's defaults plus sizes (those of
 ``bench_vllm_breakdown.py``), warms it up with two passes of the workload, then records every
 attention call of the first layer during a third pass: each request's query tokens and cached
@@ -21,7 +25,8 @@ prefill chunk are timed separately; both kernels are warmed up, then alternated 
 ``--layout mega`` / ``--layout layer`` (repeatable; default ``plain``) give our kernel the K/V in a
 vattention cache of that layout instead of plain tensors (same values, timed in the same
 alternation): ``mega`` is what the vLLM plugin uses by default, one row holding every layer of a
-token, so a layer's rows are a whole token's K apart.
+token, so a layer's rows are a whole token's K apart. Their pages are 2 MB unless the layout says
+otherwise (``layer:64KB``, ``mega:768KB``: the page the engine's log line names for the model).
 
 The **rate** columns say how close each kernel runs to this machine's limits: for the decode
 calls, the K/V bytes they must read (every row's cached and new tokens, K and V, once) per second,
@@ -47,7 +52,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_attention import vllm_ops  # noqa: E402
+from bench_attention import vllm_isa, vllm_ops  # noqa: E402
 from bench_attention_small import BLOCK, paged  # noqa: E402
 
 from _timing import compare_min_median  # noqa: E402
@@ -55,25 +60,50 @@ from _timing import compare_min_median  # noqa: E402
 ROWS, TOKENS = 16, 4096
 
 
-def capture(workload: str, size: str, out_path: str) -> int:
+def layout_arg(value: str) -> str:
+    """``--layout``'s value: plain, mega or layer, optionally with a page size (layer:64KB)."""
+    from vattention.config import parse_size
+
+    layout, _, size = value.partition(":")
+    if layout not in ("plain", "mega", "layer") or (size and layout == "plain"):
+        raise argparse.ArgumentTypeError(f"{value!r}: plain, mega, layer, mega:SIZE or layer:SIZE")
+    if size:
+        try:
+            parse_size(size, name="page size")
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{value!r}: {e}") from e
+    return value
+
+
+def replay_model(name: str):
+    """The ModelPreset of a ``bench vllm`` model size or preset name (ValueError otherwise)."""
+    from vattention.bench.model_presets import PRESETS
+    from vattention.bench.vllm_bench import MODEL_SIZES, size_model
+
+    if name in PRESETS:
+        return PRESETS[name]
+    if name in MODEL_SIZES:
+        return size_model(name)
+    raise ValueError(
+        f"model {name!r} is neither a size {tuple(MODEL_SIZES)} nor a preset {tuple(PRESETS)}"
+    )
+
+
+def capture(workload: str, name: str, out_path: str) -> int:
     os.environ["VATTENTION_VLLM"] = "1"
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    from vattention.bench.tiny_models import build_tiny_model
-    from vattention.bench.vllm_bench import MODEL_SIZES, make_workload
+    from vattention.bench.vllm_bench import make_workload
 
-    shape = MODEL_SIZES[size]
-    layers, hidden, heads, kv_heads, head_dim = shape
-    model = build_tiny_model(
-        os.path.join(tempfile.gettempdir(), f"vattention-breakdown-llama-{size}"),
-        "llama",
-        num_layers=layers,
-        hidden_size=hidden,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        max_positions=4096,
-    )
+    preset = replay_model(name)
+    shape = [
+        preset.num_layers,
+        preset.hidden_size,
+        preset.num_heads,
+        preset.num_kv_heads,
+        preset.head_dim,
+    ]
+    model = preset.build(os.path.join(tempfile.gettempdir(), f"vattention-replay-{name}"))
     import vllm
 
     from vattention.integrations.vllm import attention
@@ -96,7 +126,7 @@ def capture(workload: str, size: str, out_path: str) -> int:
     attention.VAttentionImpl.forward = recorded
     llm = vllm.LLM(
         model=model,
-        dtype="float32",
+        dtype=preset.dtype,
         max_model_len=4096,
         max_num_seqs=ROWS,
         kv_cache_memory_bytes=1 << 30,
@@ -112,7 +142,14 @@ def capture(workload: str, size: str, out_path: str) -> int:
         )
     with open(out_path, "w") as f:
         json.dump(
-            {"workload": workload, "model_size": size, "model": list(shape), "calls": calls}, f
+            {
+                "workload": workload,
+                "model_size": name,
+                "model": shape,
+                "dtype": preset.dtype,
+                "calls": calls,
+            },
+            f,
         )
     print(f"{len(calls)} calls of the first layer recorded in {out_path}")
     return 0
@@ -122,14 +159,22 @@ class Replay:
     """Both kernels' caches for every layer, filled with the same values."""
 
     def __init__(
-        self, ops, layers: int, heads: int, kv_heads: int, head_dim: int, layouts=("plain",)
+        self,
+        ops,
+        layers: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        layouts=("plain",),
     ):
         self.ops, self.layers, self.heads = ops, layers, heads
-        self.hkv, self.d = kv_heads, head_dim
+        self.hkv, self.d, self.dtype = kv_heads, head_dim, dtype
+        self.isa = vllm_isa(dtype, head_dim, BLOCK)  # what stock's CPU backend runs
         plain, self.theirs = [], []
         for _ in range(layers):
-            k = torch.randn(ROWS, TOKENS, kv_heads, head_dim)
-            v = torch.randn(ROWS, TOKENS, kv_heads, head_dim)
+            k = torch.randn(ROWS, TOKENS, kv_heads, head_dim).to(dtype)
+            v = torch.randn(ROWS, TOKENS, kv_heads, head_dim).to(dtype)
             plain.append((k, v))
             self.theirs.append(
                 paged(ops, k.reshape(-1, kv_heads, head_dim), v.reshape(-1, kv_heads, head_dim))
@@ -150,8 +195,9 @@ class Replay:
                 head_dim=self.d,
                 max_batch_size=ROWS,
                 max_seq_len=TOKENS,
-                dtype=torch.float32,
-                layout=layout,
+                dtype=self.dtype,
+                layout=layout.partition(":")[0],
+                page_size=layout.partition(":")[2] or "2MB",
             )
         )
         self.caches.append(cache)
@@ -187,17 +233,17 @@ class Replay:
             num_kv_heads=self.hkv,
             head_dim=self.d,
             seq_lens=seq,
-            dtype=torch.float32,
+            dtype=self.dtype,
             query_start_loc=cu,
             causal=True,
             sliding_window_size=-1,
-            isa="vec",
+            isa=self.isa,
             enable_kv_split=True,
         )
         return dict(
-            q=torch.randn(total, self.heads, self.d),
-            k=torch.randn(total, self.hkv, self.d),
-            v=torch.randn(total, self.hkv, self.d),
+            q=torch.randn(total, self.heads, self.d).to(self.dtype),
+            k=torch.randn(total, self.hkv, self.d).to(self.dtype),
+            v=torch.randn(total, self.hkv, self.d).to(self.dtype),
             cu=cu,
             past=past_t,
             seq=seq,
@@ -239,7 +285,7 @@ class Replay:
             for c in calls:
                 for kc, vc in self.theirs:
                     self.ops.cpu_attn_reshape_and_cache(
-                        c["k"], c["v"], kc, vc, c["slot_mapping"], "vec"
+                        c["k"], c["v"], kc, vc, c["slot_mapping"], self.isa
                     )
                     out = torch.empty_like(c["q"])
                     self.ops.cpu_attention_with_kv_cache(
@@ -300,8 +346,9 @@ def replay(path: str, rounds: int, layouts=("plain",)) -> int:
     with open(path) as f:
         doc = json.load(f)
     layers, _, heads, kv_heads, head_dim = doc["model"]
+    dtype = getattr(torch, doc.get("dtype", "float32"))
     torch.manual_seed(0)
-    rep = Replay(ops, layers, heads, kv_heads, head_dim, layouts)
+    rep = Replay(ops, layers, heads, kv_heads, head_dim, dtype, layouts)
     try:
         return _replay(rep, doc, rounds, layouts)
     finally:
@@ -315,25 +362,28 @@ def _replay(rep: Replay, doc, rounds: int, layouts) -> int:
     for call in doc["calls"]:
         name = decode if max(call["qlens"]) == 1 else prefill
         groups[name].append(rep.prepare(call))
-        nbytes, flops = call_work(call, rep.heads, rep.hkv, rep.d)
+        nbytes, flops = call_work(call, rep.heads, rep.hkv, rep.d, rep.dtype.itemsize)
         work[name] += rep.layers * (nbytes if name == decode else flops)
 
     def rate(name: str, seconds: float) -> str:
         per_s = work[name] / seconds / 1e9
         return f"{per_s:.1f} GB/s" if name == decode else f"{per_s:.0f} GFLOP/s"
 
-    # same outputs on one call of each group (the last layer's)
+    # same outputs on one call of each group (the last layer's); bf16 outputs differ by their
+    # rounding (2^-8 relative) where the kernels sum in different orders
+    tol = 1e-4 if rep.dtype == torch.float32 else 2e-2
     for calls in groups.values():
         for layout in layouts:
             if calls:
                 a, b = rep.ours_fn(calls[:1], layout)(), rep.theirs_fn(calls[:1])()
-                if not torch.allclose(a, b, atol=1e-4, rtol=1e-4):
+                if not torch.allclose(a.float(), b.float(), atol=tol, rtol=tol):
                     raise SystemExit(
                         f"outputs differ ({layout}): max |ours - vLLM| = {(a - b).abs().max():.3g}"
                     )
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); {doc['workload']} "
-        f"{doc['model_size']} (layers, hidden, heads, KV heads, d = {tuple(doc['model'])}): "
+        f"{doc['model_size']} (layers, hidden, heads, KV heads, d = {tuple(doc['model'])}; "
+        f"{str(rep.dtype).removeprefix('torch.')}): vLLM's op with isa={rep.isa!r}; "
         f"{len(doc['calls'])} calls x {rep.layers} layers; load average "
         f"{os.getloadavg()[0]:.2f} at start\n"
     )
@@ -380,7 +430,7 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("capture", help="record the first layer's attention calls of one pass")
     c.add_argument("workload")
-    c.add_argument("model_size")
+    c.add_argument("model", help="a bench vllm model size or preset")
     c.add_argument("out")
     r = sub.add_parser("replay", help="time both kernels on the recorded calls")
     r.add_argument("calls")
@@ -388,17 +438,22 @@ def main(argv=None) -> int:
     r.add_argument(
         "--layout",
         action="append",
-        choices=("plain", "mega", "layer"),
-        help="our K/V: plain tensors (default) or a vattention cache of this layout; "
+        type=layout_arg,
+        help="our K/V: plain tensors (default) or a vattention cache of this layout, in 2 MB "
+        "pages or those of LAYOUT:SIZE (layer:64KB: the plugin's pages for gqa4-bf16); "
         "repeatable, all timed in one alternation",
     )
     args = p.parse_args(argv)
     if args.cmd == "capture":
-        from vattention.bench.vllm_bench import MODEL_SIZES, WORKLOADS
+        from vattention.bench.vllm_bench import WORKLOADS
 
-        if args.workload not in WORKLOADS or args.model_size not in MODEL_SIZES:
-            p.error(f"workload one of {WORKLOADS}, model size one of {tuple(MODEL_SIZES)}")
-        return capture(args.workload, args.model_size, args.out)
+        if args.workload not in WORKLOADS:
+            p.error(f"workload {args.workload!r} is not one of {WORKLOADS}")
+        try:
+            replay_model(args.model)
+        except ValueError as e:
+            p.error(str(e))
+        return capture(args.workload, args.model, args.out)
     return replay(args.calls, args.rounds, tuple(dict.fromkeys(args.layout or ["plain"])))
 
 
