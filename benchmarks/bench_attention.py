@@ -68,6 +68,11 @@ def vllm_ops():
         import vllm._custom_ops as ops  # noqa: F401
     except Exception as exc:  # not the vLLM venv
         return None, f"{type(exc).__name__}: {exc}".splitlines()[0][:120]
+    # vLLM's amx op uses the tiles without asking the OS for them (in its engine oneDNN's bf16
+    # matmuls have asked before attention runs): a process whose first tile instruction is that
+    # op's dies of SIGILL unless it asks first.
+    if torch.cpu._is_amx_tile_supported():
+        torch.cpu._init_amx()
     return ops, ""
 
 

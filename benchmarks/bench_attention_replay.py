@@ -60,6 +60,12 @@ from _timing import compare_min_median  # noqa: E402
 ROWS, TOKENS = 16, 4096
 
 
+def split_layout(value: str) -> tuple:
+    """(layout, page size) of a ``--layout`` value; 2 MB pages where it names none."""
+    layout, _, size = value.partition(":")
+    return layout, size or "2MB"
+
+
 def layout_arg(value: str) -> str:
     """``--layout``'s value: plain, mega or layer, optionally with a page size (layer:64KB)."""
     from vattention.config import parse_size
@@ -188,6 +194,7 @@ class Replay:
         """A vattention cache of this layout, every row mapped, holding `values`."""
         import vattention
 
+        kind, page_size = split_layout(layout)
         cache = vattention.KVCache(
             vattention.KVCacheConfig(
                 num_layers=self.layers,
@@ -196,8 +203,8 @@ class Replay:
                 max_batch_size=ROWS,
                 max_seq_len=TOKENS,
                 dtype=self.dtype,
-                layout=layout.partition(":")[0],
-                page_size=layout.partition(":")[2] or "2MB",
+                layout=kind,
+                page_size=page_size,
             )
         )
         self.caches.append(cache)
@@ -253,12 +260,15 @@ class Replay:
             max_q=max(qlens),
         )
 
-    def ours_fn(self, calls, layout: str = "plain"):
+    def ours_fn(self, calls, layout: str = "plain", keep: bool = False):
+        """A function running `calls` over every layer; it returns each call's outputs, layer by
+        layer, where `keep`, else the last one."""
         from vattention.integrations import flash_attn as fa
 
         scale = self.d**-0.5
 
         def run():
+            kept = []
             for c in calls:
                 for k_cache, v_cache in self.ours[layout]:
                     out = fa.flash_attn_with_kvcache(
@@ -274,14 +284,17 @@ class Replay:
                         softmax_scale=scale,
                         causal=True,
                     )
-            return out
+                    if keep:
+                        kept.append(out)
+            return kept if keep else out
 
         return run
 
-    def theirs_fn(self, calls):
+    def theirs_fn(self, calls, keep: bool = False):
         scale = self.d**-0.5
 
         def run():
+            kept = []
             for c in calls:
                 for kc, vc in self.theirs:
                     self.ops.cpu_attn_reshape_and_cache(
@@ -304,7 +317,9 @@ class Replay:
                         scheduler_metadata=c["meta"],
                         s_aux=None,
                     )
-            return out
+                    if keep:
+                        kept.append(out)
+            return kept if keep else out
 
         return run
 
@@ -369,16 +384,21 @@ def _replay(rep: Replay, doc, rounds: int, layouts) -> int:
         per_s = work[name] / seconds / 1e9
         return f"{per_s:.1f} GB/s" if name == decode else f"{per_s:.0f} GFLOP/s"
 
-    # same outputs on one call of each group (the last layer's); bf16 outputs differ by their
+    # same outputs on one call of each group, every layer; bf16 outputs differ by their
     # rounding (2^-8 relative) where the kernels sum in different orders
     tol = 1e-4 if rep.dtype == torch.float32 else 2e-2
     for calls in groups.values():
+        if not calls:
+            continue
+        theirs = rep.theirs_fn(calls[:1], keep=True)()
         for layout in layouts:
-            if calls:
-                a, b = rep.ours_fn(calls[:1], layout)(), rep.theirs_fn(calls[:1])()
+            for layer, (a, b) in enumerate(
+                zip(rep.ours_fn(calls[:1], layout, keep=True)(), theirs, strict=True)
+            ):
                 if not torch.allclose(a.float(), b.float(), atol=tol, rtol=tol):
                     raise SystemExit(
-                        f"outputs differ ({layout}): max |ours - vLLM| = {(a - b).abs().max():.3g}"
+                        f"outputs differ ({layout}, layer {layer}): max |ours - vLLM| = "
+                        f"{(a.float() - b.float()).abs().max():.3g}"
                     )
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); {doc['workload']} "
@@ -444,6 +464,8 @@ def main(argv=None) -> int:
         "repeatable, all timed in one alternation",
     )
     args = p.parse_args(argv)
+    if args.cmd == "replay" and args.rounds < 2:  # alternation needs two rounds (A B, B A)
+        p.error(f"--rounds {args.rounds} must be >= 2")
     if args.cmd == "capture":
         from vattention.bench.vllm_bench import WORKLOADS
 

@@ -90,6 +90,8 @@ def test_takes_sizes_and_presets_and_layouts_with_page_sizes():
     for bad in ("paged", "plain:64KB", "layer:lots"):
         with pytest.raises(argparse.ArgumentTypeError, match=re.escape(repr(bad))):
             replay.layout_arg(bad)
+    assert replay.split_layout("layer:64KB") == ("layer", "64KB")
+    assert replay.split_layout("mega") == ("mega", "2MB")
 
 
 def test_the_command_line_refuses_them(tmp_path):
@@ -100,3 +102,5 @@ def test_the_command_line_refuses_them(tmp_path):
     assert workload.returncode == 2 and "workload 'chat' is not one of" in workload.stderr
     layout = run(sys.executable, "replay", out, "--layout", "layer:lots")
     assert layout.returncode == 2 and "'layer:lots'" in layout.stderr, layout.stderr
+    once = run(sys.executable, "replay", out, "--rounds", "1")  # refused before reading `out`
+    assert once.returncode == 2 and "--rounds 1 must be >= 2" in once.stderr, once.stderr
