@@ -81,27 +81,13 @@ def layout_arg(value: str) -> str:
     return value
 
 
-def replay_model(name: str):
-    """The ModelPreset of a ``bench vllm`` model size or preset name (ValueError otherwise)."""
-    from vattention.bench.model_presets import PRESETS
-    from vattention.bench.vllm_bench import MODEL_SIZES, size_model
-
-    if name in PRESETS:
-        return PRESETS[name]
-    if name in MODEL_SIZES:
-        return size_model(name)
-    raise ValueError(
-        f"model {name!r} is neither a size {tuple(MODEL_SIZES)} nor a preset {tuple(PRESETS)}"
-    )
-
-
 def capture(workload: str, name: str, out_path: str) -> int:
     os.environ["VATTENTION_VLLM"] = "1"
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    from vattention.bench.vllm_bench import make_workload
+    from vattention.bench.vllm_bench import make_workload, named_model
 
-    preset = replay_model(name)
+    preset = named_model(name)
     shape = [
         preset.num_layers,
         preset.hidden_size,
@@ -467,12 +453,12 @@ def main(argv=None) -> int:
     if args.cmd == "replay" and args.rounds < 2:  # alternation needs two rounds (A B, B A)
         p.error(f"--rounds {args.rounds} must be >= 2")
     if args.cmd == "capture":
-        from vattention.bench.vllm_bench import WORKLOADS
+        from vattention.bench.vllm_bench import WORKLOADS, named_model
 
         if args.workload not in WORKLOADS:
             p.error(f"workload {args.workload!r} is not one of {WORKLOADS}")
         try:
-            replay_model(args.model)
+            named_model(args.model)
         except ValueError as e:
             p.error(str(e))
         return capture(args.workload, args.model, args.out)

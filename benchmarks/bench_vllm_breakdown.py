@@ -34,7 +34,7 @@ from typing import Dict
 
 def main(argv=None) -> int:
     from vattention.bench.model_presets import PRESETS
-    from vattention.bench.vllm_bench import MODEL_SIZES, WORKLOADS, size_model
+    from vattention.bench.vllm_bench import MODEL_SIZES, WORKLOADS, named_model
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("engine", choices=("stock", "plugin"))
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
 
     from vattention.bench.vllm_bench import make_workload
 
-    preset = PRESETS[args.model] if args.model in PRESETS else size_model(args.model)
+    preset = named_model(args.model)
     model = preset.build(
         os.path.join(tempfile.gettempdir(), f"vattention-breakdown-{preset.family}-{args.model}"),
         max_positions=4096,

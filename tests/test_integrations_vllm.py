@@ -821,8 +821,9 @@ def test_vllms_cuda_platform_config_code_keeps_the_plugins_config(runs):
 def test_on_the_cpu_auto_takes_layer_where_it_fits_and_mega_pages_go_huge(runs):
     """vLLM's CPU config code and the plugin's hook (tests/support/vllm_cpu_config_check.py), on a
     model whose 128-token block is a 1 MB page in the mega layout: ``auto`` takes ``layer`` (128
-    tokens, 512 KB pages) at small sizes and ``mega`` at vLLM's default max_num_seqs with 8k rows;
-    a mega block doubles to 256 tokens where host pages can be huge, unless one is given."""
+    tokens, 512 KB pages) at small sizes, ``layer`` in 256-token blocks where only those fit, and
+    ``mega`` at vLLM's default max_num_seqs with 8k rows; a mega block doubles to 256 tokens where
+    host pages can be huge, unless one is given."""
     rc, out = runs["cpu-config"].wait()
     assert rc == 0, out[-3000:]
     result = json.loads(out.strip().splitlines()[-1])
@@ -830,7 +831,8 @@ def test_on_the_cpu_auto_takes_layer_where_it_fits_and_mega_pages_go_huge(runs):
     assert result["mapping_limit"] == vattention._C.host_mapping_limit()
     mega_default = 256 if result["huge_unit"] else 128
     assert result["default"] == ["layer", 128]
-    assert result["large"] == ["mega", mega_default] and result["middle"] == result["large"]
+    assert result["large"] == ["mega", mega_default]
+    assert result["middle"] == ["layer", 256] and result["middle_given"] == ["mega", 128]
     assert result["mega"] == ["mega", mega_default]
     assert result["mega_given"] == ["mega", 128] and result["mega_huge_off"] == ["mega", 128]
 

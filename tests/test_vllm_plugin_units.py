@@ -308,14 +308,30 @@ def test_no_delay_applies_every_budget_at_once_without_a_thread():
 def test_cpu_auto_layout_is_layer_only_while_its_mappings_fit_half_the_limit(caplog):
     # bench vllm's small model: 16 seqs x 32 blocks x 2 x 4 layers = 4096 mappings
     caplog.set_level("INFO", logger=plugin.logger.name)
-    assert plugin._cpu_auto_layout(16, 4096, 4, 128, 28669) == "layer"
+    assert plugin._cpu_auto_layout(16, 4096, 4, 128, 28669) == ("layer", 128)
     assert "layout layer: at most 4096 page mappings" in caplog.text
-    assert plugin._cpu_auto_layout(16, 4096, 4, 128, 8192) == "layer"  # exactly half
-    assert plugin._cpu_auto_layout(16, 4096, 4, 128, 8191) == "mega"
+    assert plugin._cpu_auto_layout(16, 4096, 4, 128, 8192) == ("layer", 128)  # exactly half
+    assert plugin._cpu_auto_layout(16, 4096, 4, 128, 8191) == ("mega", 128)
     assert "could need 4096 page mappings" in caplog.text and "--max-num-seqs" in caplog.text
     # vLLM's CPU defaults (256 seqs) and an 8B model's 8k rows: 32 layers x 64 blocks x 2 x 256
-    assert plugin._cpu_auto_layout(256, 8192, 32, 128, 28669) == "mega"
-    assert plugin._cpu_auto_layout(1, 100, 1, 128, 0) == "mega"  # no mappings allowed
+    assert plugin._cpu_auto_layout(256, 8192, 32, 128, 28669) == ("mega", 128)
+    assert plugin._cpu_auto_layout(1, 100, 1, 128, 0) == ("mega", 128)  # no mappings allowed
+
+
+def test_cpu_auto_layout_doubles_the_block_for_layer_only_where_that_makes_it_fit(caplog):
+    # qwen2.5-0.5b at bench vllm's sizes: 16 x 32 blocks x 2 x 24 layers = 24576 > 14334
+    caplog.set_level("INFO", logger=plugin.logger.name)
+    assert plugin._cpu_auto_layout(16, 4096, 24, 128, 28669) == ("mega", 128)  # a given block
+    assert plugin._cpu_auto_layout(16, 4096, 24, 128, 28669, coarser=True) == ("layer", 256)
+    assert (
+        "at most 12288 page mappings (16 seqs x 4096 tokens in 256-token blocks, twice 128 to "
+        "halve them x 24 layers x K,V)" in caplog.text
+    ), caplog.text
+    # where the block as it is fits, it stays; where twice it does not either, mega keeps it
+    assert plugin._cpu_auto_layout(16, 4096, 4, 128, 28669, coarser=True) == ("layer", 128)
+    caplog.clear()
+    assert plugin._cpu_auto_layout(256, 8192, 32, 128, 28669, coarser=True) == ("mega", 128)
+    assert "could need 524288 page mappings" in caplog.text and "256-token blocks" in caplog.text
 
 
 def test_the_v1_runner_is_selected_and_an_explicit_v2_refused(monkeypatch):

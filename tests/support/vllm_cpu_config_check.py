@@ -10,7 +10,9 @@ the plugin) sets both, for:
 * ``default``: vLLM's defaults (its CPU block size, 128 tokens) with small sizes (4 seqs x 1024
   tokens: the layer layout's mappings fit);
 * ``large``: vLLM's default ``max_num_seqs`` and 8192-token rows (they do not);
-* ``middle``: 100 seqs of 8192 tokens (they do not; they would in 256-token blocks);
+* ``middle``: 100 seqs of 8192 tokens (they do not in 128-token blocks; they do in 256-token
+  ones, which ``auto`` then takes);
+* ``middle_given``: that and ``--block-size 128`` on the command line (``mega``);
 * ``mega``: ``VATTENTION_VLLM_LAYOUT=mega``;
 * ``mega_given``: that and ``--block-size 128`` on the command line;
 * ``mega_huge_off``: that and ``VATTENTION_HOST_HUGE_PAGES=0``.
@@ -56,9 +58,12 @@ def main(workdir: str) -> None:
         "mapping_limit": vattention._C.host_mapping_limit(),
         "default": layout_and_block_size(model),
         "large": layout_and_block_size(model, max_num_seqs=None, max_model_len=8192),
-        # 100 x 64 blocks x 2 x 2 = 25600 mappings: mega, whose 256-token blocks would halve
-        # the count (a check of the config again must not then take layer)
+        # 100 x 64 blocks x 2 x 2 = 25600 mappings: layer in 256-token blocks (12800), and
+        # a check of the config again keeps it; mega where the user gave 128
         "middle": layout_and_block_size(model, max_num_seqs=100, max_model_len=8192),
+        "middle_given": layout_and_block_size(
+            model, max_num_seqs=100, max_model_len=8192, block_size=128
+        ),
     }
     os.environ["VATTENTION_VLLM_LAYOUT"] = "mega"
     out["mega"] = layout_and_block_size(model)

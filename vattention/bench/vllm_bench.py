@@ -63,6 +63,7 @@ __all__ = [
     "make_requests",
     "make_workload",
     "bench_model",
+    "named_model",
     "exit_status",
     "time_workload",
     "MODEL_SIZES",
@@ -109,6 +110,22 @@ def size_model(size: str) -> ModelPreset:
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         dtype="float32",
+    )
+
+
+def named_model(name: str) -> ModelPreset:
+    """The model a ``--model-size`` or a preset's name stands for (the benchmark scripts' model
+    argument); ValueError naming both lists otherwise.
+
+    >>> named_model("small").dtype, named_model("qwen2.5-0.5b").num_layers
+    ('float32', 24)
+    """
+    if name in PRESETS:
+        return PRESETS[name]
+    if name in MODEL_SIZES:
+        return size_model(name)
+    raise ValueError(
+        f"model {name!r} is neither a size {tuple(MODEL_SIZES)} nor a preset {tuple(PRESETS)}"
     )
 
 

@@ -241,19 +241,26 @@ def configure(vllm_config: Any, *, device_type: str) -> None:
 
     env_layout = layout_from_env()
     layout = model_layout(model, env_layout)
+    coarser = False  # auto took layer at twice the block, and has said so
     if env_layout == "auto" and layout == "mega" and device_type == "cpu":
         # A config checked again keeps its choice: its block size is already the chosen one.
-        layout = vllm_config.additional_config.get(LAYOUT_KEY) or _cpu_auto_layout(
-            vllm_config.scheduler_config.max_num_seqs,
-            model.max_model_len,
-            num_layers,
-            aligned_block_size(requested, unit_bytes("layer"), granularity),
-            backends.host_mapping_limit(),
-        )
+        layout = vllm_config.additional_config.get(LAYOUT_KEY)
+        if layout is None:
+            layer_block = aligned_block_size(requested, unit_bytes("layer"), granularity)
+            layout, chosen = _cpu_auto_layout(
+                vllm_config.scheduler_config.max_num_seqs,
+                model.max_model_len,
+                num_layers,
+                layer_block,
+                backends.host_mapping_limit(),
+                coarser=not cache.user_specified_block_size,
+            )
+            if chosen != layer_block:  # layer at twice the block: its INFO line says why
+                coarser, wanted = True, chosen
     vllm_config.additional_config[LAYOUT_KEY] = layout  # the workers build this layout
     unit = unit_bytes(layout)
     block_size = aligned_block_size(wanted, unit, granularity)
-    if block_size != requested:
+    if block_size != requested and not coarser:
         logger.warning(
             "vattention: block size %d -> %d tokens so that one %s-layout page "
             "(a multiple of %d bytes) holds one block%s",
@@ -263,7 +270,7 @@ def configure(vllm_config: Any, *, device_type: str) -> None:
             granularity,
             f" of a multiple of {BLOCK_MULTIPLE} tokens" if wanted != requested else "",
         )
-    if device_type == "cpu" and not cache.user_specified_block_size:
+    if device_type == "cpu" and not cache.user_specified_block_size and not coarser:
         # Mapping a page of whole 2 MB huge pages costs one page-table entry per 2 MB, and
         # attention reading a mega-layout row (one layer's share of every token) misses the TLB
         # far less: worth a block up to twice vLLM's, not more (docs/vllm.md).
@@ -286,30 +293,45 @@ def configure(vllm_config: Any, *, device_type: str) -> None:
 
 
 def _cpu_auto_layout(
-    max_num_seqs: int, max_model_len: int, num_layers: int, block_size: int, mapping_limit: int
-) -> str:
-    """``auto``'s layout on the CPU for a model whose layers share one KV spec.
+    max_num_seqs: int,
+    max_model_len: int,
+    num_layers: int,
+    block_size: int,
+    mapping_limit: int,
+    coarser: bool = False,
+) -> tuple[str, int]:
+    """``auto``'s layout on the CPU for a model whose layers share one KV spec, and the block
+    size it takes: ``("layer", block_size)``, ``("layer", 2 * block_size)`` or
+    ``("mega", block_size)``.
 
     ``layer`` reads a long row as one stream per layer, where ``mega`` interleaves the layers
-    token by token; on the CPU that made decode attention and ``bench vllm`` faster (docs/vllm.md).
-    But it maps every block once per layer, and the host backend refuses mappings beyond its share
-    of ``vm.max_map_count``: ``layer`` only where the most mappings its rows can ever hold are at
-    most half of that share (the other half for any other cache in the process), else ``mega``.
+    token by token; on the CPU that made decode attention and ``bench vllm`` faster (docs/vllm.md;
+    on Intel's cores ``mega``'s decode took 1.6x the time of ``layer``'s). But it maps every block
+    once per layer, and the host backend refuses mappings beyond its share of
+    ``vm.max_map_count``: ``layer`` only where the most mappings its rows can ever hold are at
+    most half of that share (the other half for any other cache in the process). Where they are
+    not and ``coarser`` (the user gave no block size), blocks of twice the size halve them: a
+    prefix-cache hit then lands on a boundary twice as coarse, the bound the huge-page rule takes
+    too. Else ``mega``.
     """
-    most = layer_layout_mappings(max_num_seqs, max_model_len, block_size, num_layers)
-    if most <= mapping_limit // 2:
-        logger.info(
-            "vattention: layout layer: at most %d page mappings (%d seqs x %d tokens in "
-            "%d-token blocks x %d layers x K,V), within half of the %d this process may "
-            "hold",
-            most,
-            max_num_seqs,
-            max_model_len,
-            block_size,
-            num_layers,
-            mapping_limit,
-        )
-        return "layer"
+    half = mapping_limit // 2
+    tries = (block_size, 2 * block_size) if coarser else (block_size,)
+    for block in tries:
+        most = layer_layout_mappings(max_num_seqs, max_model_len, block, num_layers)
+        if most <= half:
+            logger.info(
+                "vattention: layout layer: at most %d page mappings (%d seqs x %d tokens in "
+                "%d-token blocks%s x %d layers x K,V), within half of the %d this process may "
+                "hold",
+                most,
+                max_num_seqs,
+                max_model_len,
+                block,
+                f", twice {block_size} to halve them" if block != block_size else "",
+                num_layers,
+                mapping_limit,
+            )
+            return "layer", block
     logger.info(
         "vattention: layout mega: the layer layout could need %d page mappings (%d seqs x "
         "%d tokens in %d-token blocks x %d layers x K,V), over half of the %d this process "
@@ -317,11 +339,11 @@ def _cpu_auto_layout(
         most,
         max_num_seqs,
         max_model_len,
-        block_size,
+        block,
         num_layers,
         mapping_limit,
     )
-    return "mega"
+    return "mega", block_size
 
 
 def _log_v1_selection() -> None:
