@@ -9,9 +9,15 @@ printed with the wall time spent inside each wrapped method (the engine step, th
 the attention forward, split into calls with a prefill chunk and decode-only calls, stock's K/V
 cache write (a separate op; the plugin's forward appends K/V inside its kernel call), and for the
 plugin `KVCache.step` / `KVCache.prefetch`). Nested entries are indented: their time is part of
-the line above them. Run it once per engine, one after the other, on a quiet machine:
+the line above them, and the runner's time outside attention and the K/V write (the model's
+matmuls, norms and the rest) is a line of its own.
 
-    .venv-vllm/bin/python benchmarks/bench_vllm_breakdown.py stock shared-prefix small
+``both`` keeps the two engines alive side by side, in processes of their own, and times their
+passes alternated (A B B A, ``--rounds`` times), so that a machine whose speed drifts slows both
+alike; it prints each part's min (median) over the passes for each engine and their ratio. A
+single engine's passes run back to back, in this process:
+
+    .venv-vllm/bin/python benchmarks/bench_vllm_breakdown.py both long-context gqa4-bf16
     .venv-vllm/bin/python benchmarks/bench_vllm_breakdown.py plugin shared-prefix small
     .venv-vllm/bin/python benchmarks/bench_vllm_breakdown.py plugin sharegpt qwen2.5-0.5b \
         --num-requests 16
@@ -25,26 +31,65 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import json
 import os
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict
+from typing import Callable, Dict, List, Tuple
+
+OUTSIDE = "runner.execute_model outside attention and the K/V write"
+KV_WRITE = "K/V cache write (stock, outside its attention forward)"
+ATTENTION = {"stock": "vLLM's CPU_ATTN backend", "plugin": "vattention's"}
 
 
 def main(argv=None) -> int:
     from vattention.bench.model_presets import PRESETS
-    from vattention.bench.vllm_bench import MODEL_SIZES, WORKLOADS, named_model
+    from vattention.bench.vllm_bench import MODEL_SIZES, WORKLOADS
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("engine", choices=("stock", "plugin"))
+    p.add_argument("engine", choices=("stock", "plugin", "both"))
     p.add_argument("workload", choices=WORKLOADS)
     p.add_argument("model", choices=tuple(MODEL_SIZES) + tuple(PRESETS))
     p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--passes", type=int, default=3)
+    p.add_argument("--passes", type=int, default=3, help="one engine: timed passes")
+    p.add_argument("--rounds", type=int, default=2, help="both: rounds of A B B A")
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # a child of both
     args = p.parse_args(argv)
-    if args.num_requests < 1 or args.passes < 1:
-        p.error(f"--num-requests {args.num_requests} and --passes {args.passes} must be >= 1")
+    if args.num_requests < 1 or args.passes < 1 or args.rounds < 1:
+        p.error(
+            f"--num-requests {args.num_requests}, --passes {args.passes} and --rounds "
+            f"{args.rounds} must be >= 1"
+        )
+    if args.engine == "both":
+        return compare(args)
+    if args.serve:
+        return serve(args)
+    one_pass, labels = engine(args)
+    best = None
+    for round_ in range(args.passes):
+        dt, tokens, parts = one_pass(round_)
+        if best is None or dt < best[0]:
+            best = (dt, tokens, parts)
+    assert best is not None  # --passes >= 1
+    dt, tokens, parts = best
+    print(
+        f"{args.engine}, {args.workload}, model {args.model}: fastest of {args.passes} passes "
+        f"{dt * 1e3:.0f} ms, {tokens} tokens, {tokens / dt:.0f} tokens/s; load average "
+        f"{os.getloadavg()[0]:.2f}"
+    )
+    print(f"  attention: {ATTENTION[args.engine]}")
+    for depth, label in labels(parts):
+        print(f"  {'  ' * depth}{label:{58 - 2 * depth}s} {parts[label] * 1e3:9.1f} ms")
+    return 0
+
+
+def engine(args) -> Tuple[Callable, Callable]:
+    """The engine of ``args`` in this process, its parts timed, warmed up: ``(one_pass, labels)``.
+    ``one_pass(round_)`` runs the workload's pass ``round_`` and returns (seconds, generated
+    tokens, {part: seconds}); ``labels(parts)`` lists (depth, part) in print order."""
     if args.engine == "plugin":
         os.environ["VATTENTION_VLLM"] = "1"
     else:
@@ -52,7 +97,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
-    from vattention.bench.vllm_bench import make_workload
+    from vattention.bench.vllm_bench import make_workload, named_model
 
     preset = named_model(args.model)
     model = preset.build(
@@ -67,8 +112,7 @@ def main(argv=None) -> int:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     spent: Dict[str, float] = collections.defaultdict(float)
-    parent: Dict[str, str] = {}  # a nested entry's label -> the label whose time includes it
-    shown: Dict[str, str] = {}  # a label -> the text printed for it, where they differ
+    parent: Dict[str, str] = {OUTSIDE: "runner.execute_model"}  # a nested part -> its parent
 
     def timed(cls, name: str, label: str, within: str = "", kind=None) -> None:
         """Wraps cls.name to add its wall time to `label`, and to the nested entry that
@@ -91,22 +135,20 @@ def main(argv=None) -> int:
 
         setattr(cls, name, wrapper)
 
-    def timed_attention(cls, label: str) -> None:
+    attention, kv_write = "attention", KV_WRITE
+
+    def timed_attention(cls) -> None:
         """Times the forward, and again by kind of call: with a prefill chunk, or decode only."""
         for kind in ("with a prefill chunk", "decode only"):
-            parent[f"calls {kind} ({label})"] = label
-            shown[f"calls {kind} ({label})"] = f"calls {kind}"
+            parent[f"calls {kind}"] = attention
 
         def call_kind(a, k):  # forward(self, layer, q, k, v, kv_cache, attn_metadata, ...)
             md = k.get("attn_metadata", a[6] if len(a) > 6 else None)
             if md is None:  # vLLM's warm-up and profiling runs
                 return None
-            return (
-                f"calls {'with a prefill chunk' if md.max_query_len > 1 else 'decode only'} "
-                f"({label})"
-            )
+            return f"calls {'with a prefill chunk' if md.max_query_len > 1 else 'decode only'}"
 
-        timed(cls, "forward", label, kind=call_kind)
+        timed(cls, "forward", attention, kind=call_kind)
 
     timed(EngineCore, "step", "engine.step")
     timed(Scheduler, "schedule", "scheduler.schedule")
@@ -116,21 +158,19 @@ def main(argv=None) -> int:
     timed(GPUModelRunner, "_prepare_inputs", "runner._prepare_inputs")
     timed(GPUModelRunner, "_build_attention_metadata", "runner._build_attention_metadata")
     timed(GPUModelRunner, "sample_tokens", "runner.sample_tokens")
-    timed_attention(cpu_attn.CPUAttentionBackendImpl, "attention (stock CPU_ATTN)")
-    # stock writes the new K/V in a separate op (its backend's forward_includes_kv_cache_update
-    # is False); the plugin's forward appends them inside its kernel call
-    timed(
-        cpu_attn.CPUAttentionBackendImpl,
-        "do_kv_cache_update",
-        "K/V cache write (stock, outside its attention forward)",
-    )
-    if args.engine == "plugin":
+    if args.engine == "stock":
+        timed_attention(cpu_attn.CPUAttentionBackendImpl)
+        # stock writes the new K/V in a separate op (its backend's
+        # forward_includes_kv_cache_update is False); the plugin's forward appends them inside
+        # its kernel call
+        timed(cpu_attn.CPUAttentionBackendImpl, "do_kv_cache_update", kv_write)
+    else:
         import vattention._C as native
         from vattention.cache import KVCache
-        from vattention.integrations.vllm import attention, runner
+        from vattention.integrations.vllm import attention as plugin_attention, runner
 
-        timed_attention(attention.VAttentionImpl, "attention (vattention)")
-        timed(native, "flash_attn_with_kvcache", "the native kernel call", "attention (vattention)")
+        timed_attention(plugin_attention.VAttentionImpl)
+        timed(native, "flash_attn_with_kvcache", "the native kernel call", attention)
         plugin_states = "runner._update_states (the plugin's, vLLM's included)"
         timed(runner.VAttentionRunnerMixin, "_update_states", plugin_states)
         timed(KVCache, "step", "KVCache.step", plugin_states)
@@ -152,35 +192,132 @@ def main(argv=None) -> int:
         reqs = make_workload(args.workload, round_, ns)
         prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
         params = [vllm.SamplingParams(**r["sampling"]) for r in reqs]
+        before = dict(spent)
         t = time.perf_counter()
         out = llm.generate(prompts, params, use_tqdm=False)
-        return time.perf_counter() - t, sum(len(c.token_ids) for o in out for c in o.outputs)
+        dt = time.perf_counter() - t
+        parts = {k: v - before.get(k, 0.0) for k, v in spent.items()}
+        parts[OUTSIDE] = (
+            parts.get("runner.execute_model", 0.0)
+            - parts.get(attention, 0.0)
+            - parts.get(kv_write, 0.0)
+        )
+        return dt, sum(len(c.token_ids) for o in out for c in o.outputs), parts
+
+    def labels(parts: Dict[str, float]) -> List[Tuple[int, str]]:
+        """(depth, part): the top-level parts by time, each followed by its nested ones."""
+        out: List[Tuple[int, str]] = []
+
+        def walk(within: str, depth: int) -> None:
+            for label in sorted(
+                (k for k in parts if parent.get(k, "") == within), key=lambda k: -parts[k]
+            ):
+                out.append((depth, label))
+                walk(label, depth + 1)
+
+        walk("", 0)
+        return out
 
     for warm in (100, 101):  # compilation, first pages, allocator: outside the timing
         one_pass(warm)
-    best = None
-    for round_ in range(args.passes):
-        before = dict(spent)
-        dt, tokens = one_pass(round_)
-        if best is None or dt < best[0]:
-            best = (dt, tokens, {k: v - before.get(k, 0.0) for k, v in spent.items()})
-    dt, tokens, parts = best
+    return one_pass, labels
+
+
+def serve(args) -> int:
+    """A child of ``both``: the engine, then one pass per stdin line (its round), each answered
+    with one JSON line on the real stdout (vLLM and native code print to fd 1: that becomes
+    stderr)."""
+    sys.stdout.flush()
+    answer = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    one_pass, labels = engine(args)
+    print(json.dumps({"ready": True}), file=answer, flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command.get("quit"):
+            break
+        dt, tokens, parts = one_pass(command["round"])
+        print(
+            json.dumps({"seconds": dt, "tokens": tokens, "parts": parts, "labels": labels(parts)}),
+            file=answer,
+            flush=True,
+        )
+    return 0
+
+
+def compare(args) -> int:
+    """``both``: the two engines side by side, passes alternated A B B A; each part's min
+    (median) per engine, and plugin / stock of the mins."""
+    logs = tempfile.mkdtemp(prefix="vattention-breakdown-")
+    procs: Dict[str, subprocess.Popen] = {}
+    for name in ("stock", "plugin"):
+        cmd = [sys.executable, os.path.abspath(__file__), name, args.workload, args.model]
+        cmd += ["--num-requests", str(args.num_requests), "--serve"]
+        env = {k: v for k, v in os.environ.items() if k != "VATTENTION_VLLM"}
+        with open(os.path.join(logs, f"{name}.log"), "w") as log:
+            procs[name] = subprocess.Popen(
+                cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True
+            )
+
+    def answer(name: str) -> dict:
+        out = procs[name].stdout
+        assert out is not None  # a pipe
+        line = out.readline()
+        if not line:
+            raise SystemExit(f"the {name} engine exited; its log: {logs}/{name}.log")
+        return json.loads(line)
+
+    def send(name: str, command: dict) -> None:
+        stdin = procs[name].stdin
+        assert stdin is not None  # a pipe
+        stdin.write(json.dumps(command) + "\n")
+        stdin.flush()
+
+    try:
+        for name in procs:  # both load and warm up at once; the timing starts when both are ready
+            answer(name)
+        load = os.getloadavg()[0]
+        runs: Dict[str, List[dict]] = {"stock": [], "plugin": []}
+        for round_ in range(args.rounds):
+            for i, name in enumerate(("stock", "plugin", "plugin", "stock")):
+                send(name, {"round": 2 * round_ + i // 2})
+                runs[name].append(answer(name))
+        for name, proc in procs.items():
+            send(name, {"quit": True})
+            proc.wait(timeout=300)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    passes = len(runs["stock"])
     print(
-        f"{args.engine}, {args.workload}, model {args.model} ({preset.dtype}): fastest of "
-        f"{args.passes} passes "
-        f"{dt * 1e3:.0f} ms, {tokens} tokens, {tokens / dt:.0f} tokens/s; load average "
-        f"{os.getloadavg()[0]:.2f}"
+        f"{args.workload}, model {args.model}: {passes} passes per engine, A B B A; load "
+        f"average {load:.2f} before, {os.getloadavg()[0]:.2f} after; logs in {logs}\n"
     )
+    print("| part | stock ms | plugin ms | plugin / stock |")
+    print("|---|---:|---:|---:|")
 
-    def show(within: str, depth: int) -> None:
-        for label in sorted(
-            (k for k in parts if parent.get(k, "") == within), key=lambda k: -parts[k]
-        ):
-            text = shown.get(label, label)
-            print(f"  {'  ' * depth}{text:{58 - 2 * depth}s} {parts[label] * 1e3:9.1f} ms")
-            show(label, depth + 1)
+    def cell(values: List[float]) -> str:
+        return f"{min(values) * 1e3:.0f} ({statistics.median(values) * 1e3:.0f})" if values else ""
 
-    show("", 0)
+    def row(text: str, stock: List[float], plugin: List[float]) -> None:
+        ratio = f"{min(plugin) / min(stock):.2f}" if stock and plugin and min(stock) > 0 else ""
+        print(f"| {text} | {cell(stock)} | {cell(plugin)} | {ratio} |")
+
+    row("pass", [r["seconds"] for r in runs["stock"]], [r["seconds"] for r in runs["plugin"]])
+    # the plugin's parts in its order (a superset but for stock's K/V write), then stock's others
+    order = runs["plugin"][0]["labels"]
+    seen = {label for _, label in order}
+    order += [(depth, label) for depth, label in runs["stock"][0]["labels"] if label not in seen]
+    for depth, label in order:
+        row(
+            "&nbsp;" * 4 * depth + label,
+            [r["parts"][label] for r in runs["stock"] if label in r["parts"]],
+            [r["parts"][label] for r in runs["plugin"] if label in r["parts"]],
+        )
+    tokens = {name: sorted({r["tokens"] for r in runs[name]}) for name in runs}
+    print(f"\ngenerated tokens per pass: stock {tokens['stock']}, plugin {tokens['plugin']}")
     return 0
 
 

@@ -244,8 +244,10 @@ def configure(vllm_config: Any, *, device_type: str) -> None:
     coarser = False  # auto took layer at twice the block, and has said so
     if env_layout == "auto" and layout == "mega" and device_type == "cpu":
         # A config checked again keeps its choice: its block size is already the chosen one.
-        layout = vllm_config.additional_config.get(LAYOUT_KEY)
-        if layout is None:
+        kept = vllm_config.additional_config.get(LAYOUT_KEY)
+        if kept is not None:
+            layout = kept
+        else:
             layer_block = aligned_block_size(requested, unit_bytes("layer"), granularity)
             layout, chosen = _cpu_auto_layout(
                 vllm_config.scheduler_config.max_num_seqs,
