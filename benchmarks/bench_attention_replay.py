@@ -45,19 +45,19 @@ import itertools
 import json
 import os
 import sys
-import tempfile
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _vllm_engine import ROWS, build_engine, run_pass, use_engine  # noqa: E402
 from bench_attention import vllm_isa, vllm_ops  # noqa: E402
 from bench_attention_small import BLOCK, paged  # noqa: E402
 
 from _timing import compare_min_median  # noqa: E402
 
-ROWS, TOKENS = 16, 4096
+TOKENS = 4096
 
 
 def split_layout(value: str) -> tuple:
@@ -82,22 +82,7 @@ def layout_arg(value: str) -> str:
 
 
 def capture(workload: str, name: str, out_path: str) -> int:
-    os.environ["VATTENTION_VLLM"] = "1"
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    from vattention.bench.vllm_bench import make_workload, named_model
-
-    preset = named_model(name)
-    shape = [
-        preset.num_layers,
-        preset.hidden_size,
-        preset.num_heads,
-        preset.num_kv_heads,
-        preset.head_dim,
-    ]
-    model = preset.build(os.path.join(tempfile.gettempdir(), f"vattention-replay-{name}"))
-    import vllm
-
+    use_engine(plugin=True)
     from vattention.integrations.vllm import attention
 
     calls, recording, first_layer = [], [False], []
@@ -116,22 +101,17 @@ def capture(workload: str, name: str, out_path: str) -> int:
         return forward(self, layer, *a, **k)
 
     attention.VAttentionImpl.forward = recorded
-    llm = vllm.LLM(
-        model=model,
-        dtype=preset.dtype,
-        max_model_len=4096,
-        max_num_seqs=ROWS,
-        kv_cache_memory_bytes=1 << 30,
-    )
-    ns = argparse.Namespace(num_requests=64, length_scale=0.5, max_model_len=4096, seed=0)
+    llm, preset = build_engine(name)
+    shape = [
+        preset.num_layers,
+        preset.hidden_size,
+        preset.num_heads,
+        preset.num_kv_heads,
+        preset.head_dim,
+    ]
     for round_ in (100, 101, 0):  # two warm-up passes, then the recorded one
         recording[0] = round_ == 0
-        reqs = make_workload(workload, round_, ns)
-        llm.generate(
-            [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs],
-            [vllm.SamplingParams(**r["sampling"]) for r in reqs],
-            use_tqdm=False,
-        )
+        run_pass(llm, workload, round_)
     with open(out_path, "w") as f:
         json.dump(
             {

@@ -14,8 +14,10 @@ matmuls, norms and the rest) is a line of its own.
 
 ``both`` keeps the two engines alive side by side, in processes of their own, and times their
 passes alternated (A B B A, ``--rounds`` times), so that a machine whose speed drifts slows both
-alike; it prints each part's min (median) over the passes for each engine and their ratio. A
-single engine's passes run back to back, in this process:
+alike; it prints each part's min (median) over the passes for each engine and their ratio, and
+compares the engines' generated tokens pass by pass (both get the same requests in a round):
+where they differ it names the first difference and, in an fp32 model, exits 1 (as ``bench vllm``
+does). A single engine's passes run back to back, in this process:
 
     .venv-vllm/bin/python benchmarks/bench_vllm_breakdown.py both long-context gqa4-bf16
     .venv-vllm/bin/python benchmarks/bench_vllm_breakdown.py plugin shared-prefix small
@@ -39,6 +41,10 @@ import sys
 import tempfile
 import time
 from typing import Callable, Dict, List, Tuple
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _vllm_engine import build_engine, run_pass, use_engine  # noqa: E402
 
 OUTSIDE = "runner.execute_model outside attention and the K/V write"
 KV_WRITE = "K/V cache write (stock, outside its attention forward)"
@@ -75,6 +81,7 @@ def main(argv=None) -> int:
             best = (dt, tokens, parts)
     assert best is not None  # --passes >= 1
     dt, tokens, parts = best
+    tokens = sum(len(c) for request in tokens for c in request)
     print(
         f"{args.engine}, {args.workload}, model {args.model}: fastest of {args.passes} passes "
         f"{dt * 1e3:.0f} ms, {tokens} tokens, {tokens / dt:.0f} tokens/s; load average "
@@ -88,24 +95,11 @@ def main(argv=None) -> int:
 
 def engine(args) -> Tuple[Callable, Callable]:
     """The engine of ``args`` in this process, its parts timed, warmed up: ``(one_pass, labels)``.
-    ``one_pass(round_)`` runs the workload's pass ``round_`` and returns (seconds, generated
-    tokens, {part: seconds}); ``labels(parts)`` lists (depth, part) in print order."""
-    if args.engine == "plugin":
-        os.environ["VATTENTION_VLLM"] = "1"
-    else:
-        os.environ.pop("VATTENTION_VLLM", None)
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    ``one_pass(round_)`` runs the workload's pass ``round_`` and returns (seconds, the generated
+    token ids per request and completion, {part: seconds}); ``labels(parts)`` lists (depth, part)
+    in print order."""
+    use_engine(plugin=args.engine == "plugin")
 
-    from vattention.bench.vllm_bench import make_workload, named_model
-
-    preset = named_model(args.model)
-    model = preset.build(
-        os.path.join(tempfile.gettempdir(), f"vattention-breakdown-{preset.family}-{args.model}"),
-        max_positions=4096,
-    )
-
-    import vllm
     from vllm.v1.attention.backends import cpu_attn
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.core import EngineCore
@@ -177,32 +171,18 @@ def engine(args) -> Tuple[Callable, Callable]:
         timed(KVCache, "prefetch", "KVCache.prefetch", plugin_states)
         parent["runner._update_states (vLLM's)"] = plugin_states  # the plugin's calls super()
 
-    llm = vllm.LLM(
-        model=model,
-        dtype=preset.dtype,
-        max_model_len=4096,
-        max_num_seqs=16,
-        kv_cache_memory_bytes=1 << 30,
-    )
-    ns = argparse.Namespace(
-        num_requests=args.num_requests, length_scale=0.5, max_model_len=4096, seed=0
-    )
+    llm, _ = build_engine(args.model)
 
     def one_pass(round_: int):
-        reqs = make_workload(args.workload, round_, ns)
-        prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
-        params = [vllm.SamplingParams(**r["sampling"]) for r in reqs]
         before = dict(spent)
-        t = time.perf_counter()
-        out = llm.generate(prompts, params, use_tqdm=False)
-        dt = time.perf_counter() - t
+        dt, tokens = run_pass(llm, args.workload, round_, args.num_requests)
         parts = {k: v - before.get(k, 0.0) for k, v in spent.items()}
         parts[OUTSIDE] = (
             parts.get("runner.execute_model", 0.0)
             - parts.get(attention, 0.0)
             - parts.get(kv_write, 0.0)
         )
-        return dt, sum(len(c.token_ids) for o in out for c in o.outputs), parts
+        return dt, tokens, parts
 
     def labels(parts: Dict[str, float]) -> List[Tuple[int, str]]:
         """(depth, part): the top-level parts by time, each followed by its nested ones."""
@@ -225,12 +205,10 @@ def engine(args) -> Tuple[Callable, Callable]:
 
 def serve(args) -> int:
     """A child of ``both``: the engine, then one pass per stdin line (its round), each answered
-    with one JSON line on the real stdout (vLLM and native code print to fd 1: that becomes
-    stderr)."""
-    sys.stdout.flush()
-    answer = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
+    with one JSON line on the real stdout."""
+    from vattention.bench.vllm_run import answer_channel
+
+    answer = answer_channel()
     one_pass, labels = engine(args)
     print(json.dumps({"ready": True}), file=answer, flush=True)
     for line in sys.stdin:
@@ -239,7 +217,15 @@ def serve(args) -> int:
             break
         dt, tokens, parts = one_pass(command["round"])
         print(
-            json.dumps({"seconds": dt, "tokens": tokens, "parts": parts, "labels": labels(parts)}),
+            json.dumps(
+                {
+                    "round": command["round"],
+                    "seconds": dt,
+                    "tokens": tokens,
+                    "parts": parts,
+                    "labels": labels(parts),
+                }
+            ),
             file=answer,
             flush=True,
         )
@@ -248,7 +234,8 @@ def serve(args) -> int:
 
 def compare(args) -> int:
     """``both``: the two engines side by side, passes alternated A B B A; each part's min
-    (median) per engine, and plugin / stock of the mins."""
+    (median) per engine, and plugin / stock of the mins; then their tokens compared (the exit
+    status: :func:`tokens_line`)."""
     logs = tempfile.mkdtemp(prefix="vattention-breakdown-")
     procs: Dict[str, subprocess.Popen] = {}
     for name in ("stock", "plugin"):
@@ -316,9 +303,41 @@ def compare(args) -> int:
             [r["parts"][label] for r in runs["stock"] if label in r["parts"]],
             [r["parts"][label] for r in runs["plugin"] if label in r["parts"]],
         )
-    tokens = {name: sorted({r["tokens"] for r in runs[name]}) for name in runs}
-    print(f"\ngenerated tokens per pass: stock {tokens['stock']}, plugin {tokens['plugin']}")
-    return 0
+    line, status = tokens_line(runs, args.model)
+    print(f"\n{line}")
+    return status
+
+
+def tokens_line(runs: Dict[str, List[dict]], model: str) -> Tuple[str, int]:
+    """The engines' generated tokens compared pass by pass (``runs[engine][i]``: the answers of
+    pass i, the same round for both): a line saying how many requests matched and where they
+    first differed, and the exit status, 1 where they differed in an fp32 model (bf16 greedy
+    picks tie and flip: reported only, as in ``bench vllm``)."""
+    from vattention.bench.vllm_bench import STRICT_TOKEN_DTYPES, compare_tokens, named_model
+
+    same = total = 0
+    first = ""
+    for stock, plugin in zip(runs["stock"], runs["plugin"]):
+        assert stock["round"] == plugin["round"]  # A B B A gives both the same rounds in order
+        n, diff = compare_tokens(stock["tokens"], plugin["tokens"])
+        same, total = same + n, total + len(stock["tokens"])
+        if diff is not None and not first:
+            first = (
+                f"; first difference: round {stock['round']}, request {diff['request']}, "
+                f"token {diff['token']}"
+            )
+    generated = {
+        name: sorted({sum(len(c) for request in r["tokens"] for c in request) for r in runs[name]})
+        for name in runs
+    }
+    dtype = named_model(model).dtype
+    strict = dtype in STRICT_TOKEN_DTYPES
+    line = (
+        f"tokens: {same} of {total} requests identical{first} ({dtype}: "
+        f"{'a difference fails the run' if strict else 'reported only'}); generated tokens per "
+        f"pass: stock {generated['stock']}, plugin {generated['plugin']}"
+    )
+    return line, 1 if strict and same < total else 0
 
 
 if __name__ == "__main__":

@@ -34,3 +34,23 @@ def test_refuses_bad_arguments_before_starting_an_engine(argv, named, capsys):
         load_script().main(argv)
     assert exit_.value.code == 2
     assert named in capsys.readouterr().err
+
+
+def answers(rounds_tokens):
+    """One engine's answers: per pass its round and, per request, one completion's tokens."""
+    return [{"round": r, "tokens": [[t] for t in tokens]} for r, tokens in rounds_tokens]
+
+
+def test_tokens_line_names_the_first_difference_and_fails_fp32_only():
+    tokens_line = load_script().tokens_line
+    stock = answers([(0, [[1, 2], [3, 4]]), (1, [[5, 6], [7, 8]])])
+    plugin = answers([(0, [[1, 2], [3, 4]]), (1, [[5, 6], [7, 9]])])
+    line, status = tokens_line({"stock": stock, "plugin": plugin}, "small")  # fp32
+    assert status == 1
+    assert "3 of 4 requests identical; first difference: round 1, request 1, token 1" in line
+    assert "float32: a difference fails the run" in line
+    line, status = tokens_line({"stock": stock, "plugin": plugin}, "gqa4-bf16")
+    assert status == 0 and "bfloat16: reported only" in line
+    line, status = tokens_line({"stock": stock, "plugin": stock}, "small")
+    assert status == 0 and "4 of 4 requests identical (" in line
+    assert "generated tokens per pass: stock [4], plugin [4]" in line

@@ -27,11 +27,11 @@ import os
 import resource
 import sys
 import time
-from typing import Any, Dict, List
+from typing import IO, Any, Dict, List
 
 from .machine import cpu_name
 
-__all__ = ["main", "run"]
+__all__ = ["main", "run", "answer_channel"]
 
 
 def run(spec: Dict[str, Any]) -> Dict[str, Any]:
@@ -83,16 +83,22 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
     return result
 
 
-def _line_driven_engine(spec: Dict[str, Any]):
-    """The engine of ``spec`` in this process, and the stream its answers go to: the real
-    stdout. vLLM, torch and native code print, to Python's ``sys.stdout`` or straight to file
-    descriptor 1, so fd 1 becomes stderr for all of them."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+def answer_channel() -> IO[str]:
+    """The stream a line-driven engine process answers on: the real stdout. vLLM, torch and
+    native code print, to Python's ``sys.stdout`` or straight to file descriptor 1, so fd 1
+    becomes stderr for all of them."""
     sys.stdout.flush()
     answer = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
+    return answer
+
+
+def _line_driven_engine(spec: Dict[str, Any]):
+    """The engine of ``spec`` in this process, and its :func:`answer_channel`."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    answer = answer_channel()
     import vllm
 
     return vllm.LLM(model=spec["model"], **spec.get("engine", {})), answer
