@@ -16,14 +16,15 @@ ROWS, MAX_MODEL_LEN, KV_BYTES = 16, 4096, 1 << 30
 
 def use_engine(plugin: bool) -> None:
     """This process's environment for one engine: the plugin on or off, the engine in this
-    process (not a core process of its own), OpenMP threads unbound. Call before vLLM builds an
-    engine (the plugin is read when it does)."""
+    process (``vllm_run.engine_in_this_process``). Call before vLLM builds an engine (the plugin
+    is read when it does)."""
+    from vattention.bench.vllm_run import engine_in_this_process
+
     if plugin:
         os.environ["VATTENTION_VLLM"] = "1"
     else:
         os.environ.pop("VATTENTION_VLLM", None)
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    engine_in_this_process()
 
 
 def build_engine(name: str):

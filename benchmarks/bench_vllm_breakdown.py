@@ -81,10 +81,10 @@ def main(argv=None) -> int:
             best = (dt, tokens, parts)
     assert best is not None  # --passes >= 1
     dt, tokens, parts = best
-    tokens = sum(len(c) for request in tokens for c in request)
+    generated = sum(len(c) for request in tokens for c in request)
     print(
         f"{args.engine}, {args.workload}, model {args.model}: fastest of {args.passes} passes "
-        f"{dt * 1e3:.0f} ms, {tokens} tokens, {tokens / dt:.0f} tokens/s; load average "
+        f"{dt * 1e3:.0f} ms, {generated} tokens, {generated / dt:.0f} tokens/s; load average "
         f"{os.getloadavg()[0]:.2f}"
     )
     print(f"  attention: {ATTENTION[args.engine]}")

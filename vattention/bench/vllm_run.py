@@ -31,13 +31,20 @@ from typing import IO, Any, Dict, List
 
 from .machine import cpu_name
 
-__all__ = ["main", "run", "answer_channel"]
+__all__ = ["main", "run", "answer_channel", "engine_in_this_process"]
+
+
+def engine_in_this_process() -> None:
+    """The environment for a vLLM engine in the calling process (not a core process of its own),
+    its OpenMP threads unbound (binding them on a 2-core machine slows it several-fold); where
+    the caller has set either variable, its value stays."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
 def run(spec: Dict[str, Any]) -> Dict[str, Any]:
     """Run ``spec`` (see the module docstring) and return the result document."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    engine_in_this_process()
     import vllm
 
     t0 = time.perf_counter()
@@ -96,8 +103,7 @@ def answer_channel() -> IO[str]:
 
 def _line_driven_engine(spec: Dict[str, Any]):
     """The engine of ``spec`` in this process, and its :func:`answer_channel`."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    engine_in_this_process()
     answer = answer_channel()
     import vllm
 
