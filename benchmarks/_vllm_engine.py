@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import time
 from typing import List, Tuple
 
 ROWS, MAX_MODEL_LEN, KV_BYTES = 16, 4096, 1 << 30
@@ -54,17 +53,11 @@ def run_pass(
 ) -> Tuple[float, List[List[List[int]]]]:
     """Pass ``round_`` of ``workload`` (its token ids drawn for that round): the seconds
     ``generate()`` took and, per request and completion, the generated token ids."""
-    import vllm
-
     from vattention.bench.vllm_bench import make_workload
+    from vattention.bench.vllm_run import timed_generate
 
     ns = argparse.Namespace(
         num_requests=num_requests, length_scale=0.5, max_model_len=MAX_MODEL_LEN, seed=0
     )
-    reqs = make_workload(workload, round_, ns)
-    prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
-    params = [vllm.SamplingParams(**r["sampling"]) for r in reqs]
-    t = time.perf_counter()
-    out = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - t
-    return seconds, [[list(c.token_ids) for c in o.outputs] for o in out]
+    _, seconds, tokens = timed_generate(llm, make_workload(workload, round_, ns))
+    return seconds, tokens

@@ -81,7 +81,9 @@ def main(argv=None) -> int:
             best = (dt, tokens, parts)
     assert best is not None  # --passes >= 1
     dt, tokens, parts = best
-    generated = sum(len(c) for request in tokens for c in request)
+    from vattention.bench.vllm_run import generated_tokens
+
+    generated = generated_tokens(tokens)
     print(
         f"{args.engine}, {args.workload}, model {args.model}: fastest of {args.passes} passes "
         f"{dt * 1e3:.0f} ms, {generated} tokens, {generated / dt:.0f} tokens/s; load average "
@@ -314,6 +316,7 @@ def tokens_line(runs: Dict[str, List[dict]], model: str) -> Tuple[str, int]:
     first differed, and the exit status, 1 where they differed in an fp32 model (bf16 greedy
     picks tie and flip: reported only, as in ``bench vllm``)."""
     from vattention.bench.vllm_bench import STRICT_TOKEN_DTYPES, compare_tokens, named_model
+    from vattention.bench.vllm_run import generated_tokens
 
     same = total = 0
     first = ""
@@ -326,10 +329,7 @@ def tokens_line(runs: Dict[str, List[dict]], model: str) -> Tuple[str, int]:
                 f"; first difference: round {stock['round']}, request {diff['request']}, "
                 f"token {diff['token']}"
             )
-    generated = {
-        name: sorted({sum(len(c) for request in r["tokens"] for c in request) for r in runs[name]})
-        for name in runs
-    }
+    generated = {name: sorted({generated_tokens(r["tokens"]) for r in runs[name]}) for name in runs}
     dtype = named_model(model).dtype
     strict = dtype in STRICT_TOKEN_DTYPES
     line = (

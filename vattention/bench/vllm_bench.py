@@ -56,6 +56,7 @@ from .model_presets import (
     preset_from_config,
 )
 from .progress import Progress
+from .vllm_run import generated_tokens
 
 __all__ = [
     "add_parser",
@@ -492,7 +493,7 @@ def time_workload(
                 same, total = same + n, total + len(requests)
                 for e in ENGINES:
                     rounds[e].append(out[e]["tokens_per_s"])
-                    generated[e].append(_generated(out[e]["tokens"]))
+                    generated[e].append(generated_tokens(out[e]["tokens"]))
     finally:
         for bar in bars.values():
             bar.close()
@@ -549,11 +550,6 @@ def exit_status(results: Dict[str, Dict], dtype: str) -> int:
     if dtype not in STRICT_TOKEN_DTYPES:
         return 0
     return 0 if all(res["tokens_identical"] for res in results.values()) else 1
-
-
-def _generated(tokens: List[List[List[int]]]) -> int:
-    """The tokens of one engine's pass (per request, per completion: token ids)."""
-    return sum(len(completion) for request in tokens for completion in request)
 
 
 def _summary(values: List[float]) -> Tuple[float, float]:

@@ -31,7 +31,14 @@ from typing import IO, Any, Dict, List
 
 from .machine import cpu_name
 
-__all__ = ["main", "run", "answer_channel", "engine_in_this_process"]
+__all__ = [
+    "main",
+    "run",
+    "answer_channel",
+    "engine_in_this_process",
+    "timed_generate",
+    "generated_tokens",
+]
 
 
 def engine_in_this_process() -> None:
@@ -40,6 +47,29 @@ def engine_in_this_process() -> None:
     the caller has set either variable, its value stays."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+
+def timed_generate(llm, requests: List[Dict[str, Any]]):
+    """``llm.generate()`` on ``requests`` (token ids, sampling parameters): ``(outputs, seconds,
+    tokens)``, the tokens being each request's completions' generated token ids."""
+    import vllm
+
+    prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
+    params = [vllm.SamplingParams(**r.get("sampling", {})) for r in requests]
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    tokens: List[List[List[int]]] = [[list(c.token_ids) for c in o.outputs] for o in outputs]
+    return outputs, seconds, tokens
+
+
+def generated_tokens(tokens: List[List[List[int]]]) -> int:
+    """How many tokens one pass generated (per request, per completion: token ids).
+
+    >>> generated_tokens([[[5, 6, 7]], [[1], [2, 3]]])
+    6
+    """
+    return sum(len(completion) for request in tokens for completion in request)
 
 
 def run(spec: Dict[str, Any]) -> Dict[str, Any]:
@@ -51,15 +81,9 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
     llm = vllm.LLM(model=spec["model"], **spec.get("engine", {}))
     start_s = time.perf_counter() - t0
     peak = _track_running(llm)
-    requests = spec["requests"]
-    prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
-    params = [vllm.SamplingParams(**r.get("sampling", {})) for r in requests]
     rss_before = _peak_rss()
-    t0 = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    wall_s = time.perf_counter() - t0
-    tokens: List[List[List[int]]] = [[list(c.token_ids) for c in o.outputs] for o in outputs]
-    generated = sum(len(t) for per_req in tokens for t in per_req)
+    outputs, wall_s, tokens = timed_generate(llm, spec["requests"])
+    generated = generated_tokens(tokens)
     result: Dict[str, Any] = {
         "logprobs": [[_ranked(c.logprobs) for c in o.outputs] for o in outputs],
         "prompt_logprobs": [_ranked(o.prompt_logprobs) for o in outputs],
@@ -86,7 +110,7 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
         with open(stats_file) as f:
             result["vattention_stats"] = json.load(f)
     if spec.get("hf_reference"):
-        result["hf_tokens"] = hf_greedy(spec["model"], requests)
+        result["hf_tokens"] = hf_greedy(spec["model"], spec["requests"])
     return result
 
 
@@ -132,7 +156,6 @@ def attention_kernel(llm, plugin: bool) -> str:
 def serve(spec: Dict[str, Any]) -> int:
     """``--serve``: one engine, one workload per stdin line; 0 after a clean quit. Its first
     answer says it is ready, and on which CPU and attention kernel it runs."""
-    import vllm
 
     llm, answer = _line_driven_engine(spec)
     peak = _track_running(llm)
@@ -153,14 +176,8 @@ def serve(spec: Dict[str, Any]) -> int:
         command = json.loads(line)
         if command.get("quit"):
             break
-        requests = command["requests"]
-        prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
-        params = [vllm.SamplingParams(**r.get("sampling", {})) for r in requests]
-        t0 = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        wall_s = time.perf_counter() - t0
-        tokens = [[list(c.token_ids) for c in o.outputs] for o in outputs]
-        generated = sum(len(t) for per_req in tokens for t in per_req)
+        _, wall_s, tokens = timed_generate(llm, command["requests"])
+        generated = generated_tokens(tokens)
         print(
             json.dumps(
                 {
