@@ -315,29 +315,28 @@ def tokens_line(runs: Dict[str, List[dict]], model: str) -> Tuple[str, int]:
     pass i, the same round for both): a line saying how many requests matched and where they
     first differed, and the exit status, 1 where they differed in an fp32 model (bf16 greedy
     picks tie and flip: reported only, as in ``bench vllm``)."""
-    from vattention.bench.vllm_bench import STRICT_TOKEN_DTYPES, compare_tokens, named_model
+    from vattention.bench.vllm_bench import STRICT_TOKEN_DTYPES, TokenTally, named_model
     from vattention.bench.vllm_run import generated_tokens
 
-    same = total = 0
-    first = ""
+    tally = TokenTally()
     for stock, plugin in zip(runs["stock"], runs["plugin"]):
         assert stock["round"] == plugin["round"]  # A B B A gives both the same rounds in order
-        n, diff = compare_tokens(stock["tokens"], plugin["tokens"])
-        same, total = same + n, total + len(stock["tokens"])
-        if diff is not None and not first:
-            first = (
-                f"; first difference: round {stock['round']}, request {diff['request']}, "
-                f"token {diff['token']}"
-            )
+        tally.add(stock["round"], stock["tokens"], plugin["tokens"])
+    first = (
+        ""
+        if tally.first is None
+        else f"; first difference: round {tally.first['pass']}, request "
+        f"{tally.first['request']}, token {tally.first['token']}"
+    )
     generated = {name: sorted({generated_tokens(r["tokens"]) for r in runs[name]}) for name in runs}
     dtype = named_model(model).dtype
     strict = dtype in STRICT_TOKEN_DTYPES
     line = (
-        f"tokens: {same} of {total} requests identical{first} ({dtype}: "
+        f"tokens: {tally.same} of {tally.total} requests identical{first} ({dtype}: "
         f"{'a difference fails the run' if strict else 'reported only'}); generated tokens per "
         f"pass: stock {generated['stock']}, plugin {generated['plugin']}"
     )
-    return line, 1 if strict and same < total else 0
+    return line, 1 if strict and tally.same < tally.total else 0
 
 
 if __name__ == "__main__":

@@ -475,7 +475,7 @@ def time_workload(
     t0 = time.perf_counter()
     rounds: Dict[str, List[float]] = {e: [] for e in ENGINES}  # tokens/s per pass
     generated: Dict[str, List[int]] = {e: [] for e in ENGINES}  # tokens per pass
-    same, total, first = 0, 0, None
+    tally = TokenTally()
     passes = 2 * args.repetitions
     bars = {e: Progress(passes, f"{name} {e}", enabled=progress, unit="pass") for e in ENGINES}
     try:
@@ -487,10 +487,7 @@ def time_workload(
                 for e in order:
                     out[e] = engines[e].generate(requests)
                     bars[e].update(1)
-                n, diff = compare_tokens(out["stock"]["tokens"], out["vattention"]["tokens"])
-                if diff is not None and first is None:
-                    first = {"pass": 2 * r + k, **diff}
-                same, total = same + n, total + len(requests)
+                tally.add(2 * r + k, out["stock"]["tokens"], out["vattention"]["tokens"])
                 for e in ENGINES:
                     rounds[e].append(out[e]["tokens_per_s"])
                     generated[e].append(generated_tokens(out[e]["tokens"]))
@@ -500,9 +497,9 @@ def time_workload(
     return {
         "rounds": rounds,
         "generated_tokens": generated,
-        "tokens_identical": same == total,
-        "identical_requests": [same, total],
-        "first_divergence": first,
+        "tokens_identical": tally.same == tally.total,
+        "identical_requests": [tally.same, tally.total],
+        "first_divergence": tally.first,
         "seconds": time.perf_counter() - t0,
     }
 
@@ -537,6 +534,28 @@ def compare_tokens(stock: List, plugin: List) -> Tuple[int, Optional[Dict]]:
             token = next((t for t, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             first = {"request": i, "completion": c, "token": token}
     return same, first
+
+
+class TokenTally:
+    """Both engines' tokens compared pass after pass (each pass: the same requests to both):
+    how many requests matched of how many, and where they first differed (the pass, then
+    :func:`compare_tokens`' request, completion and token; None while all matched).
+
+    >>> t = TokenTally()
+    >>> t.add(0, [[[5, 6]]], [[[5, 6]]]); t.add(1, [[[1, 2]], [[3]]], [[[1, 2]], [[4]]])
+    >>> t.same, t.total, t.first
+    (2, 3, {'pass': 1, 'request': 1, 'completion': 0, 'token': 0})
+    """
+
+    def __init__(self) -> None:
+        self.same = self.total = 0
+        self.first: Optional[Dict] = None
+
+    def add(self, pass_id: int, stock: List, plugin: List) -> None:
+        n, diff = compare_tokens(stock, plugin)
+        if diff is not None and self.first is None:
+            self.first = {"pass": pass_id, **diff}
+        self.same, self.total = self.same + n, self.total + len(stock)
 
 
 def exit_status(results: Dict[str, Dict], dtype: str) -> int:
