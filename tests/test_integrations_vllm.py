@@ -1113,3 +1113,17 @@ def test_offline_example(runs):
         "vattention",
     ]
     assert "3 requests" in lines[-1] and "0 bytes in vLLM's own KV buffer" in lines[-1]
+
+
+def test_cpu_forward_writes_the_steps_rows_of_exact_and_padded_buffers():
+    # vLLM's classes, the plugin's forward over a real cache: support/vllm_cpu_forward_check.py
+    proc = subprocess.run(
+        [str(VLLM_PYTHON), str(ROOT / "tests" / "support" / "vllm_cpu_forward_check.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    steps = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [s["pad"] for s in steps] == [0, 3]
+    assert all(s["equal"] and s["padding_untouched"] for s in steps), steps

@@ -178,9 +178,11 @@ def cpu_attention(
     True
     """
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
-        if t is not None and not isinstance(t, torch.Tensor):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t is not None and t.device.type != "cpu":
+        if not t.is_cpu:
             raise ValueError(
                 f"{name} is on {t.device}, q on cpu: all tensors must be on one device"
             )
@@ -339,6 +341,15 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 def _int32_tensor(values, name: str, n: Optional[int] = None) -> torch.Tensor:
     """values as a contiguous int32 CPU tensor of n entries, checked to fit int32."""
+    if (  # already so (an engine's metadata, layer after layer): nothing to convert
+        isinstance(values, torch.Tensor)
+        and values.dtype == torch.int32
+        and values.dim() == 1
+        and (n is None or values.shape[0] == n)
+        and values.is_cpu
+        and values.is_contiguous()
+    ):
+        return values
     if isinstance(values, torch.Tensor):
         t = values
         if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:

@@ -252,24 +252,27 @@ class VAttentionImpl(AttentionImpl):
             return output
         m = attn_metadata
         n = m.num_actual_tokens
-        if query.device.type != "cpu":
-            self._forward_cuda(layer, query[:n], key[:n], value[:n], m, output[:n])
+        out = output
+        if n != query.shape[0]:  # buffers padded past the step's tokens (CUDA graphs' sizes)
+            query, key, value, out = query[:n], key[:n], value[:n], output[:n]
+        if not query.is_cpu:
+            self._forward_cuda(layer, query, key, value, m, out)
             return output
         k_cache, v_cache = layer.vattention_kv
         # CPU: the kernel writes straight into vLLM's output buffer (no new tensor, no copy)
         cpu_attention(
-            query[:n],
+            query,
             k_cache,
             v_cache,
-            key[:n],
-            value[:n],
+            key,
+            value,
             cache_seqlens=m.cache_seqlens,
             cache_batch_idx=m.cache_batch_idx,
             cu_seqlens_q=m.cu_seqlens_q,
             softmax_scale=self.scale,
             causal=True,
             window_size=self.window_size,
-            out=output[:n].view(query[:n].shape),
+            out=out.view(query.shape),
             prefix_groups=m.prefix_groups,
             prefix_lens=m.prefix_lens,
             **self._float_scales(layer),
