@@ -1117,6 +1117,7 @@ def test_offline_example(runs):
 
 def test_cpu_forward_writes_the_steps_rows_of_exact_and_padded_buffers():
     # vLLM's classes, the plugin's forward over a real cache: support/vllm_cpu_forward_check.py
+    assert VLLM_PYTHON.exists(), MISSING
     proc = subprocess.run(
         [str(VLLM_PYTHON), str(ROOT / "tests" / "support" / "vllm_cpu_forward_check.py")],
         capture_output=True,
