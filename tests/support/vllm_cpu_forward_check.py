@@ -21,7 +21,8 @@ from vattention.integrations.vllm.attention import (  # noqa: E402
     VAttentionCPUMetadataBuilder,
     VAttentionImpl,
 )
-from vattention.integrations.vllm.runner import BatchSlots  # noqa: E402
+
+from support.vllm_steps import run_steps  # noqa: E402
 
 HEADS, KV_HEADS, DIM, WINDOW, PAD = 4, 2, 32, 40, 3
 
@@ -46,19 +47,10 @@ def main() -> None:
     with KVCache(config) as cache:
         slots = [cache.alloc() for _ in range(3)]
         layer = NS(vattention_kv=cache.layer(0))
-        lens = {s: 0 for s in slots}
-        for pad, step in ((0, [(2, 100), (0, 7)]), (PAD, [(1, 60), (0, 1), (2, 1)])):
-            rows = [slots[i] for i, _ in step]
-            new = [n for _, n in step]
-            past = [lens[s] for s in rows]
-            for s, n in zip(rows, new):
-                lens[s] += n
-            cache.step(dict(lens))
-            builder.batch_source = lambda rows=rows, past=past: BatchSlots(rows, past)
-            starts = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32)
-            total = sum(new)
-            common = NS(num_reqs=len(rows), num_actual_tokens=total, query_start_loc_cpu=starts)
-            m = builder.build(0, common)
+        pads = (0, PAD)
+        schedule = ([(2, 100), (0, 7)], [(1, 60), (0, 1), (2, 1)])
+        for pad, step in zip(pads, run_steps(cache, builder, slots, schedule)):
+            total, m = step.total, step.metadata
             q = torch.randn(total + pad, HEADS, DIM)
             k = torch.randn(total + pad, KV_HEADS, DIM)
             v = torch.randn(total + pad, KV_HEADS, DIM)
@@ -72,9 +64,9 @@ def main() -> None:
                 v_cache,
                 k[:total],
                 v[:total],
-                cache_seqlens=torch.tensor(past, dtype=torch.int32),
-                cache_batch_idx=torch.tensor(rows, dtype=torch.int32),
-                cu_seqlens_q=starts,
+                cache_seqlens=torch.tensor(step.past, dtype=torch.int32),
+                cache_batch_idx=torch.tensor(step.rows, dtype=torch.int32),
+                cu_seqlens_q=step.starts,
                 softmax_scale=DIM**-0.5,
                 causal=True,
                 window_size=(WINDOW - 1, 0),

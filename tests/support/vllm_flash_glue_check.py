@@ -33,10 +33,11 @@ from vattention.integrations.vllm.attention import (  # noqa: E402
     VAttentionFlashImpl,
     VAttentionFlashMetadataBuilder,
 )
-from vattention.integrations.vllm.runner import BatchSlots, VAttentionRunnerMixin  # noqa: E402
+from vattention.integrations.vllm.runner import VAttentionRunnerMixin  # noqa: E402
 
 from support.flash_stand_in import StandIn  # noqa: E402
 from support.rounding import fp32_attention_bound, rounded_output_excess  # noqa: E402
+from support.vllm_steps import run_steps  # noqa: E402
 
 HEADS, KV_HEADS, DIM, BLOCK, WINDOW = 4, 2, 32, 32, 40
 
@@ -91,19 +92,9 @@ def main() -> None:
         layer = NS(
             vattention_kv=cache.layer(1), **{f"_{x}_scale": torch.tensor(1.0) for x in "qkv"}
         )
-        lens = {s: 0 for s in slots}
-        for step in ([(2, 100), (0, 7)], [(0, 1), (2, 1), (1, 60)]):  # vLLM's order: decodes first
-            rows = [slots[i] for i, _ in step]
-            new = [n for _, n in step]
-            past = [lens[s] for s in rows]
-            for s, n in zip(rows, new):
-                lens[s] += n
-            cache.step(dict(lens))
-            builder.batch_source = lambda rows=rows, past=past: BatchSlots(rows, past)
-            starts = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32)
-            common = NS(num_reqs=len(rows), num_actual_tokens=sum(new), query_start_loc_cpu=starts)
-            m = builder.build(0, common)
-            total = sum(new)
+        schedule = ([(2, 100), (0, 7)], [(0, 1), (2, 1), (1, 60)])  # vLLM's order: decodes first
+        for step in run_steps(cache, builder, slots, schedule):
+            rows, past, new, m, total = step.rows, step.past, step.new, step.metadata, step.total
             q = torch.randn(total, HEADS, DIM, dtype=torch.bfloat16)
             k = torch.randn(total, KV_HEADS, DIM, dtype=torch.bfloat16)
             v = torch.randn(total, KV_HEADS, DIM, dtype=torch.bfloat16)
@@ -117,7 +108,7 @@ def main() -> None:
                 v_cache,
                 cache_seqlens=torch.tensor([p + n for p, n in zip(past, new)]),
                 cache_batch_idx=torch.tensor(rows),
-                cu_seqlens_q=starts,
+                cu_seqlens_q=step.starts,
                 softmax_scale=DIM**-0.5,
                 causal=True,
                 window_size=(WINDOW - 1, 0),

@@ -156,7 +156,6 @@ def attention_kernel(llm, plugin: bool) -> str:
 def serve(spec: Dict[str, Any]) -> int:
     """``--serve``: one engine, one workload per stdin line; 0 after a clean quit. Its first
     answer says it is ready, and on which CPU and attention kernel it runs."""
-
     llm, answer = _line_driven_engine(spec)
     peak = _track_running(llm)
     plugin = os.environ.get("VATTENTION_VLLM") == "1"
