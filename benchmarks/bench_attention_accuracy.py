@@ -1,6 +1,7 @@
 """How close each CPU attention kernel's output is to the exact result, in the output's own
 units: the native kernel, vLLM's CPU attention op (the ISA its backend picks) and torch SDPA on
-the same calls as ``bench_attention.py``'s prefill and decode rows.
+the same calls: ``bench_attention.py``'s prefill rows (its inputs, from its seed) and decode
+shapes (its rows x tokens and heads, with no K/V appended).
 
     .venv-vllm/bin/python benchmarks/bench_attention_accuracy.py [--threads 2]
         [--prefill HEADS,KV_HEADS,D,CHUNK,PAST ...] [--decode HEADS,KV_HEADS,D,ROWS,TOKENS ...]
@@ -162,8 +163,8 @@ def decode_outputs(dtype, heads, hkv, d, rows, tokens, ops) -> Dict[str, torch.T
 
 def shape_arg(option: str, fields: str, lowest: Tuple[int, ...]):
     """An argparse type for ``option``'s comma-separated integers ``fields``, each at least its
-    ``lowest``, the first a multiple of the second (heads of KV heads) and the last two summing to
-    a multiple of 128 (vLLM's blocks: prefill's CHUNK + PAST; decode's ROWS x TOKENS rows)."""
+    ``lowest``, the first a multiple of the second (heads of KV heads), and the keys of a row a
+    multiple of 128 (vLLM's blocks: prefill's CHUNK + PAST, decode's TOKENS)."""
 
     def parse(text: str) -> Tuple[int, ...]:
         names = fields.split(",")
