@@ -154,6 +154,23 @@ def vllm_decode(ops, k_rows, v_rows, q, block_size=128):
     return vllm_call(ops, q, key_cache, value_cache, block_table, qsl, seq_lens)
 
 
+def vllm_prefill(ops, q, k_rows, v_rows, block_size=128):
+    """A call of vLLM's CPU attention op for one request's causal chunk, q [chunk, heads, d], over
+    k_rows/v_rows [total, kv_heads, d] (the chunk's own keys last; total a multiple of
+    block_size) copied into its layout."""
+    total, chunk = k_rows.shape[0], q.shape[0]
+    key_cache, value_cache = vllm_paged(ops, k_rows, v_rows, block_size)
+    return vllm_call(
+        ops,
+        q.contiguous(),
+        key_cache,
+        value_cache,
+        torch.arange(total // block_size, dtype=torch.int32)[None],
+        torch.tensor([0, chunk], dtype=torch.int32),
+        torch.tensor([total], dtype=torch.int32),
+    )
+
+
 def fmt(t):
     return f"{t[0] * 1e3:.1f} ({t[1] * 1e3:.1f})"
 
@@ -306,16 +323,7 @@ def measure_prefill(dtype, heads, hkv, d, chunk, past, *, rounds, ops=None):
     torch.testing.assert_close(got.float(), sdpa()[0].transpose(0, 1).float(), atol=tol, rtol=tol)
     cands = {"kernel": kernel, "sdpa": sdpa}
     if ops:
-        key_cache, value_cache = vllm_paged(ops, kc[0, :total], vc[0, :total])
-        call = vllm_call(
-            ops,
-            q[0].contiguous(),
-            key_cache,
-            value_cache,
-            torch.arange(total // 128, dtype=torch.int32)[None],
-            torch.tensor([0, chunk], dtype=torch.int32),
-            torch.tensor([total], dtype=torch.int32),
-        )
+        call = vllm_prefill(ops, q[0], kc[0, :total], vc[0, :total])
         torch.testing.assert_close(call().float(), got.float(), atol=tol, rtol=tol)
         cands["vllm"] = call
     t = compare_min_median(cands, calls=1, rounds=rounds)

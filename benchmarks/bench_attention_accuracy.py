@@ -41,10 +41,9 @@ from bench_attention import (  # noqa: E402
     D,
     N,
     S,
-    vllm_call,
     vllm_decode,
     vllm_ops,
-    vllm_paged,
+    vllm_prefill,
 )
 
 from vattention.attention import cpu_attention, kernel_isa  # noqa: E402
@@ -119,16 +118,7 @@ def prefill_outputs(dtype, heads, hkv, d, chunk, past, ops) -> Dict[str, torch.T
     q = torch.randn(1, chunk, heads, d, generator=gen).to(dtype)
     outs = {"kernel": cpu_attention(q, kc, vc, cache_seqlens=total, causal=True)[0]}
     if ops:
-        key_cache, value_cache = vllm_paged(ops, kc[0, :total], vc[0, :total])
-        outs["vllm"] = vllm_call(
-            ops,
-            q[0].contiguous(),
-            key_cache,
-            value_cache,
-            torch.arange(total // 128, dtype=torch.int32)[None],
-            torch.tensor([0, chunk], dtype=torch.int32),
-            torch.tensor([total], dtype=torch.int32),
-        )().clone()
+        outs["vllm"] = vllm_prefill(ops, q[0], kc[0, :total], vc[0, :total])().clone()
     mask = None if past == 0 else causal_lower_right(chunk, total)
     outs["sdpa"] = F.scaled_dot_product_attention(
         q[0].transpose(0, 1)[None],

@@ -31,6 +31,7 @@ from vattention.integrations.vllm import flash
 from support.flash_stand_in import FP8, StandIn
 from support.rounding import fp32_attention_bound, rounded_output_excess
 from support.vllm_harness import MISSING, ROOT, VLLM_PYTHON
+from support.vllm_steps import grow
 
 LAYERS, KV_HEADS, HEADS, DIM, SLOTS, MAX_SEQ = 3, 2, 4, 32, 4, 192
 LAYER = 1  # a middle layer: in the mega layout its view starts inside the token row
@@ -107,16 +108,9 @@ def run_steps(
 
         stand_in = StandIn(on_block_read=readable)
         kernel = flash_kernel(stand_in, fa_version)
-        lens = {s: 0 for s in slots}
         scales = flash.QKVScales(*(torch.tensor(x) for x in (q_scale, k_scale, v_scale)))
         window_size = (-1, -1) if window is None else (window - 1, 0)
-        for step in STEPS:
-            rows = [slots[i] for i, _ in step]
-            new = [n for _, n in step]
-            past = [lens[s] for s in rows]
-            for s, n in zip(rows, new):
-                lens[s] += n
-            cache.step(dict(lens))
+        for rows, past, new in grow(cache, slots, STEPS):
             starts = [0] + torch.tensor(new).cumsum(0).tolist()
             ints = dict(dtype=torch.int32)
             batch = flash.FlashBatch.build(

@@ -1,5 +1,6 @@
 """Engine steps over a real vattention cache, as the plugin's runner drives them, for the checks
-that call the plugin's metadata builders and forwards on vLLM's classes (run in the vLLM venv).
+that call the plugin's metadata builders and forwards (on vLLM's classes in the vLLM venv, or on
+the plugin's own batch classes).
 
 A step is a list of ``(slot index, new tokens)``: each named row grows by its new tokens, the
 cache maps them (``KVCache.step``), the builder sees the rows and their past lengths through its
@@ -31,10 +32,11 @@ class Step:
         return sum(self.new)
 
 
-def run_steps(
-    cache, builder, slots: Sequence[int], schedule: Iterable[Sequence[Tuple[int, int]]]
-) -> Iterator[Step]:
-    """Applies each step of ``schedule`` to ``cache`` and yields it with ``builder``'s metadata."""
+def grow(
+    cache, slots: Sequence[int], schedule: Iterable[Sequence[Tuple[int, int]]]
+) -> Iterator[Tuple[List[int], List[int], List[int]]]:
+    """Grows the named rows by each step of ``schedule`` (``cache.step``, every row's length) and
+    yields the step's (rows, past lengths, new tokens)."""
     lens = {s: 0 for s in slots}
     for step in schedule:
         rows = [slots[i] for i, _ in step]
@@ -43,6 +45,14 @@ def run_steps(
         for s, n in zip(rows, new):
             lens[s] += n
         cache.step(dict(lens))
+        yield rows, past, new
+
+
+def run_steps(
+    cache, builder, slots: Sequence[int], schedule: Iterable[Sequence[Tuple[int, int]]]
+) -> Iterator[Step]:
+    """Applies each step of ``schedule`` to ``cache`` and yields it with ``builder``'s metadata."""
+    for rows, past, new in grow(cache, slots, schedule):
         builder.batch_source = lambda rows=rows, past=past: BatchSlots(rows, past)
         starts = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32)
         common = NS(num_reqs=len(rows), num_actual_tokens=sum(new), query_start_loc_cpu=starts)
