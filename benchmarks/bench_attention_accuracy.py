@@ -7,15 +7,16 @@ shapes (its rows x tokens and heads, with no K/V appended).
         [--prefill HEADS,KV_HEADS,D,CHUNK,PAST ...] [--decode HEADS,KV_HEADS,D,ROWS,TOKENS ...]
         [--dtype bfloat16 --dtype float32]
 
-The exact result is computed in float64 on the very q, K and V the kernels read (already in their
-storage dtype), one query head at a time. An output element's error is counted in units in the
-last place (ulp) of the exact value in the output's dtype (bf16: 8 significant bits, fp32: 24):
-an error of at most 0.5 ulp means the element is the exact result correctly rounded, the best any
-kernel can return. The tables give, per kernel, the share of elements correctly rounded, their
-mean error in ulps, and the largest error in ulps of the element's scale, sum_j w_j |V_j| (the
-weights applied to |V|: an output near 0 by cancellation carries errors of that size, which in
-its own ulps would be huge). Nothing is timed; the figures are a property of the arithmetic
-(the same inputs give the same tables on any machine that runs the same code paths).
+The exact result is the kernel tests' oracle (``reference_attention``) in float64 on the very q,
+K and V the kernels read (already in their storage dtype). An output element's error is counted in
+units in the last place (ulp) of the exact value in the output's dtype (bf16: 8 significant bits,
+fp32: 24): an error of at most 0.5 ulp means the element is the exact result correctly rounded,
+the best any kernel can return. The tables give, per kernel, the share of elements correctly
+rounded, their mean error in ulps, and the largest error in ulps of the element's scale,
+sum_j w_j |V_j| (the weights applied to |V|: an output near 0 by cancellation carries errors of
+that size, which in its own ulps would be huge). Nothing is timed; the figures are a property of
+the arithmetic (the same inputs give the same tables on any machine that runs the same code
+paths).
 
 Why it is measured: the native kernel's ``amx`` variant multiplies V by each probability in two
 bf16 terms, where vLLM's op and oneDNN's SDPA round each probability to bf16 once; this table is
@@ -25,7 +26,6 @@ what the second term buys, in the units a user sees.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from typing import Dict, List, Optional, Tuple
@@ -46,11 +46,11 @@ from bench_attention import (  # noqa: E402
     vllm_prefill,
 )
 
-from vattention.attention import cpu_attention, kernel_isa  # noqa: E402
+from vattention.attention import cpu_attention, kernel_isa, reference_attention  # noqa: E402
 from vattention.bench.machine import cpu_name  # noqa: E402
 
 # significant bits of each output dtype, and its smallest normal exponent
-_PRECISION = {torch.bfloat16: (8, -126), torch.float16: (11, -14), torch.float32: (24, -126)}
+_PRECISION = {torch.bfloat16: (8, -126), torch.float32: (24, -126)}
 
 
 def ulp_errors(out: torch.Tensor, exact: torch.Tensor, scale=None) -> torch.Tensor:
@@ -81,28 +81,16 @@ def summary(errors: torch.Tensor, scaled: torch.Tensor) -> Tuple[float, float, f
     return float((errors <= 0.5).double().mean()), float(errors.mean()), float(scaled.max())
 
 
-def exact_prefill(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """float64 causal attention of q [chunk, heads, d] after ``past`` cached keys over k, v
-    [past + chunk, kv_heads, d] (bottom-right aligned; GQA: head h reads KV head h // group),
-    and the same weights over |v|: sum_j w_j |V_j|, the scale of an output's rounding errors
-    (an output near 0 by cancellation still carries errors of that size)."""
-    chunk, heads, d = q.shape
-    group = heads // k.shape[1]
-    scale = 1.0 / math.sqrt(d)
-    visible = torch.arange(past + chunk)[None, :] <= past + torch.arange(chunk)[:, None]
-    out = torch.empty(q.shape, dtype=torch.float64)
-    mag = torch.empty(q.shape, dtype=torch.float64)
-    for h in range(heads):
-        kh = k[:, h // group].to(torch.float64)
-        s = (q[:, h].to(torch.float64) @ kh.T) * scale
-        s.masked_fill_(~visible, -math.inf)
-        w = torch.softmax(s, dim=-1)
-        vh = v[:, h // group].to(torch.float64)
-        out[:, h] = w @ vh
-        mag[:, h] = w @ vh.abs()
-    return out, mag
+def exact(q: torch.Tensor, k_cache, v_cache, **call) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The call's exact result, from the kernel tests' oracle
+    (:func:`vattention.attention.reference_attention`) in float64 on the same values, and its
+    scale: the same weights applied to |V|, sum_j w_j |V_j| (an output near 0 by cancellation
+    still carries rounding errors of that size)."""
+    q64 = q.to(torch.float64)
+    return (
+        reference_attention(q64, k_cache, v_cache, **call),
+        reference_attention(q64, k_cache, v_cache.abs(), **call),
+    )
 
 
 def prefill_outputs(dtype, heads, hkv, d, chunk, past, ops) -> Dict[str, torch.Tensor]:
@@ -116,7 +104,8 @@ def prefill_outputs(dtype, heads, hkv, d, chunk, past, ops) -> Dict[str, torch.T
     kc = torch.randn(1, total + 16, hkv, d, generator=gen).to(dtype)
     vc = torch.randn(1, total + 16, hkv, d, generator=gen).to(dtype)
     q = torch.randn(1, chunk, heads, d, generator=gen).to(dtype)
-    outs = {"kernel": cpu_attention(q, kc, vc, cache_seqlens=total, causal=True)[0]}
+    call = dict(cache_seqlens=total, causal=True)
+    outs = {"kernel": cpu_attention(q, kc, vc, **call)[0]}
     if ops:
         outs["vllm"] = vllm_prefill(ops, q[0], kc[0, :total], vc[0, :total])().clone()
     mask = None if past == 0 else causal_lower_right(chunk, total)
@@ -128,7 +117,7 @@ def prefill_outputs(dtype, heads, hkv, d, chunk, past, ops) -> Dict[str, torch.T
         is_causal=past == 0,
         enable_gqa=True,
     )[0].transpose(0, 1)
-    outs["exact"], outs["scale"] = exact_prefill(q[0], kc[0, :total], vc[0, :total], past)
+    outs["exact"], outs["scale"] = (x[0] for x in exact(q, kc, vc, **call))
     return outs
 
 
@@ -139,15 +128,14 @@ def decode_outputs(dtype, heads, hkv, d, rows, tokens, ops) -> Dict[str, torch.T
     kc = torch.randn(rows, tokens, hkv, d, generator=gen).to(dtype)
     vc = torch.randn(rows, tokens, hkv, d, generator=gen).to(dtype)
     q = torch.randn(rows, 1, heads, d, generator=gen).to(dtype)
-    outs = {"kernel": cpu_attention(q, kc, vc, cache_seqlens=tokens, causal=True)[:, 0]}
+    call = dict(cache_seqlens=tokens, causal=True)
+    outs = {"kernel": cpu_attention(q, kc, vc, **call)[:, 0]}
     if ops:
         outs["vllm"] = vllm_decode(ops, kc, vc, q[:, 0].contiguous())().clone()
     outs["sdpa"] = F.scaled_dot_product_attention(
         q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2), enable_gqa=True
     ).transpose(1, 2)[:, 0]
-    exact = [exact_prefill(q[r], kc[r], vc[r], tokens - 1) for r in range(rows)]
-    outs["exact"] = torch.cat([e for e, _ in exact])
-    outs["scale"] = torch.cat([a for _, a in exact])
+    outs["exact"], outs["scale"] = (x[:, 0] for x in exact(q, kc, vc, **call))
     return outs
 
 
@@ -184,13 +172,13 @@ def shape_arg(option: str, fields: str, lowest: Tuple[int, ...]):
     return parse
 
 
-def table(title: str, columns: str, names: List[str], cases) -> None:
+def table(title: str, columns: List[str], names: List[str], cases) -> None:
     """One markdown table: a row per (labels, outputs) of ``cases``, a cell per kernel."""
     labels = {"kernel": "kernel", "vllm": "vLLM op", "sdpa": "torch SDPA"}
     print(f"### {title}\n")
-    head = " | ".join(f"{labels[n]}: correctly rounded, mean ulp, largest" for n in names)
-    print(f"| {columns} | {head} |")
-    print("|---|---|" + "---:|" * (columns.count("|") - 1 + len(names)))
+    head = [f"{labels[n]}: correctly rounded, mean ulp, largest" for n in names]
+    print("| " + " | ".join(columns + head) + " |")
+    print("|---|---|" + "---:|" * (len(columns) - 2 + len(names)))
     for row_labels, outs in cases:
         cells = []
         for n in names:
@@ -244,7 +232,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.prefill:
         table(
             "Prefill: one request, causal",
-            "dtype | heads / KV x d | chunk | cached before",
+            ["dtype", "heads / KV x d", "chunk", "cached before"],
             names,
             (
                 (
@@ -258,7 +246,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.decode:
         table(
             "Decode: one query a row",
-            "dtype | heads / KV x d | rows x tokens",
+            ["dtype", "heads / KV x d", "rows x tokens"],
             names,
             (
                 (
