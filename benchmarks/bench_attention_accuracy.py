@@ -172,6 +172,17 @@ def shape_arg(option: str, fields: str, lowest: Tuple[int, ...]):
     return parse
 
 
+def thread_count(text: str) -> int:
+    """--threads: a whole number >= 1 (torch refuses others only once the run has begun)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--threads {text!r}: must be a whole number >= 1")
+    return value
+
+
 def table(title: str, columns: List[str], names: List[str], cases) -> None:
     """One markdown table: a row per (labels, outputs) of ``cases``, a cell per kernel."""
     labels = {"kernel": "kernel", "vllm": "vLLM op", "sdpa": "torch SDPA"}
@@ -195,7 +206,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=thread_count, default=2)
     parser.add_argument(
         "--prefill",
         action="append",

@@ -44,9 +44,11 @@ def test_the_error_measure_in_ulps():
         ("--prefill", "8,2,0,128,0", "D must be >= 1"),
         ("--decode", "8,2,64,4,100", "TOKENS must be a multiple of 128"),
         ("--decode", "8,2,64,0,128", "ROWS must be >= 1"),
+        ("--threads", "0", "must be a whole number >= 1"),
+        ("--threads", "two", "must be a whole number >= 1"),
     ],
 )
-def test_a_bad_shape_is_refused_with_its_reason(option, shape, why, capsys):
+def test_a_bad_argument_is_refused_with_its_reason(option, shape, why, capsys):
     with pytest.raises(SystemExit) as exit_:
         load_module().main([option, shape])
     err = capsys.readouterr().err
