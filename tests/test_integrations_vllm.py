@@ -838,6 +838,8 @@ def test_on_the_cpu_auto_takes_layer_where_it_fits_and_mega_pages_go_huge(runs):
 
 
 def test_bench_vllm_alternates_both_engines_and_compares_tokens(runs, workdir):
+    from vattention.bench.vllm_bench import paired_ratios
+
     rc, out = runs["bench"].wait()
     assert rc == 0, out[-3000:]
     assert "| sharegpt |" in out and "| shared-prefix |" in out and "load average" in out
@@ -854,6 +856,10 @@ def test_bench_vllm_alternates_both_engines_and_compares_tokens(runs, workdir):
         assert same == total > 0
         assert [len(res["rounds"][e]) for e in ("stock", "vattention")] == [2, 2]  # A B B A
         assert min(res["rounds"]["stock"] + res["rounds"]["vattention"]) > 0
+        # the pass-by-pass column: each pass's plugin tokens/s over stock's, from the same passes
+        mid, low, high = paired_ratios(res["rounds"]["stock"], res["rounds"]["vattention"])
+        row = next(line for line in out.splitlines() if line.startswith(f"| {name} |"))
+        assert f"| {mid:.2f}x ({low:.2f}-{high:.2f}) |" in row, row
     # the shared prompt's 6 full blocks were mapped from vLLM's prefix cache, in both passes
     # (63 of 64 requests hit them in a run here; at least half must)
     assert result["plugin_stats"]["block_hits"] >= 2 * 32 * (768 // BLOCK)

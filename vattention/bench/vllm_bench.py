@@ -10,8 +10,10 @@ the run then weighs on both engines alike). A progress bar per workload and engi
 passes (on stderr; a line at each quarter where stderr is not a terminal). Every pass (A B, then
 B A) draws new token ids, so vLLM's prefix cache never carries hits from one pass into the next;
 both engines get the same requests in a pass, and their tokens are compared. Printed per
-workload: generated tokens per second, min and median over the passes, and the plugin's median
-over stock's; the machine's load before and after.
+workload: generated tokens per second, min and median over the passes, the plugin's median
+over stock's, and the median (and range) of the pass-by-pass ratios: each pass's plugin tokens/s
+over stock's on the same requests, run minutes apart at most, which a machine whose speed drifts
+over the run moves less than the medians; the machine's load before and after.
 
 Workloads (``--workload``, several allowed):
 
@@ -575,6 +577,17 @@ def _summary(values: List[float]) -> Tuple[float, float]:
     return min(values), statistics.median(values)
 
 
+def paired_ratios(stock: List[float], plugin: List[float]) -> Tuple[float, float, float]:
+    """Median, lowest and highest of the pass-by-pass ratios plugin / stock (tokens/s of each
+    pass: both engines served the same requests in it, one right after the other).
+
+    >>> paired_ratios([100.0, 80.0, 50.0, 64.0], [125.0, 80.0, 75.0, 48.0])
+    (1.125, 0.75, 1.5)
+    """
+    ratios = [p / s for s, p in zip(stock, plugin)]
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
 def build_model(model: ModelPreset, args: argparse.Namespace, workdir: str) -> str:
     """Build the run's model in ``--model-dir`` (kept if it holds this model) or under
     ``workdir``; ``ValueError`` if ``--model-dir`` holds another model or ``--max-model-len``
@@ -664,9 +677,9 @@ def run(args: argparse.Namespace) -> int:
     load_after = os.getloadavg()
     print(
         "| workload | stock tokens/s (min / median) | plugin tokens/s (min / median) | "
-        "plugin / stock (median) | tokens identical |"
+        "plugin / stock (median) | pass by pass (median, range) | tokens identical |"
     )
-    print("|---|---:|---:|---:|---|")
+    print("|---|---:|---:|---:|---:|---|")
     for name, res in results.items():
         (smin, smed), (pmin, pmed) = (_summary(res["rounds"][e]) for e in ENGINES)
         same, total = res["identical_requests"]
@@ -679,9 +692,10 @@ def run(args: argparse.Namespace) -> int:
                 f"{first['request']}, token {first['token']})"
             )
         )
+        mid, low, high = paired_ratios(res["rounds"]["stock"], res["rounds"]["vattention"])
         print(
             f"| {name} | {smin:.0f} / {smed:.0f} | {pmin:.0f} / {pmed:.0f} | "
-            f"{pmed / smed:.2f}x | {identical} |"
+            f"{pmed / smed:.2f}x | {mid:.2f}x ({low:.2f}-{high:.2f}) | {identical} |"
         )
     stats = {}
     if os.path.exists(engines["vattention"].stats_file):
