@@ -12,8 +12,8 @@ B A) draws new token ids, so vLLM's prefix cache never carries hits from one pas
 both engines get the same requests in a pass, and their tokens are compared. Printed per
 workload: generated tokens per second, min and median over the passes, the plugin's median
 over stock's, and the median (and range) of the pass-by-pass ratios: each pass's plugin tokens/s
-over stock's on the same requests, run minutes apart at most, which a machine whose speed drifts
-over the run moves less than the medians; the machine's load before and after.
+over stock's on the same requests, the two run one right after the other, so that a slow drift
+of the machine's speed over the run cancels within each pair; the machine's load before and after.
 
 Workloads (``--workload``, several allowed):
 
