@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -583,8 +584,10 @@ def paired_ratios(stock: List[float], plugin: List[float]) -> Tuple[float, float
 
     >>> paired_ratios([100.0, 80.0, 50.0, 64.0], [125.0, 80.0, 75.0, 48.0])
     (1.125, 0.75, 1.5)
+    >>> paired_ratios([0.0], [10.0])  # a pass in which stock generated nothing: no ratio
+    (nan, nan, nan)
     """
-    ratios = [p / s for s, p in zip(stock, plugin)]
+    ratios = [p / s for s, p in zip(stock, plugin) if s > 0] or [math.nan]
     return statistics.median(ratios), min(ratios), max(ratios)
 
 
