@@ -35,7 +35,7 @@ def test_the_error_measure_in_ulps():
 
 
 @pytest.mark.parametrize(
-    "option, shape, why",
+    "option, value, why",
     [
         ("--prefill", "8,2,64,128", "HEADS,KV_HEADS,D,CHUNK,PAST (5 integers)"),
         ("--prefill", "8,2,x,128,0", "(5 integers)"),
@@ -48,11 +48,11 @@ def test_the_error_measure_in_ulps():
         ("--threads", "two", "must be a whole number >= 1"),
     ],
 )
-def test_a_bad_argument_is_refused_with_its_reason(option, shape, why, capsys):
+def test_a_bad_argument_is_refused_with_its_reason(option, value, why, capsys):
     with pytest.raises(SystemExit) as exit_:
-        load_module().main([option, shape])
+        load_module().main([option, value])
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and why in err and shape in err, err
+    assert exit_.value.code == 2 and why in err and value in err, err
 
 
 def test_three_kernels_on_the_same_calls_and_the_kernels_bf16_output_correctly_rounded():
