@@ -199,13 +199,12 @@ SAN_RUNTIMES = $(shell printf 'int main(){return 0;}' | $(CXX) -fsanitize=thread
 # venv, which is mostly pip and the disk, the test tools, the sanitizer objects); -k: the rest go
 # on where one fails, and a failed install or build is retried once, alone, and stops the run (a
 # failed sanitizer compile is reported by the sanitizer run). pytest lists its 15 slowest tests, so
-# that a CI log shows where the suite's time goes. Its OpenMP threads sleep when idle
-# (OMP_WAIT_POLICY=PASSIVE, unless set): the vLLM workloads run in background processes beside
-# the rest of the suite, and libgomp's default, spinning after every parallel region, competes
-# with them for the cores (the 2-core SPR machine, 2026-11-30: pytest 906 s spinning, 809 s
-# passive; the kernel tests 391 then 257 s, the benchmark scripts' tests, many small calls, 34
-# then 67 s). pytest in two processes (pytest-xdist, -n 2) took 1128 s: each process started
-# the background workloads of its own.
+# that a CI log shows where the suite's time goes. Tried for its time and not kept (the 2-core SPR
+# machine, 2026-11-30): pytest with OMP_WAIT_POLICY=PASSIVE (its OpenMP threads asleep beside the
+# background vLLM workloads) read 906 -> 809 s on one checkout but 999 s in a fresh clone (943 s
+# the day's earlier fresh run without it): the kernel tests got faster, the benchmark scripts'
+# (many small calls) slower; pytest-xdist -n 2 took 1128 s, each process starting the background
+# workloads of its own.
 test:
 	@mkdir -p $(SAN_DIR); san_ok="$(SAN_RUNTIMES)"; \
 	$(MAKE) -s -k -j2 $(BUILD_STAMP) $(VLLM_STAMP) $(TEST_DEPS_STAMP) \
@@ -215,7 +214,7 @@ test:
 	  if $(MAKE) -s -j2 sanitize; then san="$(words $(SAN_BINS)) of $(words $(SAN_BINS)) passed"; \
 	  else san="FAILED (see above)"; fi; \
 	else san="skipped (no sanitizer runtimes)"; fi; \
-	set -o pipefail; OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(PY) -m pytest -q --durations=15 2>&1 | tee $(SAN_DIR)/pytest.log; pytest_rc=$$?; \
+	set -o pipefail; $(PY) -m pytest -q --durations=15 2>&1 | tee $(SAN_DIR)/pytest.log; pytest_rc=$$?; \
 	echo "make test: sanitizer runs $$san; pytest: $$(grep -E '[0-9]+ (passed|failed|errors?)' $(SAN_DIR)/pytest.log | tail -n 1 | tr -d '=' | sed 's/^ *//')"; \
 	[[ $$san != FAILED* && $$pytest_rc == 0 ]]
 
