@@ -204,7 +204,8 @@ SAN_RUNTIMES = $(shell printf 'int main(){return 0;}' | $(CXX) -fsanitize=thread
 # background vLLM workloads) read 906 -> 809 s on one checkout but 999 s in a fresh clone (943 s
 # the day's earlier fresh run without it): the kernel tests got faster, the benchmark scripts'
 # (many small calls) slower; pytest-xdist -n 2 took 1128 s, each process starting the background
-# workloads of its own.
+# workloads of its own. What did cut it (same machine, back to back): the background workloads
+# niced, the kernel's OpenMP tests after the single-core rest (tests/conftest.py), 1592 -> 984 s.
 test:
 	@mkdir -p $(SAN_DIR); san_ok="$(SAN_RUNTIMES)"; \
 	$(MAKE) -s -k -j2 $(BUILD_STAMP) $(VLLM_STAMP) $(TEST_DEPS_STAMP) \

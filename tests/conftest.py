@@ -70,16 +70,29 @@ def _cuda_case(item) -> bool:
 
 # Test modules whose slow subprocess work starts in the background when collection selects
 # them (their start_in_background()), and whose tests run last, awaiting it: the vLLM
-# workloads (~10 CPU-minutes in vLLM processes) overlap the rest of the suite on a 2-core box.
+# workloads (~10 CPU-minutes in vLLM processes, niced: support/vllm_harness.py) overlap the rest
+# of the suite on a 2-core box.
 BACKGROUND_MODULES = ("test_integrations_vllm",)
+# Test modules whose tests keep both cores busy (the CPU attention kernel's OpenMP teams): run
+# after the rest, most of which use one core and leave the other to those workloads, and before
+# the background modules' tests.
+BOTH_CORES_MODULES = ("test_attention_kernel",)
+
+
+def _module(item) -> str:
+    return item.module.__name__.rsplit(".", 1)[-1]
 
 
 def _background(item) -> bool:
-    return item.module.__name__.rsplit(".", 1)[-1] in BACKGROUND_MODULES
+    return _module(item) in BACKGROUND_MODULES
+
+
+def _run_order(item) -> int:
+    return 2 if _background(item) else 1 if _module(item) in BOTH_CORES_MODULES else 0
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=_background)  # stable: the rest keep their order, those modules go last
+    items.sort(key=_run_order)  # stable: each group keeps its order
     if config.getoption("cuda_cases"):
         config.hook.pytest_deselected(items=[i for i in items if not _cuda_case(i)])
         items[:] = [i for i in items if _cuda_case(i)]
