@@ -194,27 +194,34 @@ SAN_RUNTIMES = $(shell printf 'int main(){return 0;}' | $(CXX) -fsanitize=thread
   -o /dev/null 2>/dev/null && echo yes)
 
 # Runs the sanitizer build too when this compiler has the runtimes, then pytest (even when a
-# sanitizer run failed, so one run reports both), and ends with one line summing up both; fails
-# if either failed. The installs and builds run side by side (-j2: the extension's compile, vLLM's
-# venv, which is mostly pip and the disk, the test tools, the sanitizer objects); -k: the rest go
-# on where one fails, and a failed install or build is retried once, alone, and stops the run (a
-# failed sanitizer compile is reported by the sanitizer run). pytest lists its 15 slowest tests, so
-# that a CI log shows where the suite's time goes. Tried for its time and not kept (the 2-core SPR
-# machine, 2026-11-30): pytest with OMP_WAIT_POLICY=PASSIVE (its OpenMP threads asleep beside the
-# background vLLM workloads) read 906 -> 809 s on one checkout but 999 s in a fresh clone (943 s
-# the day's earlier fresh run without it): the kernel tests got faster, the benchmark scripts'
-# (many small calls) slower; pytest-xdist -n 2 took 1128 s, each process starting the background
-# workloads of its own. What did cut it (same machine, back to back): the background workloads
-# niced, the kernel's OpenMP tests after the single-core rest (tests/conftest.py), 1592 -> 984 s.
+# sanitizer run failed, so one run reports both), and ends with one line summing up both; fails if
+# either failed. The installs and builds run side by side (-j2: the extension's compile, vLLM's
+# venv, which is mostly pip and the disk, the test tools); -k: the rest go on where one fails, and a
+# failed install or build is retried once, alone, and stops the run. The sanitizers' builds and runs
+# (-k: every one reported) go beside all that in a make of their own, niced: they take the cores the
+# set-up leaves idle (pip, mypy and the last sanitizer run use one) and yield to it elsewhere; in
+# one make with the set-up they had queued ahead of the main venv's torch install (GNU make starts
+# queued jobs first come, first served), which waited 2.5 minutes for them. pytest lists its 15
+# slowest tests, so that a CI log shows where the suite's time goes. Tried for its time and not kept
+# (the 2-core SPR machine, 2026-11-30): pytest with OMP_WAIT_POLICY=PASSIVE (its OpenMP threads
+# asleep beside the background vLLM workloads) read 906 -> 809 s on one checkout but 999 s in a
+# fresh clone (943 s the day's earlier fresh run without it): the kernel tests got faster, the
+# benchmark scripts' (many small calls) slower; pytest-xdist -n 2 took 1128 s, each process starting
+# the background workloads of its own. What did cut it (same machine, back to back): the background
+# workloads niced, the kernel's OpenMP tests after the single-core rest (tests/conftest.py), 1592 ->
+# 984 s.
 test:
 	@mkdir -p $(SAN_DIR); san_ok="$(SAN_RUNTIMES)"; \
-	$(MAKE) -s -k -j2 $(BUILD_STAMP) $(VLLM_STAMP) $(TEST_DEPS_STAMP) \
-	  $${san_ok:+sanitize-build} || true; \
-	$(MAKE) -s build lint $(VLLM_PLUGIN_STAMP) $(VLLM_TEST_STAMP) || exit 1; \
 	if [ -n "$$san_ok" ]; then \
-	  if $(MAKE) -s -j2 sanitize; then san="$(words $(SAN_BINS)) of $(words $(SAN_BINS)) passed"; \
-	  else san="FAILED (see above)"; fi; \
+	  nice -n 10 $(MAKE) -s -k -j2 sanitize > $(SAN_DIR)/sanitize.log 2>&1 & san_pid=$$!; fi; \
+	$(MAKE) -s -k -j2 $(BUILD_STAMP) $(VLLM_STAMP) $(TEST_DEPS_STAMP) || true; \
+	$(MAKE) -s build lint $(VLLM_PLUGIN_STAMP) $(VLLM_TEST_STAMP); setup_rc=$$?; \
+	if [ -n "$$san_ok" ]; then \
+	  echo "make test: the sanitizer builds and runs (started beside the set-up, niced):"; \
+	  if wait $$san_pid; then san="$(words $(SAN_BINS)) of $(words $(SAN_BINS)) passed"; \
+	  else san="FAILED (see above)"; fi; cat $(SAN_DIR)/sanitize.log; \
 	else san="skipped (no sanitizer runtimes)"; fi; \
+	[[ $$setup_rc == 0 ]] || exit 1; \
 	set -o pipefail; $(PY) -m pytest -q --durations=15 2>&1 | tee $(SAN_DIR)/pytest.log; pytest_rc=$$?; \
 	echo "make test: sanitizer runs $$san; pytest: $$(grep -E '[0-9]+ (passed|failed|errors?)' $(SAN_DIR)/pytest.log | tail -n 1 | tr -d '=' | sed 's/^ *//')"; \
 	[[ $$san != FAILED* && $$pytest_rc == 0 ]]
