@@ -479,3 +479,49 @@ def test_a_part_with_a_limit_of_its_own_gets_no_more_and_says_so_when_cut(tmp_pa
     assert (res.status, res.why) == ("cut", "stopped at its own limit after 0 s")
     res = runner.run(check.Part("other", "t", "t"))
     assert limits[1] > 400 and res.why == "stopped at the budget's limit after 0 s"
+
+
+def test_a_folder_larger_than_one_device_call_is_carried_in_parts_and_unpacked_whole(
+    tmp_path, monkeypatch, capsys
+):
+    """carry.py: pack cuts a folder into parts of at most --max-mib, one folder per device call;
+    stage copies each to /tmp-like staging, says which are missing while some are (exit 3: a
+    machine that went back lost them), unpacks the whole once the SHA-256 matches (0, and 0 again
+    after), and refuses a damaged set (2)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks" / "gpu"))
+    import carry
+
+    src = tmp_path / "fa4-wheels"
+    src.mkdir()
+    files = {f"w{i}.whl": os.urandom(700_000 + i) for i in range(4)}  # ~2.7 MiB, incompressible
+    for name, data in files.items():
+        (src / name).write_bytes(data)
+    out = tmp_path / "gpu-check" / "carry"
+    assert carry.main(["pack", str(src), str(out), "--max-mib", "1"]) == 0
+    parts = sorted(out.iterdir(), key=lambda p: int(p.name))
+    assert [p.name for p in parts] == ["1", "2", "3"]
+    for p in parts:
+        assert sum(f.stat().st_size for f in p.glob("part-*")) <= 1 << 20
+    assert f"run(carry=['{parts[0]}']" in capsys.readouterr().out
+
+    stage, into = tmp_path / "stage", tmp_path / "into"
+    args = ["--stage", str(stage), "--into", str(into)]
+    assert carry.main(["stage", str(parts[0]), *args]) == 3
+    assert "1 of 3 parts staged" in capsys.readouterr().out
+    assert carry.main(["stage", str(parts[2]), *args]) == 3
+    assert "missing part-002" in capsys.readouterr().out
+    assert not into.exists()
+    assert carry.main(["stage", str(parts[1]), *args]) == 0
+    for name, data in files.items():
+        assert (into / "fa4-wheels" / name).read_bytes() == data
+    assert carry.main(["stage", str(parts[1]), *args]) == 0  # a repeated call unpacks nothing
+    assert "already unpacked" in capsys.readouterr().out
+
+    bad_stage, bad_into = tmp_path / "bad-stage", tmp_path / "bad-into"
+    bad = ["--stage", str(bad_stage), "--into", str(bad_into)]
+    for p in parts[:2]:
+        assert carry.main(["stage", str(p), *bad]) == 3
+    (bad_stage / "part-001").write_bytes(b"\0" + (bad_stage / "part-001").read_bytes()[1:])
+    assert carry.main(["stage", str(parts[2]), *bad]) == 2
+    assert "do not make the packed tar" in capsys.readouterr().err
+    assert not (bad_into / "fa4-wheels").exists()
