@@ -484,10 +484,11 @@ def test_a_part_with_a_limit_of_its_own_gets_no_more_and_says_so_when_cut(tmp_pa
 def test_a_folder_larger_than_one_device_call_is_carried_in_parts_and_unpacked_whole(
     tmp_path, monkeypatch, capsys
 ):
-    """carry.py: pack cuts a folder into parts of at most --max-mib, one folder per device call;
-    stage copies each to /tmp-like staging, says which are missing while some are (exit 3: a
-    machine that went back lost them), unpacks the whole once the SHA-256 matches (0, and 0 again
-    after), and refuses a damaged set (2)."""
+    """carry.py: pack cuts a folder into parts of at most --max-mib, one folder per device call
+    (replacing its own earlier parts, never a folder with other files); stage copies each to
+    /tmp-like staging, says which are missing while some are (exit 3: a machine that went back
+    lost them), unpacks the whole once the SHA-256 matches (0, and 0 again after), and refuses a
+    damaged set or a folder with no part (2)."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks" / "gpu"))
     import carry
 
@@ -525,3 +526,10 @@ def test_a_folder_larger_than_one_device_call_is_carried_in_parts_and_unpacked_w
     assert carry.main(["stage", str(parts[2]), *bad]) == 2
     assert "do not make the packed tar" in capsys.readouterr().err
     assert not (bad_into / "fa4-wheels").exists()
+    assert carry.main(["stage", str(tmp_path / "not-carried"), *bad]) == 2
+    assert "holds no part" in capsys.readouterr().err
+    assert carry.main(["pack", str(src), str(out), "--max-mib", "2"]) == 0  # replaces its parts
+    assert sorted(p.name for p in out.iterdir()) == ["1", "2"]
+    with pytest.raises(SystemExit, match="holds files of its own"):
+        carry.main(["pack", str(src), str(tmp_path), "--max-mib", "2"])
+    assert (src / "w0.whl").exists()

@@ -21,7 +21,7 @@ the set checks the SHA-256 and unpacks the folder into ``--into``, then runs wha
 
 Exit status of ``stage``: 0 when the folder is unpacked (now or by an earlier call), 3 while parts
 are missing (it names them: a machine that went back between calls lost the staged ones, which
-are carried again), 2 on a damaged set (a SHA-256 that does not match). Standard library only:
+are carried again), 2 on a damaged set (a SHA-256 that does not match) or a folder with no part. Standard library only:
 the GPU machine's Python runs it.
 """
 
@@ -48,7 +48,9 @@ def pack(folder: Path, out: Path, max_mib: int) -> List[Path]:
     if max_mib < 1:
         raise SystemExit(f"pack: --max-mib {max_mib} must be >= 1")
     if out.exists():
-        shutil.rmtree(out)
+        if any(not (old / MANIFEST).exists() for old in out.iterdir()):
+            raise SystemExit(f"pack: {out} holds files of its own; give an empty or new folder")
+        shutil.rmtree(out)  # an earlier pack's parts only
     out.mkdir(parents=True)
     tar_path = out / "whole.tar"
     with tarfile.open(tar_path, "w") as tar:  # wheels are compressed already
@@ -76,6 +78,9 @@ def pack(folder: Path, out: Path, max_mib: int) -> List[Path]:
 def stage(carried: Path, stage_dir: Path, into: Path) -> int:
     """Copies the part in ``carried`` to ``stage_dir``; once every part is there, checks the
     whole and unpacks it into ``into``. Returns the exit status (module docstring)."""
+    if not (carried / MANIFEST).is_file():
+        print(f"carry: {carried} holds no part (was it carried with this call?)", file=sys.stderr)
+        return 2
     manifest = json.loads((carried / MANIFEST).read_text())
     done = into / f".carried-{manifest['sha256']}"
     if done.exists():
