@@ -21,8 +21,8 @@ the set checks the SHA-256 and unpacks the folder into ``--into``, then runs wha
 
 Exit status of ``stage``: 0 when the folder is unpacked (now or by an earlier call), 3 while parts
 are missing (it names them: a machine that went back between calls lost the staged ones, which
-are carried again), 2 on a damaged set (a SHA-256 that does not match) or a folder with no part. Standard library only:
-the GPU machine's Python runs it.
+are carried again), 2 on a damaged set (a SHA-256 that does not match) or a folder with no
+part. Standard library only: the GPU machine's Python runs it.
 """
 
 from __future__ import annotations
