@@ -16,6 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "cuda_emulator"))
 import emu as E  # noqa: E402  (tests/cuda_emulator/emu.py)
+from test_sparse import rss_shmem_bytes  # noqa: E402
 
 G = 2 * E.MB  # default granularity
 
@@ -735,20 +736,14 @@ def test_memset_async_writes_checks_access_and_records_its_stream(bound):
     assert bound.last_memset_stream() == PER_THREAD  # refused calls do not count
 
 
-def _shmem_kb() -> int:
-    """This process's resident shared memory (the emulated device memory is memfd pages)."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("RssShmem:"))
-
-
 def test_memset_zero_clears_across_mappings_and_aliases_without_touching_fresh_pages(bound):
     # A GPU's memset costs its host a launch: zeroing must not fault fresh pages in (0.7 ms a
     # 2 MB page on some hosts, which would stand in the timing of the driver calls), and must
     # still zero every byte of the range, through every alias, and nothing beside it.
     va, handles = mapped_ok(bound, pages=4)
-    before = _shmem_kb()
+    before = rss_shmem_bytes()  # the emulated device memory is memfd pages
     assert bound.memset_async(va, 0, 4 * G, PER_THREAD) == 0
-    assert _shmem_kb() - before < 1024  # 8 MB of fresh pages: well under one MB faulted in
+    assert rss_shmem_bytes() - before < E.MB  # 8 MB of fresh pages: well under one MB faulted in
     alias = reserve_ok(bound, G)
     assert bound.map(alias, G, handles[1]) == 0 and bound.set_access(alias, G) == 0
     E.ctypes.memset(va, 0xFF, 4 * G)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import json
 import shutil
 import sys
@@ -52,17 +53,15 @@ def pack(folder: Path, out: Path, max_mib: int) -> List[Path]:
             raise SystemExit(f"pack: {out} holds files of its own; give an empty or new folder")
         shutil.rmtree(out)  # an earlier pack's parts only
     out.mkdir(parents=True)
-    tar_path = out / "whole.tar"
-    with tarfile.open(tar_path, "w") as tar:  # wheels are compressed already
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:  # wheels are compressed already
         tar.add(folder, arcname=folder.name)
-    data = tar_path.read_bytes()
-    tar_path.unlink()
+    data = buffer.getvalue()
     size = max_mib * MIB
-    chunks = [data[i : i + size] for i in range(0, len(data), size)] or [b""]
+    chunks = [data[i : i + size] for i in range(0, len(data), size)]
     manifest = {
         "name": folder.name,
         "parts": len(chunks),
-        "bytes": len(data),
         "sha256": hashlib.sha256(data).hexdigest(),
     }
     parts = []
@@ -98,24 +97,18 @@ def stage(carried: Path, stage_dir: Path, into: Path) -> int:
             "machine is warm)"
         )
         return 3
-    digest = hashlib.sha256()
-    for n in names:
-        digest.update((stage_dir / n).read_bytes())
-    if digest.hexdigest() != manifest["sha256"]:
+    data = b"".join((stage_dir / n).read_bytes() for n in names)
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != manifest["sha256"]:
         print(
             f"carry: {manifest['name']}: the staged parts do not make the packed tar (SHA-256 "
-            f"{digest.hexdigest()[:12]} != {manifest['sha256'][:12]}): pack and carry again",
+            f"{digest[:12]} != {manifest['sha256'][:12]}): pack and carry again",
             file=sys.stderr,
         )
         return 2
     into.mkdir(parents=True, exist_ok=True)
-    whole = stage_dir / "whole.tar"
-    with open(whole, "wb") as f:
-        for n in names:
-            f.write((stage_dir / n).read_bytes())
-    with tarfile.open(whole) as tar:
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         tar.extractall(into, filter="data")
-    whole.unlink()
     done.touch()
     print(f"carry: {manifest['name']} unpacked in {into / manifest['name']}")
     return 0
