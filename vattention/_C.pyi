@@ -331,6 +331,33 @@ def flash_attn_with_kvcache(
 ) -> None: ...
 def host_huge_unit() -> int: ...
 def host_mapping_limit() -> int: ...
+def prepare_attention(
+    num_heads: typing.SupportsInt | typing.SupportsIndex,
+    num_kv_heads: typing.SupportsInt | typing.SupportsIndex,
+    head_dim: typing.SupportsInt | typing.SupportsIndex,
+    dtype: typing.SupportsInt | typing.SupportsIndex,
+    cache_dtype: typing.SupportsInt | typing.SupportsIndex,
+    k_cache: tuple[
+        typing.SupportsInt | typing.SupportsIndex,
+        typing.SupportsInt | typing.SupportsIndex,
+        typing.SupportsInt | typing.SupportsIndex,
+        typing.SupportsInt | typing.SupportsIndex,
+    ],
+    v_cache: tuple[
+        typing.SupportsInt | typing.SupportsIndex,
+        typing.SupportsInt | typing.SupportsIndex,
+        typing.SupportsInt | typing.SupportsIndex,
+        typing.SupportsInt | typing.SupportsIndex,
+    ],
+    cache_batch: typing.SupportsInt | typing.SupportsIndex,
+    cache_len: typing.SupportsInt | typing.SupportsIndex,
+    softmax_scale: typing.SupportsFloat | typing.SupportsIndex,
+    causal: bool,
+    window_left: typing.SupportsInt | typing.SupportsIndex,
+    window_right: typing.SupportsInt | typing.SupportsIndex,
+    k_descale: typing.SupportsFloat | typing.SupportsIndex,
+    v_descale: typing.SupportsFloat | typing.SupportsIndex,
+) -> typing.Callable[..., None]: ...
 def release_unused_contexts() -> int: ...
 def set_attention_kernel_isa(name: str) -> bool: ...
 def set_attention_kernel_tuning(name: str) -> bool: ...

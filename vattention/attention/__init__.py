@@ -12,6 +12,9 @@ descales). For FlashAttention's own signature, on CPU and GPU alike, use
                                        call per batch, OpenMP threads, the GIL released; can
                                        write into a caller's buffer (``out=``) and read a shared
                                        prefix once (``prefix_groups``/``prefix_lens``)
+:class:`CpuAttentionPlan`              the same kernel for a serving loop: one layer's fixed
+                                       arguments checked once, a step's requests once
+                                       (:class:`CpuAttentionBatch`), each call only its tensors
 :func:`reference_attention`            the same semantics in torch SDPA, any dtype and device:
                                        the test oracle
 :func:`kernel_isa`                     the instruction set the kernel runs here
@@ -45,11 +48,14 @@ from __future__ import annotations
 from .arguments import IntArg, Scale
 from .fp8 import fp8_store_like_vllm
 from .kernel import cpu_attention, kernel_isa, supports
+from .plan import CpuAttentionBatch, CpuAttentionPlan
 from .reference import reference_attention
 from .variants import KernelVariant, kernel_report, kernel_variants
 
 __all__ = [
     "cpu_attention",
+    "CpuAttentionPlan",
+    "CpuAttentionBatch",
     "reference_attention",
     "kernel_isa",
     "kernel_variants",

@@ -10,7 +10,9 @@ its row, with the layer's sliding window and fp8 scales.
 
 * CPU: vattention's native kernel (:func:`vattention.attention.cpu_attention`, with
   ``flash_attn_with_kvcache``'s semantics: ``cache_batch_idx`` = slots), writing into vLLM's
-  output buffer.
+  output buffer; prepared once per layer (:class:`~vattention.attention.CpuAttentionPlan`) and
+  once per step (:class:`~vattention.attention.CpuAttentionBatch`, in the metadata), so that a
+  layer's call checks only its own tensors.
 * CUDA (:class:`VAttentionFlashBackend`): the kernel is chosen once per process when the first
   layer is built (:func:`.flash.select_cuda_kernel`). vLLM's own FlashAttention,
   ``vllm.vllm_flash_attn`` (in every CUDA wheel), first: its ``flash_attn_varlen_func`` reads
@@ -43,7 +45,7 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 
-from ...attention import cpu_attention
+from ...attention import CpuAttentionBatch, CpuAttentionPlan
 from .. import flash_attn as fa
 from .flash import (
     CudaKernel,
@@ -89,6 +91,8 @@ class VAttentionMetadata:
     prefix_lens: Optional[torch.Tensor] = None
     # CUDA with vLLM's FlashAttention: the step's block tables and cache slots, else None
     flash: Optional[FlashBatch] = None
+    # CPU: the step's requests as the kernel takes them, checked once for every layer
+    cpu_batch: Optional[CpuAttentionBatch] = None
 
 
 class VAttentionMetadataBuilder(AttentionMetadataBuilder[VAttentionMetadata]):
@@ -159,6 +163,13 @@ class VAttentionCPUMetadataBuilder(VAttentionMetadataBuilder):
             m.prefix_groups, m.prefix_lens = self.shared_prefixes(
                 cm.block_table_tensor[: cm.num_reqs], m.past, self.kv_cache_spec.block_size
             )
+        m.cpu_batch = CpuAttentionBatch(
+            m.cu_seqlens_q,
+            m.cache_seqlens,
+            m.cache_batch_idx,
+            prefix_groups=m.prefix_groups,
+            prefix_lens=m.prefix_lens,
+        )
         return m
 
 
@@ -233,6 +244,10 @@ class VAttentionImpl(AttentionImpl):
         self.kv_cache_dtype = kv_cache_dtype
         self.fp8 = kv_cache_dtype != "auto"
         self.kv_sharing_target_layer_name = None
+        # CPU: the layer's kernel call prepared for its caches and scales (_cpu_plan)
+        self._plan: Optional[CpuAttentionPlan] = None
+        self._plan_for: Any = None  # the layer's (k_cache, v_cache) it was made for
+        self._plan_scales: Optional[tuple] = None  # and the fp8 scales
 
     def forward(
         self,
@@ -258,26 +273,35 @@ class VAttentionImpl(AttentionImpl):
         if not query.is_cpu:
             self._forward_cuda(layer, query, key, value, m, out)
             return output
-        k_cache, v_cache = layer.vattention_kv
-        # CPU: the kernel writes straight into vLLM's output buffer (no new tensor, no copy)
-        cpu_attention(
-            query,
-            k_cache,
-            v_cache,
-            key,
-            value,
-            cache_seqlens=m.cache_seqlens,
-            cache_batch_idx=m.cache_batch_idx,
-            cu_seqlens_q=m.cu_seqlens_q,
-            softmax_scale=self.scale,
-            causal=True,
-            window_size=self.window_size,
-            out=out.view(query.shape),
-            prefix_groups=m.prefix_groups,
-            prefix_lens=m.prefix_lens,
-            **self._float_scales(layer),
-        )
+        if m.cpu_batch is None:
+            raise RuntimeError(
+                "vattention: the CPU kernel needs VAttentionCPUMetadataBuilder's batch (the "
+                "CPU_ATTN backend's builder)"
+            )
+        # the kernel writes straight into vLLM's output buffer (no new tensor, no copy)
+        self._cpu_plan(layer, query.dtype)(query, key, value, m.cpu_batch, out.view(query.shape))
         return output
+
+    def _cpu_plan(self, layer, dtype: torch.dtype) -> CpuAttentionPlan:
+        """The layer's prepared kernel call, made again when the runner gives the layer other
+        caches or vLLM other fp8 scales (its first forward may compute them)."""
+        kv = layer.vattention_kv
+        scales = (layer._k_scale_float, layer._v_scale_float) if self.fp8 else None
+        plan = self._plan
+        if plan is None or self._plan_for is not kv or self._plan_scales != scales:
+            k_cache, v_cache = kv
+            plan = CpuAttentionPlan(
+                k_cache,
+                v_cache,
+                self.num_heads,
+                dtype=dtype,
+                softmax_scale=self.scale,
+                causal=True,
+                window_size=self.window_size,
+                **self._float_scales(layer),
+            )
+            self._plan, self._plan_for, self._plan_scales = plan, kv, scales
+        return plan
 
     def _float_scales(self, layer) -> dict:
         """vLLM's per-tensor fp8 scales as floats (1.0 unless the checkpoint brings its own)."""
