@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from typing import Callable, Dict, List, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -167,6 +168,16 @@ def engine(args) -> Tuple[Callable, Callable]:
 
         timed_attention(plugin_attention.VAttentionImpl)
         timed(native, "flash_attn_with_kvcache", "the native kernel call", attention)
+        # the forward's call through each layer's CpuAttentionPlan: the function the plan binds
+        # to its layer (_C.prepare_attention), timed as the plan gets it
+        prepare = native.prepare_attention
+
+        def prepare_timed(*a, **k):
+            bound = types.SimpleNamespace(run=prepare(*a, **k))
+            timed(bound, "run", "the native kernel call", attention)
+            return bound.run
+
+        native.prepare_attention = prepare_timed
         plugin_states = "runner._update_states (the plugin's, vLLM's included)"
         timed(runner.VAttentionRunnerMixin, "_update_states", plugin_states)
         timed(KVCache, "step", "KVCache.step", plugin_states)
