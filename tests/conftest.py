@@ -30,7 +30,7 @@ if _hypothesis_settings is not None:
 
 # The emulation-only tests' `emu` fixture (test_cuda_backend.py, test_cuda_faults.py,
 # test_prefetch_races.py), and the CPU attention kernel's `isa` fixture with its session summary
-# line: plugins, so that no test module imports a fixture by name.
+# line, and its `threads` fixture: plugins, so that no test module imports a fixture by name.
 pytest_plugins = ["support.cuda_testing", "support.kernel_variants"]
 
 DEVICES = ["cpu", "cuda"]

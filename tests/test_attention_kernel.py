@@ -50,14 +50,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def make_caches(
     rows, seq, kv_heads, d, dtype, *, mega=False, layers=3, gen=None, descale=(1.0, 1.0)
 ):

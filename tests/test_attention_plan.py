@@ -25,14 +25,6 @@ CASES = [
 ]
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def step_tensors(gen, lqs, heads, kv_heads, d, dtype, descale=(1.0, 1.0)):
     """A varlen step's q, new K and V as vLLM hands them: views of one fused qkv projection
     (token stride (heads + 2 kv_heads) d), not tensors of their own."""

@@ -1,4 +1,5 @@
-"""The `isa` fixture: a test of the CPU attention kernel runs once per variant of the kernel.
+"""The `isa` fixture: a test of the CPU attention kernel runs once per variant of the kernel; and
+the `threads` fixture: once on one OpenMP thread and once on two (the work is split differently).
 
 The variants are the kernel's own list (:func:`vattention.attention.kernel_variants`: one per
 csrc/attention/isa_*.cpp), so a run on an AVX-512 machine also runs what an AVX2 or a generic
@@ -15,6 +16,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+import torch
 
 from vattention import _C
 from vattention.attention import kernel_isa, kernel_variants
@@ -23,6 +25,15 @@ from vattention.attention.variants import unused_cpu_features
 VARIANTS = {v.name: v for v in kernel_variants()}
 _ran: Counter = Counter()
 _skipped: Counter = Counter()
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    """The test runs on `request.param` threads (torch's, which the kernel takes)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(params=list(VARIANTS))
