@@ -41,7 +41,7 @@ from vattention.attention import (  # noqa: E402
     cpu_attention,
     kernel_isa,
 )
-from vattention.attention.kernel import _CACHE_CODES, _QUERY_CODES  # noqa: E402
+from vattention.attention.kernel import _CACHE_CODES, _QUERY_CODES, _operand  # noqa: E402
 from vattention.bench.machine import cpu_flags, cpu_name  # noqa: E402
 
 BLOCK = 128  # vLLM's CPU block size for these calls
@@ -94,10 +94,6 @@ def ours(step: Step):
             out=out,
         )
 
-    def operand(t, cache=False):
-        s = t.stride()
-        return (t.data_ptr(), s[0], s[1], s[2]) if cache else (t.data_ptr(), 0, s[0], s[1])
-
     prepared = dict(
         num_requests=step.n,
         num_heads=step.h,
@@ -105,12 +101,12 @@ def ours(step: Step):
         head_dim=step.d,
         dtype=_QUERY_CODES[step.dtype],
         cache_dtype=_CACHE_CODES[step.dtype],
-        q=operand(step.q),
-        out=operand(out),
-        k_new=operand(step.k),
-        v_new=operand(step.v),
-        k_cache=operand(step.k_cache, True),
-        v_cache=operand(step.v_cache, True),
+        q=_operand(step.q, True),
+        out=_operand(out, True),
+        k_new=_operand(step.k, True),
+        v_new=_operand(step.v, True),
+        k_cache=_operand(step.k_cache, False),
+        v_cache=_operand(step.v_cache, False),
         cu_seqlens_q=step.cu.data_ptr(),
         seqlen_q=0,
         q_tokens=step.n,

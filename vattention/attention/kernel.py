@@ -232,10 +232,7 @@ def cpu_attention(
         raise ValueError("k and v must be given together")
     q = _last_dim_contiguous(q)
     if varlen:
-        cu = _int32_tensor(cu_seqlens_q, "cu_seqlens_q")
-        n = cu.numel() - 1
-        if n < 0:
-            raise ValueError("cu_seqlens_q must hold n + 1 >= 1 offsets")
+        cu, n = _query_offsets(cu_seqlens_q)
     else:
         n = q.shape[0]
     if k is not None and v is not None:  # both or neither (checked above)
@@ -258,18 +255,13 @@ def cpu_attention(
         k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
         if cache_seqlens is None:
             raise ValueError("cache_seqlens is required when k/v are given")
-    if cache_seqlens is None:
-        seqlens = torch.full((n,), seqlen_cache, dtype=torch.int32)
-    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-        seqlens = torch.full((n,), cache_seqlens, dtype=torch.int32)
-    else:
-        seqlens = _int32_tensor(cache_seqlens, "cache_seqlens", n)
-    rows = None if cache_batch_idx is None else _int32_tensor(cache_batch_idx, "cache_batch_idx", n)
-    if (prefix_groups is None) != (prefix_lens is None):
-        raise ValueError("prefix_groups and prefix_lens must be given together")
-    if prefix_groups is not None:
-        prefix_groups = _int32_tensor(prefix_groups, "prefix_groups", n)
-        prefix_lens = _int32_tensor(prefix_lens, "prefix_lens", n)
+    seqlens, rows, prefix_groups, prefix_lens = _per_request(
+        n,
+        seqlen_cache if cache_seqlens is None else cache_seqlens,
+        cache_batch_idx,
+        prefix_groups,
+        prefix_lens,
+    )
     left, right = window_bounds(window_size)
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
     kd = descale_factor(k_descale, "k_descale", k_cache.dtype)
@@ -324,6 +316,40 @@ def cpu_attention(
         prefix_len=0 if prefix_lens is None else prefix_lens.data_ptr(),
     )
     return out
+
+
+def _query_offsets(cu_seqlens_q: IntArg) -> Tuple[torch.Tensor, int]:
+    """cu_seqlens_q as an int32 CPU tensor, and the n requests it delimits."""
+    cu = _int32_tensor(cu_seqlens_q, "cu_seqlens_q")
+    n = cu.numel() - 1
+    if n < 0:
+        raise ValueError("cu_seqlens_q must hold n + 1 >= 1 offsets")
+    return cu, n
+
+
+def _per_request(
+    n: int,
+    cache_seqlens: IntArg,
+    cache_batch_idx: IntArg,
+    prefix_groups: IntArg,
+    prefix_lens: IntArg,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The per-request integers of n requests as int32 CPU tensors of n entries, checked:
+    (cache_seqlens (one int: the same for every request), cache_batch_idx, prefix_groups,
+    prefix_lens), the last three None where not given. A tensor that already is so is returned
+    as it is."""
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        seqlens = torch.full((n,), cache_seqlens, dtype=torch.int32)
+    else:
+        seqlens = _int32_tensor(cache_seqlens, "cache_seqlens", n)
+    rows = None if cache_batch_idx is None else _int32_tensor(cache_batch_idx, "cache_batch_idx", n)
+    if (prefix_groups is None) != (prefix_lens is None):
+        raise ValueError("prefix_groups and prefix_lens must be given together")
+    groups = lens = None
+    if prefix_groups is not None:
+        groups = _int32_tensor(prefix_groups, "prefix_groups", n)
+        lens = _int32_tensor(prefix_lens, "prefix_lens", n)
+    return seqlens, rows, groups, lens
 
 
 def _operand(t: torch.Tensor, varlen: bool) -> Tuple[int, int, int, int]:

@@ -22,16 +22,22 @@ import torch
 from .. import _C
 from .arguments import IntArg, Scale, descale_factor, window_bounds
 from .fp8 import FP8_MAX
-from .kernel import _CACHE_CODES, _QUERY_CODES, _int32_tensor, cpu_attention
+from .kernel import (
+    _CACHE_CODES,
+    _QUERY_CODES,
+    _operand,
+    _per_request,
+    _query_offsets,
+    cpu_attention,
+)
 
 __all__ = ["CpuAttentionBatch", "CpuAttentionPlan"]
 
 
-def _owned_int32(values, name: str, n: Optional[int] = None) -> torch.Tensor:
-    """values as an int32 CPU tensor this module alone holds (a copy where the caller's tensor
-    would do as it is), so that nothing the caller does later changes or frees it."""
-    t = _int32_tensor(values, name, n)
-    return t.clone() if t is values else t
+def _own(t: torch.Tensor, given: object) -> torch.Tensor:
+    """t, or a copy where it is the caller's own tensor (taken as it is): nothing the caller does
+    later changes or frees what a batch holds."""
+    return t.clone() if t is given else t
 
 
 class CpuAttentionBatch:
@@ -75,24 +81,16 @@ class CpuAttentionBatch:
         prefix_groups: IntArg = None,
         prefix_lens: IntArg = None,
     ) -> None:
-        cu = _owned_int32(cu_seqlens_q, "cu_seqlens_q")
-        n = cu.numel() - 1
-        if n < 0:
-            raise ValueError("cu_seqlens_q must hold n + 1 >= 1 offsets")
-        if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-            seqlens = torch.full((n,), cache_seqlens, dtype=torch.int32)
-        else:
-            seqlens = _owned_int32(cache_seqlens, "cache_seqlens", n)
-        rows = (
-            None if cache_batch_idx is None else _owned_int32(cache_batch_idx, "cache_batch_idx", n)
+        cu, n = _query_offsets(cu_seqlens_q)
+        seqlens, rows, groups, lens = _per_request(
+            n, cache_seqlens, cache_batch_idx, prefix_groups, prefix_lens
         )
-        if (prefix_groups is None) != (prefix_lens is None):
-            raise ValueError("prefix_groups and prefix_lens must be given together")
-        groups: Optional[torch.Tensor] = None
-        lens: Optional[torch.Tensor] = None
-        if prefix_groups is not None:
-            groups = _owned_int32(prefix_groups, "prefix_groups", n)
-            lens = _owned_int32(prefix_lens, "prefix_lens", n)
+        # this batch's own copies where the caller's tensors were taken as they are
+        cu, seqlens = _own(cu, cu_seqlens_q), _own(seqlens, cache_seqlens)
+        if rows is not None:
+            rows = _own(rows, cache_batch_idx)
+        if groups is not None and lens is not None:
+            groups, lens = _own(groups, prefix_groups), _own(lens, prefix_lens)
         self.num_requests = n
         self.q_tokens = int(cu[-1])
         self.cu_seqlens_q = cu
@@ -239,8 +237,8 @@ class CpuAttentionPlan:
             head_dim=head_dim,
             dtype=_QUERY_CODES[dtype],
             cache_dtype=_CACHE_CODES[k_cache.dtype],
-            k_cache=_cache_operand(k_cache),
-            v_cache=_cache_operand(v_cache),
+            k_cache=_operand(k_cache, False),
+            v_cache=_operand(v_cache, False),
             cache_batch=batch_cache,
             cache_len=seqlen_cache,
             softmax_scale=self.softmax_scale,
@@ -326,8 +324,3 @@ class CpuAttentionPlan:
             f"CpuAttentionPlan(num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, dtype={self.dtype}, cache={self.k_cache.dtype})"
         )
-
-
-def _cache_operand(t: torch.Tensor) -> Tuple[int, int, int, int]:
-    s = t.stride()
-    return (t.data_ptr(), s[0], s[1], s[2])
