@@ -618,6 +618,44 @@ def test_query_that_sees_no_key_outputs_zero(isa):
         assert torch.equal(out[0, j], vc[0, j + 2].expand(2, 16)), j
 
 
+def test_prefill_rows_that_see_no_key_output_zero_in_tiles(isa):
+    """bf16 at d = 64 (the amx variant's tile path): 40 queries, 21 keys, causal bottom-right, a
+    group of 4, so queries 0-18 see no key. Their rows fill four whole row tiles that no key ever
+    reaches (amx: accumulators never written, emitted as zeros) and part of a fifth whose other
+    rows see key 0: all output exact zeros, the rest within the bound."""
+    gen = torch.Generator().manual_seed(22)
+    kc, vc = make_caches(1, 64, 2, 64, torch.bfloat16, gen=gen)
+    q = torch.randn(1, 40, 8, 64, generator=gen).bfloat16()
+    out = check_against_reference(q, kc, vc, cache_seqlens=21, causal=True)
+    assert torch.equal(out[0, :19], torch.zeros(19, 8, 64, dtype=torch.bfloat16))
+    assert (out[0, 19:].float().abs().sum(-1) > 0).all()
+
+
+@pytest.mark.parametrize("window", [-1, 1000])
+def test_prefill_chunk_split_across_threads(isa, threads, window):
+    """A prefill chunk of 12 queries over 3000 cached keys (or a window of 1000) beside small
+    requests dominates the call: on two threads its keys are split into parts whose partial
+    sums, maxima and weights are combined (each part an item of its own)."""
+    gen = torch.Generator().manual_seed(23)
+    kc, vc = make_caches(3, 3100, 2, 64, torch.bfloat16, gen=gen)
+    lqs = [12, 1, 3]
+    total = sum(lqs)
+    q = torch.randn(total, 8, 64, generator=gen).bfloat16()
+    k = torch.randn(total, 2, 64, generator=gen).bfloat16()
+    v = torch.randn(total, 2, 64, generator=gen).bfloat16()
+    check_against_reference(
+        q,
+        kc,
+        vc,
+        k,
+        v,
+        cu_seqlens_q=torch.tensor([0, 12, 13, 16], dtype=torch.int32),
+        cache_seqlens=torch.tensor([3000, 50, 400]),
+        causal=True,
+        window_size=(window, 0),
+    )
+
+
 def test_fp8_writes_match_vllm_rounding():
     """New keys into an fp8 cache: x * (1 / descale), saturated, truncated toward zero (vLLM 0.32).
 

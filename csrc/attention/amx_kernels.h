@@ -23,14 +23,17 @@
 //   the probabilities never go back to sc. m is the rows' running max as it stands while the
 //   block's p stay small (one pass), else the block's row max first (two passes, earlier sums
 //   rescaled).
-// - The tile products and this vector work run one after the other: a loop alternating them on
-//   the SPR machine took the sum of their times, so interleaving them would buy nothing there.
+// - The tile products and this vector work run one after the other. On the SPR machine vector
+//   work between tile products ran ~1.6x slower than alone (an exp2 of 16 lanes 7 cycles
+//   instead of 4.3), so it hid behind the products only up to ~8 such vectors per 4 products,
+//   and the softmax has more: each pair's P V with the next pair's softmax spread between its
+//   chunks (bit-identical) ran 0.9x as fast as one after the other.
 // - P V in columns (items of at least 3 / 4 d rows, pv_in_columns): O^T[d][row] += V^T[d][key]
 //   . P^T[key][row]. The probabilities come out of the vertical softmax as P^T's columns, so
 //   its B tiles are two keys' vectors interleaved (one shuffle per 16 probabilities); A is V^T,
 //   transposed once per block and item (v_tiles). O^T stays in fp32 scratch between blocks
 //   (loaded and stored as tiles; a row's rescale is one vector per row tile) and is transposed
-//   to rows once at the item's end. On the SPR machine (calls alternated in one process,
+//   once at the item's end, straight to the output rows (amx_output). On the SPR machine (calls alternated in one process,
 //   docs/benchmarks.md) bf16 prefills ran 1.06x-1.15x faster than with P V in rows at d = 64,
 //   where the transposes of P weighed most, and 0.91x-1.04x at d = 128, where the tile
 //   products weigh more and transposing V costs twice as much.
@@ -67,7 +70,7 @@ struct AmxScratch {
   int32_t* qt;  // [d / 2][rp] q in pairs of d (bf16, unscaled)
   float* sc;  // [bk][rp] scores
   float* ot;  // [d][rp] unnormalized output transposed: P V's accumulators in columns
-  float* o;  // [rp][d] unnormalized output: P V's accumulators in rows, and the result
+  float* o;  // [rp][d] unnormalized output: P V's accumulators in rows
   // [bk / 32][rp / 16][16][32] P tiles, hi terms: in rows, a tile's row r holds row r's 32 keys
   // of the chunk; in columns (P^T), its row i holds keys 2 i and 2 i + 1, interleaved, of 16 rows
   bf16_t* phi;
@@ -79,9 +82,11 @@ struct AmxScratch {
   float *m, *l, *alpha;
   int32_t *lo, *hi;
   // per row tile (16 rows): the union of its real rows' key ranges [kb, ke), the keys none of
-  // them masks [max_lo, min_hi), and how many of the current block's keys its pair of tiles
-  // reads (0: none; the keys after the last one a row of the pair sees are left out)
-  int32_t *tkb, *tke, *tmax_lo, *tmin_hi, *active;
+  // them masks [max_lo, min_hi), how many of the current block's keys its pair of tiles reads
+  // (0: none; the keys after the last one a row of the pair sees are left out), and whether its
+  // P V accumulators hold anything yet (until then they are not read: the first products start
+  // from zero tiles, and a tile that none reached outputs zeros)
+  int32_t *tkb, *tke, *tmax_lo, *tmin_hi, *active, *started;
   AmxScratch(float* p, int64_t d, int64_t rp, int64_t bk) {
     qt = reinterpret_cast<int32_t*>(p);
     sc = p + d / 2 * rp;
@@ -102,10 +107,11 @@ struct AmxScratch {
     tmax_lo = tke + tiles;
     tmin_hi = tmax_lo + tiles;
     active = tmin_hi + tiles;
+    started = active + tiles;
   }
   static int64_t floats(int64_t d, int64_t rp, int64_t bk) {
     return d / 2 * rp + bk * rp + 2 * rp * d + bk * rp + bk * d / 2 + bk * d / 2 + 5 * rp +
-           5 * (rp / 16);
+           6 * (rp / 16);
   }
 };
 
@@ -153,19 +159,26 @@ inline void qk_tiles(const bf16_t* kp, const int32_t* qt, int64_t rp, int64_t rt
 
 // P V in rows (small items, see pv_in_columns): O += P V for NR (1 or 2) row tiles from rt0 on and
 // ND (1 or 2) tiles of 16 values of d from dt0 on, over `chunks` chunks of 32 keys: accumulator
-// (row tile i, d tile j) is tile 2 i + j, loaded from and stored back to o ([rp][d] fp32). P tiles
-// hi then lo (split) for each chunk.
+// (row tile i, d tile j) is tile 2 i + j, loaded from (zero where fresh) and stored back to o
+// ([rp][d] fp32). P tiles hi then lo (split) for each chunk.
 template <int NR, int ND>
 inline void pv_row_tiles(float* o, int64_t d, const bf16_t* phi, const bf16_t* plo,
                          int64_t rt_count, const bf16_t* vv, int64_t rt0, int64_t dt0,
-                         int64_t chunks) {
+                         int64_t chunks, bool fresh) {
   tiles_see_stores();
   float* c = o + rt0 * 16 * d + dt0 * 16;
   const int64_t old = d * 4;
-  _tile_loadd(0, c, old);
-  if constexpr (ND > 1) _tile_loadd(1, c + 16, old);
-  if constexpr (NR > 1) _tile_loadd(2, c + 16 * d, old);
-  if constexpr (NR > 1 && ND > 1) _tile_loadd(3, c + 16 * d + 16, old);
+  if (fresh) {
+    _tile_zero(0);
+    if constexpr (ND > 1) _tile_zero(1);
+    if constexpr (NR > 1) _tile_zero(2);
+    if constexpr (NR > 1 && ND > 1) _tile_zero(3);
+  } else {
+    _tile_loadd(0, c, old);
+    if constexpr (ND > 1) _tile_loadd(1, c + 16, old);
+    if constexpr (NR > 1) _tile_loadd(2, c + 16 * d, old);
+    if constexpr (NR > 1 && ND > 1) _tile_loadd(3, c + 16 * d + 16, old);
+  }
   const int64_t vld = 2 * d * 2;  // bytes per row of vv (two keys' d values)
   for (int64_t kc = 0; kc < chunks; ++kc) {
     const bf16_t* b = vv + kc * 16 * 2 * d + dt0 * 32;
@@ -195,19 +208,26 @@ inline void pv_row_tiles(float* o, int64_t d, const bf16_t* phi, const bf16_t* p
 
 // P V in columns (large items): O^T += V^T P^T for two d tiles from dt0 on and NR (1 or 2) row
 // tiles from rt0 on, over `chunks` chunks of 32 keys: accumulator (d tile i, row tile j) is tile 2
-// i + j, loaded from and stored back to ot ([d][rp] fp32). A is V^T (v_tiles), B the P^T tiles, hi
-// then lo (split) for each chunk, the V^T tiles read once for both.
+// i + j, loaded from (zero where fresh) and stored back to ot ([d][rp] fp32). A is V^T (v_tiles),
+// B the P^T tiles, hi then lo (split) for each chunk, the V^T tiles read once for both.
 template <int NR>
 inline void pv_col_tiles(float* ot, int64_t rp, const bf16_t* phi, const bf16_t* plo,
                          int64_t rt_count, const bf16_t* vt, int64_t dtiles, int64_t rt0,
-                         int64_t dt0, int64_t chunks) {
+                         int64_t dt0, int64_t chunks, bool fresh) {
   tiles_see_stores();
   float* c = ot + dt0 * 16 * rp + rt0 * 16;
   const int64_t old = rp * 4;
-  _tile_loadd(0, c, old);
-  if constexpr (NR > 1) _tile_loadd(1, c + 16, old);
-  _tile_loadd(2, c + 16 * rp, old);
-  if constexpr (NR > 1) _tile_loadd(3, c + 16 * rp + 16, old);
+  if (fresh) {
+    _tile_zero(0);
+    if constexpr (NR > 1) _tile_zero(1);
+    _tile_zero(2);
+    if constexpr (NR > 1) _tile_zero(3);
+  } else {
+    _tile_loadd(0, c, old);
+    if constexpr (NR > 1) _tile_loadd(1, c + 16, old);
+    _tile_loadd(2, c + 16 * rp, old);
+    if constexpr (NR > 1) _tile_loadd(3, c + 16 * rp + 16, old);
+  }
   for (int64_t kc = 0; kc < chunks; ++kc) {
     // each load just before its first use: loads grouped ahead of the products ran at a quarter
     // of the products' rate on the SPR machine (docs/benchmarks.md)
@@ -238,8 +258,9 @@ inline void pv_col_tiles(float* ot, int64_t rp, const bf16_t* phi, const bf16_t*
   if constexpr (NR > 1) _tile_stored(3, c + 16 * rp + 16, old);
 }
 
-// 16 x 16 fp32 transpose in registers: r[i] lane j <- r[j] lane i.
-inline void transpose16(__m512* r) {
+// 16 x 16 fp32 transpose in registers: r[i] lane j <- r[j] lane i (bits moved as they are: any
+// 32-bit lanes). Inlined: called, it spilled its 16 vectors to the stack and back.
+__attribute__((always_inline)) inline void transpose16(__m512* r) {
   __m512 t[16];
   for (int i = 0; i < 16; i += 2) {
     t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
@@ -268,6 +289,26 @@ inline void transpose16(__m512* r) {
     r[i + 4] = _mm512_shuffle_f32x4(t[i], t[i + 8], _MM_SHUFFLE(3, 1, 3, 1));
     r[i + 8] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], _MM_SHUFFLE(2, 0, 2, 0));
     r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+
+// Qt ([d / 2][rp] words, d a multiple of 32) of an item's rp rows: row r's d bf16 values (at
+// row_of(r), r < n; rows n to rp zero) in pairs, one 32-bit lane per pair, 16 rows and 16 pairs at
+// a time transposed in registers: one store per pair of 16 rows, where a row at a time wrote each
+// pair's word to another line (on the SPR machine an eighth of a 100-token prompt's call).
+template <typename RowOf>
+inline void stage_q_pair_tiles(RowOf row_of, int64_t n, int64_t d, int32_t* qt, int64_t rp) {
+  for (int64_t r0 = 0; r0 < rp; r0 += 16) {
+    const float* src[16];
+    for (int i = 0; i < 16; ++i)
+      src[i] = r0 + i < n ? static_cast<const float*>(row_of(r0 + i)) : nullptr;
+    for (int64_t x0 = 0; x0 < d / 2; x0 += 16) {
+      __m512 z[16];
+      for (int i = 0; i < 16; ++i) z[i] = src[i] ? _mm512_loadu_ps(src[i] + x0) : Vec::zero();
+      transpose16(z);  // z[x]: pair x0 + x of the 16 rows
+      for (int x = 0; x < 16; ++x)
+        _mm512_storeu_ps(reinterpret_cast<float*>(qt + (x0 + x) * rp + r0), z[x]);
+    }
   }
 }
 
@@ -436,7 +477,11 @@ inline bool softmax_p_tiles(const float* sc, int64_t rp, int64_t c0, const AmxSc
                             Vec::set1(-HUGE_VALF));
     const F m_new = Vec::max(m_old, mb);
     const F m_safe = Vec::replace_neginf(m_new, 0.0f);
-    const F al = Vec::exp2(Vec::sub(m_old, m_safe));
+    // rows with no max before this block have l and O zero: their factor is 1, not 0, so that
+    // a tile's first block rescales nothing
+    const F al = _mm512_mask_mov_ps(Vec::exp2(Vec::sub(m_old, m_safe)),
+                                    _mm512_cmp_ps_mask(m_old, Vec::set1(-HUGE_VALF), _CMP_EQ_OQ),
+                                    Vec::set1(1.0f));
     const F lsum = p_tiles(Vec::sub(Vec::zero(), m_safe));
     Vec::store(l + v, Vec::fmadd(Vec::load(l + v), al, lsum));
     Vec::store(m + v, m_new);
@@ -456,17 +501,14 @@ inline bool softmax_p_tiles(const float* sc, int64_t rp, int64_t c0, const AmxSc
 inline bool pv_in_columns(int64_t rp, int64_t d) { return 4 * rp >= 3 * d; }
 
 // The rows' online softmax over keys [rr.kb, rr.ke) of one KV head in tiles (attend_rows' contract:
-// on entry the n real q rows are in w.qt as pairs and w.lo / w.hi hold every padded row's range;
-// on return w.o, w.m, w.l hold each row's unnormalized output, running max and sum). kCols: P V
-// in columns (pv_in_columns).
+// on entry w.qt holds the n real q rows as pairs and the padded rows zero (stage_q_pair_tiles),
+// w.lo / w.hi every padded row's range; on return w.o, w.m, w.l hold each row's unnormalized
+// output, running max and sum). kCols: P V in columns (pv_in_columns).
 template <bool kCols>
 inline void amx_attend_rows(const Args& a, const Shape& s, const bf16_t* kbase, const bf16_t* vbase,
                             const AmxScratch& w, const RowRanges& rr, int64_t n, int64_t rp) {
   const int64_t d = a.head_dim, bk = kAmxBlockKeys, rt_count = rp / 16, steps = d / 32;
-  for (int64_t x = 0; x < d / 2; ++x)
-    for (int64_t r = n; r < rp; ++r) w.qt[x * rp + r] = 0;
   float* const acc = kCols ? w.ot : w.o;  // O^T or O
-  std::memset(acc, 0, static_cast<size_t>(rp * d) * sizeof(float));
   for (int64_t r = 0; r < rp; ++r) {
     w.m[r] = -HUGE_VALF;
     w.l[r] = 0.0f;
@@ -479,6 +521,7 @@ inline void amx_attend_rows(const Args& a, const Shape& s, const bf16_t* kbase, 
     w.tke[rt] = static_cast<int32_t>(kr.ke);
     w.tmax_lo[rt] = static_cast<int32_t>(all.max_lo);
     w.tmin_hi[rt] = static_cast<int32_t>(all.min_hi);
+    w.started[rt] = 0;
   }
   const F qscale = Vec::set1(s.q_scale);
   const int64_t kst = a.k_cache.s_token, vst = a.v_cache.s_token;
@@ -574,32 +617,27 @@ inline void amx_attend_rows(const Args& a, const Shape& s, const bf16_t* kbase, 
     for (int64_t rt = 0; rt < rt_count; rt += 2) {
       const int64_t pair_chunks = (w.active[rt] + 31) / 32;
       if (pair_chunks == 0) continue;
+      const bool fresh = !w.started[rt];
       for (int64_t dt = 0; dt < dtiles; dt += 2) {
         pf.step();
         if constexpr (kCols) {
           if (rt + 1 < rt_count) {
-            pv_col_tiles<2>(acc, rp, w.phi, w.plo, rt_count, w.vp, dtiles, rt, dt, pair_chunks);
+            pv_col_tiles<2>(acc, rp, w.phi, w.plo, rt_count, w.vp, dtiles, rt, dt, pair_chunks,
+                            fresh);
           } else {
-            pv_col_tiles<1>(acc, rp, w.phi, w.plo, rt_count, w.vp, dtiles, rt, dt, pair_chunks);
+            pv_col_tiles<1>(acc, rp, w.phi, w.plo, rt_count, w.vp, dtiles, rt, dt, pair_chunks,
+                            fresh);
           }
         } else if (rt + 1 < rt_count) {
-          pv_row_tiles<2, 2>(acc, d, w.phi, w.plo, rt_count, w.vp, rt, dt, pair_chunks);
+          pv_row_tiles<2, 2>(acc, d, w.phi, w.plo, rt_count, w.vp, rt, dt, pair_chunks, fresh);
         } else {
-          pv_row_tiles<1, 2>(acc, d, w.phi, w.plo, rt_count, w.vp, rt, dt, pair_chunks);
+          pv_row_tiles<1, 2>(acc, d, w.phi, w.plo, rt_count, w.vp, rt, dt, pair_chunks, fresh);
         }
       }
+      for (int64_t t = rt; t < std::min(rt + 2, rt_count); ++t) w.started[t] = 1;
     }
     pf.per_step = pf.tokens * ((pf.run + 63) / 64);  // what the steps left, if any
     pf.step();
-  }
-  if (!kCols) return;
-  for (int64_t rt = 0; rt < rt_count; ++rt) {  // O^T to rows
-    for (int64_t dt = 0; dt < d / 16; ++dt) {
-      __m512 z[16];
-      for (int x = 0; x < 16; ++x) z[x] = Vec::load(w.ot + (dt * 16 + x) * rp + rt * 16);
-      transpose16(z);
-      for (int r = 0; r < 16; ++r) Vec::store(w.o + (rt * 16 + r) * d + dt * 16, z[r]);
-    }
   }
 }
 
@@ -607,6 +645,37 @@ inline void amx_attend(const Args& a, const Shape& s, const bf16_t* kbase, const
                        const AmxScratch& w, const RowRanges& rr, int64_t n, int64_t rp) {
   if (pv_in_columns(rp, a.head_dim)) return amx_attend_rows<true>(a, s, kbase, vbase, w, rr, n, rp);
   amx_attend_rows<false>(a, s, kbase, vbase, w, rr, n, rp);
+}
+
+// The n rows' unnormalized outputs after amx_attend, 16 rows at a time: begin(r0, count) for rows
+// r0 .. r0 + count - 1 (count <= 16), then emit(r, x, values x..x+15 of row r0 + r) for each. In
+// columns (pv_in_columns) they come out of O^T transposed per 16 rows and 16 values, straight to
+// the caller's rows (where a pass to O in rows first stored and loaded them once more); in rows,
+// out of O; zeros for rows of a tile that no key reached.
+template <typename Begin, typename Emit>
+inline void amx_output(const AmxScratch& w, int64_t n, int64_t rp, int64_t d, Begin&& begin,
+                       Emit&& emit) {
+  const bool cols = pv_in_columns(rp, d);
+  for (int64_t r0 = 0; r0 < n; r0 += 16) {
+    const int64_t count = std::min<int64_t>(16, n - r0);
+    begin(r0, count);
+    if (!w.started[r0 / 16]) {  // no key reached these rows: their sums are zero, never written
+      for (int64_t r = 0; r < count; ++r)
+        for (int64_t x = 0; x < d; x += 16) emit(r, x, Vec::zero());
+      continue;
+    }
+    if (!cols) {
+      for (int64_t r = 0; r < count; ++r)
+        for (int64_t x = 0; x < d; x += 16) emit(r, x, Vec::load(w.o + (r0 + r) * d + x));
+      continue;
+    }
+    for (int64_t x0 = 0; x0 < d; x0 += 16) {
+      __m512 z[16];
+      for (int x = 0; x < 16; ++x) z[x] = Vec::load(w.ot + (x0 + x) * rp + r0);
+      transpose16(z);  // z[r]: row r0 + r
+      for (int64_t r = 0; r < count; ++r) emit(r, x0, z[r]);
+    }
+  }
 }
 
 // prefill_item and shared_item (isa_kernels.h) on the tiles: the same rows, ranges and outputs.
@@ -618,12 +687,36 @@ inline void amx_prefill_item(const Args& a, const Shape& s, const Request& rq, c
   const int64_t rp = round_up(n, 16);
   const AmxScratch w(scratch, d, rp, kAmxBlockKeys);
   const RowRanges rr = row_ranges(a, rq, it, map, n, rp, w.lo, w.hi);
-  for (int64_t r = 0; r < n; ++r)
-    stage_q_pairs(q_row(a, rq, map.query(r), map.head(r)), d, w.qt, rp, r);
+  stage_q_pair_tiles([&](int64_t r) { return q_row(a, rq, map.query(r), map.head(r)); }, n, d,
+                     w.qt, rp);
   amx_attend(a, s, cache_ptr<bf16_t>(a.k_cache, rq.row, 0, it.kv_head),
              cache_ptr<bf16_t>(a.v_cache, rq.row, 0, it.kv_head), w, rr, n, rp);
-  for (int64_t r = 0; r < n; ++r)
-    emit_row(a, s, rq, map.query(r), map.head(r), w.o + r * d, w.m[r], w.l[r], part, r);
+  if (part) {  // a partial of the row's keys: m, l and the unnormalized output (emit_row's)
+    float* acc = nullptr;
+    amx_output(
+        w, n, rp, d,
+        [&](int64_t r0, int64_t count) {
+          acc = part->acc + r0 * s.dp;
+          for (int64_t r = r0; r < r0 + count; ++r) {
+            part->m[r] = w.m[r];
+            part->l[r] = w.l[r];
+          }
+        },
+        [&](int64_t r, int64_t x, F v) { Vec::store(acc + r * s.dp + x, v); });
+    return;
+  }
+  bf16_t* dst[16];  // emit_row's output rows (q's dtype: bf16, amx_rows) and scales, 16 at a time
+  float scale[16];
+  amx_output(
+      w, n, rp, d,
+      [&](int64_t r0, int64_t count) {
+        for (int64_t r = 0; r < count; ++r) {
+          dst[r] = static_cast<bf16_t*>(out_row(a, rq, map.query(r0 + r), map.head(r0 + r)));
+          const float l = w.l[r0 + r];
+          scale[r] = l > 0.0f ? s.out_scale / l : 0.0f;
+        }
+      },
+      [&](int64_t r, int64_t x, F v) { Vec::store(dst[r] + x, Vec::mul(v, Vec::set1(scale[r]))); });
 }
 
 inline void amx_shared_item(const Args& a, const Shape& s, const Request& rq, const WorkItem& it,
@@ -638,15 +731,20 @@ inline void amx_shared_item(const Args& a, const Shape& s, const Request& rq, co
   RowRanges rr;
   rr.kb = rr.max_lo = it.k_begin;
   rr.ke = rr.min_hi = it.k_end;
-  for (int64_t r = 0; r < n; ++r) stage_q_pairs(it.rows[r].q, d, w.qt, rp, r);
+  stage_q_pair_tiles([&](int64_t r) { return it.rows[r].q; }, n, d, w.qt, rp);
   amx_attend(a, s, cache_ptr<bf16_t>(a.k_cache, rq.row, 0, it.kv_head),
              cache_ptr<bf16_t>(a.v_cache, rq.row, 0, it.kv_head), w, rr, n, rp);
-  for (int64_t r = 0; r < n; ++r) {
-    const SharedRow& row = it.rows[r];
-    *row.m = w.m[r];
-    *row.l = w.l[r];
-    std::memcpy(row.acc, w.o + r * d, static_cast<size_t>(d) * sizeof(float));
-  }
+  const SharedRow* rows = nullptr;
+  amx_output(
+      w, n, rp, d,
+      [&](int64_t r0, int64_t count) {
+        rows = it.rows + r0;
+        for (int64_t r = 0; r < count; ++r) {
+          *rows[r].m = w.m[r0 + r];
+          *rows[r].l = w.l[r0 + r];
+        }
+      },
+      [&](int64_t r, int64_t x, F v) { Vec::store(rows[r].acc + x, v); });
 }
 
 inline void amx_run_item(const Args& a, const Shape& s, const Request& rq, const WorkItem& it,

@@ -138,14 +138,16 @@ inline RowRanges reduce_ranges(const int32_t* lo, const int32_t* hi, int64_t r0,
 // `padded` given row 0's, and the ranges of the n rows together.
 inline RowRanges row_ranges(const Args& a, const Request& rq, const WorkItem& it, const RowMap& map,
                             int64_t n, int64_t padded, int32_t* lo, int32_t* hi) {
-  for (int64_t r = 0; r < n; ++r) {
+  for (int64_t r0 = 0; r0 < n; r0 += map.group) {  // a query's group rows share its range
     int64_t l, h;
-    key_range(a, rq, map.query(r), &l, &h);
+    key_range(a, rq, map.query(r0), &l, &h);
     l = std::max(l, it.k_begin);
     h = std::min(h, it.k_end);
     if (h <= l) l = h = 0;
-    lo[r] = static_cast<int32_t>(l);
-    hi[r] = static_cast<int32_t>(h);
+    for (int64_t r = r0; r < std::min(n, r0 + map.group); ++r) {
+      lo[r] = static_cast<int32_t>(l);
+      hi[r] = static_cast<int32_t>(h);
+    }
   }
   for (int64_t r = n; r < padded; ++r) {
     lo[r] = lo[0];
