@@ -35,11 +35,18 @@ write into a preallocated output, ours through ``cpu_attention(..., out=)`` as t
 it) and torch SDPA with ``is_causal`` / ``causal_lower_right`` (GQA via ``enable_gqa``), K/V as
 strided views of the cache row.
 
+Batch rows: calls shaped as vLLM's scheduler makes them, where prompts are short and several share
+a call: one prompt of 100 and of 300 tokens, 8 prompts of 25-410 tokens, a 400-token prompt beside
+16 decodes, two 256-token chunks after 300 and 900 cached tokens; GQA 4 at 16 / 4 x 64 (``bench
+vllm``'s gqa4 model) and Llama-3.2-1B's 32 / 8 x 64. Each side as its engine runs one layer: ours
+through ``CpuAttentionPlan`` (the vLLM plugin's call: its new K/V appended in the call), vLLM's
+write op (``cpu_attn_reshape_and_cache``) then its attention op, as its forward runs them.
+
 Every figure is the min (and median) of interleaved rounds (A B B A ...) after a warm-up, with
 outputs checked against the reference. Run on an idle machine; the load is printed.
 
-    python benchmarks/bench_attention.py [--threads 2] [--rounds 6] [--skip-decode | --skip-prefill]
-        [--isa avx512bf16,avx2]
+    python benchmarks/bench_attention.py [--threads 2] [--rounds 6] [--skip-decode]
+        [--skip-prefill] [--skip-batches] [--isa avx512bf16,avx2]
 """
 
 from __future__ import annotations
@@ -55,7 +62,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 import vattention  # noqa: E402
 from vattention import _C  # noqa: E402
-from vattention.attention import cpu_attention  # noqa: E402
+from vattention.attention import CpuAttentionBatch, CpuAttentionPlan, cpu_attention  # noqa: E402
 from vattention.integrations import flash_attn as fa  # noqa: E402
 
 from _timing import compare_min_median  # noqa: E402
@@ -171,8 +178,8 @@ def vllm_prefill(ops, q, k_rows, v_rows, block_size=128):
     )
 
 
-def fmt(t):
-    return f"{t[0] * 1e3:.1f} ({t[1] * 1e3:.1f})"
+def fmt(t, digits=1):
+    return f"{t[0] * 1e3:.{digits}f} ({t[1] * 1e3:.{digits}f})"
 
 
 def measure_decode(
@@ -364,6 +371,116 @@ def prefill_rows(args, ops, why_no_vllm):
     print()
 
 
+BATCH_SHAPES = ((16, 4, 64), (32, 8, 64))
+# (label, prompt or chunk length per request, tokens cached before it)
+BATCHES = (
+    ("one prompt", (100,), (0,)),
+    ("one prompt", (300,), (0,)),
+    ("8 prompts", (37, 220, 80, 410, 150, 60, 300, 25), (0,) * 8),
+    ("a prompt + 16 decodes", (400,) + (1,) * 16, (0,) + tuple(300 + 37 * i for i in range(16))),
+    ("2 chunks", (256, 256), (300, 900)),
+)
+
+
+def measure_batch(dtype, heads, hkv, d, lens, past, *, rounds, calls, ops=None, block_size=128):
+    """One varlen call of requests with ``lens`` new tokens after ``past`` cached, causal: ours
+    through CpuAttentionPlan with the new K/V appended in the call (the plugin's call), and with
+    ``ops`` vLLM's forward for the same batch (its K/V write op, then its attention op, same K/V
+    in its paged layout), timed in interleaved rounds after checking that the outputs agree.
+    Returns name -> (min, median) seconds per call."""
+    n = len(lens)
+    total = [a + b for a, b in zip(lens, past)]
+    cap = max((t + block_size - 1) // block_size * block_size for t in total)
+    gen = torch.Generator().manual_seed(2)
+    kc = torch.randn(n, cap, hkv, d, generator=gen).to(dtype)
+    vc = torch.randn(n, cap, hkv, d, generator=gen).to(dtype)
+    q = torch.randn(sum(lens), heads, d, generator=gen).to(dtype)
+    # the new tokens' K/V: what the caches hold at their positions
+    k_new = torch.cat([kc[i, past[i] : total[i]] for i in range(n)])
+    v_new = torch.cat([vc[i, past[i] : total[i]] for i in range(n)])
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq = torch.tensor(past, dtype=torch.int32)
+    plan = CpuAttentionPlan(kc, vc, heads, dtype=dtype, causal=True)
+    batch = CpuAttentionBatch(cu, seq)
+    out = torch.empty_like(q)
+
+    def kernel():
+        return plan(q, k_new, v_new, batch, out)
+
+    cands = {"kernel": kernel}
+    got = kernel().clone()
+    if ops:
+        blocks = cap // block_size
+        kv = torch.zeros(n * blocks, hkv, 2 * block_size, d, dtype=dtype)
+        key_cache, value_cache = kv.chunk(2, dim=2)
+        isa = vllm_isa(dtype, d, block_size)
+        ops.cpu_attn_reshape_and_cache(
+            kc.reshape(-1, hkv, d),
+            vc.reshape(-1, hkv, d),
+            key_cache,
+            value_cache,
+            torch.arange(n * cap),
+            isa,
+        )
+        slots = torch.cat([i * cap + torch.arange(past[i], total[i]) for i in range(n)])
+        block_table = torch.arange(n * blocks, dtype=torch.int32).view(n, blocks)
+        attend = vllm_call(
+            ops, q, key_cache, value_cache, block_table, cu, torch.tensor(total, dtype=torch.int32)
+        )
+
+        def vllm():
+            ops.cpu_attn_reshape_and_cache(
+                k_new,
+                v_new,
+                key_cache,
+                value_cache,
+                slots,
+                isa,
+                k_scale=1.0,
+                v_scale=1.0,
+                kv_cache_dtype="auto",
+            )
+            return attend()
+
+        tol = 2e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(vllm().float(), got.float(), atol=tol, rtol=tol)
+        cands["vllm"] = vllm
+    return compare_min_median(cands, calls=calls, rounds=rounds)
+
+
+def batch_rows(args, ops, why_no_vllm):
+    print("### Batches: calls as vLLM's scheduler makes them (short prompts, chunks, decodes)\n")
+    print(
+        "Requests: new tokens (cached before): each call causal, one layer. Ours through "
+        "CpuAttentionPlan, new K/V appended in the call; vLLM's write op then its attention op.\n"
+    )
+    vcol = "vLLM write + op ms" if ops else "vLLM op"
+    print(
+        f"| dtype | heads / KV x d | batch | requests | kernel ms min (median) | {vcol} "
+        "| vLLM ISA | kernel vs vLLM |"
+    )
+    print("|---|---|---|---|---:|---:|---|---:|")
+    for dtype in (torch.float32, torch.bfloat16):
+        for heads, hkv, d in BATCH_SHAPES:
+            for label, lens, past in BATCHES:
+                t = measure_batch(
+                    dtype, heads, hkv, d, lens, past, rounds=args.rounds, calls=args.calls, ops=ops
+                )
+                vllm_cell, vllm_ratio, isa = why_no_vllm or "not run", "-", "-"
+                if ops:
+                    vllm_cell = fmt(t["vllm"], 3)
+                    vllm_ratio = f"{t['vllm'][0] / t['kernel'][0]:.2f}x"
+                    isa = vllm_isa(dtype, d)
+                reqs = ", ".join(
+                    f"{a} ({b})" if b else str(a) for a, b in zip(lens[:3], past[:3])
+                ) + (", ..." if len(lens) > 3 else "")
+                print(
+                    f"| {str(dtype)[6:]} | {heads} / {hkv} x {d} | {label} | {reqs} | "
+                    f"{fmt(t['kernel'], 3)} | {vllm_cell} | {isa} | {vllm_ratio} |"
+                )
+    print()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -375,6 +492,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=2, help="calls per timed sample")
     parser.add_argument("--skip-prefill", action="store_true")
     parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument("--skip-batches", action="store_true")
     parser.add_argument(
         "--isa",
         default="",
@@ -401,6 +519,8 @@ def main() -> None:
             decode_rows(args, ops, "" if ops else "n/a")
         if not args.skip_prefill:
             prefill_rows(args, ops, "" if ops else "n/a")
+        if not args.skip_batches:
+            batch_rows(args, ops, "" if ops else "n/a")
     _C.set_attention_kernel_isa("")
     load = os.getloadavg()
     print(f"load average at end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
