@@ -62,7 +62,12 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 import vattention  # noqa: E402
 from vattention import _C  # noqa: E402
-from vattention.attention import CpuAttentionBatch, CpuAttentionPlan, cpu_attention  # noqa: E402
+from vattention.attention import (  # noqa: E402
+    CpuAttentionBatch,
+    CpuAttentionPlan,
+    cpu_attention,
+    reference_attention,
+)
 from vattention.integrations import flash_attn as fa  # noqa: E402
 
 from _timing import compare_min_median  # noqa: E402
@@ -386,8 +391,9 @@ def measure_batch(dtype, heads, hkv, d, lens, past, *, rounds, calls, ops=None, 
     """One varlen call of requests with ``lens`` new tokens after ``past`` cached, causal: ours
     through CpuAttentionPlan with the new K/V appended in the call (the plugin's call), and with
     ``ops`` vLLM's forward for the same batch (its K/V write op, then its attention op, same K/V
-    in its paged layout), timed in interleaved rounds after checking that the outputs agree.
-    Returns name -> (min, median) seconds per call."""
+    in its paged layout), timed in interleaved rounds after checking the outputs against the
+    float64 reference and each other (AssertionError beyond the dtype's tolerance). Returns
+    name -> (min, median) seconds per call."""
     n = len(lens)
     total = [a + b for a, b in zip(lens, past)]
     cap = max((t + block_size - 1) // block_size * block_size for t in total)
@@ -409,6 +415,18 @@ def measure_batch(dtype, heads, hkv, d, lens, past, *, rounds, calls, ops=None, 
 
     cands = {"kernel": kernel}
     got = kernel().clone()
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    want = reference_attention(
+        q.double(),
+        kc.clone(),
+        vc.clone(),
+        k_new,
+        v_new,
+        cache_seqlens=seq,
+        cu_seqlens_q=cu,
+        causal=True,
+    )
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
     if ops:
         blocks = cap // block_size
         kv = torch.zeros(n * blocks, hkv, 2 * block_size, d, dtype=dtype)
@@ -442,7 +460,6 @@ def measure_batch(dtype, heads, hkv, d, lens, past, *, rounds, calls, ops=None, 
             )
             return attend()
 
-        tol = 2e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(vllm().float(), got.float(), atol=tol, rtol=tol)
         cands["vllm"] = vllm
     return compare_min_median(cands, calls=calls, rounds=rounds)
