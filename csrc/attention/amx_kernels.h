@@ -33,10 +33,10 @@
 //   its B tiles are two keys' vectors interleaved (one shuffle per 16 probabilities); A is V^T,
 //   transposed once per block and item (v_tiles). O^T stays in fp32 scratch between blocks
 //   (loaded and stored as tiles; a row's rescale is one vector per row tile) and is transposed
-//   once at the item's end, straight to the output rows (amx_output). On the SPR machine (calls alternated in one process,
-//   docs/benchmarks.md) bf16 prefills ran 1.06x-1.15x faster than with P V in rows at d = 64,
-//   where the transposes of P weighed most, and 0.91x-1.04x at d = 128, where the tile
-//   products weigh more and transposing V costs twice as much.
+//   once at the item's end, straight to the output rows (amx_output). On the SPR machine (calls
+//   alternated in one process, docs/benchmarks.md) bf16 prefills ran 1.06x-1.15x faster than
+//   with P V in rows at d = 64, where the transposes of P weighed most, and 0.91x-1.04x at
+//   d = 128, where the tile products weigh more and transposing V costs twice as much.
 // - P V in rows (smaller items, where transposing V would cost more than P): O[row][d] +=
 //   P[row][key] . V[key][d]: A is P, transposed in registers from P^T to rows (four shuffles
 //   per 16 probabilities), rows x 32 keys. B is V with two keys' rows interleaved value by value
@@ -687,8 +687,8 @@ inline void amx_prefill_item(const Args& a, const Shape& s, const Request& rq, c
   const int64_t rp = round_up(n, 16);
   const AmxScratch w(scratch, d, rp, kAmxBlockKeys);
   const RowRanges rr = row_ranges(a, rq, it, map, n, rp, w.lo, w.hi);
-  stage_q_pair_tiles([&](int64_t r) { return q_row(a, rq, map.query(r), map.head(r)); }, n, d,
-                     w.qt, rp);
+  stage_q_pair_tiles([&](int64_t r) { return q_row(a, rq, map.query(r), map.head(r)); }, n, d, w.qt,
+                     rp);
   amx_attend(a, s, cache_ptr<bf16_t>(a.k_cache, rq.row, 0, it.kv_head),
              cache_ptr<bf16_t>(a.v_cache, rq.row, 0, it.kv_head), w, rr, n, rp);
   if (part) {  // a partial of the row's keys: m, l and the unnormalized output (emit_row's)
