@@ -428,18 +428,11 @@ def measure_batch(dtype, heads, hkv, d, lens, past, *, rounds, calls, ops=None, 
     )
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
     if ops:
-        blocks = cap // block_size
-        kv = torch.zeros(n * blocks, hkv, 2 * block_size, d, dtype=dtype)
-        key_cache, value_cache = kv.chunk(2, dim=2)
-        isa = vllm_isa(dtype, d, block_size)
-        ops.cpu_attn_reshape_and_cache(
-            kc.reshape(-1, hkv, d),
-            vc.reshape(-1, hkv, d),
-            key_cache,
-            value_cache,
-            torch.arange(n * cap),
-            isa,
+        key_cache, value_cache = vllm_paged(
+            ops, kc.reshape(-1, hkv, d), vc.reshape(-1, hkv, d), block_size
         )
+        isa = vllm_isa(dtype, d, block_size)
+        blocks = cap // block_size
         slots = torch.cat([i * cap + torch.arange(past[i], total[i]) for i in range(n)])
         block_table = torch.arange(n * blocks, dtype=torch.int32).view(n, blocks)
         attend = vllm_call(
