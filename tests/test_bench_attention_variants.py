@@ -63,11 +63,42 @@ def test_a_row_per_shape_with_both_variants_timed():
     )
 
 
+def test_one_variant_in_two_tunings_over_layers():
+    done = run(
+        "generic:intel",
+        "generic:other",
+        "--layers",
+        "3",
+        "--threads",
+        "1",
+        "--rounds",
+        "2",
+        "--calls",
+        "1",
+        "--decode",
+        "4,2,64,3,40",
+        "--prefill",
+    )
+    assert done.returncode == 0, done.stderr
+    assert (
+        "generic:intel: generic tuned intel; generic:other: generic tuned other" in done.stdout
+    ), done.stdout
+    assert "over 3 layer(s) in 2MB pages" in done.stdout
+    assert re.search(
+        r"^\| decode \| 4,2,64,3,40 \| [\d.]+ / [\d.]+ ms \| [\d.]+ / [\d.]+ ms "
+        r"\| \*\*[\d.]+x\*\* \|$",
+        done.stdout,
+        re.M,
+    ), done.stdout
+
+
 @pytest.mark.parametrize(
     "args, said",
     [
         (("generic", "generic"), "two different variants"),
         (("generic", "sve"), "'sve' does not run"),
+        (("generic:amd", "generic"), "tuning 'amd' of 'generic:amd': intel or other"),
+        (("generic", "generic:other", "--layers", "0"), "--layers 0 must be >= 1"),
     ],
 )
 def test_refuses_one_variant_twice_and_one_this_cpu_lacks(args, said):
