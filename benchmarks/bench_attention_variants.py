@@ -122,7 +122,9 @@ def main() -> None:
     )
     parser.add_argument("a", help="the variant measured (e.g. amx, or amx:intel)")
     parser.add_argument("b", help="the variant it is measured against (e.g. avx512bf16)")
-    parser.add_argument("--layers", type=int, default=1, help="caches called in turn per call")
+    parser.add_argument(
+        "--layers", type=int, default=1, help="layers called in turn (times are per layer call)"
+    )
     parser.add_argument(
         "--page-size", default="2MB", help="the caches' pages (the vLLM plugin's: one block's)"
     )

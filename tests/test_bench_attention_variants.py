@@ -101,6 +101,6 @@ def test_one_variant_in_two_tunings_over_layers():
         (("generic", "generic:other", "--layers", "0"), "--layers 0 must be >= 1"),
     ],
 )
-def test_refuses_one_variant_twice_and_one_this_cpu_lacks(args, said):
+def test_refuses_what_it_cannot_compare(args, said):
     done = run(*args)
     assert done.returncode == 2 and said in done.stderr, done.stderr
