@@ -104,11 +104,18 @@ def vllm_paged(ops, k, v, block_size=128):
     tokens, hkv, d = k.shape
     kv = torch.zeros(tokens // block_size, hkv, 2 * block_size, d, dtype=k.dtype)
     key_cache, value_cache = kv.chunk(2, dim=2)
-    isa = vllm_isa(k.dtype, d, block_size)
-    ops.cpu_attn_reshape_and_cache(
-        k.contiguous(), v.contiguous(), key_cache, value_cache, torch.arange(tokens), isa
-    )
+    vllm_write(ops, k.contiguous(), v.contiguous(), key_cache, value_cache, torch.arange(tokens))
     return key_cache, value_cache
+
+
+def vllm_write(ops, k, v, key_cache, value_cache, slots):
+    """vLLM's K/V write op as its CPU backend's forward runs it: rows k, v [tokens, kv_heads, d]
+    to cache slots ``slots`` (block * block_size + offset) of vllm_paged's layout, packed for the
+    ISA its backend picks."""
+    isa = vllm_isa(k.dtype, k.shape[2], key_cache.shape[2])
+    ops.cpu_attn_reshape_and_cache(
+        k, v, key_cache, value_cache, slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto"
+    )
 
 
 def vllm_call(ops, q, key_cache, value_cache, block_table, qsl, seq_lens):
@@ -431,7 +438,6 @@ def measure_batch(dtype, heads, hkv, d, lens, past, *, rounds, calls, ops=None, 
         key_cache, value_cache = vllm_paged(
             ops, kc.reshape(-1, hkv, d), vc.reshape(-1, hkv, d), block_size
         )
-        isa = vllm_isa(dtype, d, block_size)
         blocks = cap // block_size
         slots = torch.cat([i * cap + torch.arange(past[i], total[i]) for i in range(n)])
         block_table = torch.arange(n * blocks, dtype=torch.int32).view(n, blocks)
@@ -440,17 +446,7 @@ def measure_batch(dtype, heads, hkv, d, lens, past, *, rounds, calls, ops=None, 
         )
 
         def vllm():
-            ops.cpu_attn_reshape_and_cache(
-                k_new,
-                v_new,
-                key_cache,
-                value_cache,
-                slots,
-                isa,
-                k_scale=1.0,
-                v_scale=1.0,
-                kv_cache_dtype="auto",
-            )
+            vllm_write(ops, k_new, v_new, key_cache, value_cache, slots)
             return attend()
 
         torch.testing.assert_close(vllm().float(), got.float(), atol=tol, rtol=tol)

@@ -73,18 +73,17 @@ def calls(shape: str, prefill: bool, layers: int = 1, page_size: str = "2MB"):
             k[s, :tokens] = torch.randn(tokens, kv_heads, d, generator=gen).bfloat16()
             v[s, :tokens] = torch.randn(tokens, kv_heads, d, generator=gen).bfloat16()
     q = torch.randn(rows, a if prefill else 1, heads, d, generator=gen).bfloat16()
-    out = torch.empty_like(q)
+    outs = torch.empty(layers, *q.shape, dtype=q.dtype)  # every layer's output, compared
     kw = dict(
         cache_seqlens=torch.full((rows,), tokens, dtype=torch.int32),
         cache_batch_idx=torch.tensor(slots, dtype=torch.int32),
         causal=True,
-        out=out,
     )
 
     def call():
-        for k, v in kvs:
-            cpu_attention(q, k, v, **kw)
-        return out
+        for (k, v), out in zip(kvs, outs):
+            cpu_attention(q, k, v, out=out, **kw)
+        return outs
 
     return call, cache
 
