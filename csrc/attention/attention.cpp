@@ -5,7 +5,9 @@
 // - One OpenMP team per call, the runtime torch itself uses (torch's CPU wheel ships libgomp.so.1
 //   and this extension links the same soname, so one runtime is loaded; the team size is the
 //   caller's torch.get_num_threads()). Three work-shared loops with barriers between them:
-//   append (every new key is in the cache before any item reads it), items, combine.
+//   append (every new key is in the cache before any item reads it), items, combine. Items are
+//   claimed one at a time from a counter the kernels can read (ItemQueue), so that a decode item
+//   prefetches the first block of the item claimed after it.
 // - Decode items are (request[, key split]) over all KV heads: a token's K/V rows of all heads are
 //   adjacent, so an item reads one sequential stream. Prefill items are (request, KV head, query
 //   block of up to 64 rows[, key split]). All group heads of a KV head are rows of one item, so
@@ -785,6 +787,11 @@ void flash_attn_with_kvcache(const Args& a) {
   const int64_t n_append = static_cast<int64_t>(plan.appends.size());
   const int64_t n_items = static_cast<int64_t>(plan.items.size());
   const int64_t n_combine = static_cast<int64_t>(plan.combines.size());
+  // Items are claimed from a shared counter, as schedule(dynamic, 1) would hand them out, but
+  // visible to the items themselves (ItemQueue).
+  int64_t next_item = 0;
+  const ItemQueue queue{&next_item, plan.items.data(), n_items, reqs.data()};
+  s.queue = &queue;
 
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
@@ -798,8 +805,9 @@ void flash_attn_with_kvcache(const Args& a) {
       const AppendChunk& ch = plan.appends[static_cast<size_t>(c)];
       append(a, reqs[static_cast<size_t>(ch.request)], ch.t0, ch.t1);
     }
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n_items; ++i) {
+    for (;;) {
+      const int64_t i = __atomic_fetch_add(&next_item, 1, __ATOMIC_RELAXED);
+      if (i >= n_items) break;
       const WorkItem& it = plan.items[static_cast<size_t>(i)];
       const Request& rq = reqs[static_cast<size_t>(it.request)];
       if (it.partial >= 0) {
@@ -810,6 +818,7 @@ void flash_attn_with_kvcache(const Args& a) {
         kt.run_item(a, s, rq, it, mine, nullptr);
       }
     }
+#pragma omp barrier  // the combines read every item's partials
 #pragma omp for schedule(dynamic, 1)
     for (int64_t c = 0; c < n_combine; ++c) {
       const CombineGroup& cg = plan.combines[static_cast<size_t>(c)];

@@ -102,8 +102,20 @@ struct PartialView {
   float* acc = nullptr;  // [rows][dp] sum of 2^(s - m) * v (v_descale not applied)
 };
 
+// The call's work items as a running item sees them: the index of the next one a thread will
+// claim, so that an item ending its last key block can prefetch that item's first (decode_item).
+// `next` is read relaxed, as a hint: whichever thread claims the item, its first rows are then
+// already coming from memory (in the prefetching core's caches, nearer than memory to any).
+struct ItemQueue {
+  const int64_t* next = nullptr;
+  const WorkItem* items = nullptr;
+  int64_t n = 0;
+  const Request* reqs = nullptr;
+};
+
 // Call-wide constants the kernels share.
 struct Shape {
+  const ItemQueue* queue = nullptr;  // null: items run with no view of the others
   int64_t group = 1;     // query heads per KV head
   int64_t dp = 0;        // head_dim rounded up to the vector width
   int64_t block_keys = 0;  // keys per block (softmax granularity)
