@@ -523,7 +523,7 @@ inline void emit_row(const Args& a, const Shape& s, const Request& rq, int64_t j
 // (Shape::queue), in this call's cache; tokens 0 (nothing to prefetch) where no item is left or
 // the next is not a decode item (prefill items prefetch their own blocks).
 template <class KT>
-BlockPrefetch next_item_first_block(const Args& a, const Shape& s, bool to_l2) {
+BlockPrefetch next_item_first_block(const Args& a, const Shape& s) {
   BlockPrefetch p;
   const ItemQueue& q = *s.queue;
   const int64_t j = __atomic_load_n(q.next, __ATOMIC_RELAXED);
@@ -538,7 +538,6 @@ BlockPrefetch next_item_first_block(const Args& a, const Shape& s, bool to_l2) {
   p.vst = a.v_cache.s_token * es;
   p.run = ((it.kv_heads - 1) * std::max(a.k_cache.s_head, a.v_cache.s_head) + a.head_dim) * es;
   p.tokens = std::min(s.block_keys, it.k_end - it.k_begin);
-  p.to_l2 = to_l2;
   return p;
 }
 
@@ -718,19 +717,19 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
     for (int64_t c = 0; c < chunks; ++c) Vec::store(mblk + c * W, neg_inf);
     // prefetch_rows: the next block's K and V rows, prefetched over this block's QK^T tiles and
     // P V passes (the first block's are read as the QK^T pass goes, K by its tiles and V touched,
-    // or prefetched at once where scattered)
-    // On the item's last block, the first block of the item claimed next (whichever thread runs
-    // it): its rows start a stretch no block of it prefetched, at the item's start, where the
-    // hardware prefetchers have yet to find it. Zen 5, 16 / 4 x 64 bf16 decode over eight layers
-    // of 64 KB pages (the vLLM plugin's), 16 rows, 2 threads, alternated in one process: 1.08x-
-    // 1.21x the speed at 150-300 tokens a row, 1.05x at 600-1500, 0.96x-1.01x at GQA 2, 0.98x-
-    // 1.07x at 32 / 8 x 128 (docs/benchmarks.md, "Zen 5: the next item's first block").
+    // or prefetched at once where scattered). On the item's last block, over contiguous rows, the
+    // first block of the decode item claimed next instead (whichever thread runs it), which
+    // would otherwise start on rows the hardware prefetchers have yet to find. Zen 5, 16 / 4 x 64
+    // bf16 decode over eight layers of 64 KB pages (the vLLM plugin's), 16 rows, 2 threads,
+    // alternated in one process: 1.08x-1.21x the speed at 150-300 tokens a row, 1.05x at
+    // 600-1500, 0.96x-1.01x at GQA 2, 0.98x-1.07x at 32 / 8 x 128 (docs/benchmarks.md, "Zen 5:
+    // the next item's first block"). Scattered rows keep their own first-block prefetch alone.
     BlockPrefetch pf;
     const int64_t next = std::min(bk, rr.ke - (c0 + nb));
     if (prefetch_rows && next > 0) {
       pf = prefetch_from(c0 + nb, next);
-    } else if (prefetch_rows && s.queue != nullptr) {
-      pf = next_item_first_block<KT>(a, s, scattered);
+    } else if (prefetch_rows && !scattered && s.queue != nullptr) {
+      pf = next_item_first_block<KT>(a, s);
     }
     if (pf.tokens > 0) {
       const int64_t lines = pf.tokens * ((pf.run + 63) / 64);
