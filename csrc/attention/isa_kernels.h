@@ -519,26 +519,34 @@ inline void emit_row(const Args& a, const Shape& s, const Request& rq, int64_t j
   }
 }
 
-// The K and V rows of the first key block of the decode item a thread will claim next
-// (Shape::queue), in this call's cache; tokens 0 (nothing to prefetch) where no item is left or
-// the next is not a decode item (prefill items prefetch their own blocks).
+// The K and V rows of `tokens` keys from `key` on, over `kv_heads` heads from `kv_head`, of cache
+// row `row` (per_step and to_l2 left to the caller).
 template <class KT>
-BlockPrefetch next_item_first_block(const Args& a, const Shape& s) {
-  BlockPrefetch p;
-  const ItemQueue& q = *s.queue;
-  const int64_t j = __atomic_load_n(q.next, __ATOMIC_RELAXED);
-  if (j >= q.n) return p;
-  const WorkItem& it = q.items[j];
-  if (it.kind != ItemKind::kDecode || it.k_end <= it.k_begin) return p;
-  const Request& rq = q.reqs[it.request];
+BlockPrefetch rows_prefetch(const Args& a, int64_t row, int64_t kv_head, int64_t kv_heads,
+                            int64_t key, int64_t tokens) {
   const int64_t es = static_cast<int64_t>(sizeof(KT));
-  p.k = reinterpret_cast<const char*>(cache_ptr<KT>(a.k_cache, rq.row, it.k_begin, it.kv_head));
-  p.v = reinterpret_cast<const char*>(cache_ptr<KT>(a.v_cache, rq.row, it.k_begin, it.kv_head));
+  BlockPrefetch p;
+  p.k = reinterpret_cast<const char*>(cache_ptr<KT>(a.k_cache, row, key, kv_head));
+  p.v = reinterpret_cast<const char*>(cache_ptr<KT>(a.v_cache, row, key, kv_head));
   p.kst = a.k_cache.s_token * es;
   p.vst = a.v_cache.s_token * es;
-  p.run = ((it.kv_heads - 1) * std::max(a.k_cache.s_head, a.v_cache.s_head) + a.head_dim) * es;
-  p.tokens = std::min(s.block_keys, it.k_end - it.k_begin);
+  p.run = ((kv_heads - 1) * std::max(a.k_cache.s_head, a.v_cache.s_head) + a.head_dim) * es;
+  p.tokens = tokens;
   return p;
+}
+
+// The first key block of the decode item a thread will claim next (Shape::queue); tokens 0
+// (nothing to prefetch) where no item is left or the next is not a decode item (prefill items
+// prefetch their own blocks).
+template <class KT>
+BlockPrefetch next_item_first_block(const Args& a, const Shape& s) {
+  const ItemQueue& q = *s.queue;
+  const int64_t j = __atomic_load_n(q.next, __ATOMIC_RELAXED);
+  if (j >= q.n) return BlockPrefetch{};
+  const WorkItem& it = q.items[j];
+  if (it.kind != ItemKind::kDecode || it.k_end <= it.k_begin) return BlockPrefetch{};
+  return rows_prefetch<KT>(a, q.reqs[it.request].row, it.kv_head, it.kv_heads, it.k_begin,
+                           std::min(s.block_keys, it.k_end - it.k_begin));
 }
 
 template <int P, int HC, typename KT>
@@ -696,13 +704,7 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
   const int64_t lines_per_token = (run + 63) / 64;
   // The K and V rows of `tokens` keys from `key` on (per_step left to the caller)
   auto prefetch_from = [&](int64_t key, int64_t tokens) {
-    BlockPrefetch p;
-    p.k = reinterpret_cast<const char*>(kbase + key * kst);
-    p.v = reinterpret_cast<const char*>(vbase + key * vst);
-    p.kst = kst * es;
-    p.vst = vst * es;
-    p.run = run;
-    p.tokens = tokens;
+    BlockPrefetch p = rows_prefetch<KT>(a, rq.row, it.kv_head, nh, key, tokens);
     p.to_l2 = scattered;
     return p;
   };
