@@ -776,6 +776,7 @@ void flash_attn_with_kvcache(const Args& a) {
   s.prefetch_prefill_blocks = !intel;
   s.prefetch_single_rows = intel;
   s.pv_head_groups = intel;
+  s.prefetch_next_item = !intel;
 
   Plan plan = make_plan(a, s, reqs, a.num_threads);
   const int threads = plan.total_cost >= kSerialCost ? a.num_threads : 1;

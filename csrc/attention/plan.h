@@ -132,6 +132,10 @@ struct Shape {
   // the registers where a chunk's heads do not all fit (decode_item): on Intel cores, where it
   // was measured faster than the token-by-token loop; on Zen 4 it was slower.
   bool pv_head_groups = false;
+  // Whether a decode item's last key block over contiguous rows prefetches the first block of
+  // the item claimed next (decode_item, queue): on AMD's cores, where it was measured to help
+  // short rows; on an Intel Xeon with AMX it slowed them (rows of 100-200 tokens 0.81x-0.96x).
+  bool prefetch_next_item = true;
 };
 
 // Entry points of one instruction set.
