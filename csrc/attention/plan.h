@@ -133,8 +133,9 @@ struct Shape {
   // was measured faster than the token-by-token loop; on Zen 4 it was slower.
   bool pv_head_groups = false;
   // Whether a decode item's last key block over contiguous rows prefetches the first block of
-  // the item claimed next (decode_item, queue): on AMD's cores, where it was measured to help
-  // short rows; on an Intel Xeon with AMX it slowed them (rows of 100-200 tokens 0.81x-0.96x).
+  // the item claimed next (decode_item, queue): not on Intel cores, where it slowed short rows
+  // (a Xeon with AMX: 100-200 tokens a row 0.81x-0.96x); elsewhere (measured on AMD's, where
+  // it helped them) yes.
   bool prefetch_next_item = true;
 };
 
