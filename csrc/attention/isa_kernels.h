@@ -725,10 +725,8 @@ void decode_item(const Args& a, const Shape& s, const Request& rq, const WorkIte
     // bf16 decode over eight layers of 64 KB pages (the vLLM plugin's), 16 rows, 2 threads,
     // alternated in one process: 1.08x-1.21x the speed at 150-300 tokens a row, 1.05x at
     // 600-1500, 0.96x-1.01x at GQA 2, 0.98x-1.07x at 32 / 8 x 128 (docs/benchmarks.md, "Zen 5:
-    // the next item's first block"). Not in the Intel tuning (s.prefetch_next_item): on an Intel
-    // Xeon with AMX the same comparison read 0.81x-0.96x at 100-200 tokens a row, level from 300
-    // ("Intel (AMX): the next item's first block"). Scattered rows keep their own first-block
-    // prefetch alone.
+    // the next item's first block"). Not in the Intel tuning (Shape::prefetch_next_item says
+    // why). Scattered rows keep their own first-block prefetch alone.
     BlockPrefetch pf;
     const int64_t next = std::min(bk, rr.ke - (c0 + nb));
     if (prefetch_rows && next > 0) {
