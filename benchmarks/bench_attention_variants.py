@@ -1,8 +1,8 @@
 """Two variants of the CPU attention kernel on the same calls, alternated in one process.
 
     python benchmarks/bench_attention_variants.py amx avx512bf16 [--threads 2] [--rounds 16]
-        [--layers 1] [--page-size 2MB] [--decode HEADS,KV_HEADS,D,ROWS,TOKENS ...]
-        [--prefill HEADS,KV_HEADS,D,CHUNK,PAST ...]
+        [--layers 1] [--page-size 2MB] [--dtype bfloat16]
+        [--decode HEADS,KV_HEADS,D,ROWS,TOKENS ...] [--prefill HEADS,KV_HEADS,D,CHUNK,PAST ...]
 
 A variant is a kernel instruction set, optionally with a tuning (``amx:intel`` against
 ``amx:other``: the software prefetches and fp32 decode's P V order of Intel's cores or of the
@@ -10,10 +10,11 @@ others, on the same instruction set; without one, this CPU's). ``--layers N`` gi
 layers, called in turn as a model's are (times per layer call), so that K and V come from memory,
 not from the CPU caches that one layer's loop keeps them in.
 
-For each shape it builds one bf16 vattention cache (pages of ``--page-size``; the vLLM plugin's
-are one vLLM block of one layer, 64 KB at the ``gqa4-bf16`` preset's 128 tokens x 4 x 64),
-checks that the two variants' outputs agree within bf16's tolerance (not bit for bit: their
-arithmetic may differ),
+For each shape it builds one vattention cache of ``--dtype`` (bf16 by default; fp32 is what the
+``small`` model of ``bench vllm`` runs) in pages of ``--page-size`` (the vLLM plugin's are one vLLM
+block of one layer, 64 KB at the ``gqa4-bf16`` preset's 128 tokens x 4 x 64), checks that the two
+variants' outputs agree within that dtype's tolerance (not bit for bit: their arithmetic may
+differ),
 then times them in rounds that switch the variant before every sample (A B B A ...), so that a
 noisy machine's drift hits both alike. It prints each variant's fastest and median sample and
 the median over rounds of B's time over A's: how many
@@ -49,9 +50,21 @@ DECODE = [
 PREFILL = ["16,4,80,256,512", "32,8,80,512,0"]
 
 
-def calls(shape: str, prefill: bool, layers: int = 1, page_size: str = "2MB"):
-    """(the call, the cache to close) for one shape: a bf16 vattention cache filled at random, of
-    ``layers`` layers that the call attends over in turn."""
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+# How far two variants' outputs may differ: a few units in the last place of the dtype's output
+# (their sums and exponentials are ordered and approximated differently).
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
+
+
+def calls(
+    shape: str,
+    prefill: bool,
+    layers: int = 1,
+    page_size: str = "2MB",
+    dtype: torch.dtype = torch.bfloat16,
+):
+    """(the call, the cache to close) for one shape: a vattention cache of ``dtype`` filled at
+    random, of ``layers`` layers that the call attends over in turn."""
     heads, kv_heads, d, a, b = (int(x) for x in shape.split(","))
     rows, tokens = (2, a + b) if prefill else (a, b)
     cfg = vattention.KVCacheConfig(
@@ -60,7 +73,7 @@ def calls(shape: str, prefill: bool, layers: int = 1, page_size: str = "2MB"):
         head_dim=d,
         max_batch_size=rows,
         max_seq_len=tokens,
-        dtype=torch.bfloat16,
+        dtype=dtype,
         page_size=page_size,
     )
     cache = vattention.KVCache(cfg)
@@ -70,9 +83,9 @@ def calls(shape: str, prefill: bool, layers: int = 1, page_size: str = "2MB"):
     kvs = [cache.layer(i) for i in range(layers)]
     for k, v in kvs:
         for s in slots:
-            k[s, :tokens] = torch.randn(tokens, kv_heads, d, generator=gen).bfloat16()
-            v[s, :tokens] = torch.randn(tokens, kv_heads, d, generator=gen).bfloat16()
-    q = torch.randn(rows, a if prefill else 1, heads, d, generator=gen).bfloat16()
+            k[s, :tokens] = torch.randn(tokens, kv_heads, d, generator=gen).to(dtype)
+            v[s, :tokens] = torch.randn(tokens, kv_heads, d, generator=gen).to(dtype)
+    q = torch.randn(rows, a if prefill else 1, heads, d, generator=gen).to(dtype)
     outs = torch.empty(layers, *q.shape, dtype=q.dtype)  # every layer's output, compared
     kw = dict(
         cache_seqlens=torch.full((rows,), tokens, dtype=torch.int32),
@@ -127,6 +140,9 @@ def main() -> None:
     parser.add_argument(
         "--page-size", default="2MB", help="the caches' pages (the vLLM plugin's: one block's)"
     )
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="bfloat16", help="the caches' and queries'"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=16)
     parser.add_argument("--calls", type=int, default=3, help="calls per timed sample")
@@ -144,14 +160,15 @@ def main() -> None:
             parser.error(f"variant {name!r} does not run on this CPU (it runs {sorted(runnable)})")
         if tuning not in ("", "intel", "other"):
             parser.error(f"tuning {tuning!r} of {variant!r}: intel or other")
+    dtype = DTYPES[args.dtype]
     torch.set_num_threads(args.threads)
     isa = sorted(cpu_flags() & {"avx512_bf16", "amx_bf16", "amx_tile", "avx512f", "avx2"})
     load = os.getloadavg()
     print(
         f"{cpu_name()} ({', '.join(isa)}), {os.cpu_count()} CPUs, {args.threads} thread(s), "
         f"torch {torch.__version__}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at "
-        f"start; {args.rounds} rounds of {args.calls} calls over {args.layers} layer(s) in "
-        f"{args.page_size} pages, variants alternated"
+        f"start; {args.rounds} rounds of {args.calls} calls over {args.layers} layer(s) of "
+        f"{args.dtype} in {args.page_size} pages, variants alternated"
     )
     print(f"{args.a}: {select(args.a)}; {args.b}: {select(args.b)}\n")
     print(
@@ -162,13 +179,14 @@ def main() -> None:
     try:
         for kind, shapes in (("decode", args.decode), ("prefill", args.prefill)):
             for shape in shapes:
-                fn, cache = calls(shape, kind == "prefill", args.layers, args.page_size)
+                fn, cache = calls(shape, kind == "prefill", args.layers, args.page_size, dtype)
                 with cache:
                     outs = []
                     for name in (args.a, args.b):
                         select(name)
                         outs.append(fn().float().clone())
-                    torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=2e-2)
+                    tol = TOLERANCE[dtype]
+                    torch.testing.assert_close(outs[0], outs[1], atol=tol, rtol=tol)
                     t = compare(args.a, args.b, fn, args.rounds, args.calls, args.layers)
                 ratio = statistics.median(tb / ta for ta, tb in zip(t[args.a], t[args.b]))
                 ta, tb = (

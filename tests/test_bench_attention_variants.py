@@ -63,10 +63,13 @@ def test_a_row_per_shape_with_both_variants_timed():
     )
 
 
-def test_one_variant_in_two_tunings_over_layers():
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_one_variant_in_two_tunings_over_layers(dtype):
     done = run(
         "generic:intel",
         "generic:other",
+        "--dtype",
+        dtype,
         "--layers",
         "3",
         "--threads",
@@ -83,7 +86,7 @@ def test_one_variant_in_two_tunings_over_layers():
     assert (
         "generic:intel: generic tuned intel; generic:other: generic tuned other" in done.stdout
     ), done.stdout
-    assert "over 3 layer(s) in 2MB pages" in done.stdout
+    assert f"over 3 layer(s) of {dtype} in 2MB pages" in done.stdout
     assert re.search(
         r"^\| decode \| 4,2,64,3,40 \| [\d.]+ / [\d.]+ ms \| [\d.]+ / [\d.]+ ms "
         r"\| \*\*[\d.]+x\*\* \|$",
@@ -99,6 +102,7 @@ def test_one_variant_in_two_tunings_over_layers():
         (("generic", "sve"), "'sve' does not run"),
         (("generic:amd", "generic"), "tuning 'amd' of 'generic:amd': intel or other"),
         (("generic", "generic:other", "--layers", "0"), "--layers 0 must be >= 1"),
+        (("generic", "generic:other", "--dtype", "float16"), "invalid choice: 'float16'"),
     ],
 )
 def test_refuses_what_it_cannot_compare(args, said):
